@@ -1,0 +1,61 @@
+"""The contract's scalar functions over arrays, bf16 conversions, and small elementwise ops."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._lib import BF16, F32, c_f32, c_i64, c_int, check, declare, p, ptr, writable
+
+_map = declare("o1b_map", c_int, c_i64, ptr, ptr)
+_to_bf16 = declare("o1b_f32_to_bf16_array", c_i64, ptr, ptr)
+_to_f32 = declare("o1b_bf16_to_f32_array", c_i64, ptr, ptr)
+_add_inplace = declare("o1b_add_inplace", c_i64, ptr, ptr)
+_scale_inplace = declare("o1b_scale_inplace", c_i64, ptr, c_f32)
+scalar_add = declare("o1b_scalar_add", c_f32, c_f32, restype=c_f32)
+scalar_sub = declare("o1b_scalar_sub", c_f32, c_f32, restype=c_f32)
+scalar_mul = declare("o1b_scalar_mul", c_f32, c_f32, restype=c_f32)
+scalar_div = declare("o1b_scalar_div", c_f32, c_f32, restype=c_f32)
+
+FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sqrt_int")
+
+
+def _mapper(index: int, name: str):
+    def f(x: np.ndarray) -> np.ndarray:
+        check("x", x, F32)
+        y = np.empty_like(x)
+        _map(index, x.size, p(x), p(y))
+        return y
+    f.__name__ = name
+    f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
+    return f
+
+
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = (
+    _mapper(i, n) for i, n in enumerate(FUNCTIONS))
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
+    check("x", x, F32)
+    y = np.empty(x.shape, BF16)
+    _to_bf16(x.size, p(x), p(y))
+    return y
+
+
+def bf16_to_f32(x: np.ndarray) -> np.ndarray:
+    check("x", x, BF16)
+    y = np.empty(x.shape, F32)
+    _to_f32(x.size, p(x), p(y))
+    return y
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
+    """a += b elementwise (a is the lower-index operand of a fold)."""
+    check("a", writable("a", a), F32)
+    check("b", b, F32, shape=a.shape)
+    _add_inplace(a.size, p(a), p(b))
+
+
+def scale_inplace(a: np.ndarray, s: float) -> None:
+    """a *= s elementwise, s rounded to float32 first."""
+    check("a", writable("a", a), F32)
+    _scale_inplace(a.size, p(a), float(np.float32(s)))

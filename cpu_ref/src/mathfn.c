@@ -1,0 +1,54 @@
+/* mathfn.c — the contract's scalar functions and conversions mapped over arrays, and the small
+ * elementwise ops of the training step (add, scale by a reciprocal, ...). */
+#include "contract.h"
+#include "runtime.h"
+
+typedef struct { int op; const float *x; float *y; } map_args;
+enum { OP_EXP, OP_LOG, OP_SIN, OP_COS, OP_SQRT, OP_RSQRT, OP_SIGMOID, OP_SILU, OP_SQRT_INT };
+
+static void map_range(void *ctx, int64_t lo, int64_t hi) {
+    const map_args *a = (const map_args *)ctx;
+    for (int64_t i = lo; i < hi; i++) {
+        float x = o1b_load(a->x[i]), y;
+        switch (a->op) {
+        case OP_EXP: y = o1b_exp(x); break;
+        case OP_LOG: y = o1b_log(x); break;
+        case OP_SIN: y = o1b_sin(x); break;
+        case OP_COS: y = o1b_cos(x); break;
+        case OP_SQRT: y = o1b_sqrt(x); break;
+        case OP_RSQRT: y = o1b_rsqrt(x); break;
+        case OP_SIGMOID: y = o1b_sigmoid(x); break;
+        case OP_SILU: y = o1b_silu(x); break;
+        default: y = o1b_sqrt_int(x); break;
+        }
+        a->y[i] = o1b_store(y);
+    }
+}
+/* y[i] = f(x[i]) for the function numbered `op` (the enum above). */
+O1B_API void o1b_map(int op, int64_t n, const float *x, float *y) {
+    map_args a = {op, x, y};
+    o1b_parallel_for(n, 4096, map_range, &a);
+}
+
+O1B_API void o1b_f32_to_bf16_array(int64_t n, const float *x, bf16 *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = o1b_f32_to_bf16(x[i]);
+}
+O1B_API void o1b_bf16_to_f32_array(int64_t n, const bf16 *x, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = o1b_store(o1b_bf16_to_f32(x[i]));
+}
+
+/* a[i] = a[i] + b[i]: one step of the microbatch gradient fold (the left operand is the lower
+ * microbatch index, CONTRACT.md §7). */
+O1B_API void o1b_add_inplace(int64_t n, float *a, const float *b) {
+    for (int64_t i = 0; i < n; i++) a[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));
+}
+/* a[i] = a[i] * s: averages (s = 1/M rounded once) and clipping. */
+O1B_API void o1b_scale_inplace(int64_t n, float *a, float s) {
+    s = o1b_load(s);
+    for (int64_t i = 0; i < n; i++) a[i] = o1b_store(o1b_mul(o1b_load(a[i]), s));
+}
+/* The scalar ops, for host-side contract arithmetic (schedules, clip coefficients). */
+O1B_API float o1b_scalar_add(float a, float b) { return o1b_store(o1b_add(o1b_load(a), o1b_load(b))); }
+O1B_API float o1b_scalar_sub(float a, float b) { return o1b_store(o1b_sub(o1b_load(a), o1b_load(b))); }
+O1B_API float o1b_scalar_mul(float a, float b) { return o1b_store(o1b_mul(o1b_load(a), o1b_load(b))); }
+O1B_API float o1b_scalar_div(float a, float b) { return o1b_store(o1b_div(o1b_load(a), o1b_load(b))); }
