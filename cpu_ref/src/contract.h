@@ -185,6 +185,7 @@ static inline float o1b_cos_poly(float r) {                   /* 1 - r^2/2! + ..
 static inline float o1b_sin(float x) {
     x = o1b_flush(x);
     if (!(fabsf(x) <= 0x1.fffffep127f)) return o1b_nan();     /* inf, NaN */
+    if (fabsf(x) < 0x1p-12f) return x;   /* the polynomial rounds to x here; keeps sin(-0) = -0 */
     float r; int q; o1b_sincos_reduce(x, &r, &q);
     float v = (q & 1) ? o1b_cos_poly(r) : o1b_sin_poly(r);
     return (q & 2) ? o1b_neg(v) : v;

@@ -91,6 +91,7 @@ def sin(x) -> np.ndarray:
         r, q = _reduce(np.where(np.isfinite(x), x, F32(0)))
         v = np.where(q & 1, _cos_poly(r), _sin_poly(r))
         v = np.where(q & 2, neg(v), v)
+        v = np.where(np.abs(x) < F32(2.0 ** -12), x, v)
     return canon(np.where(np.isfinite(x), v, F32(np.nan))).astype(F32)
 
 

@@ -1,0 +1,60 @@
+/* embedding.c — token embedding lookup and its backward (CONTRACT.md §6.2).
+ * N = tokens, V = vocabulary, C = channels. */
+#include <stdlib.h>
+
+#include "contract.h"
+#include "runtime.h"
+
+typedef struct { const int32_t *tok; const bf16 *wte; float *out; int64_t C; } fwd_args;
+
+static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
+    const fwd_args *a = (const fwd_args *)ctx;
+    for (int64_t n = lo; n < hi; n++) {
+        const bf16 *row = a->wte + (int64_t)a->tok[n] * a->C;
+        for (int64_t c = 0; c < a->C; c++) a->out[n * a->C + c] = o1b_store(o1b_bf16_to_f32(row[c]));
+    }
+}
+O1B_API void o1b_embedding_forward(int64_t N, int64_t C,
+                                   const int32_t *tokens, /* (N,) in [0, V), checked by the caller */
+                                   const bf16 *wte,       /* (V, C) */
+                                   float *out) {          /* (N, C) the rows, widened exactly */
+    fwd_args a = {tokens, wte, out, C};
+    o1b_parallel_for(N, 64, fwd_range, &a);
+}
+
+/* Backward without atomics: positions are bucketed by token id with a stable counting sort, so
+ * each vocabulary row is summed by one thread, its positions in ascending n — the order of a
+ * sequential loop over n, whatever the thread count. */
+typedef struct { const int64_t *start; const int64_t *pos; const float *dout; float *dwte; int64_t C; } bwd_args;
+
+static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
+    const bwd_args *a = (const bwd_args *)ctx;
+    for (int64_t v = lo; v < hi; v++) {
+        float *drow = a->dwte + v * a->C;
+        for (int64_t c = 0; c < a->C; c++) drow[c] = 0.0f;
+        for (int64_t t = a->start[v]; t < a->start[v + 1]; t++) {
+            const float *g = a->dout + a->pos[t] * a->C;
+            for (int64_t c = 0; c < a->C; c++) drow[c] = o1b_add(drow[c], o1b_load(g[c]));
+        }
+        for (int64_t c = 0; c < a->C; c++) drow[c] = o1b_store(drow[c]);
+    }
+}
+/* Returns 0, or -1 when out of memory. */
+O1B_API int o1b_embedding_backward(int64_t N, int64_t V, int64_t C,
+                                   const int32_t *tokens, /* (N,) */
+                                   const float *dout,     /* (N, C) */
+                                   float *dwte) {         /* (V, C) dwte[v] = sum_{n: tok[n]=v, n asc} dout[n] */
+    int64_t *start = calloc((size_t)V + 1, sizeof(int64_t));
+    int64_t *pos = malloc((size_t)(N > 0 ? N : 1) * sizeof(int64_t));
+    if (!start || !pos) { free(start); free(pos); return -1; }
+    for (int64_t n = 0; n < N; n++) start[tokens[n] + 1]++;
+    for (int64_t v = 0; v < V; v++) start[v + 1] += start[v];
+    int64_t *fill = malloc((size_t)(V > 0 ? V : 1) * sizeof(int64_t));
+    if (!fill) { free(start); free(pos); return -1; }
+    for (int64_t v = 0; v < V; v++) fill[v] = start[v];
+    for (int64_t n = 0; n < N; n++) pos[fill[tokens[n]]++] = n;   /* stable: n ascending per row */
+    bwd_args a = {start, pos, dout, dwte, C};
+    o1b_parallel_for(V, 16, bwd_range, &a);
+    free(fill); free(pos); free(start);
+    return 0;
+}

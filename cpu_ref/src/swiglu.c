@@ -1,0 +1,42 @@
+/* swiglu.c — SwiGLU on the fused gate+up projection (CONTRACT.md §6.5). N = rows, F = hidden.
+ *   h = [gate | up] (N, 2F);  out = mul(silu(gate), up),  silu(g) = mul(g, sigmoid(g))
+ * Backward, with s = sigmoid(g):
+ *   dup   = mul(dout, silu(g))
+ *   dgate = mul(mul(dout, up), mul(s, add(1, mul(g, sub(1, s)))))
+ */
+#include "contract.h"
+#include "runtime.h"
+
+typedef struct { int64_t F; const float *h, *dout; float *out, *dh; } swiglu_args;
+
+static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
+    const swiglu_args *a = (const swiglu_args *)ctx;
+    for (int64_t n = lo; n < hi; n++) {
+        const float *gate = a->h + n * 2 * a->F, *up = gate + a->F;
+        for (int64_t f = 0; f < a->F; f++)
+            a->out[n * a->F + f] = o1b_store(o1b_mul(o1b_silu(o1b_load(gate[f])), o1b_load(up[f])));
+    }
+}
+static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
+    const swiglu_args *a = (const swiglu_args *)ctx;
+    for (int64_t n = lo; n < hi; n++) {
+        const float *gate = a->h + n * 2 * a->F, *up = gate + a->F, *dout = a->dout + n * a->F;
+        float *dgate = a->dh + n * 2 * a->F, *dup = dgate + a->F;
+        for (int64_t f = 0; f < a->F; f++) {
+            float g = o1b_load(gate[f]), u = o1b_load(up[f]), d = o1b_load(dout[f]);
+            float s = o1b_sigmoid(g), silu = o1b_mul(g, s);
+            float dsilu = o1b_mul(s, o1b_add(1.0f, o1b_mul(g, o1b_sub(1.0f, s))));
+            dup[f] = o1b_store(o1b_mul(d, silu));
+            dgate[f] = o1b_store(o1b_mul(o1b_mul(d, u), dsilu));
+        }
+    }
+}
+O1B_API void o1b_swiglu_forward(int64_t N, int64_t F, const float *h /* (N, 2F) */, float *out /* (N, F) */) {
+    swiglu_args a = {F, h, NULL, out, NULL};
+    o1b_parallel_for(N, 8, fwd_range, &a);
+}
+O1B_API void o1b_swiglu_backward(int64_t N, int64_t F, const float *dout /* (N, F) */,
+                                 const float *h /* (N, 2F) */, float *dh /* (N, 2F) */) {
+    swiglu_args a = {F, h, dout, NULL, dh};
+    o1b_parallel_for(N, 8, bwd_range, &a);
+}

@@ -1,0 +1,21 @@
+"""The contract's named constants (CONTRACT.md), in one place for every backend and the core.
+
+Any change here is an arithmetic change: CONTRACT.md, the Metal and CUDA sources and the C
+reference change with it, and CONTRACT_VERSION goes up.
+"""
+CONTRACT_VERSION = 1
+
+ATTN_BLOCK = 64       # keys per online-softmax block in the attention forward (§6.6)
+XENT_CHUNK = 1024     # vocabulary entries per chunk of the fused cross-entropy (§6.8)
+NORM_BLOCK = 4096     # elements per sequential block of a sum of squares (§7)
+CLIP_EPS = 1e-6       # added to the norm before the clip division (§7)
+INIT_SIGMA = 0.02     # truncated normal: mu = 0, sigma = 0.02, cut at +-2 sigma (§5)
+INIT_CUT = 2.0
+
+# Philox streams (§5): the third counter word. What each serves is fixed here.
+STREAM_INIT = 1       # parameter initialization; index = element offset in the parameter buffer
+STREAM_DATA_MIX = 2   # data stream: which source the next document comes from
+STREAM_DATA_SHARDS = 3  # data stream: shard order per (source, epoch)
+STREAM_DATA_DOCS = 4  # data stream: document order within a shard
+STREAM_MATH_TEXT = 5  # the generated math corpus
+STREAM_TESTS = 0xFFFF  # random inputs of tests and the parity harness

@@ -1,0 +1,43 @@
+"""Host-side scalar arithmetic (CONTRACT.md §8).
+
+Scalars that kernels receive (bias corrections, 1 - lr*wd, reciprocals) are computed in Python
+floats (IEEE binary64) with + - * / only — operations every platform rounds correctly — and then
+rounded once to float32. No pow, exp or cos from a C library: those differ between libms.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def f32(x: float) -> float:
+    """Round a binary64 value to the nearest float32 (ties to even), returned as a Python float."""
+    return float(np.float32(x))
+
+
+def pow_int(base: float, n: int) -> float:
+    """base**n for an integer n >= 0 by binary exponentiation: squares of the base taken from
+    the lowest bit up, multiplied into the result in that order."""
+    if n < 0:
+        raise ValueError(f"pow_int: exponent must be >= 0, got {n}")
+    result, sq = 1.0, float(base)
+    while n:
+        if n & 1:
+            result = result * sq
+        sq = sq * sq
+        n >>= 1
+    return result
+
+
+def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict:
+    """The float32 scalars of the AdamW kernel for optimizer step `step` (1-based)."""
+    if step < 1:
+        raise ValueError(f"adamw step must be >= 1, got {step}")
+    return dict(
+        lr=f32(lr), b1=f32(beta1), b2=f32(beta2), omb1=f32(1.0 - beta1), omb2=f32(1.0 - beta2),
+        eps=f32(eps), decay=f32(1.0 - lr * weight_decay),
+        bc1=f32(1.0 / (1.0 - pow_int(beta1, step))), bc2=f32(1.0 / (1.0 - pow_int(beta2, step))))
+
+
+def reciprocal(n: int) -> float:
+    """1/n rounded once to float32: every average is a multiply by this."""
+    return f32(1.0 / n)
