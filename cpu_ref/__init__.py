@@ -9,3 +9,9 @@ from .mathfn import (FUNCTIONS, add_inplace, bf16_to_f32, cos, exp, f32_to_bf16,
 from .linear import linear_backward, linear_forward
 
 NAME = "cpu_ref"
+from .layers import (embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward,
+                     rope_backward, rope_forward, rope_tables, swiglu_backward, swiglu_forward)
+from .optim import adamw_step, clip_coef, global_norm, sumsq_blocks, treefold
+from .random import philox_blocks, trunc_normal
+from .attention import attention_forward, attention_backward
+from .xent import xent_forward, xent_backward, XENT_CHUNK

@@ -10,7 +10,7 @@ _emb_bwd = declare("o1b_embedding_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr,
 _rms_fwd = declare("o1b_rmsnorm_forward", c_i64, c_i64, ptr, ptr, c_f32, ptr, ptr)
 _rms_bwd = declare("o1b_rmsnorm_backward", c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ptr)
 _rope_tables = declare("o1b_rope_tables", c_i64, c_i64, c_f32, ptr, ptr)
-_rope = declare("o1b_rope", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, c_int)
+_rope_c = declare("o1b_rope", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, c_int)
 _swiglu_fwd = declare("o1b_swiglu_forward", c_i64, c_i64, ptr, ptr)
 _swiglu_bwd = declare("o1b_swiglu_backward", c_i64, c_i64, ptr, ptr, ptr)
 
@@ -98,7 +98,7 @@ def _rope(x, cos, sin, backward, name):
     if cos.shape[0] < T:
         raise ValueError(f"cos: table has {cos.shape[0]} positions, {name} needs {T}")
     y = np.empty_like(x)
-    _rope(B, T, R, D, p(x), p(cos), p(sin), p(y), int(backward))
+    _rope_c(B, T, R, D, p(x), p(cos), p(sin), p(y), int(backward))
     return y
 
 

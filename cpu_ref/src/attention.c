@@ -1,0 +1,273 @@
+/* attention.c — causal, optionally sliding-window, grouped-query attention, forward and
+ * backward (CONTRACT.md, section "Attention").
+ *
+ *   B = batch, T = sequence length, H = query heads, G = key/value heads (H % G == 0; query
+ *   head h reads kv head g = h / (H/G)), D = head dim, W = window (0: causal only).
+ *   Key j is visible to query i iff j <= i and (W == 0 or i - j < W).
+ *
+ * Forward: an online softmax over key blocks of BK = 64 keys, aligned at absolute key indices
+ * (block kb holds keys [kb*BK, kb*BK + BK)). BK enters the arithmetic (the running max and the
+ * rescaling happen once per block), so it is a contract constant, never a tuning knob.
+ * Backward: recomputes p and ds from the saved log-sum-exp; it has no block size. It is two
+ * passes without atomics — one over queries (dq), one over keys (dk, dv) — and every output
+ * element is summed by one thread in the written order, so the thread count changes no bit.
+ *
+ * Inputs are first copied into head-major fp32 rows (b, head, t, d): widening bf16 and
+ * flushing fp32 loads are exact, so this only moves data, and the inner loops then read
+ * contiguous rows.
+ */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "contract.h"
+#include "runtime.h"
+
+#define O1B_ATTN_BK 64      /* contract constant: key block of the forward online softmax */
+
+static int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The first key visible to query i, and the last query that sees key j. */
+static int64_t first_key(int64_t i, int64_t W) { return (W == 0 || i < W) ? 0 : i - W + 1; }
+static int64_t last_query(int64_t j, int64_t T, int64_t W) { return W == 0 ? T - 1 : imin(T - 1, j + W - 1); }
+
+/* out[r] = sum_{d ascending} x[d] * rows[r*D + d], each accumulator starting at +0, for n
+ * consecutive rows. The row loop is innermost only so that the n independent dot products
+ * overlap in the pipeline (a single one is a chain of dependent adds); every sum is still the
+ * contract's d-ascending sum, so the bits are those of n separate dot products. */
+static void dots(const float *x, const float *rows, int64_t n, int64_t D, float *out) {
+    for (int64_t r = 0; r < n; r++) out[r] = 0.0f;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t r = 0; r < n; r++) out[r] = o1b_add(out[r], o1b_mul(x[d], rows[r * D + d]));
+}
+
+/* ---- layout: (B, T, N, D) token-major input -> (B, N, T, D) head-major fp32 rows ---- */
+typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; } widen_args;
+
+static void widen_range(void *ctx, int64_t lo, int64_t hi) {
+    const widen_args *a = (const widen_args *)ctx;
+    for (int64_t r = lo; r < hi; r++) {           /* r = (b*N + n)*T + t, the output row */
+        int64_t t = r % a->T, n = (r / a->T) % a->N, b = r / (a->T * a->N);
+        int64_t src = ((b * a->T + t) * a->N + n) * a->D;
+        float *dst = a->out + r * a->D;
+        if (a->h) for (int64_t d = 0; d < a->D; d++) dst[d] = o1b_bf16_to_f32(a->h[src + d]);
+        else      for (int64_t d = 0; d < a->D; d++) dst[d] = o1b_load(a->f[src + d]);
+    }
+}
+static void to_head_major(const bf16 *h, const float *f, int64_t B, int64_t T, int64_t N, int64_t D,
+                          float *out) {
+    widen_args a = {h, f, out, T, N, D};
+    o1b_parallel_for(B * N * T, 1 + 4096 / (D > 0 ? D : 1), widen_range, &a);
+}
+
+/* ---- forward ---- */
+typedef struct {
+    int64_t T, H, G, D, W; float scale;
+    const float *q, *k, *v;    /* (B,H,T,D), (B,G,T,D), (B,G,T,D) head-major, widened */
+    float *o, *lse;            /* (B,T,H,D), (B,H,T) */
+    atomic_int failed;
+} fwd_args;
+
+static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
+    fwd_args *a = (fwd_args *)ctx;
+    const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
+    float *acc = malloc(2 * (size_t)(D > 0 ? D : 1) * sizeof(float));
+    if (!acc) { atomic_store(&a->failed, 1); return; }
+    float *pv = acc + D;
+    float s[O1B_ATTN_BK];
+    for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
+        int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
+        const float *q = a->q + r * D;
+        const float *k = a->k + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        int64_t jlo = first_key(i, W);
+        for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
+            int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
+            dots(q, k + j0 * D, j1 - j0 + 1, D, s);        /* s[j - j0] = dot(q_i, k_j) */
+            float mb = -INFINITY;
+            for (int64_t j = j0; j <= j1; j++) {
+                s[j - j0] = o1b_mul(s[j - j0], a->scale);
+                mb = o1b_max(mb, s[j - j0]);
+            }
+            float m_new = o1b_max(m, mb);
+            float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
+            float ps = 0.0f;
+            for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
+            for (int64_t j = j0; j <= j1; j++) {
+                float p = o1b_exp(o1b_sub(s[j - j0], m_new));
+                ps = o1b_add(ps, p);
+                const float *vj = v + j * D;
+                for (int64_t d = 0; d < D; d++) pv[d] = o1b_add(pv[d], o1b_mul(p, vj[d]));
+            }
+            l = o1b_add(o1b_mul(l, corr), ps);
+            for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pv[d]);
+            m = m_new;
+        }
+        float inv = o1b_div(1.0f, l);
+        float *o = a->o + ((b * T + i) * H + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = o1b_store(o1b_mul(acc[d], inv));
+        a->lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
+    }
+    free(acc);
+}
+
+/* Returns 0, or -1 when out of memory. */
+O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, int64_t D,
+                                  int64_t W,      /* window, >= 0 (0: causal only) */
+                                  float scale,    /* e.g. 1/sqrt(D), rounded by the caller */
+                                  const bf16 *q,  /* (B, T, H, D) */
+                                  const bf16 *k,  /* (B, T, G, D) */
+                                  const bf16 *v,  /* (B, T, G, D) */
+                                  float *o,       /* (B, T, H, D) */
+                                  float *lse) {   /* (B, H, T) m + log(l), for the backward */
+    if (B * T == 0) return 0;
+    size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
+    float *qh = malloc((nq + 2 * nk + 1) * sizeof(float));
+    if (!qh) return -1;
+    float *kh = qh + nq, *vh = kh + nk;
+    to_head_major(q, NULL, B, T, H, D, qh);
+    to_head_major(k, NULL, B, T, G, D, kh);
+    to_head_major(v, NULL, B, T, G, D, vh);
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, o, lse, 0};
+    o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
+    free(qh);
+    return atomic_load(&a.failed) ? -1 : 0;
+}
+
+/* ---- backward ---- */
+typedef struct {
+    int64_t T, H, G, D, W; float scale;
+    const float *q, *k, *v, *dout;   /* head-major: (B,H,T,D), (B,G,T,D), (B,G,T,D), (B,H,T,D) */
+    const float *o;                  /* (B,T,H,D) as given */
+    const float *lse;                /* (B,H,T) as given (loaded with o1b_load) */
+    float *Di;                       /* (B,H,T) sum_d dout*o */
+    float *dq, *dk, *dv;             /* (B,T,H,D), (B,T,G,D), (B,T,G,D) */
+    atomic_int failed;
+} bwd_args;
+
+/* Di = sum_{d ascending} dout_id * o_id; r = (b*H + h)*T + i. */
+static void di_range(void *ctx, int64_t lo, int64_t hi) {
+    bwd_args *a = (bwd_args *)ctx;
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t i = r % a->T, h = (r / a->T) % a->H, b = r / (a->T * a->H);
+        const float *o = a->o + ((b * a->T + i) * a->H + h) * a->D, *g = a->dout + r * a->D;
+        float acc = 0.0f;
+        for (int64_t d = 0; d < a->D; d++) acc = o1b_add(acc, o1b_mul(g[d], o1b_load(o[d])));
+        a->Di[r] = acc;
+    }
+}
+
+/* The backward visits pairs in chunks of up to CHUNK keys (pass 1) or queries (pass 2), only
+ * so that dots() can overlap their dot products; the chunk enters no sum. */
+#define CHUNK 64
+
+/* p and ds of one visible pair from its dot(q_i, k_j) = s and dot(dout_i, v_j) = dp, and the
+ * query row's lse and Di:  p = exp(s*scale - lse),  ds = p * (dp - Di). */
+static inline void p_ds(float s, float dp, float scale, float lse, float Di, float *p, float *ds) {
+    *p = o1b_exp(o1b_sub(o1b_mul(s, scale), lse));
+    *ds = o1b_mul(*p, o1b_sub(dp, Di));
+}
+
+/* Pass 1, one query row per item r = (b*H + h)*T + i:
+ *   dq_i = scale * sum_{visible j ascending} ds_ij k_j */
+static void dq_range(void *ctx, int64_t lo, int64_t hi) {
+    bwd_args *a = (bwd_args *)ctx;
+    const int64_t T = a->T, H = a->H, D = a->D, rep = a->H / a->G;
+    float *acc = malloc((size_t)(D > 0 ? D : 1) * sizeof(float));
+    if (!acc) { atomic_store(&a->failed, 1); return; }
+    float s[CHUNK], dp[CHUNK];
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
+        const float *q = a->q + r * D, *dout = a->dout + r * D;
+        const float *k = a->k + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
+        float lse = o1b_load(a->lse[r]), Di = a->Di[r];
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t j0 = first_key(i, a->W); j0 <= i; j0 += CHUNK) {
+            int64_t n = imin(CHUNK, i + 1 - j0);
+            dots(q, k + j0 * D, n, D, s);
+            dots(dout, v + j0 * D, n, D, dp);
+            for (int64_t c = 0; c < n; c++) {             /* j = j0 + c ascending */
+                float p, ds;
+                p_ds(s[c], dp[c], a->scale, lse, Di, &p, &ds);
+                const float *kj = k + (j0 + c) * D;
+                for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(acc[d], o1b_mul(ds, kj[d]));
+            }
+        }
+        float *dq = a->dq + ((b * T + i) * H + h) * D;
+        for (int64_t d = 0; d < D; d++) dq[d] = o1b_store(o1b_mul(acc[d], a->scale));
+    }
+    free(acc);
+}
+
+/* Pass 2, one key row per item r = (b*G + g)*T + j:
+ *   dk_j = scale * sum_{h in group ascending, then visible i ascending} ds_hij q_hi
+ *   dv_j =         sum_{the same order}                                p_hij dout_hi */
+static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
+    bwd_args *a = (bwd_args *)ctx;
+    const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G;
+    float *dk_acc = malloc(2 * (size_t)(D > 0 ? D : 1) * sizeof(float));
+    if (!dk_acc) { atomic_store(&a->failed, 1); return; }
+    float *dv_acc = dk_acc + D;
+    float s[CHUNK], dp[CHUNK];
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
+        const float *kj = a->k + r * D, *vj = a->v + r * D;
+        for (int64_t d = 0; d < D; d++) { dk_acc[d] = 0.0f; dv_acc[d] = 0.0f; }
+        int64_t ilast = last_query(j, T, a->W);
+        for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
+            int64_t row0 = (b * a->H + h) * T;            /* query row of (b, h, i = 0) */
+            for (int64_t i0 = j; i0 <= ilast; i0 += CHUNK) {
+                int64_t n = imin(CHUNK, ilast + 1 - i0);
+                dots(kj, a->q + (row0 + i0) * D, n, D, s);      /* mul(k, q) = mul(q, k) */
+                dots(vj, a->dout + (row0 + i0) * D, n, D, dp);
+                for (int64_t c = 0; c < n; c++) {         /* i = i0 + c ascending */
+                    int64_t qi = row0 + i0 + c;
+                    float p, ds;
+                    p_ds(s[c], dp[c], a->scale, o1b_load(a->lse[qi]), a->Di[qi], &p, &ds);
+                    const float *q = a->q + qi * D, *dout = a->dout + qi * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        dk_acc[d] = o1b_add(dk_acc[d], o1b_mul(ds, q[d]));
+                        dv_acc[d] = o1b_add(dv_acc[d], o1b_mul(p, dout[d]));
+                    }
+                }
+            }
+        }
+        float *dk = a->dk + ((b * T + j) * G + g) * D, *dv = a->dv + ((b * T + j) * G + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            dk[d] = o1b_store(o1b_mul(dk_acc[d], a->scale));
+            dv[d] = o1b_store(dv_acc[d]);
+        }
+    }
+    free(dk_acc);
+}
+
+/* Returns 0, or -1 when out of memory. */
+O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, int64_t D,
+                                   int64_t W, float scale,
+                                   const float *dout, /* (B, T, H, D) */
+                                   const bf16 *q,     /* (B, T, H, D) */
+                                   const bf16 *k,     /* (B, T, G, D) */
+                                   const bf16 *v,     /* (B, T, G, D) */
+                                   const float *o,    /* (B, T, H, D) the forward's output */
+                                   const float *lse,  /* (B, H, T)    the forward's lse */
+                                   float *dq,         /* (B, T, H, D) */
+                                   float *dk,         /* (B, T, G, D) */
+                                   float *dv) {       /* (B, T, G, D) */
+    if (B * T == 0) return 0;
+    size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D), nr = (size_t)(B * H * T);
+    float *qh = malloc((2 * nq + 2 * nk + nr + 1) * sizeof(float));
+    if (!qh) return -1;
+    float *gh = qh + nq, *kh = gh + nq, *vh = kh + nk, *Di = vh + nk;
+    to_head_major(q, NULL, B, T, H, D, qh);
+    to_head_major(NULL, dout, B, T, H, D, gh);
+    to_head_major(k, NULL, B, T, G, D, kh);
+    to_head_major(v, NULL, B, T, G, D, vh);
+    bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, o, lse, Di, dq, dk, dv, 0};
+    o1b_parallel_for(B * H * T, 1 + 4096 / (1 + D), di_range, &a);
+    int64_t grain = 1 + (1 << 16) / (1 + T * D);
+    o1b_parallel_for(B * H * T, grain, dq_range, &a);
+    o1b_parallel_for(B * G * T, grain, dkv_range, &a);
+    free(qh);
+    return atomic_load(&a.failed) ? -1 : 0;
+}
