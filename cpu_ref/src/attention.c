@@ -23,6 +23,7 @@
 #include "runtime.h"
 
 #define O1B_ATTN_BK 64      /* contract constant: key block of the forward online softmax */
+O1B_API int o1b_attn_block(void) { return O1B_ATTN_BK; }
 
 static int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }

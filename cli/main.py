@@ -1,0 +1,95 @@
+"""`open1b`: the command-line tool. Later issues add train, data, audit, parity, report."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+import sys
+
+import click
+
+from mlx_open1b import __version__
+from mlx_open1b.contract import CONTRACT_VERSION
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _backends() -> list[tuple[str, str, str]]:
+    """(name, status, detail) for every backend this install knows."""
+    rows = []
+    try:
+        from mlx_open1b import cpu_ref
+        rows.append(("cpu_ref", "available", f"C reference, {cpu_ref.get_num_threads()} threads, "
+                                             f"SIMD {cpu_ref.simd_name()}"))
+    except ImportError as e:   # not built
+        rows.append(("cpu_ref", "unavailable", str(e)))
+    try:
+        mx = importlib.import_module("mlx.core")
+        metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
+        rows.append(("metal", "available" if metal else "unavailable",
+                     "Apple GPU via mx.fast.metal_kernel" if metal else "mlx installed, no Metal device"))
+    except ImportError:
+        rows.append(("metal", "unavailable", "mlx not installed (pip install 'mlx-open1b[metal]')"))
+    try:
+        cp = importlib.import_module("cupy")
+        n = cp.cuda.runtime.getDeviceCount()
+        rows.append(("cuda", "available" if n else "unavailable", f"{n} CUDA device(s) via CuPy"))
+    except Exception as e:  # ImportError, or CuPy present without a driver
+        detail = "cupy not installed (pip install 'mlx-open1b[cuda]')" if isinstance(e, ImportError) else str(e).splitlines()[0]
+        rows.append(("cuda", "unavailable", detail))
+    return rows
+
+
+def _cpu_features() -> str:
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "asimd", "sve"]
+    return " ".join(f for f in wanted if f in flags) or platform.machine()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="open1b")
+def cli() -> None:
+    """Auditable, bitwise-reproducible training of decoder-only language models."""
+
+
+@cli.command()
+def info() -> None:
+    """Backends, contract version, library versions and CPU features in use."""
+    click.echo(f"open1b {__version__}  (arithmetic contract v{CONTRACT_VERSION})")
+    click.echo(f"python {platform.python_version()} on {platform.system()} {platform.machine()}")
+    click.echo("backends:")
+    for name, status, detail in _backends():
+        click.echo(f"  {name:8s} {status:12s} {detail}")
+    try:
+        from mlx_open1b import cpu_ref
+        if cpu_ref.contract_version() != CONTRACT_VERSION:
+            click.echo(f"error: C reference implements contract v{cpu_ref.contract_version()}, "
+                       f"the package v{CONTRACT_VERSION}; rebuild with `pip install -e .`", err=True)
+            sys.exit(2)
+        click.echo(f"cpu features: {_cpu_features()} (kernels use: {cpu_ref.simd_name()})")
+    except ImportError:
+        pass
+    click.echo("libraries:")
+    for dist in ("numpy", "click", "mlx", "cupy-cuda12x", "torch", "pyarrow", "tokenizers"):
+        click.echo(f"  {dist:14s} {_version(dist) or '-'}")
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()
