@@ -1,0 +1,37 @@
+"""Tiny prepared corpora written straight in the on-disk format (no tokenizer needed)."""
+from __future__ import annotations
+
+import numpy as np
+
+from mlx_open1b.data.format import Manifest, ShardInfo, SourceInfo, write_shard
+from mlx_open1b.fsutil import sha256_file
+
+EOT = 0
+
+
+def make_corpus(root, spec: dict, shard_docs: int = 5, seed: int = 0, heldout_docs: int = 2) -> Manifest:
+    """spec: {name: (share, n_docs, mean_len)}. Token ids encode (source, doc) so tests can
+    recover provenance: each document is [1000*(source+1) + doc % 1000, ...] of random length."""
+    rng = np.random.default_rng(seed)
+    sources = []
+    for si, (name, (share, n_docs, mean_len)) in enumerate(spec.items()):
+        docs = [np.full(max(1, int(rng.integers(1, 2 * mean_len))), 1000 * (si + 1) + (d % 1000), np.uint32)
+                for d in range(n_docs + heldout_docs)]
+        train, held = docs[:n_docs], docs[n_docs:]
+        shards = []
+        for k in range(0, n_docs, shard_docs):
+            f = f"{name}/shard-{k // shard_docs:05d}.arrow"
+            write_shard(root / f, train[k:k + shard_docs])
+            part = train[k:k + shard_docs]
+            shards.append(ShardInfo(f, len(part), int(sum(map(len, part))), sha256_file(root / f)))
+        hf = f"{name}/heldout.arrow"
+        write_shard(root / hf, held)
+        tokens = int(sum(map(len, train)))
+        sources.append(SourceInfo(name, share, n_docs, tokens, tokens / n_docs, shards,
+                                  ShardInfo(hf, len(held), int(sum(map(len, held))), sha256_file(root / hf))))
+    total = sum(s.share for s in sources)
+    for s in sources:
+        s.share = s.share / total
+    m = Manifest("0" * 64, 4000, EOT, sources, created_by="tests")
+    m.save(root)
+    return m

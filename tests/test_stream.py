@@ -1,0 +1,220 @@
+"""The canonical stream: a pure function of (seed, manifest), worker-independent, resumable."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mlx_open1b.data.format import DataError, read_shard
+from mlx_open1b.data.schedule import Schedule, WorkerLoader, worker_microbatches
+from mlx_open1b.data.stream import Stream, Words, heldout_windows, mix_thresholds, permutation
+
+from data_helpers import EOT, make_corpus
+
+SPEC = {"web": (0.5, 40, 30), "code": (0.3, 12, 80), "math": (0.2, 25, 10)}
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    make_corpus(tmp_path, SPEC)
+    return tmp_path
+
+
+def test_pure_function_of_seed_and_manifest(corpus):
+    a = Stream(corpus, 42, 16).next_windows(50)
+    b = Stream(corpus, 42, 16).next_windows(50)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, Stream(corpus, 43, 16).next_windows(50))
+    assert a.shape == (50, 17) and a.dtype == np.uint32
+
+
+def test_windows_are_whole_documents_joined_by_separator(corpus):
+    s = Stream(corpus, 7, 12)
+    flat = s.next_windows(300).reshape(-1)
+    # cut at separators: every piece is one document (constant id) of a stored length
+    seen = {}
+    cuts = np.flatnonzero(flat == EOT)
+    start = 0
+    for c in cuts:
+        piece = flat[start:c]
+        start = c + 1
+        if start == 1 + len(piece) and piece.size and c == cuts[0]:
+            pass
+        assert piece.size >= 1 and (piece == piece[0]).all()
+        seen.setdefault(int(piece[0]), []).append(piece.size)
+    # per epoch a source yields each of its documents exactly once: the first 40 web documents
+    # drawn are all 40 distinct documents
+    web = [v for v in seen if 1000 <= v < 2000]
+    assert len(web) == 40
+
+
+def test_epoch_rollover_changes_order(corpus):
+    s = Stream(corpus, 3, 8)
+    order = []
+    while len(order) < 3 * 25:
+        s._next_document()
+        si, k, d = s._cur
+        if s.sources[si].name == "math":
+            order.append((k, d))
+    e0, e1, e2 = order[:25], order[25:50], order[50:75]
+    assert sorted(e0) == sorted(e1) == sorted(e2)      # every document once per epoch
+    assert e0 != e1 and e1 != e2                        # a new permutation each epoch
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_workers_union_equals_single_stream(corpus, world):
+    sched = Schedule(microbatch_windows=2, microbatches=6, phases=((3, 4),))
+    single = Stream(corpus, 42, 10).next_windows(sum(len(sched.step_windows(t)) for t in range(5)))
+    loaders = [WorkerLoader(Stream(corpus, 42, 10), sched, r, world) for r in range(world)]
+    for t in range(5):
+        got = {}
+        for r, ld in enumerate(loaders):
+            part = ld.next_step()
+            M = sched.microbatches_at(t)
+            assert sorted(part) == list(worker_microbatches(M, r, world))   # the schedule's worker
+            for i, w in part.items():
+                assert i not in got
+                got[i] = w
+        assert sorted(got) == list(range(sched.microbatches_at(t)))
+        for i, w in got.items():
+            wr = sched.microbatch_windows_of(t, i)
+            assert np.array_equal(w, single[wr.start:wr.stop]), (t, i)
+    states = [json.dumps(ld.stream.state(), sort_keys=True) for ld in loaders]
+    assert len(set(states)) == 1                        # the position is worker-independent
+
+
+def test_worker_microbatches_are_contiguous_and_cover():
+    for M in (1, 5, 6, 48):
+        for R in (1, 2, 3, 4, 7):
+            ranges = [worker_microbatches(M, r, R) for r in range(R)]
+            assert [i for rg in ranges for i in rg] == list(range(M))
+
+
+def _resume_in_subprocess(corpus, state, n):
+    code = ("import json,sys,numpy as np\n"
+            "from mlx_open1b.data.stream import Stream\n"
+            "st=json.loads(sys.stdin.read())\n"
+            f"s=Stream({str(corpus)!r}, st['seed'], st['seq_len'], state=st)\n"
+            f"sys.stdout.write(json.dumps(s.next_windows({n}).tolist()))\n")
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(state), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return np.array(json.loads(r.stdout), np.uint32)
+
+
+def test_save_restore_in_new_process(corpus):
+    full = Stream(corpus, 42, 9).next_windows(400)
+    s = Stream(corpus, 42, 9)
+    points, epoch_boundary_seen, mid_doc_seen = [1, 37, 150, 333], False, False
+    done = 0
+    for p in points:
+        s.next_windows(p - done)
+        done = p
+        st = json.loads(json.dumps(s.state()))
+        mid_doc_seen |= st["current"] is not None and st["current"]["offset"] > 0
+        epoch_boundary_seen |= any(c["epoch"] > 0 for c in st["sources"].values())
+        assert np.array_equal(_resume_in_subprocess(corpus, st, 20), full[p:p + 20]), p
+    assert mid_doc_seen and epoch_boundary_seen
+
+
+def test_restore_exactly_at_an_epoch_boundary(corpus):
+    s = Stream(corpus, 5, 4)
+    while not any(c.epoch > 0 or c.shard_pos >= len(s._shards_of_epoch(i, c.epoch))
+                  for i, c in enumerate(s._cursors)):
+        s.next_window()
+    st = s.state()
+    nxt = s.next_windows(30)
+    assert np.array_equal(Stream(corpus, 5, 4, state=st).next_windows(30), nxt)
+
+
+def test_skip_equals_reading(corpus):
+    a = Stream(corpus, 9, 20)
+    a.skip(77)
+    b = Stream(corpus, 9, 20)
+    b.next_windows(77)
+    assert a.state() == b.state()
+    assert np.array_equal(a.next_window(), b.next_window())
+    assert np.array_equal(Stream(corpus, 9, 20).window(77), Stream(corpus, 9, 20).next_windows(78)[77])
+
+
+def test_source_shares_within_sampling_error(tmp_path):
+    make_corpus(tmp_path, {"a": (0.6, 50, 20), "b": (0.3, 30, 60), "c": (0.1, 40, 5)}, shard_docs=7)
+    s = Stream(tmp_path, 1, 64)
+    n = 20000
+    counts = np.zeros(3)
+    for _ in range(n):
+        s._next_document()
+        counts[s._cur[0]] += 1
+    w = np.array([src.mix_weight for src in s.sources])
+    p = w / w.sum()
+    sigma = np.sqrt(n * p * (1 - p))
+    assert (np.abs(counts - n * p) < 4.5 * sigma).all(), (counts, n * p)
+    # token shares: documents x mean length reproduce the configured shares (up to the spread of
+    # document lengths, which is large in this toy corpus)
+    tok = counts * np.array([src.mean_doc_len for src in s.sources])
+    assert np.allclose(tok / tok.sum(), [src.share for src in s.sources], atol=0.03)
+
+
+def test_bounded_draw_and_permutation_are_unbiased():
+    w = Words(123, 2)
+    n = 30000
+    draws = np.array([w.bounded(3) for _ in range(n)])
+    counts = np.bincount(draws, minlength=3)
+    chi2 = (((counts - n / 3) ** 2) / (n / 3)).sum()
+    assert chi2 < 13.8                       # chi-square, 2 dof, p = 0.001
+    perms = {}
+    for key in range(6000):
+        p = tuple(permutation(key, 3, 3))
+        perms[p] = perms.get(p, 0) + 1
+    assert len(perms) == 6 and min(perms.values()) > 850
+    assert sorted(permutation(99, 3, 1000)) == list(range(1000))
+
+
+def test_bounded_draw_rejects_the_biased_zone():
+    # for n = 3, 2^32 mod 3 = 1: word 0 must be rejected (it would make 0 more likely)
+    class Fixed(Words):
+        def __init__(self, seq):
+            self.seq = list(seq)
+
+        def next(self):
+            return self.seq.pop(0)
+    assert Fixed([0, 5]).bounded(3) == 5 % 3
+    assert Fixed([1]).bounded(3) == 1
+
+
+def test_mix_thresholds_cover_2_32(corpus):
+    s = Stream(corpus, 0, 4)
+    t = mix_thresholds(s.sources)
+    assert t[-1] == 2 ** 32 and t == sorted(t)
+
+
+def test_heldout_probe_is_fixed_and_separate(corpus):
+    a = heldout_windows(corpus, "web", 8)
+    assert np.array_equal(a, heldout_windows(corpus, "web", 8))
+    held_ids = {int(x) for x in np.unique(a)} - {EOT}
+    train = Stream(corpus, 1, 8).next_windows(200)
+    tokens, _ = read_shard(corpus / "web" / "heldout.arrow")
+    assert held_ids == {int(x) for x in np.unique(tokens)}
+    # held-out documents carry ids 1040, 1041 (docs 40, 41 of "web"); training never shows them
+    assert not np.isin(train, list(held_ids)).any()
+
+
+def test_bad_state_and_corpus(corpus, tmp_path_factory):
+    s = Stream(corpus, 42, 8)
+    s.next_windows(3)
+    st = s.state()
+    with pytest.raises(DataError, match="seed is 42, this stream's is 41"):
+        Stream(corpus, 41, 8, state=st)
+    with pytest.raises(DataError, match="seq_len is 8, this stream's is 9"):
+        Stream(corpus, 42, 9, state=st)
+    other = tmp_path_factory.mktemp("other")
+    make_corpus(other, SPEC, seed=1)
+    with pytest.raises(DataError, match="another corpus manifest"):
+        Stream(other, 42, 8, state=st)
+    with pytest.raises(DataError, match="malformed"):
+        Stream(corpus, 42, 8, state={"version": 1, "seed": 42})
+    (corpus / "code" / "shard-00001.arrow").unlink()
+    with pytest.raises(DataError, match="shard-00001.arrow: shard file is missing"):
+        Stream(corpus, 42, 8).next_windows(200)
+    with pytest.raises(DataError, match="no manifest"):
+        Stream(tmp_path_factory.mktemp("empty"), 1, 8)
