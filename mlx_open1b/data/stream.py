@@ -150,7 +150,9 @@ class Stream:
             if offsets.size - 1 != info.documents or tokens.size != info.tokens:
                 raise DataError(f"{self.dir / info.file}: holds {offsets.size - 1} documents / {tokens.size} "
                                 f"tokens, the manifest says {info.documents} / {info.tokens}")
-            if len(self._shards) > 64:       # bounded: memory maps are cheap, but not free
+            if len(self._shards) >= max(8, 2 * len(self.sources)):
+                # each source reads one shard at a time, so a small cache suffices; dropping the
+                # memory maps keeps resident memory flat however large the corpus is
                 self._shards.clear()
             self._shards[key] = (tokens, offsets)
         return self._shards[key]
