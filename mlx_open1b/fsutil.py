@@ -17,6 +17,9 @@ def atomic_path(path: str | os.PathLike):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)       # mkstemp makes 0600; the result gets a normal file mode
     try:
         yield pathlib.Path(tmp)
         with open(tmp, "rb+") as f:
