@@ -87,6 +87,11 @@ def info() -> None:
         click.echo(f"  {dist:14s} {_version(dist) or '-'}")
 
 
+from mlx_open1b.cli.data import data  # noqa: E402
+
+cli.add_command(data)
+
+
 def main() -> None:
     cli()
 
