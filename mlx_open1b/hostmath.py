@@ -41,3 +41,27 @@ def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_deca
 def reciprocal(n: int) -> float:
     """1/n rounded once to float32: every average is a multiply by this."""
     return f32(1.0 / n)
+
+
+PI_F64 = 3.141592653589793          # the binary64 nearest to pi
+# (-1)^k / (2k)! for k = 0..13, each a correctly rounded int/int division (Python's true division)
+_COS_COEFS = [(-1) ** k / _fact for k, _fact in
+              enumerate([1, 2, 24, 720, 40320, 3628800, 479001600, 87178291200, 20922789888000,
+                         6402373705728000, 2432902008176640000, 1124000727777607680000,
+                         620448401733239439360000, 403291461126605635584000000])]
+
+
+def cos_pi_f64(f: float) -> float:
+    """cos(pi * f) for f in [0, 1], in binary64 + - * / only (no libm): fold to f <= 1/2, then a
+    Taylor polynomial in z = (pi f)^2 evaluated by Horner from the highest term (error < 1e-15)."""
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"cos_pi_f64: f must be in [0, 1], got {f}")
+    sign = 1.0
+    if f > 0.5:
+        f, sign = 1.0 - f, -1.0
+    x = PI_F64 * f
+    z = x * x
+    acc = _COS_COEFS[-1]
+    for c in reversed(_COS_COEFS[:-1]):
+        acc = acc * z + c
+    return sign * acc
