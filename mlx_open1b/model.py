@@ -1,0 +1,362 @@
+"""The Open-1B model program (paper §3.1): explicit forward and backward of one microbatch.
+
+Written once against the backend op interface (`ops`: today the C reference
+`mlx_open1b.cpu_ref`; the Metal and CUDA backends export the same function names), llm.c style:
+every activation the backward needs is kept in a cache, every gradient is `d`-prefixed, and every
+sum is one the contract defines. No autograd: the backward below *is* the definition of the
+gradient's bits.
+
+Dimension letters: B windows in the microbatch, T = seq_len, N = B*T rows, d model width,
+H query heads, G key/value heads, D head dim, F FFN hidden size, V vocabulary.
+
+The architecture: untied embeddings; RMSNorm on the embedding output; per layer a pre-norm
+attention block (grouped-query, gain-free QK-norm per head, RoPE, causal with a sliding window on
+local layers) and a pre-norm SwiGLU block (gate and up one GEMM); a final RMSNorm; the LM head
+fused with cross-entropy and z-loss. No biases.
+
+Every parameter lives in one contiguous bf16 buffer in the canonical order of
+`ModelConfig.param_shapes()`; the gradient is one fp32 buffer with the same layout.
+
+Choices that decide bits (everything else is the ops' own contract):
+- wq, wk, wv are adjacent in the buffer, so they are used as one ((H+2G)·D, d) matrix: one GEMM
+  forward (each output element is the same dot product as with three GEMMs) and one GEMM
+  backward, whose da sums over all q, k and v outputs in one accumulator (m ascending) instead of
+  three GEMMs and two adds.
+- Residual adds: h_next = add(h, branch) elementwise (the running stream on the left). In the
+  backward the branch's gradient is added to the running gradient dh (dh on the left).
+- bf16 roundings (activations entering a GEMM in the forward, gradients entering a GEMM in the
+  backward) are treated as the identity in the backward (straight-through).
+- Means are mul(treefold(rows), reciprocal(N)) (CONTRACT.md §7, §8); dloss is reciprocal(N) in
+  every row.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import cpu_ref
+from .config import ModelConfig
+from .contract import STREAM_INIT
+from .hostmath import f32, reciprocal
+from .spec import arith
+
+BF16_ONE = 0x3F80          # bf16 bits of 1.0: every norm gain starts here
+_INIT_CHUNK = 1 << 22      # elements per trunc_normal call in init_params (memory only; no bits)
+
+
+# ------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    offset: int            # element offset in the flat buffer
+    shape: tuple
+    decayed: bool          # weight decay applies (linear layers and the LM head)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class ParamLayout:
+    """Offsets of every tensor in the flat parameter buffer, in cfg.param_shapes() order."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        specs, off = [], 0
+        for name, shape, decayed in cfg.param_shapes():
+            specs.append(TensorSpec(name, off, tuple(shape), decayed))
+            off += math.prod(shape)
+        self.tensors: tuple[TensorSpec, ...] = tuple(specs)
+        self.n_params = off
+        self._by_name = {t.name: t for t in specs}
+        for l in range(cfg.n_layers):    # the fused QKV view relies on this adjacency
+            q, k, v = (self[f"layers.{l}.{w}"] for w in ("wq", "wk", "wv"))
+            assert q.offset + q.size == k.offset and k.offset + k.size == v.offset
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no parameter tensor named {name!r}") from None
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def qkv_range(self, layer: int) -> tuple[int, int]:
+        """[lo, hi) of layer's wq, wk, wv together: one ((H+2G)·D, d) matrix."""
+        lo = self[f"layers.{layer}.wq"].offset
+        v = self[f"layers.{layer}.wv"]
+        return lo, v.offset + v.size
+
+
+def views(buf: np.ndarray, layout: ParamLayout) -> dict[str, np.ndarray]:
+    """name -> reshaped view into buf (the bf16 params, or an fp32 gradient or moment buffer)."""
+    _check_flat("buf", buf, None, layout.n_params)
+    return {t.name: buf[t.offset:t.offset + t.size].reshape(t.shape) for t in layout}
+
+
+def init_params(cfg: ModelConfig, seed: int, ops=cpu_ref) -> np.ndarray:
+    """The initial bf16 parameter buffer (n_params,) uint16. Every matrix element i is
+    bf16(trunc_normal(seed, STREAM_INIT, index i, sigma=cfg.init_sigma)), i its offset in the
+    buffer; every norm gain is 1.0. Element i is a pure function of (seed, i)."""
+    layout = ParamLayout(cfg)
+    buf = np.empty(layout.n_params, np.uint16)
+    for t in layout:
+        if len(t.shape) == 1:
+            buf[t.offset:t.offset + t.size] = BF16_ONE
+            continue
+        for lo in range(t.offset, t.offset + t.size, _INIT_CHUNK):
+            n = min(_INIT_CHUNK, t.offset + t.size - lo)
+            buf[lo:lo + n] = ops.f32_to_bf16(ops.trunc_normal(seed, STREAM_INIT, lo, n, cfg.init_sigma))
+    return buf
+
+
+def _check_flat(name: str, a, dtype, n: int) -> None:
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if dtype is not None and a.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (bf16 is held as uint16), got {a.dtype}")
+    if a.shape != (n,):
+        raise ValueError(f"{name}: expected shape ({n},) (the flat parameter buffer), got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+
+
+# ----------------------------------------------------------------------------------- cache
+@dataclass
+class LayerCache:
+    """What one block's backward reads (N = B*T rows)."""
+    h_in: np.ndarray       # (N, d) fp32   residual stream entering the block (attn_norm's x)
+    rstd_attn: np.ndarray  # (N,) fp32
+    a_b: np.ndarray        # (N, d) bf16   attn_norm output, the QKV GEMM's input
+    q_pre: np.ndarray      # (N*H, D) fp32 q before QK-norm
+    rstd_q: np.ndarray     # (N*H,) fp32
+    k_pre: np.ndarray      # (N*G, D) fp32 k before QK-norm
+    rstd_k: np.ndarray     # (N*G,) fp32
+    q_b: np.ndarray        # (B, T, H, D) bf16  after QK-norm and RoPE
+    k_b: np.ndarray        # (B, T, G, D) bf16  after QK-norm and RoPE
+    v_b: np.ndarray        # (B, T, G, D) bf16
+    o: np.ndarray          # (B, T, H, D) fp32  attention output
+    lse: np.ndarray        # (B, H, T) fp32     attention logsumexp
+    o_b: np.ndarray        # (N, H*D) bf16      wo's input
+    h_mid: np.ndarray      # (N, d) fp32   stream after the attention residual (ffn_norm's x)
+    rstd_ffn: np.ndarray   # (N,) fp32
+    f_b: np.ndarray        # (N, d) bf16   ffn_norm output, w_gate_up's input
+    gu: np.ndarray         # (N, 2F) fp32  [gate | up], swiglu's input
+    s_b: np.ndarray        # (N, F) bf16   swiglu output, w_down's input
+
+
+@dataclass
+class Cache:
+    """Everything the backward of one microbatch reads; the params are passed again."""
+    B: int
+    T: int
+    inputs: np.ndarray     # (N,) int32    token ids
+    targets: np.ndarray    # (N,) int32    next-token ids
+    x0: np.ndarray | None = None        # (N, d) fp32 embedding rows (emb_norm's x)
+    rstd_emb: np.ndarray | None = None  # (N,) fp32
+    layers: list = field(default_factory=list)   # LayerCache per block
+    h_last: np.ndarray | None = None   # (N, d) fp32 stream after the last block (final_norm's x)
+    rstd_final: np.ndarray | None = None  # (N,) fp32
+    hn_b: np.ndarray | None = None     # (N, d) bf16 final_norm output, the LM head's input
+    lse: np.ndarray | None = None      # (N,) fp32  logsumexp of the logits (xent)
+
+
+# --------------------------------------------------------------------------------- program
+class Model:
+    """The model program on one backend. forward/backward work on one microbatch of windows
+    (B, seq_len + 1) uint32; params is the flat bf16 buffer (n_params,) uint16."""
+
+    def __init__(self, cfg: ModelConfig, ops=cpu_ref):
+        cfg.check()
+        self.cfg, self.ops = cfg, ops
+        self.layout = ParamLayout(cfg)
+        self.n_params = self.layout.n_params
+        # host scalars, each rounded once to fp32 (CONTRACT.md §8)
+        self.eps = f32(cfg.norm_eps)
+        self.zcoef = f32(cfg.z_loss)
+        self.attn_scale = f32(1.0 / math.sqrt(cfg.head_dim))   # binary64 sqrt and / correctly rounded
+        self.rope_cos, self.rope_sin = ops.rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)  # (T, D/2)
+        self.windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
+        # fp32 scalar multiply with the contract's flush (cpu_ref keeps it in its mathfn module)
+        self._scalar_mul = getattr(ops, "scalar_mul", None) or ops.mathfn.scalar_mul
+
+    # ---- public API
+    def forward(self, params: np.ndarray, windows: np.ndarray):
+        """-> (loss, ce, zl, cache): the microbatch means of loss = ce + z-term, of ce and of the
+        z-term (Python floats holding fp32 values), and the cache for backward."""
+        self._check_params(params)
+        inputs, targets, B = self._split(windows)
+        cache = Cache(B, self.cfg.seq_len, inputs, targets)
+        loss_n, lse_n, ce_n = self._forward(params, inputs, targets, B, cache)
+        return (*self._means(loss_n, lse_n, ce_n), cache)
+
+    def backward(self, params: np.ndarray, cache: Cache) -> np.ndarray:
+        """The gradient of forward's loss: fp32 (n_params,) in the parameter layout. params must
+        be the buffer forward saw (the cache holds activations, not parameters)."""
+        self._check_params(params)
+        if not isinstance(cache, Cache) or cache.lse is None:
+            raise ValueError("cache: expected the Cache returned by Model.forward")
+        return self._backward(params, cache)
+
+    def loss_and_grad(self, params: np.ndarray, windows: np.ndarray):
+        """-> (loss, ce, zl, grads fp32 (n_params,))."""
+        loss, ce, zl, cache = self.forward(params, windows)
+        return loss, ce, zl, self._backward(params, cache)
+
+    def eval_loss(self, params: np.ndarray, windows: np.ndarray, batch: int | None = None) -> np.ndarray:
+        """Per-window mean cross-entropy (B,) fp32, forward only, nothing cached. Every op is
+        row-independent, so a window's value does not depend on `batch` (windows per forward)."""
+        self._check_params(params)
+        inputs, targets, B = self._split(windows)
+        T = self.cfg.seq_len
+        step = B if batch is None else int(batch)
+        if step < 1:
+            raise ValueError(f"batch: expected a positive number of windows, got {batch!r}")
+        r = reciprocal(T)
+        out = np.empty(B, np.float32)
+        for b0 in range(0, B, step):
+            nb = min(step, B - b0)
+            rows = slice(b0 * T, (b0 + nb) * T)
+            _, _, ce_n = self._forward(params, inputs[rows], targets[rows], nb, None)
+            for i, ce_w in enumerate(ce_n.reshape(nb, T)):
+                out[b0 + i] = self._scalar_mul(self.ops.treefold(ce_w), r)
+        return out
+
+    # ---- input checks
+    def _check_params(self, params) -> None:
+        _check_flat("params", params, np.uint16, self.n_params)
+
+    def _split(self, windows):
+        """windows (B, T+1) uint32 -> inputs (N,) int32, targets (N,) int32, B."""
+        L, V = self.cfg.seq_len + 1, self.cfg.vocab_size
+        if not isinstance(windows, np.ndarray):
+            raise ValueError(f"windows: expected a numpy array, got {type(windows).__name__}")
+        if windows.dtype != np.uint32:
+            raise ValueError(f"windows: expected dtype uint32 (token ids), got {windows.dtype}")
+        if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] != L:
+            raise ValueError(f"windows: expected shape (B, {L}) with B >= 1 (seq_len + 1 = {L} tokens "
+                             f"per window), got {windows.shape}")
+        bad = np.argwhere(windows >= V)
+        if bad.size:
+            b, t = (int(i) for i in bad[0])
+            raise ValueError(f"windows: token id {int(windows[b, t])} at [{b}, {t}] is outside the "
+                             f"vocabulary [0, {V}) ({len(bad)} such ids)")
+        w = windows.astype(np.int32)
+        return (np.ascontiguousarray(w[:, :-1]).reshape(-1), np.ascontiguousarray(w[:, 1:]).reshape(-1),
+                windows.shape[0])
+
+    # ---- forward
+    def _means(self, loss_n, lse_n, ce_n):
+        """Microbatch means: mul(treefold(rows), 1/N). The z-term rows are recomputed on the host
+        exactly as xent defines them, zl = mul(zcoef, mul(lse, lse)) (for logging)."""
+        ops, r = self.ops, reciprocal(loss_n.size)
+        zl_n = arith.mul(np.float32(self.zcoef), arith.mul(lse_n, lse_n))
+        return tuple(float(self._scalar_mul(ops.treefold(x), r)) for x in (loss_n, ce_n, zl_n))
+
+    def _forward(self, params, inputs, targets, B, cache: Cache | None):
+        """-> loss_n, lse_n, ce_n (N,) fp32; fills cache when one is given."""
+        ops, cfg, eps = self.ops, self.cfg, self.eps
+        w = views(params, self.layout)
+        x0 = ops.embedding_forward(inputs, w["wte"])                    # (N, d)
+        h, rstd_emb = ops.rmsnorm_forward(x0, w["emb_norm"], eps)      # (N, d), (N,)
+        for l in range(cfg.n_layers):
+            lc = {} if cache is not None else None
+            h = self._block_forward(l, params, w, h, B, lc)
+            if cache is not None:
+                cache.layers.append(LayerCache(**lc))
+        hn, rstd_final = ops.rmsnorm_forward(h, w["final_norm"], eps)  # (N, d)
+        hn_b = ops.f32_to_bf16(hn)
+        loss_n, lse_n, ce_n = ops.xent_forward(hn_b, w["lm_head"], targets, self.zcoef)  # (N,) each
+        if cache is not None:
+            cache.x0, cache.rstd_emb = x0, rstd_emb
+            cache.h_last, cache.rstd_final, cache.hn_b, cache.lse = h, rstd_final, hn_b, lse_n
+        return loss_n, lse_n, ce_n
+
+    def _block_forward(self, l, params, w, h, B, lc: dict | None):
+        """One transformer block: h (N, d) fp32 -> h (N, d) fp32 (a new array)."""
+        ops, cfg, eps = self.ops, self.cfg, self.eps
+        p = f"layers.{l}."
+        N, d = h.shape
+        T, H, G, D = cfg.seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        lo, hi = self.layout.qkv_range(l)
+        w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
+        # attention: h_mid = h + wo(attn(rope(qknorm(q)), rope(qknorm(k)), v))
+        a, rstd_attn = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)   # (N, d)
+        a_b = ops.f32_to_bf16(a)
+        qkv = ops.linear_forward(a_b, w_qkv)                             # (N, (H+2G)D)
+        q_pre = np.ascontiguousarray(qkv[:, :H * D]).reshape(N * H, D)
+        k_pre = np.ascontiguousarray(qkv[:, H * D:(H + G) * D]).reshape(N * G, D)
+        v = np.ascontiguousarray(qkv[:, (H + G) * D:]).reshape(B, T, G, D)
+        qn, rstd_q = ops.rmsnorm_forward(q_pre, None, eps)                # QK-norm, gain-free
+        kn, rstd_k = ops.rmsnorm_forward(k_pre, None, eps)
+        q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(B, T, H, D), self.rope_cos, self.rope_sin))
+        k_b = ops.f32_to_bf16(ops.rope_forward(kn.reshape(B, T, G, D), self.rope_cos, self.rope_sin))
+        v_b = ops.f32_to_bf16(v)
+        o, lse = ops.attention_forward(q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
+        o_b = ops.f32_to_bf16(o.reshape(N, H * D))
+        h_mid = h.copy()
+        ops.add_inplace(h_mid, ops.linear_forward(o_b, w[p + "wo"]))     # (N, d)
+        # SwiGLU: h_out = h_mid + w_down(silu(gate) * up)
+        f, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
+        f_b = ops.f32_to_bf16(f)
+        gu = ops.linear_forward(f_b, w[p + "w_gate_up"])                 # (N, 2F)
+        s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
+        h_out = h_mid.copy()
+        ops.add_inplace(h_out, ops.linear_forward(s_b, w[p + "w_down"]))  # (N, d)
+        if lc is not None:
+            lc.update(h_in=h, rstd_attn=rstd_attn, a_b=a_b, q_pre=q_pre, rstd_q=rstd_q, k_pre=k_pre,
+                      rstd_k=rstd_k, q_b=q_b, k_b=k_b, v_b=v_b, o=o, lse=lse, o_b=o_b, h_mid=h_mid,
+                      rstd_ffn=rstd_ffn, f_b=f_b, gu=gu, s_b=s_b)
+        return h_out
+
+    # ---- backward
+    def _backward(self, params, c: Cache) -> np.ndarray:
+        ops, cfg = self.ops, self.cfg
+        w = views(params, self.layout)
+        grads = np.empty(self.n_params, np.float32)   # every element is written below
+        dw = views(grads, self.layout)
+        N = c.B * c.T
+        dloss = np.full(N, reciprocal(N), np.float32)                   # d(mean)/d(loss row)
+        dhn, dw["lm_head"][...] = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef,
+                                                    c.lse, dloss)        # (N, d), (V, d)
+        dh, dw["final_norm"][...] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
+        for l in reversed(range(cfg.n_layers)):
+            dh = self._block_backward(l, params, w, grads, dw, dh, c.layers[l], c.B)
+        dx0, dw["emb_norm"][...] = ops.rmsnorm_backward(dh, c.x0, w["emb_norm"], c.rstd_emb)  # (N, d)
+        dw["wte"][...] = ops.embedding_backward(c.inputs, dx0, cfg.vocab_size)               # (V, d)
+        return grads
+
+    def _block_backward(self, l, params, w, grads, dw, dh, lc: LayerCache, B):
+        """dh (N, d) = dL/d(block output) -> dL/d(block input); writes the block's gradients."""
+        ops, cfg, bf16 = self.ops, self.cfg, self.ops.f32_to_bf16
+        p = f"layers.{l}."
+        N, d = dh.shape
+        T, H, G, D = cfg.seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        lo, hi = self.layout.qkv_range(l)
+        w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
+        # SwiGLU branch: h_out = h_mid + w_down(s)
+        ds, dw[p + "w_down"][...] = ops.linear_backward(bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
+        dgu = ops.swiglu_backward(ds, lc.gu)                                                 # (N, 2F)
+        df, dw[p + "w_gate_up"][...] = ops.linear_backward(bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
+        dh_mid, dw[p + "ffn_norm"][...] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
+        ops.add_inplace(dh, dh_mid)            # dh = dL/dh_mid: running gradient + branch
+        # attention branch: h_mid = h_in + wo(o)
+        do, dw[p + "wo"][...] = ops.linear_backward(bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
+        dq_r, dk_r, dv = ops.attention_backward(do.reshape(B, T, H, D), lc.q_b, lc.k_b, lc.v_b, lc.o,
+                                                lc.lse, self.windows[l], self.attn_scale)
+        dqn = ops.rope_backward(dq_r, self.rope_cos, self.rope_sin).reshape(N * H, D)
+        dkn = ops.rope_backward(dk_r, self.rope_cos, self.rope_sin).reshape(N * G, D)
+        dq, _ = ops.rmsnorm_backward(dqn, lc.q_pre, None, lc.rstd_q)     # (N*H, D)
+        dk, _ = ops.rmsnorm_backward(dkn, lc.k_pre, None, lc.rstd_k)     # (N*G, D)
+        dqkv = np.concatenate([dq.reshape(N, H * D), dk.reshape(N, G * D), dv.reshape(N, G * D)], axis=1)
+        da, dw_qkv = ops.linear_backward(bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
+        grads[lo:hi] = dw_qkv.reshape(-1)
+        dh_in, dw[p + "attn_norm"][...] = ops.rmsnorm_backward(da, lc.h_in, w[p + "attn_norm"], lc.rstd_attn)
+        ops.add_inplace(dh, dh_in)             # dh = dL/dh_in
+        return dh
