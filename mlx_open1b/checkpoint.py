@@ -1,0 +1,491 @@
+"""Checkpoints: safetensors + JSON, written atomically, verified on load (DESIGN §7).
+
+A checkpoint is a directory `ckpt-<step:08d>/` inside the run directory:
+
+    state.safetensors   the tensors (params "bf16" as safetensors BF16, moments "f32" as F32, any
+                        extra "i32"/"u32"/"i64"/"u64" tensors), written by this module (no dependency)
+    meta.json           the trainer's metadata (step, consumed tokens, data-stream state, schedule
+                        and spike state, config, tokenizer hash, ...) plus what this module adds:
+                        format, contract_version, files (each file's SHA-256 and size), tensors
+                        (each tensor's dtype, shape and hashing.tensor_hash), collections (the
+                        hashing.collection_hash of named groups, e.g. "params", "opt_state") and
+                        meta_hash (SHA-256 of the canonical JSON of meta.json without meta_hash)
+
+Atomicity: everything is written into a temporary directory `.ckpt-<step>.tmp-*` beside the final
+one, every file is fsynced, the directory is renamed onto its final name and the run directory is
+fsynced. A crash at any point leaves earlier checkpoints untouched and never a partial directory
+under a `ckpt-*` name; the next save (or `recover_checkpoints`) removes the leftovers. One writer
+per run directory.
+
+Safetensors layout (https://github.com/huggingface/safetensors, format description): 8 bytes
+little-endian u64 N, N bytes of JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]},
+"__metadata__": {str: str}} padded with spaces so that 8 + N is a multiple of 8, then the tensor
+bytes (row-major, little-endian), offsets relative to the first byte after the header. Tensors are
+laid out by decreasing element size, then name, so every tensor is aligned to its element size.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import struct
+import tempfile
+import threading
+import warnings
+
+import numpy as np
+
+from . import hashing
+from .contract import CONTRACT_VERSION
+from .ledger import LedgerError, canonical, canonical_dumps
+
+FORMAT = "open1b-checkpoint/1"
+STATE_FILE = "state.safetensors"
+META_FILE = "meta.json"
+_NAME = re.compile(r"^ckpt-(\d{8,})$")
+_LEFTOVER = re.compile(r"^\.ckpt-(\d{8,})\.(tmp|old|del)-")
+_RESERVED = ("format", "files", "tensors", "collections", "meta_hash")
+
+# our dtype names <-> safetensors dtype strings
+ST_DTYPE = {"bf16": "BF16", "f32": "F32", "i32": "I32", "u32": "U32", "i64": "I64", "u64": "U64"}
+FROM_ST = {v: k for k, v in ST_DTYPE.items()}
+MAX_HEADER = 100 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, corrupt, truncated or from another contract/tokenizer; the
+    message names the directory, the file and, where one is at fault, the tensor."""
+
+
+# ------------------------------------------------------------------------------- safetensors
+def _prepare(tensors: dict) -> list[tuple[str, np.ndarray, str]]:
+    out = []
+    for name, v in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise CheckpointError(f"invalid tensor name {name!r}")
+        arr, dn = (v if isinstance(v, tuple) else (v, None))
+        try:
+            a, dn = hashing.canonical_array(arr, dn, what=f"tensor {name!r}")
+        except hashing.HashError as e:
+            raise CheckpointError(str(e)) from None
+        out.append((name, a, dn))
+    out.sort(key=lambda t: (-t[1].dtype.itemsize, t[0]))
+    return out
+
+
+def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = None) -> tuple[str, int]:
+    """Write tensors ({name: (array, dtype_name)} or {name: array}) as a safetensors file, fsync it,
+    and return (SHA-256 hex of the file, its size in bytes)."""
+    items = _prepare(tensors)
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    off = 0
+    for name, a, dn in items:
+        header[name] = {"dtype": ST_DTYPE[dn], "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+    hb = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    hb += b" " * (-len(hb) % 8)
+    pieces = [struct.pack("<Q", len(hb)) + hb] + [hashing.byte_view(a) for _, a, _ in items]
+
+    sha = hashlib.sha256()
+
+    def _hash():                      # hashlib releases the GIL: hash while the main thread writes
+        for p in pieces:
+            sha.update(p)
+
+    t = threading.Thread(target=_hash, name="open1b-ckpt-sha")
+    t.start()
+    try:
+        with open(path, "wb") as f:
+            for p in pieces:
+                f.write(p)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        t.join()
+    return sha.hexdigest(), 8 + len(hb) + off
+
+
+def _read_all(path, expect_size: int | None = None) -> tuple[bytearray, str]:
+    """The file's bytes and their SHA-256, in one pass."""
+    size = os.path.getsize(path)
+    buf = bytearray(size)
+    mv = memoryview(buf)
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < size:
+            n = f.readinto(mv[pos:pos + (64 << 20)])
+            if not n:
+                break
+            sha.update(mv[pos:pos + n])
+            pos += n
+    if pos != size:
+        raise CheckpointError(f"{path}: file shrank while being read ({pos} of {size} bytes)")
+    return buf, sha.hexdigest()
+
+
+def parse_safetensors(buf, where: str = STATE_FILE) -> tuple[dict, dict]:
+    """({name: (array, dtype_name)} as views into buf, __metadata__) of safetensors bytes; every
+    header entry is checked (dtype, shape, offsets inside the data, no gaps or overlaps)."""
+    size = len(buf)
+    if size < 8:
+        raise CheckpointError(f"{where}: truncated ({size} bytes, no header)")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{where}: header length {n} does not fit the file ({size} bytes): truncated or corrupt")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    base, data_len = 8 + n, size - 8 - n
+    spans, out = [], {}
+    for name, e in header.items():
+        at = f"{where}: tensor {name!r}"
+        try:
+            dn = FROM_ST[e["dtype"]]
+            shape = [int(s) for s in e["shape"]]
+            b, end = (int(x) for x in e["data_offsets"])
+        except KeyError as k:
+            raise CheckpointError(f"{at}: missing or unsupported header field ({k}: {e!r:.200})") from None
+        except (TypeError, ValueError) as x:
+            raise CheckpointError(f"{at}: malformed header entry ({x})") from None
+        if any(s < 0 for s in shape):
+            raise CheckpointError(f"{at}: negative dimension in shape {shape}")
+        dt = hashing.DTYPES[dn]
+        count = 1
+        for s in shape:
+            count *= s
+        if end - b != count * dt.itemsize or b < 0:
+            raise CheckpointError(f"{at}: data_offsets [{b}, {end}] do not hold {dn}{shape}")
+        if end > data_len:
+            raise CheckpointError(f"{at}: data_offsets end {end} is beyond the file's {data_len} data bytes: truncated")
+        spans.append((b, end, name))
+        out[name] = (np.frombuffer(buf, dt, count, base + b).reshape(shape), dn)
+    pos = 0
+    for b, end, name in sorted(spans):
+        if b != pos:
+            raise CheckpointError(f"{where}: tensor {name!r} starts at {b}, expected {pos} (gap or overlap)")
+        pos = end
+    if pos != data_len:
+        raise CheckpointError(f"{where}: {data_len - pos} bytes after the last tensor")
+    return out, meta
+
+
+def read_safetensors(path) -> tuple[dict, dict]:
+    buf, _ = _read_all(path)
+    return parse_safetensors(buf, str(path))
+
+
+# ------------------------------------------------------------------------------- meta
+def _meta_hash(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "meta_hash"}
+    return hashlib.sha256(canonical_dumps(body).encode("ascii")).hexdigest()
+
+
+def _fsync_dir(path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def checkpoint_dir(run_dir, step: int) -> pathlib.Path:
+    return pathlib.Path(run_dir) / f"ckpt-{step:08d}"
+
+
+def recover_checkpoints(run_dir) -> list[str]:
+    """Clean what an interrupted save or prune left in the run directory: temporary directories
+    are removed; a checkpoint moved aside for replacement whose replacement never arrived is put
+    back. Returns what was done, one line per entry."""
+    run_dir = pathlib.Path(run_dir)
+    done = []
+    if not run_dir.is_dir():
+        return done
+    for p in sorted(run_dir.iterdir()):
+        m = _LEFTOVER.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        final = run_dir / f"ckpt-{m.group(1)}"
+        if m.group(2) == "old" and not final.exists():
+            os.rename(p, final)
+            done.append(f"restored {final.name}")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed {p.name}")
+    if done:
+        _fsync_dir(run_dir)
+    return done
+
+
+# ------------------------------------------------------------------------------- save / load
+def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
+                    collections: dict | None = None) -> pathlib.Path:
+    """Write checkpoint `step` atomically and return its directory.
+
+    tensors: {name: (array, dtype_name)} (dtype_name None or a bare array: by numpy dtype).
+    meta: JSON-able trainer metadata (numpy scalars and tuples are converted); a "step" in it must
+    equal `step`, a "contract_version" must be this build's; the keys format, files, tensors,
+    collections and meta_hash are reserved.
+    collections: {kind: [tensor names]} or {kind: {item name: tensor name}}; the
+    hashing.collection_hash of each (items named by the list's names or the mapping's keys) is
+    recorded as meta["collections"][kind] = {"hash": ..., "tensors": {item: tensor}} and checked
+    on load (see collection_hashes).
+    """
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    step = int(step)
+    run_dir = pathlib.Path(run_dir)
+    try:
+        meta = canonical(dict(meta), "meta")
+    except LedgerError as e:
+        raise CheckpointError(f"meta: {e}") from None
+    if "step" in meta and (not isinstance(meta["step"], int) or isinstance(meta["step"], bool)):
+        raise CheckpointError(f"meta step must be an integer, got {meta['step']!r}")
+    for k in _RESERVED:
+        if k in meta:
+            raise CheckpointError(f"meta key {k!r} is reserved (the checkpoint writes it)")
+    if meta.setdefault("step", step) != step:
+        raise CheckpointError(f"meta step {meta['step']} differs from the checkpoint step {step}")
+    if meta.setdefault("contract_version", CONTRACT_VERSION) != CONTRACT_VERSION:
+        raise CheckpointError(f"meta contract_version {meta['contract_version']} is not this build's {CONTRACT_VERSION}")
+
+    items = _prepare(tensors)
+    digests = hashing.tensor_digests(items)
+    colls = {}
+    for kind, names in (collections or {}).items():
+        mapping = dict(names) if isinstance(names, dict) else {n: n for n in names}
+        missing = [t for t in mapping.values() if t not in digests]
+        if missing:
+            raise CheckpointError(f"collection {kind!r}: no tensor named {missing[0]!r}")
+        colls[kind] = {"hash": _collection_hash(kind, mapping, {n: (a, dn) for n, a, dn in items}, digests),
+                       "tensors": mapping}
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recover_checkpoints(run_dir)
+    final = checkpoint_dir(run_dir, step)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.tmp-", dir=run_dir))
+    aside = None
+    try:
+        sha, nbytes = write_safetensors(tmp / STATE_FILE, {n: (a, dn) for n, a, dn in items},
+                                        {"format": FORMAT, "step": str(step)})
+        meta["format"] = FORMAT
+        meta["files"] = {STATE_FILE: {"bytes": nbytes, "sha256": sha}}
+        meta["tensors"] = {n: {"dtype": dn, "hash": digests[n].hex(), "shape": list(a.shape)} for n, a, dn in items}
+        meta["collections"] = colls
+        meta["meta_hash"] = _meta_hash(meta)
+        with open(tmp / META_FILE, "w", encoding="ascii") as f:
+            f.write(json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o777 & ~_umask())
+        _fsync_dir(tmp)
+        if final.exists():          # replacing a checkpoint of the same step: move it aside first
+            aside = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.old-", dir=run_dir))
+            os.rmdir(aside)
+            _rename(final, aside)
+        _rename(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and aside.exists() and not final.exists():
+            os.rename(aside, final)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def _rename(src, dst) -> None:
+    """os.rename, in one place (tests simulate crashes here)."""
+    os.rename(src, dst)
+
+
+def _umask() -> int:
+    u = os.umask(0)
+    os.umask(u)
+    return u
+
+
+def _collection_hash(kind: str, mapping: dict, tensors: dict, digests: dict | None = None) -> str:
+    """collection_hash over {item name: tensor name}; tensor digests already computed under the
+    same name are reused (a tensor hash commits to its name, so renamed items are rehashed)."""
+    digests = digests or {}
+    have = {item: digests[t] for item, t in mapping.items() if item == t and t in digests}
+    rest = [(item, *tensors[t]) for item, t in mapping.items() if item not in have]
+    return hashing.collection_hash_from_tensor_hashes(kind, {**have, **hashing.tensor_digests(rest)})
+
+
+def load_checkpoint(path, *, verify_tensors: bool = True, contract_version: int = CONTRACT_VERSION,
+                    tokenizer_sha256: str | None = None) -> tuple[dict, dict]:
+    """Load and verify a checkpoint directory: ({name: (array, dtype_name)}, meta).
+
+    Checks meta.json (present, valid, its meta_hash, format, step = the directory's), the contract
+    version (and the tokenizer hash in meta["tokenizer_sha256"] when `tokenizer_sha256` is given),
+    every file's size and SHA-256, the safetensors header against meta's tensor list, and (unless
+    verify_tensors=False) every tensor's hash and every collection hash. CheckpointError names the
+    file and, for corrupt data, the tensor(s)."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint directory")
+    mp = path / META_FILE
+    if not mp.exists():
+        raise CheckpointError(f"{path}: {META_FILE} is missing (not a checkpoint, or an incomplete one)")
+    try:
+        meta = json.loads(mp.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mp}: not valid JSON ({e}): corrupt or truncated") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{mp}: not a JSON object")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{mp}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("meta_hash") != _meta_hash(meta):
+        raise CheckpointError(f"{mp}: contents do not match its meta_hash (edited or corrupt)")
+    if meta.get("contract_version") != contract_version:
+        raise CheckpointError(f"{path}: written under contract version {meta.get('contract_version')}, "
+                              f"this build implements version {contract_version}")
+    if tokenizer_sha256 is not None and meta.get("tokenizer_sha256") != tokenizer_sha256:
+        got = meta.get("tokenizer_sha256")
+        raise CheckpointError(f"{path}: written with tokenizer {str(got)[:12]}…, this run's is {tokenizer_sha256[:12]}…")
+    m = _NAME.match(path.name)
+    if m and int(m.group(1)) != meta.get("step"):
+        raise CheckpointError(f"{mp}: step {meta.get('step')} does not match the directory name {path.name}")
+    try:
+        files, tmeta, colls = dict(meta["files"]), dict(meta["tensors"]), dict(meta["collections"])
+        expect = files[STATE_FILE]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{mp}: malformed ({e!r} missing)") from None
+    for fname, info in files.items():
+        fp = path / fname
+        if not fp.exists():
+            raise CheckpointError(f"{path}: {fname} is missing")
+        size = fp.stat().st_size
+        want = info.get("bytes") if isinstance(info, dict) else None
+        if not isinstance(want, int) or not isinstance(info.get("sha256"), str):
+            raise CheckpointError(f"{mp}: malformed entry for {fname}")
+        if size != want:
+            how = "truncated" if size < want else "longer than written"
+            raise CheckpointError(f"{fp}: {how}: {size} bytes, {META_FILE} records {want}")
+    sp = path / STATE_FILE
+    buf, sha = _read_all(sp)
+    sha_ok = sha == expect["sha256"]
+    try:
+        tensors, _ = parse_safetensors(buf, str(sp))
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}" + ("" if sha_ok else f" (SHA-256 {sha[:12]}… differs from the recorded "
+                                        f"{expect['sha256'][:12]}…)")) from None
+    if set(tensors) != set(tmeta):
+        extra, gone = sorted(set(tensors) - set(tmeta)), sorted(set(tmeta) - set(tensors))
+        raise CheckpointError(f"{sp}: tensors differ from {META_FILE}: missing {gone}, unexpected {extra}")
+    for name, (a, dn) in tensors.items():
+        tm = tmeta[name]
+        if tm.get("dtype") != dn or list(a.shape) != tm.get("shape"):
+            raise CheckpointError(f"{sp}: tensor {name!r} is {dn}{list(a.shape)}, {META_FILE} records "
+                                  f"{tm.get('dtype')}{tm.get('shape')}")
+    bad = []
+    if verify_tensors or not sha_ok:
+        digests = hashing.tensor_digests([(n, a, dn) for n, (a, dn) in tensors.items()])
+        bad = [n for n in sorted(tensors) if digests[n].hex() != tmeta[n].get("hash")]
+    if bad or not sha_ok:
+        what = (f"tensor{'s' if len(bad) > 1 else ''} {', '.join(repr(b) for b in bad[:5])}"
+                f"{' …' if len(bad) > 5 else ''} differ{'s' if len(bad) == 1 else ''} from the recorded hash"
+                if bad else "header or padding bytes changed (every tensor matches its hash)")
+        sha_msg = "" if sha_ok else f"; file SHA-256 {sha[:12]}… differs from the recorded {expect['sha256'][:12]}…"
+        raise CheckpointError(f"{sp}: corrupt: {what}{sha_msg}")
+    if verify_tensors:
+        for kind, c in colls.items():
+            try:
+                mapping, h = dict(c["tensors"]), c["hash"]
+            except (KeyError, TypeError):
+                raise CheckpointError(f"{mp}: collection {kind!r} malformed") from None
+            missing = [t for t in mapping.values() if t not in tensors]
+            if missing:
+                raise CheckpointError(f"{mp}: collection {kind!r} names a tensor {missing[0]!r} that is not in {STATE_FILE}")
+            got = _collection_hash(kind, mapping, tensors, digests)
+            if got != h:
+                raise CheckpointError(f"{sp}: collection {kind!r} hashes to {got[:12]}…, {META_FILE} records {h[:12]}…")
+    return {n: tensors[n] for n in sorted(tensors)}, meta
+
+
+def collection_hashes(meta: dict) -> dict[str, str]:
+    """{kind: collection hash} recorded in a checkpoint's meta (compare with the ledger's hashes)."""
+    return {k: c["hash"] for k, c in meta.get("collections", {}).items()}
+
+
+def verify_checkpoint(path, **kw) -> dict:
+    """load_checkpoint without keeping the tensors; returns meta."""
+    return load_checkpoint(path, **kw)[1]
+
+
+# ------------------------------------------------------------------------------- listing, pruning
+def list_checkpoints(run_dir) -> list[tuple[int, pathlib.Path]]:
+    """[(step, directory)] of the run's checkpoints (complete saves only), ascending by step.
+    Not verified: load_checkpoint verifies."""
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for p in run_dir.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir, at_or_before: int | None = None, verify: bool = False,
+                      **load_kw) -> tuple[int, pathlib.Path] | None:
+    """The newest checkpoint (with step <= at_or_before if given), or None. verify=True skips,
+    with a warning, checkpoints that fail load_checkpoint (load_kw passed on)."""
+    for step, p in reversed(list_checkpoints(run_dir)):
+        if at_or_before is not None and step > at_or_before:
+            continue
+        if verify:
+            try:
+                load_checkpoint(p, **load_kw)
+            except CheckpointError as e:
+                warnings.warn(f"skipping checkpoint {p.name}: {e}", RuntimeWarning, stacklevel=2)
+                continue
+        return step, p
+    return None
+
+
+def keep_last(run_dir, k: int, **load_kw) -> list[pathlib.Path]:
+    """Delete all but the k newest checkpoints, but never the newest one that loads and verifies
+    (if none of the k newest does, the newest valid older one is kept as well). Returns the
+    deleted directories. Each is renamed away before it is removed, so no partial checkpoint is
+    ever visible under a ckpt-* name."""
+    if k < 1:
+        raise CheckpointError(f"keep_last: k must be >= 1, got {k}")
+    run_dir = pathlib.Path(run_dir)
+    recover_checkpoints(run_dir)
+    ckpts = list_checkpoints(run_dir)
+    keep = {p for _, p in ckpts[-k:]}
+    for _, p in reversed(ckpts):
+        try:
+            load_checkpoint(p, **load_kw)
+        except CheckpointError:
+            continue
+        keep.add(p)
+        break
+    deleted = []
+    for step, p in ckpts:
+        if p in keep:
+            continue
+        aside = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.del-", dir=run_dir))
+        os.rmdir(aside)
+        _rename(p, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        deleted.append(p)
+    if deleted:
+        _fsync_dir(run_dir)
+    return deleted
