@@ -91,6 +91,11 @@ from mlx_open1b.cli.data import data  # noqa: E402
 
 cli.add_command(data)
 
+from mlx_open1b.cli.train import audit, hash_, train  # noqa: E402
+
+for _cmd in (train, audit, hash_):
+    cli.add_command(_cmd)
+
 
 def main() -> None:
     cli()

@@ -188,7 +188,8 @@ _PAPER_WARMUP_BATCH = 768 * 4096       # tokens per step in the warmup phase (Ta
 
 PRESETS: dict[str, RunConfig] = {
     # trains on the embedded default corpus in about five minutes on 2 CPU cores
-    "tiny": RunConfig(ModelConfig(), TrainConfig(checkpoint_every=50, eval_every=25), "tiny"),
+    "tiny": RunConfig(ModelConfig(), TrainConfig(total_tokens=1_000_000, warmup_tokens=20_480,
+                                                 checkpoint_every=50, eval_every=50), "tiny"),
     "small": RunConfig(
         ModelConfig(d_model=256, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=32, ffn_hidden=704,
                     seq_len=256, window=64),

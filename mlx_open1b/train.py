@@ -1,0 +1,286 @@
+"""The training loop: one optimizer step at a time, every step hashed into the chained ledger.
+
+A step (0-based index t) is a pure function of the state after step t-1 and the canonical data
+stream (CONTRACT.md §7, §10):
+  1. M microbatches of the step's windows (the phase's M, by consumed tokens);
+  2. per microbatch: loss and gradient (the model program); the step's gradient is the tree fold
+     of the microbatch gradients over microbatch index, times the reciprocal 1/M; the loss the same;
+  3. the pre-clip global norm; the spike protocol; clipping at clip_norm;
+  4. AdamW with the token-anchored learning rate (weight decay on linear layers and the LM head);
+  5. a ledger record with the batch, gradient, parameter and optimizer-state hashes.
+Checkpoints hold everything the next step needs (params, moments, Adam step, stream position,
+spike state, consumed tokens), so a resumed run writes exactly the ledger of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from . import __version__, hashing
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import RunConfig
+from .contract import CONTRACT_VERSION
+from .data.format import DataError, Manifest
+from .data.stream import Stream, heldout_windows, manifest_fingerprint
+from .fsutil import write_json_atomic
+from .hostmath import f32, reciprocal
+from .ledger import Ledger, genesis_hash
+
+RUN_FILE = "run.json"
+LEDGER_FILE = "ledger.jsonl"
+
+
+class TrainError(RuntimeError):
+    """Training cannot go on; the message names the step and the cause. exit_code for the CLI."""
+
+    def __init__(self, msg: str, exit_code: int = 3):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+def get_backend(name: str):
+    if name == "cpu_ref":
+        from . import cpu_ref
+        return cpu_ref
+    raise TrainError(f"backend {name!r} is not available here (available: cpu_ref)", exit_code=2)
+
+
+class TreeFold:
+    """The binary-carry fold of CONTRACT.md §7 over arrays, lower index on the left; `add` is the
+    backend's elementwise contract add (in place on its first argument)."""
+
+    def __init__(self, add_inplace):
+        self.add, self.stack = add_inplace, []
+
+    def push(self, v: np.ndarray) -> None:
+        level = 0
+        while self.stack and self.stack[-1][0] == level:
+            _, lower = self.stack.pop()
+            self.add(lower, v)
+            v, level = lower, level + 1
+        self.stack.append((level, v))
+
+    def result(self) -> np.ndarray:
+        acc = self.stack[0][1]
+        for _, v in self.stack[1:]:
+            self.add(acc, v)
+        return acc
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything the next step depends on (all of it in the checkpoint and the hashes)."""
+    step: int                    # steps completed
+    consumed: int                # tokens consumed
+    adam_t: int                  # optimizer updates applied (bias correction)
+    skip_left: int               # spike protocol: updates still to skip
+    params: np.ndarray           # (P,) bf16 as uint16
+    m: np.ndarray                # (P,) f32
+    v: np.ndarray                # (P,) f32
+    stream: dict                 # data-stream position at the step boundary
+
+
+class Trainer:
+    def __init__(self, run_dir, cfg: RunConfig | None = None, corpus_dir=None, backend: str = "cpu_ref",
+                 resume: bool = False, log=None, readonly: bool = False, at_step: int | None = None):
+        self.dir = pathlib.Path(run_dir)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.ops = get_backend(backend)
+        self.backend = backend
+        run_file = self.dir / RUN_FILE
+        if resume or readonly:
+            if not run_file.exists():
+                raise TrainError(f"{run_file}: no run to resume (start one without --resume)", exit_code=2)
+            info = json.loads(run_file.read_text())
+            if info.get("contract_version") != CONTRACT_VERSION:
+                raise TrainError(f"{run_file}: written under contract v{info.get('contract_version')}, "
+                                 f"this is v{CONTRACT_VERSION}; it cannot be continued bit for bit", exit_code=2)
+            self.cfg = RunConfig.from_json(info["config"]).check()
+            corpus_dir = info["corpus_dir"]
+        else:
+            if run_file.exists():
+                raise TrainError(f"{run_file}: a run already exists here; use --resume or another --out", exit_code=2)
+            if cfg is None or corpus_dir is None:
+                raise TrainError("a new run needs a config and a prepared corpus", exit_code=2)
+            self.cfg = cfg.check()
+        self.model_cfg, self.tcfg = self.cfg.model, self.cfg.train
+        self.corpus = pathlib.Path(corpus_dir)
+        self.manifest = Manifest.load(self.corpus)
+        if self.manifest.vocab_size != self.model_cfg.vocab_size:
+            raise TrainError(f"corpus {self.corpus}: vocabulary {self.manifest.vocab_size}, model.vocab_size "
+                             f"{self.model_cfg.vocab_size}", exit_code=2)
+        self.fingerprint = manifest_fingerprint(self.manifest)
+        self.genesis = genesis_hash(self.cfg.to_json(), self.fingerprint, self.manifest.tokenizer_sha256,
+                                    CONTRACT_VERSION)
+        if resume or readonly:
+            for key, mine in (("manifest_fingerprint", self.fingerprint), ("genesis", self.genesis),
+                              ("tokenizer_sha256", self.manifest.tokenizer_sha256)):
+                if info.get(key) != mine:
+                    raise TrainError(f"{run_file}: {key} {str(info.get(key))[:16]}… does not match the corpus "
+                                     f"{self.corpus} ({mine[:16]}…)", exit_code=2)
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(run_file, {
+                "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION, "created_by": f"mlx-open1b {__version__}",
+                "corpus_dir": str(self.corpus.resolve()), "manifest_fingerprint": self.fingerprint,
+                "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis})
+        from .model import Model, ParamLayout, init_params
+        self.model = Model(self.model_cfg, self.ops)
+        self.layout = ParamLayout(self.model_cfg)
+        self.shapes = self.model_cfg.param_shapes()
+        self.readonly = readonly
+        self.ledger = None if readonly else Ledger(self.dir / LEDGER_FILE, self.genesis)
+        if readonly:
+            self.state = self._load_latest(at_step)
+        elif resume:
+            self.state = self._load_latest()
+            self.ledger.truncate_after(self.state.step - 1)
+        else:
+            P = self.model_cfg.n_params()
+            params = init_params(self.model_cfg, self.tcfg.seed)
+            stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len)
+            self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state())
+            self._checkpoint()
+        self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
+        self._probes = None
+
+    # ------------------------------------------------------------------ state and hashes
+    def _tensors(self, buf: np.ndarray, dtype: str):
+        offs = 0
+        for name, shape, _ in self.shapes:
+            n = int(np.prod(shape))
+            yield name, buf[offs:offs + n].reshape(shape), dtype
+            offs += n
+
+    def param_hash(self, params) -> str:
+        return hashing.collection_hash("params", list(self._tensors(params, "bf16")))
+
+    def opt_hash(self, st: TrainState) -> str:
+        items = ([("m." + n, a, d) for n, a, d in self._tensors(st.m, "f32")]
+                 + [("v." + n, a, d) for n, a, d in self._tensors(st.v, "f32")]
+                 + [("adam_t", np.array([st.adam_t], np.int64), "i64"),
+                    ("skip_left", np.array([st.skip_left], np.int64), "i64")])
+        return hashing.collection_hash("opt_state", items)
+
+    def _checkpoint(self) -> pathlib.Path:
+        st = self.state
+        meta = {"step": st.step, "consumed": st.consumed, "adam_t": st.adam_t, "skip_left": st.skip_left,
+                "stream": st.stream, "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION,
+                "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis,
+                "params_hash": self.param_hash(st.params), "opt_hash": self.opt_hash(st)}
+        tensors = {"params": (st.params, "bf16"), "m": (st.m, "f32"), "v": (st.v, "f32")}
+        return save_checkpoint(self.dir, st.step, tensors, meta)
+
+    def _load_latest(self, at_or_before: int | None = None) -> TrainState:
+        found = latest_checkpoint(self.dir, at_or_before)
+        if found is None:
+            raise TrainError(f"{self.dir}: no checkpoint to resume from", exit_code=2)
+        return self.load_state(found[1])
+
+    def load_state(self, path) -> TrainState:
+        tensors, meta = load_checkpoint(path)
+        if meta.get("genesis") != self.genesis:
+            raise TrainError(f"{path}: checkpoint belongs to another run (genesis differs)", exit_code=2)
+        st = TrainState(int(meta["step"]), int(meta["consumed"]), int(meta["adam_t"]), int(meta["skip_left"]),
+                        *(np.array(tensors[k][0], copy=True) for k in ("params", "m", "v")), meta["stream"])
+        if self.param_hash(st.params) != meta["params_hash"] or self.opt_hash(st) != meta["opt_hash"]:
+            raise TrainError(f"{path}: tensors do not match the hashes recorded in its meta.json", exit_code=2)
+        return st
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict:
+        """Compute the next step, append its ledger record, checkpoint when due."""
+        record = self.compute_step()
+        if self.tcfg.eval_every and (self.state.step % self.tcfg.eval_every == 0):
+            record["eval"] = self.heldout_ce()
+        record["hash"] = self.ledger.append(record)
+        if self.state.step % self.tcfg.checkpoint_every == 0:
+            self._checkpoint()
+        return record
+
+    def compute_step(self) -> dict:
+        """Advance the state by one optimizer step and return its ledger record (no hash yet)."""
+        st, ops, t = self.state, self.ops, self.state.step
+        M, tokens = self.tcfg.tokens_per_step(self.model_cfg, st.consumed)
+        mb = self.tcfg.microbatch_seqs
+        w0 = self.stream.windows_emitted
+        windows = self.stream.next_windows(M * mb)
+        batch_hash = hashing.collection_hash("batch", [("windows", windows, "u32")])
+        fold, losses, ces, zls = TreeFold(ops.add_inplace), [], [], []
+        for i in range(M):
+            loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
+            losses.append(loss), ces.append(ce), zls.append(zl)
+            fold.push(g)
+        grads = fold.result()
+        ops.scale_inplace(grads, reciprocal(M))
+        rM = reciprocal(M)
+        loss = float(np.float32(ops.treefold(np.array(losses, np.float32))) * np.float32(rM))
+        ce = float(np.float32(ops.treefold(np.array(ces, np.float32))) * np.float32(rM))
+        zl = float(np.float32(ops.treefold(np.array(zls, np.float32))) * np.float32(rM))
+        if not math.isfinite(loss):
+            raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
+                             f"The last checkpoint is intact; inspect the data or lower the learning rate.")
+        grad_hash = hashing.collection_hash("grads", list(self._tensors(grads, "f32")))
+        norm = ops.global_norm([a for _, a, _ in self._tensors(grads, "f32")])
+        spike = not (norm <= self.tcfg.spike_threshold)
+        skipped = st.skip_left > 0
+        clipped = False
+        lr = f32(self.tcfg.lr_at(st.consumed + tokens))
+        if not skipped and math.isfinite(norm):
+            coef = ops.clip_coef(norm, self.tcfg.clip_norm)
+            if coef < 1.0:
+                ops.scale_inplace(grads, coef)
+                clipped = True
+            st.adam_t += 1
+            for (name, shape, decayed), (_, p, _), (_, g, _), (_, m, _), (_, v, _) in zip(
+                    self.shapes, self._tensors(st.params, "bf16"), self._tensors(grads, "f32"),
+                    self._tensors(st.m, "f32"), self._tensors(st.v, "f32")):
+                ops.adamw_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), lr=lr,
+                               beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
+                               weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
+        elif not math.isfinite(norm):
+            raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
+        st.skip_left = self.tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
+        st.step, st.consumed = t + 1, st.consumed + tokens
+        st.stream = self.stream.state()
+        record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
+                  "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
+                  "spike": spike, "microbatches": M,
+                  "hashes": {"batch": batch_hash, "grads": grad_hash, "params": self.param_hash(st.params),
+                             "opt_state": self.opt_hash(st)}}
+        return record
+
+    def heldout_ce(self) -> dict:
+        """Held-out CE per source (the first eval_windows probe windows) and the mixture CE
+        (weighted by the configured shares)."""
+        if self._probes is None:
+            self._probes = {s.name: heldout_windows(self.corpus, s.name, self.model_cfg.seq_len,
+                                                    self.tcfg.eval_windows) for s in self.manifest.sources}
+        out, mix = {}, 0.0
+        for s in self.manifest.sources:
+            w = self._probes[s.name]
+            if len(w) == 0:
+                continue
+            ce = float(np.mean(self.model.eval_loss(self.state.params, w), dtype=np.float64))
+            out[s.name] = ce
+            mix += s.share * ce
+        out["mixture"] = mix
+        return out
+
+    def train(self, steps: int, progress=None) -> str:
+        """Run until `steps` steps are completed in total; returns the run hash."""
+        t0, tok0 = time.perf_counter(), self.state.consumed
+        while self.state.step < steps:
+            rec = self.step()
+            if progress:
+                dt = time.perf_counter() - t0
+                progress(rec, (self.state.consumed - tok0) / dt if dt > 0 else 0.0)
+        if self.state.step % self.tcfg.checkpoint_every:
+            self._checkpoint()
+        return self.ledger.last_hash or self.genesis
