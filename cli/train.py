@@ -95,19 +95,28 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed):
 
 
 def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
-    """The PyTorch baseline on the same windows: losses and tokens/s, no ledger (not reproducible)."""
+    """The PyTorch baseline (float32) on the same windows and recipe: losses and tokens/s, no
+    ledger — it is not reproducible and serves as the speed and loss reference."""
     try:
         import torch
     except ImportError:
         _fail("--backend torch needs PyTorch: pip install 'mlx-open1b[torch]'", 2)
     from mlx_open1b.data.stream import Stream
+    from mlx_open1b.model import init_params
     from mlx_open1b.torch_model import TorchTrainer
     if threads:
         torch.set_num_threads(threads)
-    stream = Stream(data_dir, cfg.train.seed, cfg.model.seq_len)
-    tt = TorchTrainer(cfg)
-    for rec in tt.train_steps(stream, steps):
-        click.echo(json.dumps(rec), err=True)
+    t, m = cfg.train, cfg.model
+    stream = Stream(data_dir, t.seed, m.seq_len)
+    M, tokens = t.tokens_per_step(m, 0)
+    tt = TorchTrainer(m, init_params(m, t.seed), betas=(t.beta1, t.beta2), eps=t.eps,
+                      weight_decay=t.weight_decay, clip_norm=t.clip_norm)
+    batches = iter(lambda: stream.next_windows(t.microbatch_seqs), None)
+    for i in range(steps):
+        res = tt.train_steps(batches, 1, t.lr_at((i + 1) * tokens), microbatches=M)
+        if (i + 1) % 10 == 0 or i + 1 == steps:
+            click.echo(f"torch step {i + 1}/{steps}  loss {res.losses[0]:.4f}  |g| {res.grad_norms[0]:.3f}  "
+                       f"{res.tokens_per_s:,.0f} tok/s", err=True)
 
 
 @click.command()

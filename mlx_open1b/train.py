@@ -135,6 +135,7 @@ class Trainer:
         self.layout = ParamLayout(self.model_cfg)
         self.shapes = self.model_cfg.param_shapes()
         self.readonly = readonly
+        self.timing = {"hash": 0.0, "steps": 0.0, "n": 0}   # seconds spent hashing / in compute_step
         self.ledger = None if readonly else Ledger(self.dir / LEDGER_FILE, self.genesis)
         if readonly:
             self.state = self._load_latest(at_step)
@@ -158,15 +159,21 @@ class Trainer:
             yield name, buf[offs:offs + n].reshape(shape), dtype
             offs += n
 
+    def _hash(self, kind: str, items) -> str:
+        t0 = time.perf_counter()
+        h = hashing.collection_hash(kind, items)
+        self.timing["hash"] += time.perf_counter() - t0
+        return h
+
     def param_hash(self, params) -> str:
-        return hashing.collection_hash("params", list(self._tensors(params, "bf16")))
+        return self._hash("params", list(self._tensors(params, "bf16")))
 
     def opt_hash(self, st: TrainState) -> str:
         items = ([("m." + n, a, d) for n, a, d in self._tensors(st.m, "f32")]
                  + [("v." + n, a, d) for n, a, d in self._tensors(st.v, "f32")]
                  + [("adam_t", np.array([st.adam_t], np.int64), "i64"),
                     ("skip_left", np.array([st.skip_left], np.int64), "i64")])
-        return hashing.collection_hash("opt_state", items)
+        return self._hash("opt_state", items)
 
     def _checkpoint(self) -> pathlib.Path:
         st = self.state
@@ -206,12 +213,19 @@ class Trainer:
 
     def compute_step(self) -> dict:
         """Advance the state by one optimizer step and return its ledger record (no hash yet)."""
+        t0 = time.perf_counter()
+        record = self._compute_step()
+        self.timing["steps"] += time.perf_counter() - t0
+        self.timing["n"] += 1
+        return record
+
+    def _compute_step(self) -> dict:
         st, ops, t = self.state, self.ops, self.state.step
         M, tokens = self.tcfg.tokens_per_step(self.model_cfg, st.consumed)
         mb = self.tcfg.microbatch_seqs
         w0 = self.stream.windows_emitted
         windows = self.stream.next_windows(M * mb)
-        batch_hash = hashing.collection_hash("batch", [("windows", windows, "u32")])
+        batch_hash = self._hash("batch", [("windows", windows, "u32")])
         fold, losses, ces, zls = TreeFold(ops.add_inplace), [], [], []
         for i in range(M):
             loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
@@ -226,7 +240,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
                              f"The last checkpoint is intact; inspect the data or lower the learning rate.")
-        grad_hash = hashing.collection_hash("grads", list(self._tensors(grads, "f32")))
+        grad_hash = self._hash("grads", list(self._tensors(grads, "f32")))
         norm = ops.global_norm([a for _, a, _ in self._tensors(grads, "f32")])
         spike = not (norm <= self.tcfg.spike_threshold)
         skipped = st.skip_left > 0

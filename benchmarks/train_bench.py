@@ -1,0 +1,74 @@
+"""Side by side in one run: the reproducible trainer (C reference) vs the PyTorch baseline on the
+same preset, windows and threads; hashing as a share of step time; audit replay vs training.
+
+    python benchmarks/train_bench.py --preset tiny --steps 20 --threads 2 --data runs/data-default
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import tempfile
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (open1b data prepare --default)")
+    a = ap.parse_args()
+
+    import torch
+
+    from mlx_open1b import cpu_ref
+    from mlx_open1b.audit import audit
+    from mlx_open1b.config import preset
+    from mlx_open1b.data.stream import Stream
+    from mlx_open1b.model import init_params
+    from mlx_open1b.torch_model import TorchTrainer
+    from mlx_open1b.train import Trainer
+
+    cpu_ref.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
+    cfg = preset(a.preset)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0, checkpoint_every=10 ** 9))
+    t, m = cfg.train, cfg.model
+    M, tokens = t.tokens_per_step(m, 0)
+    with tempfile.TemporaryDirectory() as d:
+        run = pathlib.Path(d) / "run"
+        tr = Trainer(run, cfg, a.data)
+        tr.step()                                   # warm-up step (allocations, thread start)
+        tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
+        t0 = time.perf_counter()
+        tr.train(1 + a.steps)
+        ours = a.steps * tokens / (time.perf_counter() - t0)
+        hash_share = tr.timing["hash"] / tr.timing["steps"]
+        step_s = tr.timing["steps"] / tr.timing["n"]
+        t0 = time.perf_counter()
+        att = audit(run, 1, a.steps)
+        replay = (a.steps + 1) * tokens / (time.perf_counter() - t0)     # replays from checkpoint 0
+        assert att["verdict"] == "certified", att
+
+    results = {}
+    for name, kw in (("torch float32", {}), ("torch bf16 autocast", {"autocast_bf16": True})):
+        stream = Stream(a.data, t.seed, m.seq_len)
+        tt = TorchTrainer(m, init_params(m, t.seed), betas=(t.beta1, t.beta2), eps=t.eps,
+                          weight_decay=t.weight_decay, clip_norm=t.clip_norm, **kw)
+        batches = iter(lambda: stream.next_windows(t.microbatch_seqs), None)
+        tt.train_steps(batches, 1, t.peak_lr, microbatches=M)
+        res = tt.train_steps(batches, a.steps, t.peak_lr, microbatches=M)
+        results[name] = res.tokens_per_s
+
+    print(f"preset {a.preset}, {m.n_params():,} params, {tokens} tokens/step, {a.threads} threads, {a.steps} steps")
+    print(f"  reproducible (cpu_ref)   {ours:10,.0f} tok/s   step {step_s * 1e3:7.1f} ms   hashing {100 * hash_share:.2f}% of step")
+    for name, v in results.items():
+        print(f"  {name:24s} {v:10,.0f} tok/s   ratio torch/ours {v / ours:5.2f}")
+    print(f"  audit replay             {replay:10,.0f} tok/s   replay/train {replay / ours:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
