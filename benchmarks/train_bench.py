@@ -58,7 +58,7 @@ def main() -> None:
         stream = Stream(a.data, t.seed, m.seq_len)
         tt = TorchTrainer(m, init_params(m, t.seed), betas=(t.beta1, t.beta2), eps=t.eps,
                           weight_decay=t.weight_decay, clip_norm=t.clip_norm, **kw)
-        batches = iter(lambda: stream.next_windows(t.microbatch_seqs), None)
+        batches = (stream.next_windows(t.microbatch_seqs) for _ in iter(int, 1))
         tt.train_steps(batches, 1, t.peak_lr, microbatches=M)
         res = tt.train_steps(batches, a.steps, t.peak_lr, microbatches=M)
         results[name] = res.tokens_per_s

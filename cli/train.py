@@ -111,7 +111,7 @@ def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
     M, tokens = t.tokens_per_step(m, 0)
     tt = TorchTrainer(m, init_params(m, t.seed), betas=(t.beta1, t.beta2), eps=t.eps,
                       weight_decay=t.weight_decay, clip_norm=t.clip_norm)
-    batches = iter(lambda: stream.next_windows(t.microbatch_seqs), None)
+    batches = (stream.next_windows(t.microbatch_seqs) for _ in iter(int, 1))
     for i in range(steps):
         res = tt.train_steps(batches, 1, t.lr_at((i + 1) * tokens), microbatches=M)
         if (i + 1) % 10 == 0 or i + 1 == steps:
