@@ -163,7 +163,7 @@ static inline void o1b_sincos_reduce(float x, float *r, int *q) {
     float y = o1b_sub(x, o1b_mul(nf, 0x1.92p0f));
     y = o1b_sub(y, o1b_mul(nf, 0x1.fb4p-12f));
     *r = o1b_sub(y, o1b_mul(nf, 0x1.4442d2p-24f));
-    *q = (int)nf & 3;
+    *q = fabsf(nf) < 0x1p31f ? (int)nf & 3 : 0;   /* |nf| >= 2^25 is a multiple of 4 */
 }
 static inline float o1b_sin_poly(float r) {                   /* r - r^3/3! + ... + r^9/9! */
     float z = o1b_mul(r, r);

@@ -68,7 +68,8 @@ def _reduce(x):
     y = sub(x, mul(nf, _c("0x1.92p0")))
     y = sub(y, mul(nf, _c("0x1.fb4p-12")))
     r = sub(y, mul(nf, _c("0x1.4442d2p-24")))
-    q = np.nan_to_num(nf, nan=0.0).astype(np.int64) & 3
+    nf0 = np.nan_to_num(nf, nan=0.0, posinf=0.0, neginf=0.0)
+    q = np.where(np.abs(nf0) < 2.0 ** 31, nf0, 0).astype(np.int64) & 3   # |nf| >= 2^25: a multiple of 4
     return r, q
 
 

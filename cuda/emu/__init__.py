@@ -1,0 +1,219 @@
+"""The CUDA emulator: runs the exact .cu source text of cuda/ on a CPU.
+
+The source is compiled with g++ (-O2 -ffp-contract=off -fno-fast-math, no -march) after a prelude
+(prelude.h) that maps the CUDA kernel environment onto C++: thread/block indices, __shared__
+arrays, a faithful __syncthreads() (the threads of a block are cooperative fibers), and the
+intrinsics the contract allows. Kernels are launched like cupy.RawKernel: `fn(grid, block, args)`
+with numpy arrays in place of cupy arrays and numpy scalars of the kernel's parameter types; blocks
+run one after another.
+
+Race check: `options(race_check=True)` runs every launch twice — threads scheduled in thread order
+and in reverse order (at each barrier phase) on copies of the arrays — and raises EmuRaceError if
+any array differs, which is how a missing __syncthreads shows up.
+
+Compiled libraries are cached in $XDG_CACHE_HOME/mlx-open1b/emu/<sha256>.so (default ~/.cache),
+keyed by the prelude, the source text, the flags and the compiler.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+
+PRELUDE_PATH = pathlib.Path(__file__).resolve().parent / "prelude.h"
+CXX = "g++"
+CXXFLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
+            "-fno-strict-aliasing", "-fPIC", "-shared", "-w")
+
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+([A-Za-z_]\w*)\s*\(')
+_SCALARS = {"f4": np.float32, "f8": np.float64, "i4": np.int32, "i8": np.int64, "u4": np.uint32,
+            "u8": np.uint64, "i2": np.int16, "u2": np.uint16, "i1": np.int8, "u1": np.uint8}
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL] = {}
+_settings = {"race_check": False, "ftz": 1, "ucontext": False}
+
+
+class EmuCompileError(RuntimeError):
+    """g++ rejected a kernel source; the message names the module and holds g++'s output."""
+
+
+class EmuLaunchError(RuntimeError):
+    """A launch failed: barrier divergence, bad arguments, or out of memory."""
+
+
+class EmuRaceError(EmuLaunchError):
+    """Two thread orders of the same launch gave different results (a missing barrier)."""
+
+
+@contextlib.contextmanager
+def options(race_check: bool | None = None, ftz: int | None = None, ucontext: bool | None = None):
+    """Temporarily change the race check, the emulated single-precision flush mode (0 IEEE, 1 flush
+    with tininess after rounding, 2 before rounding), or force ucontext fibers where the fast
+    x86-64 stack switch would be used. Modules compiled while a setting is active keep it."""
+    old = dict(_settings)
+    try:
+        if race_check is not None:
+            _settings["race_check"] = bool(race_check)
+        if ftz is not None:
+            if ftz not in (0, 1, 2):
+                raise ValueError(f"ftz: expected 0, 1 or 2, got {ftz!r}")
+            _settings["ftz"] = int(ftz)
+        if ucontext is not None:
+            _settings["ucontext"] = bool(ucontext)
+        yield
+    finally:
+        _settings.update(old)
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "mlx-open1b" / "emu"
+
+
+def compiler_available() -> tuple[bool, str]:
+    path = shutil.which(CXX)
+    return (True, path) if path else (False, f"{CXX} not found on PATH")
+
+
+_version_cache: list[str] = []
+
+
+def _compiler_version() -> str:
+    if not _version_cache:
+        out = subprocess.run([CXX, "--version"], capture_output=True, text=True)
+        _version_cache.append(out.stdout.splitlines()[0] if out.stdout else "unknown")
+    return _version_cache[0]
+
+
+def kernel_names(source: str) -> list[str]:
+    return _KERNEL_RE.findall(source)
+
+
+def _build(source: str, name: str, ftz: int, ucontext: bool) -> tuple[ctypes.CDLL, pathlib.Path]:
+    kernels = kernel_names(source)
+    if not kernels:
+        raise EmuCompileError(f"{name}: no `extern \"C\" __global__ void` kernel in the source")
+    text = (f"#define EMU_FTZ {ftz}\n" + ("#define EMU_UCONTEXT 1\n" if ucontext else "") + "#line 1 \"emu/prelude.h\"\n" + PRELUDE_PATH.read_text()
+            + f"\n#line 1 \"{name}\"\n" + source
+            + "\n#line 1 \"<emulator trampolines>\"\n" + "".join(f"EMU_KERNEL({k})\n" for k in kernels))
+    flags = CXXFLAGS
+    key = hashlib.sha256("\0".join([text, " ".join(flags), _compiler_version()]).encode()).hexdigest()
+    with _lock:
+        if key in _loaded:
+            return _loaded[key], cache_dir() / f"{key}.so"
+        out = cache_dir() / f"{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix="o1b-emu-") as tmp:
+                src = pathlib.Path(tmp) / "module.cpp"
+                src.write_text(text)
+                tmp_so = out.parent / f".{key}.{os.getpid()}.tmp.so"
+                proc = subprocess.run([CXX, *flags, "-o", str(tmp_so), str(src)],
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    tmp_so.unlink(missing_ok=True)
+                    raise EmuCompileError(
+                        f"CUDA emulator: g++ failed to compile {name} (kernels: {', '.join(kernels)}):\n"
+                        f"{proc.stderr.strip()}")
+                os.replace(tmp_so, out)    # atomic: concurrent builders write the same bytes
+        lib = ctypes.CDLL(str(out))
+        lib.emu_launch.restype = ctypes.c_int
+        lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_int]
+        _loaded[key] = lib
+        return lib, out
+
+
+class EmuModule:
+    """cupy.RawModule's shape on the emulator: EmuModule(source, name).get_function(kernel)."""
+
+    def __init__(self, source: str, name: str = "<source>"):
+        self.name, self.source = name, source
+        self.ftz = _settings["ftz"]
+        self.lib, self.path = _build(source, name, self.ftz, _settings["ucontext"])
+        self.uses_barrier = "__syncthreads" in source
+        self.kernels = kernel_names(source)
+
+    def get_function(self, kernel: str) -> "EmuFunction":
+        if kernel not in self.kernels:
+            raise AttributeError(f"{self.name}: no kernel named {kernel!r} (has: {', '.join(self.kernels)})")
+        return EmuFunction(self, kernel)
+
+
+def _dims(v, what: str) -> tuple[int, int, int]:
+    t = (int(v),) if np.isscalar(v) else tuple(int(x) for x in v)
+    if not 1 <= len(t) <= 3 or any(x < 1 for x in t):
+        raise EmuLaunchError(f"{what}: expected 1 to 3 positive sizes, got {v!r}")
+    return t + (1,) * (3 - len(t))
+
+
+class EmuFunction:
+    def __init__(self, module: EmuModule, kernel: str):
+        self.module, self.kernel = module, kernel
+        self.tramp = ctypes.cast(getattr(module.lib, f"emu_tramp_{kernel}"), ctypes.c_void_p).value
+        sig = getattr(module.lib, f"emu_sig_{kernel}")
+        sig.restype = ctypes.c_char_p
+        self.signature = [s for s in sig().decode().split(",") if s]
+
+    def _pack(self, args):
+        if len(args) != len(self.signature):
+            raise EmuLaunchError(f"{self.kernel}: expected {len(self.signature)} arguments, got {len(args)}")
+        holders, arrays = [], []
+        for i, (code, a) in enumerate(zip(self.signature, args)):
+            if code == "p":
+                if not isinstance(a, np.ndarray):
+                    raise EmuLaunchError(f"{self.kernel}: argument {i} is a pointer; expected a numpy array, "
+                                         f"got {type(a).__name__}")
+                if not a.flags.c_contiguous:
+                    raise EmuLaunchError(f"{self.kernel}: argument {i} must be C-contiguous")
+                arrays.append(a)
+                holders.append(ctypes.c_void_p(a.ctypes.data))
+            else:
+                want = _SCALARS[code]
+                if not isinstance(a, np.generic) or a.dtype != np.dtype(want):
+                    raise EmuLaunchError(f"{self.kernel}: argument {i} must be a numpy {np.dtype(want).name} "
+                                         f"scalar (the kernel's parameter type), got {type(a).__name__}")
+                holders.append(np.array(a, dtype=want))   # owns the bytes
+        ptrs = (ctypes.c_void_p * max(1, len(holders)))()
+        for i, h in enumerate(holders):
+            ptrs[i] = ctypes.addressof(h) if isinstance(h, ctypes.c_void_p) else h.ctypes.data
+        return ptrs, holders, arrays
+
+    def _run(self, grid, block, ptrs, reverse: bool) -> None:
+        mode = (1 if reverse else 0) | (0 if self.module.uses_barrier else 2)
+        rc = self.module.lib.emu_launch(self.tramp, ctypes.addressof(ptrs), *grid, *block, mode)
+        if rc == 1:
+            raise EmuLaunchError(f"{self.kernel}: barrier divergence (some threads of a block returned while "
+                                 "others wait at __syncthreads)")
+        if rc:
+            raise EmuLaunchError(f"{self.kernel}: launch failed (code {rc})")
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        if shared_mem:
+            raise EmuLaunchError(f"{self.kernel}: dynamic shared memory is not supported by the emulator")
+        grid, block = _dims(grid, "grid"), _dims(block, "block")
+        if block[0] * block[1] * block[2] > 1024:
+            raise EmuLaunchError(f"{self.kernel}: a block has at most 1024 threads, got {block}")
+        ptrs, holders, arrays = self._pack(tuple(args))
+        with _lock:    # the scheduler state in the library is global
+            if not _settings["race_check"]:
+                self._run(grid, block, ptrs, False)
+                return
+            before = [a.copy() for a in arrays]
+            self._run(grid, block, ptrs, False)
+            forward = [a.copy() for a in arrays]
+            for a, b in zip(arrays, before):
+                np.copyto(a, b)
+            self._run(grid, block, ptrs, True)
+            for i, (a, f) in enumerate(zip(arrays, forward)):
+                if a.tobytes() != f.tobytes():
+                    raise EmuRaceError(f"{self.kernel}: race detected — array argument {i} differs between "
+                                       "forward and reverse thread order (a missing __syncthreads?)")

@@ -1,0 +1,284 @@
+/* prelude.h — the CUDA kernel environment as plain C++, so that the exact .cu text of cuda/ runs
+ * on a CPU (the CUDA emulator, cuda/emu/__init__.py). Compiled with g++ -O2 -ffp-contract=off
+ * -fno-fast-math (no -march), so every float operation below is one IEEE binary32 operation.
+ *
+ * What it maps:
+ *   - __global__/__device__/__host__/__forceinline__/__noinline__: plain (inline) C++ functions.
+ *   - threadIdx/blockIdx/blockDim/gridDim: globals that the scheduler sets before it runs a thread.
+ *   - __shared__: a function-local static, i.e. one array shared by all threads of the block that is
+ *     running (blocks run one after another), poisoned at each block's start. Dynamic (extern)
+ *     shared memory is not supported.
+ *   - __syncthreads(): a faithful barrier. The threads of a block are cooperative fibers (ucontext,
+ *     one stack each). The scheduler runs every runnable fiber, in thread order (or reversed, for
+ *     the race check), until it reaches a barrier or returns; when all have reached the barrier they
+ *     all pass it; a thread that returns while others wait at a barrier is "barrier divergence".
+ *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
+ *     __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz, __umulhi.
+ *     EMU_FTZ selects how the single-precision ones treat subnormals: 0 IEEE gradual underflow,
+ *     1 flush inputs and results with tininess detected after rounding (x86-like), 2 flush with
+ *     tininess detected before rounding. The contract helpers must give the same bits in all three
+ *     (tests/test_cuda_backend.py runs them), which is what makes CuPy's -ftz=true harmless.
+ */
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700   /* macOS only offers the ucontext routines under this (untested there) */
+#endif
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <ucontext.h>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#ifndef EMU_FTZ
+#define EMU_FTZ 1
+#endif
+
+struct emu_uint3 { unsigned int x, y, z; };
+typedef emu_uint3 uint3;
+typedef emu_uint3 dim3;
+static uint3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+/* Every __shared__ array lives in the section "emu_shared", which the scheduler poisons at the
+ * start of each block (0xFF bytes, NaN, in thread order; 0x7F bytes, 3.39e38, in reverse order), as
+ * CUDA shared memory starts undefined: a read before the block's own write shows up as a wrong
+ * value and, under the race check, as a difference between the two orders. */
+#if defined(__ELF__)
+#define __shared__ static __attribute__((section("emu_shared")))
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
+static void emu_poison_shared(int reverse) {
+    if (__start_emu_shared && __stop_emu_shared && __stop_emu_shared > __start_emu_shared)
+        memset(__start_emu_shared, reverse ? 0x7F : 0xFF, (size_t)(__stop_emu_shared - __start_emu_shared));
+}
+#else   /* no linker-made section bounds: shared memory is not poisoned */
+#define __shared__ static
+static void emu_poison_shared(int) {}
+#endif
+
+/* ---- intrinsics ---- */
+static inline unsigned int __float_as_uint(float x) { unsigned int u; memcpy(&u, &x, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float x; memcpy(&x, &u, 4); return x; }
+static inline float __int2float_rn(int i) { return (float)i; }
+static inline int __float2int_rz(float x) { return (int)x; }
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((uint64_t)a * (uint64_t)b) >> 32);
+}
+static inline double __dmul_rn(double a, double b) { return a * b; }
+
+static inline float emu_ftz_in(float x) {
+#if EMU_FTZ
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7F800000u) == 0) return __uint_as_float(u & 0x80000000u);
+#endif
+    return x;
+}
+static inline float emu_ftz_out(float r) { return emu_ftz_in(r); }   /* tininess after rounding */
+
+static inline float __fadd_rn(float a, float b) { return emu_ftz_out(emu_ftz_in(a) + emu_ftz_in(b)); }
+static inline float __fsub_rn(float a, float b) { return emu_ftz_out(emu_ftz_in(a) - emu_ftz_in(b)); }
+static inline float __fmul_rn(float a, float b) {
+    a = emu_ftz_in(a); b = emu_ftz_in(b);
+    float r = a * b;
+#if EMU_FTZ == 2
+    double e = (double)a * (double)b;                       /* exact */
+    if (e < 0x1p-126 && e > -0x1p-126) return __uint_as_float(__float_as_uint(r) & 0x80000000u);
+#endif
+    return emu_ftz_out(r);
+}
+static inline float __fdiv_rn(float a, float b) {
+    a = emu_ftz_in(a); b = emu_ftz_in(b);
+    float r = a / b;
+#if EMU_FTZ == 2
+    if (r == r && fabs((double)a) < 0x1p-126 * fabs((double)b))
+        return __uint_as_float(__float_as_uint(r) & 0x80000000u);
+#endif
+    return emu_ftz_out(r);
+}
+static inline float __fsqrt_rn(float x) { return emu_ftz_out(sqrtf(emu_ftz_in(x))); }
+
+/* ---- the block scheduler ---- */
+/* Fibers switch with a 14-instruction stack switch on x86-64 Linux (glibc's swapcontext makes a
+ * sigprocmask system call per switch, which dominates barrier-heavy kernels such as the tiled GEMM);
+ * elsewhere, or with EMU_UCONTEXT defined, with ucontext's swapcontext. Both give the same schedule. */
+#if defined(__x86_64__) && defined(__linux__) && !defined(EMU_UCONTEXT)
+#define EMU_FAST_SWITCH 1
+/* Saves the callee-saved registers on the current stack, stores its pointer in *save_sp, and
+ * continues on new_sp (a stack that emu_switch saved, or one prepared by emu_prepare). */
+extern "C" void emu_switch(void **save_sp, void *new_sp);
+__asm__(".text\n.p2align 4\n.hidden emu_switch\n.globl emu_switch\n.type emu_switch,@function\n"
+        "emu_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+        ".size emu_switch, .-emu_switch\n");
+#endif
+
+enum { EMU_RUNNABLE = 0, EMU_AT_BARRIER = 1, EMU_DONE = 2 };
+struct emu_fiber { void *sp; int state; ucontext_t ctx; };
+
+static ucontext_t emu_sched_ctx;
+static void *emu_sched_sp = 0;
+static emu_fiber *emu_fibers = 0;
+static char *emu_stacks = 0;
+static int emu_capacity = 0;
+static int emu_current = -1;
+static int emu_direct = 0;
+static void (*emu_body)(void **) = 0;
+static void **emu_args = 0;
+static const size_t EMU_STACK = 256 * 1024;
+
+static void emu_set_thread(int t) {
+    threadIdx.x = t % blockDim.x;
+    threadIdx.y = (t / blockDim.x) % blockDim.y;
+    threadIdx.z = t / (blockDim.x * blockDim.y);
+}
+
+/* from the current fiber back to the scheduler */
+static void emu_yield(void) {
+#ifdef EMU_FAST_SWITCH
+    emu_switch(&emu_fibers[emu_current].sp, emu_sched_sp);
+#else
+    swapcontext(&emu_fibers[emu_current].ctx, &emu_sched_ctx);
+#endif
+}
+
+static void __syncthreads(void) {
+    if (emu_direct) {   /* cannot happen: the driver uses fibers for any source naming __syncthreads */
+        fprintf(stderr, "cuda emulator: __syncthreads() in a kernel launched without fibers\n");
+        abort();
+    }
+    emu_fibers[emu_current].state = EMU_AT_BARRIER;
+    emu_yield();
+}
+
+static void emu_fiber_main(int t) {
+    emu_body(emu_args);
+    emu_fibers[t].state = EMU_DONE;
+#ifdef EMU_FAST_SWITCH
+    emu_yield();                      /* never resumed */
+    abort();
+#endif
+    /* ucontext: returning resumes uc_link = the scheduler */
+}
+
+#ifdef EMU_FAST_SWITCH
+static void emu_fiber_entry(void) { emu_fiber_main(emu_current); }
+/* A fresh stack that emu_switch "returns" into emu_fiber_entry from, aligned as after a call. */
+static void *emu_prepare(char *stack, size_t size) {
+    uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
+    void **sp = (void **)top;
+    *--sp = 0;                                    /* fake return address of emu_fiber_entry */
+    *--sp = (void *)emu_fiber_entry;              /* emu_switch's ret */
+    for (int r = 0; r < 6; r++) *--sp = 0;        /* rbp rbx r12 r13 r14 r15 */
+    return (void *)sp;
+}
+#endif
+
+static int emu_reserve(int n) {
+    if (n <= emu_capacity) return 0;
+    free(emu_fibers); free(emu_stacks);
+    emu_fibers = (emu_fiber *)calloc((size_t)n, sizeof(emu_fiber));
+    emu_stacks = (char *)malloc((size_t)n * EMU_STACK);
+    if (!emu_fibers || !emu_stacks) { emu_capacity = 0; return -1; }
+    emu_capacity = n;
+    return 0;
+}
+
+/* Runs one block; returns 0, or 1 on barrier divergence, 2 when out of memory. */
+static int emu_run_block(int nthreads, int reverse) {
+    emu_poison_shared(reverse);
+    if (emu_direct) {
+        for (int k = 0; k < nthreads; k++) {
+            int t = reverse ? nthreads - 1 - k : k;
+            emu_set_thread(t);
+            emu_body(emu_args);
+        }
+        return 0;
+    }
+    if (emu_reserve(nthreads)) return 2;
+    for (int t = 0; t < nthreads; t++) {
+        emu_fiber *f = &emu_fibers[t];
+        f->state = EMU_RUNNABLE;
+#ifdef EMU_FAST_SWITCH
+        f->sp = emu_prepare(emu_stacks + (size_t)t * EMU_STACK, EMU_STACK);
+#else
+        getcontext(&f->ctx);
+        f->ctx.uc_stack.ss_sp = emu_stacks + (size_t)t * EMU_STACK;
+        f->ctx.uc_stack.ss_size = EMU_STACK;
+        f->ctx.uc_link = &emu_sched_ctx;
+        makecontext(&f->ctx, (void (*)(void))emu_fiber_main, 1, t);
+#endif
+    }
+    for (;;) {
+        for (int k = 0; k < nthreads; k++) {      /* one phase: every thread up to a barrier or its end */
+            int t = reverse ? nthreads - 1 - k : k;
+            if (emu_fibers[t].state != EMU_RUNNABLE) continue;
+            emu_current = t;
+            emu_set_thread(t);
+#ifdef EMU_FAST_SWITCH
+            emu_switch(&emu_sched_sp, emu_fibers[t].sp);
+#else
+            swapcontext(&emu_sched_ctx, &emu_fibers[t].ctx);
+#endif
+        }
+        int waiting = 0, done = 0;
+        for (int t = 0; t < nthreads; t++) {
+            if (emu_fibers[t].state == EMU_AT_BARRIER) waiting++;
+            else done++;
+        }
+        if (waiting == 0) return 0;
+        if (done > 0) return 1;                     /* some threads exited, others wait: divergence */
+        for (int t = 0; t < nthreads; t++) emu_fibers[t].state = EMU_RUNNABLE;   /* all pass */
+    }
+}
+
+/* mode bit 0: reverse thread order; bit 1: direct (no fibers; the kernel has no barrier). */
+extern "C" int emu_launch(void (*body)(void **), void **args, unsigned gx, unsigned gy, unsigned gz,
+                          unsigned bx, unsigned by, unsigned bz, int mode) {
+    emu_body = body; emu_args = args;
+    emu_direct = (mode >> 1) & 1;
+    gridDim.x = gx; gridDim.y = gy; gridDim.z = gz;
+    blockDim.x = bx; blockDim.y = by; blockDim.z = bz;
+    int nthreads = (int)(bx * by * bz);
+    for (unsigned z = 0; z < gz; z++)
+        for (unsigned y = 0; y < gy; y++)
+            for (unsigned x = 0; x < gx; x++) {
+                blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                int rc = emu_run_block(nthreads, mode & 1);
+                if (rc) return rc;
+            }
+    return 0;
+}
+
+/* ---- calling a kernel with CUDA-style arguments: an array of pointers to the values ---- */
+template <class... A, size_t... I>
+static void emu_call_impl(void (*f)(A...), void **a, std::index_sequence<I...>) {
+    f(*static_cast<typename std::remove_cv<A>::type *>(a[I])...);
+}
+template <class... A>
+static void emu_call(void (*f)(A...), void **a) { emu_call_impl(f, a, std::index_sequence_for<A...>{}); }
+
+/* The parameter types as a string ("p,i8,f4,..."), so the driver can refuse arguments that the
+ * real runtime would pass with the wrong width or type. */
+template <class T> static std::string emu_code() {
+    if (std::is_pointer<T>::value) return "p";
+    std::string s = std::is_floating_point<T>::value ? "f" : (std::is_signed<T>::value ? "i" : "u");
+    return s + std::to_string(sizeof(T));
+}
+template <class... A> static std::string emu_signature(void (*)(A...)) {
+    std::string s;
+    ((s += emu_code<A>(), s += ","), ...);
+    return s;
+}
+#define EMU_KERNEL(name) \
+    extern "C" void emu_tramp_##name(void **a) { emu_call(name, a); } \
+    extern "C" const char *emu_sig_##name(void) { static std::string s = emu_signature(name); return s.c_str(); }

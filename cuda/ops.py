@@ -1,0 +1,505 @@
+"""The CUDA backend: every contract op through the kernels of cuda/*.cu.
+
+Same function names, signatures, argument checks and return types as mlx_open1b.cpu_ref (numpy in,
+numpy out; bf16 held as uint16), so the model program and the trainer run with
+`ops=mlx_open1b.cuda.ops`. Arguments are checked with the C reference's own checks before any
+kernel launch. On a machine with CuPy and a GPU the arrays are moved with cupy.asarray and back
+with cupy.asnumpy and the kernels run through cupy.RawModule; elsewhere the same kernel sources and
+the same launch code run on the CPU emulator (cuda/emu). `available()` says which.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..contract import CONTRACT_VERSION, INIT_SIGMA
+from ..cpu_ref._lib import BF16, F32, I32, check, positive, writable
+from ..cpu_ref.attention import _scale, _shapes, _window
+from ..cpu_ref.layers import _tokens
+from ..cpu_ref.mathfn import FUNCTIONS
+from ..cpu_ref.random import _u
+from ..cpu_ref.xent import _check_common
+from ..hostmath import adamw_scalars
+from . import runtime
+
+NAME = "cuda"
+BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
+GEMM_TILE = 16       # linear.cu's TILE
+NORM_BLOCK = 4096    # CONTRACT.md §9 (reduce.cu)
+XENT_CHUNK = 1024    # CONTRACT.md §9 (the host loop below walks these chunks)
+ATTN_BLOCK = 64      # CONTRACT.md §9 (attention.cu)
+
+i64, i32, u32, u64, f32 = np.int64, np.int32, np.uint32, np.uint64, np.float32
+
+
+def available() -> tuple[bool, str]:
+    """(usable, how): a real CUDA device through CuPy, or the CPU emulator, or why neither."""
+    return runtime.describe()
+
+
+def contract_version() -> int:
+    return CONTRACT_VERSION
+
+
+# ------------------------------------------------------------------ device arrays and launches
+def _xp():
+    if runtime.real_cuda():
+        import cupy
+        return cupy
+    return np
+
+
+def _dev(a):
+    """A checked numpy input on the device (the array itself when emulated)."""
+    return _xp().asarray(a) if runtime.real_cuda() else a
+
+
+def _empty(shape, dtype):
+    return _xp().empty(shape, dtype)
+
+
+def _host(a) -> np.ndarray:
+    if a is None or isinstance(a, np.ndarray):
+        return a
+    import cupy
+    return cupy.asnumpy(a)
+
+
+def _launch1d(file: str, kernel: str, n: int, *args) -> None:
+    """One thread per item: ceil(n / BLOCK) blocks of BLOCK threads (nothing when n == 0)."""
+    if n <= 0:
+        return
+    fn = runtime.load(file).get_function(kernel)
+    fn(((n + BLOCK - 1) // BLOCK,), (BLOCK,), args)
+
+
+def _gemm(I, J, P, A, sa_i, sa_p, B, sb_p, sb_j, C, ldc, accumulate) -> None:
+    """C[i,j] (+)= sum_p A(i,p) B(p,j) on device arrays (linear.cu)."""
+    if I <= 0 or J <= 0:
+        return
+    tiles = -(-I // GEMM_TILE) * -(-J // GEMM_TILE)
+    fn = runtime.load("linear.cu").get_function("o1b_gemm")
+    fn((tiles,), (GEMM_TILE, GEMM_TILE),
+       (i64(I), i64(J), i64(P), A, i64(sa_i), i64(sa_p), B, i64(sb_p), i64(sb_j), C, i64(ldc),
+        i32(1 if accumulate else 0)))
+
+
+# ------------------------------------------------------------------ mathfn (§2–§4)
+def _mapper(index: int, name: str):
+    def f(x: np.ndarray) -> np.ndarray:
+        check("x", x, F32)
+        y = _empty(x.shape, np.float32)
+        _launch1d("mathfn.cu", "o1b_map", x.size, i32(index), i64(x.size), _dev(x), y)
+        return _host(y)
+    f.__name__ = name
+    f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
+    return f
+
+
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = (_mapper(i, n) for i, n in enumerate(FUNCTIONS))
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
+    check("x", x, F32)
+    y = _empty(x.shape, np.uint16)
+    _launch1d("mathfn.cu", "o1b_f32_to_bf16_array", x.size, i64(x.size), _dev(x), y)
+    return _host(y)
+
+
+def bf16_to_f32(x: np.ndarray) -> np.ndarray:
+    check("x", x, BF16)
+    y = _empty(x.shape, np.float32)
+    _launch1d("mathfn.cu", "o1b_bf16_to_f32_array", x.size, i64(x.size), _dev(x), y)
+    return _host(y)
+
+
+def _inplace_back(a: np.ndarray, d) -> None:
+    if d is not a:
+        a[...] = _host(d)
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
+    """a += b elementwise (a is the lower-index operand of a fold)."""
+    check("a", writable("a", a), F32)
+    check("b", b, F32, shape=a.shape)
+    da = _dev(a)
+    _launch1d("mathfn.cu", "o1b_add_inplace", a.size, i64(a.size), da, _dev(b))
+    _inplace_back(a, da)
+
+
+def scale_inplace(a: np.ndarray, s: float) -> None:
+    """a *= s elementwise, s rounded to float32 first."""
+    check("a", writable("a", a), F32)
+    da = _dev(a)
+    _launch1d("mathfn.cu", "o1b_scale_inplace", a.size, i64(a.size), da, f32(s))
+    _inplace_back(a, da)
+
+
+def _scalar(op: int, a: float, b: float = 0.0) -> float:
+    x, y = np.array([a], np.float32), np.array([b], np.float32)
+    out = _empty((1,), np.float32)
+    _launch1d("mathfn.cu", "o1b_binary", 1, i32(op), i64(1), _dev(x), _dev(y), out)
+    return float(_host(out)[0])
+
+
+def scalar_add(a: float, b: float) -> float:
+    return _scalar(0, a, b)
+
+
+def scalar_sub(a: float, b: float) -> float:
+    return _scalar(1, a, b)
+
+
+def scalar_mul(a: float, b: float) -> float:
+    return _scalar(2, a, b)
+
+
+def scalar_div(a: float, b: float) -> float:
+    return _scalar(3, a, b)
+
+
+def scalar_sqrt(x: float) -> float:
+    return _scalar(4, x)
+
+
+# ------------------------------------------------------------------ linear (§6.1)
+def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
+    check("x", x, BF16, ndim=2)
+    N, K = x.shape
+    check("w", w, BF16, shape=(None, K))
+    M = w.shape[0]
+    y = _empty((N, M), np.float32)
+    _gemm(N, M, K, _dev(x), K, 1, _dev(w), 1, K, y, M, False)
+    return _host(y)
+
+
+def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
+                    need_dw: bool = True):
+    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
+    check("x", x, BF16, ndim=2)
+    N, K = x.shape
+    check("w", w, BF16, shape=(None, K))
+    M = w.shape[0]
+    check("dy", dy, BF16, shape=(N, M))
+    ddy = _dev(dy)
+    dx = dw = None
+    if need_dx:        # dx = dy W, sum over m ascending
+        dx = _empty((N, K), np.float32)
+        _gemm(N, K, M, ddy, M, 1, _dev(w), K, 1, dx, K, False)
+    if need_dw:        # dW = dy^T x, sum over n ascending
+        dw = _empty((M, K), np.float32)
+        _gemm(M, K, N, ddy, 1, M, _dev(x), K, 1, dw, K, False)
+    return _host(dx), _host(dw)
+
+
+# ------------------------------------------------------------------ layers (§6.2–§6.5)
+def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
+    """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
+    check("wte", wte, BF16, ndim=2)
+    V, C = wte.shape
+    _tokens(tokens, V)
+    N = tokens.size
+    out = _empty((N, C), np.float32)
+    _launch1d("embedding.cu", "o1b_embedding_forward", N * C, i64(N), i64(C), _dev(tokens), _dev(wte), out)
+    return _host(out)
+
+
+def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
+    """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
+    V = positive("V", V)
+    _tokens(tokens, V)
+    check("dout", dout, F32, shape=(tokens.size, None))
+    C = dout.shape[1]
+    # the stable counting sort of positions by token, on the host (data movement only)
+    start = np.zeros(V + 1, np.int64)
+    np.cumsum(np.bincount(tokens, minlength=V), out=start[1:])
+    pos = np.argsort(tokens, kind="stable").astype(np.int64)
+    if pos.size == 0:
+        pos = np.zeros(1, np.int64)
+    dwte = _empty((V, C), np.float32)
+    _launch1d("embedding.cu", "o1b_embedding_backward", V * C, i64(V), i64(C), _dev(start), _dev(pos),
+              _dev(dout), dwte)
+    return _host(dwte)
+
+
+_NO_GAIN = np.zeros(1, np.uint16)
+
+
+def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
+    """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
+    check("x", x, F32, ndim=2)
+    N, C = x.shape
+    if g is not None:
+        check("g", g, BF16, shape=(C,))
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    y = _empty((N, C), np.float32)
+    rstd = _empty((N,), np.float32)
+    _launch1d("rmsnorm.cu", "o1b_rmsnorm_forward", N, i64(N), i64(C), _dev(x),
+              _dev(g if g is not None else _NO_GAIN), i32(g is not None), f32(eps), y, rstd)
+    return _host(y), _host(rstd)
+
+
+def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
+    """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
+    check("x", x, F32, ndim=2)
+    N, C = x.shape
+    check("dy", dy, F32, shape=(N, C))
+    check("rstd", rstd, F32, shape=(N,))
+    if g is not None:
+        check("g", g, BF16, shape=(C,))
+    ddy, xd, drstd = _dev(dy), _dev(x), _dev(rstd)
+    dx = _empty((N, C), np.float32)
+    _launch1d("rmsnorm.cu", "o1b_rmsnorm_backward_dx", N, i64(N), i64(C), ddy, xd,
+              _dev(g if g is not None else _NO_GAIN), i32(g is not None), drstd, dx)
+    dg = None
+    if g is not None:
+        dg = _empty((C,), np.float32)
+        _launch1d("rmsnorm.cu", "o1b_rmsnorm_backward_dg", C, i64(N), i64(C), ddy, xd, drstd, dg)
+    return _host(dx), _host(dg)
+
+
+def rope_tables(T: int, D: int, theta: float):
+    """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
+    T, D = positive("T", T), positive("D", D)
+    if D % 2:
+        raise ValueError(f"D: head dimension must be even for RoPE, got {D}")
+    if not np.isfinite(theta) or theta <= 1:
+        raise ValueError(f"theta: expected a finite value > 1, got {theta!r}")
+    cos_t = _empty((T, D // 2), np.float32)
+    sin_t = _empty((T, D // 2), np.float32)
+    _launch1d("rope.cu", "o1b_rope_tables", T * (D // 2), i64(T), i64(D), f32(theta), cos_t, sin_t)
+    return _host(cos_t), _host(sin_t)
+
+
+def _rope(x, cos_t, sin_t, backward, name):
+    check(name, x, F32, ndim=4)
+    B, T, R, D = x.shape
+    check("cos", cos_t, F32, shape=(None, D // 2))
+    check("sin", sin_t, F32, shape=cos_t.shape)
+    if D % 2:
+        raise ValueError(f"{name}: head dimension must be even, got {D}")
+    if cos_t.shape[0] < T:
+        raise ValueError(f"cos: table has {cos_t.shape[0]} positions, {name} needs {T}")
+    y = _empty(x.shape, np.float32)
+    rows = B * T * R
+    _launch1d("rope.cu", "o1b_rope", rows * (D // 2), i64(rows), i64(T), i64(R), i64(D), _dev(x),
+              _dev(cos_t), _dev(sin_t), y, i32(int(backward)))
+    return _host(y)
+
+
+def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (B, T, R, D) fp32 (R = heads), rotate-half pairs (i, i + D/2) at position t."""
+    return _rope(x, cos, sin, False, "x")
+
+
+def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    return _rope(dy, cos, sin, True, "dy")
+
+
+def _swiglu_shape(h):
+    check("h", h, F32, ndim=2)
+    N, F2 = h.shape
+    if F2 % 2:
+        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
+    return N, F2 // 2
+
+
+def swiglu_forward(h: np.ndarray) -> np.ndarray:
+    """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
+    N, F = _swiglu_shape(h)
+    out = _empty((N, F), np.float32)
+    _launch1d("swiglu.cu", "o1b_swiglu_forward", N * F, i64(N), i64(F), _dev(h), out)
+    return _host(out)
+
+
+def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
+    N, F = _swiglu_shape(h)
+    check("dout", dout, F32, shape=(N, F))
+    dh = _empty((N, 2 * F), np.float32)
+    _launch1d("swiglu.cu", "o1b_swiglu_backward", N * F, i64(N), i64(F), _dev(dout), _dev(h), dh)
+    return _host(dh)
+
+
+# ------------------------------------------------------------------ optimizer and reductions (§6.7, §7)
+def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float,
+               beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
+               step: int) -> None:
+    """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
+    check("p", writable("p", p_), BF16, ndim=1)
+    n = p_.size
+    check("g", g, F32, shape=(n,))
+    check("m", writable("m", m), F32, shape=(n,))
+    check("v", writable("v", v), F32, shape=(n,))
+    for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
+        if not np.isfinite(val) or val < 0:
+            raise ValueError(f"{name}: expected a finite value >= 0, got {val!r}")
+    if not (beta1 < 1 and beta2 < 1):
+        raise ValueError(f"beta1, beta2: expected values < 1, got {beta1!r}, {beta2!r}")
+    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
+    dp, dm, dv = _dev(p_), _dev(m), _dev(v)
+    _launch1d("adamw.cu", "o1b_adamw_step", n, i64(n), dp, _dev(g), dm, dv,
+              *(f32(s[k]) for k in ("lr", "b1", "b2", "omb1", "omb2", "eps", "decay", "bc1", "bc2")))
+    _inplace_back(p_, dp)
+    _inplace_back(m, dm)
+    _inplace_back(v, dv)
+
+
+def sumsq_blocks(x: np.ndarray) -> np.ndarray:
+    """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
+    check("x", x, F32)
+    nb = -(-x.size // NORM_BLOCK)
+    out = _empty((nb,), np.float32)
+    _launch1d("reduce.cu", "o1b_sumsq_blocks", nb, i64(x.size), _dev(x), out)
+    return _host(out)
+
+
+def treefold(values: np.ndarray) -> float:
+    """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
+    check("values", values, F32, ndim=1)
+    out = _empty((1,), np.float32)
+    _launch1d("reduce.cu", "o1b_treefold", 1, i64(values.size), _dev(values if values.size else np.zeros(1, F32)), out)
+    return float(np.float32(_host(out)[0]))
+
+
+def global_norm(tensors: Sequence[np.ndarray]) -> float:
+    """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
+    if not len(tensors):
+        raise ValueError("tensors: expected at least one tensor")
+    parts = [sumsq_blocks(check(f"tensors[{i}]", t, F32)) for i, t in enumerate(tensors)]
+    return scalar_sqrt(treefold(np.concatenate(parts)))
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """div(max_norm, add(norm, 1e-6)) in float32; the caller scales only when it is < 1."""
+    out = _empty((1,), np.float32)
+    _launch1d("reduce.cu", "o1b_clip_coef", 1, f32(norm), f32(max_norm), out)
+    return float(_host(out)[0])
+
+
+# ------------------------------------------------------------------ random (§5)
+def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
+    """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
+    args = (u64(_u("seed", seed, 64)), u32(_u("stream", stream, 32)), u64(_u("index0", index0, 64)),
+            u32(_u("sub", sub, 32)))
+    out = _empty((int(n), 4), np.uint32)
+    _launch1d("random.cu", "o1b_philox_fill", int(n), *args, i64(n), out)
+    return _host(out)
+
+
+def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
+    """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
+    function of (seed, stream, index0 + i)."""
+    args = (u64(_u("seed", seed, 64)), u32(_u("stream", stream, 32)), u64(_u("index0", index0, 64)))
+    out = _empty((int(n),), np.float32)
+    _launch1d("random.cu", "o1b_trunc_normal", int(n), *args, f32(sigma), i64(n), out)
+    return _host(out)
+
+
+# ------------------------------------------------------------------ attention (§6.6)
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
+    """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
+    B, T, H, G, D = _shapes(q, k, v)
+    W, s = _window(window), _scale(scale)
+    o = _empty((B, T, H, D), np.float32)
+    lse = _empty((B, H, T), np.float32)
+    rows = B * H * T
+    if rows:
+        pv = _empty((rows, D), np.float32)     # scratch: each row's per-block sum of p v
+        _launch1d("attention.cu", "o1b_attention_forward", rows, i64(B), i64(T), i64(H), i64(G), i64(D),
+                  i64(W), f32(s), _dev(q), _dev(k), _dev(v), o, lse, pv)
+    return _host(o), _host(lse)
+
+
+def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                       o: np.ndarray, lse: np.ndarray, window: int, scale: float):
+    """dout (B,T,H,D) fp32, q, k, v as in the forward, o and lse from the forward
+    -> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
+    B, T, H, G, D = _shapes(q, k, v)
+    check("dout", dout, F32, shape=(B, T, H, D))
+    check("o", o, F32, shape=(B, T, H, D))
+    check("lse", lse, F32, shape=(B, H, T))
+    W, s = _window(window), _scale(scale)
+    dq = _empty((B, T, H, D), np.float32)
+    dk = _empty((B, T, G, D), np.float32)
+    dv = _empty((B, T, G, D), np.float32)
+    if B * T:
+        dd, dq_, dk_, dv_, dl = _dev(dout), _dev(q), _dev(k), _dev(v), _dev(lse)
+        dims = (i64(B), i64(T), i64(H), i64(G), i64(D), i64(W), f32(s))
+        Di = _empty((B * H * T,), np.float32)
+        _launch1d("attention.cu", "o1b_attention_di", B * H * T, i64(B), i64(T), i64(H), i64(D), dd,
+                  _dev(o), Di)
+        _launch1d("attention.cu", "o1b_attention_dq", B * H * T, *dims, dd, dq_, dk_, dv_, dl, Di, dq)
+        _launch1d("attention.cu", "o1b_attention_dkv", B * G * T, *dims, dd, dq_, dk_, dv_, dl, Di, dk, dv)
+    return _host(dq), _host(dk), _host(dv)
+
+
+# ------------------------------------------------------------------ cross-entropy (§6.8)
+def _forward_chunked(h, w, targets, zcoef, chunk):
+    N, C, V, zc = _check_common(h, w, targets, zcoef)
+    dh_, dw_, dt = _dev(h), _dev(w), _dev(targets)
+    m, s, zt = (_empty((N,), np.float32) for _ in range(3))
+    _launch1d("xent.cu", "o1b_xent_init", N, i64(N), m, s, zt)
+    for v0 in range(0, V, chunk):
+        L = min(chunk, V - v0)
+        z = _empty((N, L), np.float32)
+        _gemm(N, L, C, dh_, C, 1, dw_[v0:v0 + L], 1, C, z, L, False)    # columns v0.. of h W^T
+        _launch1d("xent.cu", "o1b_xent_chunk_forward", N, i64(N), i64(v0), i64(L), z, dt, m, s, zt)
+    loss, lse, ce = (_empty((N,), np.float32) for _ in range(3))
+    _launch1d("xent.cu", "o1b_xent_final", N, i64(N), m, s, zt, f32(zc), loss, lse, ce)
+    return _host(loss), _host(lse), _host(ce)
+
+
+def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
+    N, C, V, zc = _check_common(h, w, targets, zcoef)
+    check("lse", lse, F32, shape=(N,))
+    check("dloss", dloss, F32, shape=(N,))
+    dh_, dw_, dt, dl, dd = _dev(h), _dev(w), _dev(targets), _dev(lse), _dev(dloss)
+    dh = _empty((N, C), np.float32)
+    dw = _empty((V, C), np.float32)
+    for v0 in range(0, V, chunk):
+        L = min(chunk, V - v0)
+        wc = dw_[v0:v0 + L]                                              # (L, C) rows of this chunk
+        z = _empty((N, L), np.float32)
+        _gemm(N, L, C, dh_, C, 1, wc, 1, C, z, L, False)                 # logits, as in the forward
+        dz = _empty((N, L), np.uint16)
+        _launch1d("xent.cu", "o1b_xent_chunk_backward", N * L, i64(N), i64(v0), i64(L), z, dt, f32(zc),
+                  dl, dd, dz)
+        # dh[n,c] (+)= sum_j dz[n,j] w[v0+j,c]: one accumulator across all chunks
+        _gemm(N, C, L, dz, L, 1, wc, C, 1, dh, C, v0 > 0)
+        # dw[v0+j,c] = sum_n dz[n,j] h[n,c]: this chunk's rows of dw
+        _gemm(L, C, N, dz, 1, L, dh_, C, 1, dw[v0:v0 + L], C, False)
+    return _host(dh), _host(dw)
+
+
+def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
+    """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 (rounded to float32)
+    -> loss (N,), lse (N,), ce (N,) float32, loss = ce + zcoef lse^2 per row."""
+    return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
+
+
+def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
+                  lse: np.ndarray, dloss: np.ndarray):
+    """lse (N,) float32 from xent_forward, dloss (N,) float32 -> dh (N, C), dw (V, C) float32."""
+    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+
+
+# ------------------------------------------------------------------ torch interop
+def to_torch(x):
+    """A torch tensor sharing x's memory: by DLPack for a cupy array, torch.from_numpy for numpy
+    (bf16 stays uint16)."""
+    import torch
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    return torch.utils.dlpack.from_dlpack(x)
+
+
+def from_torch(t):
+    """A cupy array sharing a CUDA tensor's memory by DLPack (a numpy array for a CPU tensor)."""
+    if t.device.type == "cpu":
+        return t.numpy()
+    import cupy
+    return cupy.from_dlpack(t)

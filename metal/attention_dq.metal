@@ -1,0 +1,26 @@
+// attention_dq — §6.6 backward pass 1, one thread per query row r = (b*H + h)*T + i:
+//   for visible j ascending: s = score, p = exp(sub(s, lse_i)), dp = sum_d mul(dout_id, v_jd),
+//   ds = mul(p, sub(dp, Di)); S_d = sum from +0 of mul(ds, k_jd); dq = mul(S_d, scale).
+// D is a template int. prm = T, H, G, W. Grid (B*H*T).
+long r = (long)thread_position_in_grid.x;
+long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
+long i = r % T, h = (r / T) % H, b = r / (T * H), g = h / (H / G);
+float sc = o1b_load(scale[0]);
+float qv[D], gv[D], acc[D];
+for (int d = 0; d < D; d++) {
+    qv[d] = o1b_bf16_to_f32(q[((b * T + i) * H + h) * D + d]);
+    gv[d] = o1b_load(dout[((b * T + i) * H + h) * D + d]);
+    acc[d] = 0.0f;
+}
+float lse_i = o1b_load(lse[r]), di = Di[r];
+long jlo = (W == 0 || i < W) ? 0 : i - W + 1;
+for (long j = jlo; j <= i; j++) {
+    long kj = ((b * T + j) * G + g) * D;
+    float s = 0.0f, dp = 0.0f;
+    for (int d = 0; d < D; d++) s = o1b_add(s, o1b_mul(qv[d], o1b_bf16_to_f32(k[kj + d])));
+    for (int d = 0; d < D; d++) dp = o1b_add(dp, o1b_mul(gv[d], o1b_bf16_to_f32(v[kj + d])));
+    float p = o1b_exp(o1b_sub(o1b_mul(s, sc), lse_i));
+    float ds = o1b_mul(p, o1b_sub(dp, di));
+    for (int d = 0; d < D; d++) acc[d] = o1b_add(acc[d], o1b_mul(ds, o1b_bf16_to_f32(k[kj + d])));
+}
+for (int d = 0; d < D; d++) dq[((b * T + i) * H + h) * D + d] = o1b_store(o1b_mul(acc[d], sc));

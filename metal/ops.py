@@ -1,0 +1,482 @@
+"""The Metal backend: every contract op through the Metal kernel sources of this folder.
+
+The same function names, signatures, argument checks (cpu_ref's own, reused) and return types as
+`mlx_open1b.cpu_ref`, so the model program and the trainer run with `ops=mlx_open1b.metal.ops`.
+Arrays are numpy (bf16 held as uint16) on both sides; inside, each op launches its kernels through
+`runtime.kernel(...)`: mx.fast.metal_kernel on a Mac, the emulator elsewhere — the same grid sizes,
+output shapes and template arguments either way. Host code only checks arguments, allocates,
+and moves data (bucketing positions for the embedding backward, assembling chunk rows); every
+fp32 value comes out of a kernel.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from ..cpu_ref._lib import BF16, F32, I32, check, positive, writable
+from ..cpu_ref.attention import _scale, _shapes, _window
+from ..cpu_ref.layers import _tokens
+from ..cpu_ref.random import _u
+from ..cpu_ref.xent import _check_common
+from ..hostmath import adamw_scalars
+from . import runtime
+from .runtime import available  # noqa: F401  (re-exported)
+
+NAME = "metal"
+FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sqrt_int")
+I64 = np.dtype(np.int64)
+U32 = np.dtype(np.uint32)
+MAX_GRID = 2 ** 31 - 1
+
+# name -> (input names, output names): the kernels of metal/<name>.metal
+KERNELS = {
+    "map": (["x"], ["y"]),
+    "f32_to_bf16": (["x"], ["y"]),
+    "bf16_to_f32": (["x"], ["y"]),
+    "add": (["a", "b"], ["out"]),
+    "scale": (["a", "s"], ["out"]),
+    "scalar": (["ab"], ["out"]),
+    "gemm": (["A", "B", "C0", "prm"], ["C"]),
+    "embedding_forward": (["tokens", "wte", "prm"], ["out"]),
+    "embedding_backward": (["start", "pos", "dout", "prm"], ["dwte"]),
+    "rmsnorm_forward": (["x", "g", "eps", "prm"], ["y", "rstd"]),
+    "rmsnorm_backward": (["dy", "x", "g", "rstd", "prm"], ["dx"]),
+    "rmsnorm_dg": (["dy", "x", "rstd", "prm"], ["dg"]),
+    "rope_tables": (["prm", "theta"], ["cos_t", "sin_t"]),
+    "rope": (["x", "cs", "sn", "prm"], ["y"]),
+    "swiglu_forward": (["h", "prm"], ["out"]),
+    "swiglu_backward": (["dout", "h", "prm"], ["dh"]),
+    "attention_forward": (["q", "k", "v", "prm", "scale"], ["o", "lse"]),
+    "attention_di": (["dout", "o", "prm"], ["Di"]),
+    "attention_dq": (["dout", "q", "k", "v", "lse", "Di", "prm", "scale"], ["dq"]),
+    "attention_dkv": (["dout", "q", "k", "v", "lse", "Di", "prm", "scale"], ["dk", "dv"]),
+    "xent_forward_chunk": (["z", "targets", "m_in", "s_in", "zt_in", "prm"], ["m_out", "s_out", "zt_out"]),
+    "xent_forward_final": (["m", "s", "zt", "zcoef"], ["loss", "lse", "ce"]),
+    "xent_backward_dz": (["z", "targets", "lse", "dloss", "zcoef", "prm"], ["dz"]),
+    "adamw": (["p", "g", "m", "v", "sc"], ["p_out", "m_out", "v_out"]),
+    "sumsq_blocks": (["x", "prm"], ["out"]),
+    "treefold": (["values", "prm"], ["out"]),
+    "philox": (["prm"], ["out"]),
+    "trunc_normal": (["prm", "sigma"], ["out"]),
+}
+
+
+def contract_version() -> int:
+    return CONTRACT_VERSION
+
+
+def _nz(a: np.ndarray) -> np.ndarray:
+    """Kernels never read an empty input; give them one element so every buffer exists."""
+    return a if a.size else np.zeros(1, a.dtype)
+
+
+def _i64(*v) -> np.ndarray:
+    return np.array(v, I64)
+
+
+def _f32(*v) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.array(v, np.float64).astype(np.float32)
+
+
+def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=None):
+    """Launch metal/<name>.metal; outputs = [(shape, dtype)]; returns the output arrays."""
+    if any(int(g) > MAX_GRID for g in grid):
+        raise ValueError(f"{name}: grid {tuple(grid)} exceeds {MAX_GRID} threads in one dimension")
+    if any(int(g) == 0 for g in grid):
+        return [np.zeros(shape, dt) for shape, dt in outputs]
+    in_names, out_names = KERNELS[name]
+    k = runtime.kernel(name, in_names, out_names)
+    outs = k(inputs=[_nz(np.ascontiguousarray(a)) for a in inputs],
+             output_shapes=[shape for shape, _ in outputs], output_dtypes=[dt for _, dt in outputs],
+             grid=tuple(int(g) for g in grid), threadgroup=threadgroup, template=template)
+    return [np.asarray(o).reshape(shape) for o, (shape, _) in zip(outs, outputs)]
+
+
+# ---------------------------------------------------------------------------------------------
+# §4 functions, §2 conversions, elementwise ops, host scalars
+# ---------------------------------------------------------------------------------------------
+def _mapper(index: int, name: str):
+    def f(x: np.ndarray) -> np.ndarray:
+        check("x", x, F32)
+        (y,) = _run("map", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1), template=[("OP", index)])
+        return y.reshape(x.shape)
+    f.__name__ = name
+    f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
+    return f
+
+
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = (
+    _mapper(i, n) for i, n in enumerate(FUNCTIONS))
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
+    check("x", x, F32)
+    (y,) = _run("f32_to_bf16", [x.reshape(-1)], [((x.size,), BF16)], (x.size, 1, 1))
+    return y.reshape(x.shape)
+
+
+def bf16_to_f32(x: np.ndarray) -> np.ndarray:
+    check("x", x, BF16)
+    (y,) = _run("bf16_to_f32", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1))
+    return y.reshape(x.shape)
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
+    """a += b elementwise (a is the lower-index operand of a fold)."""
+    check("a", writable("a", a), F32)
+    check("b", b, F32, shape=a.shape)
+    (out,) = _run("add", [a.reshape(-1), b.reshape(-1)], [((a.size,), F32)], (a.size, 1, 1))
+    a.reshape(-1)[...] = out
+
+
+def scale_inplace(a: np.ndarray, s: float) -> None:
+    """a *= s elementwise, s rounded to float32 first."""
+    check("a", writable("a", a), F32)
+    (out,) = _run("scale", [a.reshape(-1), _f32(s)], [((a.size,), F32)], (a.size, 1, 1))
+    a.reshape(-1)[...] = out
+
+
+def _scalar(op: int, a: float, b: float = 0.0) -> float:
+    (out,) = _run("scalar", [_f32(a, b)], [((1,), F32)], (1, 1, 1), (1, 1, 1), template=[("OP", op)])
+    return float(out[0])
+
+
+def scalar_add(a: float, b: float) -> float:
+    return _scalar(0, a, b)
+
+
+def scalar_sub(a: float, b: float) -> float:
+    return _scalar(1, a, b)
+
+
+def scalar_mul(a: float, b: float) -> float:
+    return _scalar(2, a, b)
+
+
+def scalar_div(a: float, b: float) -> float:
+    return _scalar(3, a, b)
+
+
+def scalar_sqrt(x: float) -> float:
+    return _scalar(4, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# §6.1 GEMM and the linear layer
+# ---------------------------------------------------------------------------------------------
+def _gemm(I, J, P, A, oa, sai, sap, B, ob, sbp, sbj, C0=None) -> np.ndarray:
+    """C (I, J) = the contract GEMM of A(i, p) = A[oa + i sai + p sap], B(p, j) = B[ob + p sbp + j sbj],
+    accumulating onto C0 when given."""
+    acc = C0 is not None
+    c0 = C0 if acc else np.zeros(1, F32)
+    (C,) = _run("gemm", [A.reshape(-1), B.reshape(-1), c0.reshape(-1), _i64(J, P, oa, sai, sap, ob, sbp, sbj)],
+                [((I, J), F32)], (J, I, 1), (32, 8, 1), template=[("ACC", int(acc))])
+    return C
+
+
+def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
+    check("x", x, BF16, ndim=2)
+    N, K = x.shape
+    check("w", w, BF16, shape=(None, K))
+    M = w.shape[0]
+    return _gemm(N, M, K, x, 0, K, 1, w, 0, 1, K)
+
+
+def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
+                    need_dw: bool = True):
+    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
+    check("x", x, BF16, ndim=2)
+    N, K = x.shape
+    check("w", w, BF16, shape=(None, K))
+    M = w.shape[0]
+    check("dy", dy, BF16, shape=(N, M))
+    dx = _gemm(N, K, M, dy, 0, M, 1, w, 0, K, 1) if need_dx else None
+    dw = _gemm(M, K, N, dy, 0, 1, M, x, 0, K, 1) if need_dw else None
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# §6.2–§6.5 layers
+# ---------------------------------------------------------------------------------------------
+def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
+    """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
+    check("wte", wte, BF16, ndim=2)
+    V, C = wte.shape
+    _tokens(tokens, V)
+    N = tokens.size
+    (out,) = _run("embedding_forward", [tokens, wte.reshape(-1), _i64(C)], [((N, C), F32)], (C, N, 1), (32, 8, 1))
+    return out
+
+
+def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
+    """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
+    V = positive("V", V)
+    _tokens(tokens, V)
+    check("dout", dout, F32, shape=(tokens.size, None))
+    C = dout.shape[1]
+    # the stable counting sort of positions by token (data movement only)
+    start = np.zeros(V + 1, I64)
+    start[1:] = np.cumsum(np.bincount(tokens, minlength=V))
+    pos = np.argsort(tokens, kind="stable").astype(I64)
+    (dwte,) = _run("embedding_backward", [start, pos, dout.reshape(-1), _i64(C)], [((V, C), F32)],
+                   (C, V, 1), (32, 8, 1))
+    return dwte
+
+
+def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
+    """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
+    check("x", x, F32, ndim=2)
+    N, C = x.shape
+    if g is not None:
+        check("g", g, BF16, shape=(C,))
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    gg = g if g is not None else np.zeros(1, BF16)
+    y, rstd = _run("rmsnorm_forward", [x.reshape(-1), gg, _f32(eps), _i64(C)], [((N, C), F32), ((N,), F32)],
+                   (N, 1, 1), (64, 1, 1), template=[("HAS_G", int(g is not None))])
+    return y, rstd
+
+
+def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
+    """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
+    check("x", x, F32, ndim=2)
+    N, C = x.shape
+    check("dy", dy, F32, shape=(N, C))
+    check("rstd", rstd, F32, shape=(N,))
+    if g is not None:
+        check("g", g, BF16, shape=(C,))
+    gg = g if g is not None else np.zeros(1, BF16)
+    (dx,) = _run("rmsnorm_backward", [dy.reshape(-1), x.reshape(-1), gg, rstd, _i64(C)], [((N, C), F32)],
+                 (N, 1, 1), (64, 1, 1), template=[("HAS_G", int(g is not None))])
+    dg = None
+    if g is not None:
+        (dg,) = _run("rmsnorm_dg", [dy.reshape(-1), x.reshape(-1), rstd, _i64(N, C)], [((C,), F32)],
+                     (C, 1, 1), (64, 1, 1))
+    return dx, dg
+
+
+def rope_tables(T: int, D: int, theta: float):
+    """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
+    T, D = positive("T", T), positive("D", D)
+    if D % 2:
+        raise ValueError(f"D: head dimension must be even for RoPE, got {D}")
+    if not np.isfinite(theta) or theta <= 1:
+        raise ValueError(f"theta: expected a finite value > 1, got {theta!r}")
+    cos_t, sin_t = _run("rope_tables", [_i64(T, D), _f32(theta)], [((T, D // 2), F32), ((T, D // 2), F32)],
+                        (D // 2, T, 1), (32, 8, 1))
+    return cos_t, sin_t
+
+
+def _rope(x, cos_t, sin_t, backward, name):
+    check(name, x, F32, ndim=4)
+    B, T, R, D = x.shape
+    check("cos", cos_t, F32, shape=(None, D // 2))
+    check("sin", sin_t, F32, shape=cos_t.shape)
+    if D % 2:
+        raise ValueError(f"{name}: head dimension must be even, got {D}")
+    if cos_t.shape[0] < T:
+        raise ValueError(f"cos: table has {cos_t.shape[0]} positions, {name} needs {T}")
+    (y,) = _run("rope", [x.reshape(-1), cos_t.reshape(-1), sin_t.reshape(-1), _i64(T, R, D)],
+                [(x.shape, F32)], (D // 2, B * T * R, 1), (32, 8, 1), template=[("BWD", int(backward))])
+    return y
+
+
+def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (B, T, R, D) fp32 (R = heads), rotate-half pairs (i, i + D/2) at position t."""
+    return _rope(x, cos, sin, False, "x")
+
+
+def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    return _rope(dy, cos, sin, True, "dy")
+
+
+def swiglu_forward(h: np.ndarray) -> np.ndarray:
+    """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
+    check("h", h, F32, ndim=2)
+    N, F2 = h.shape
+    if F2 % 2:
+        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
+    F = F2 // 2
+    (out,) = _run("swiglu_forward", [h.reshape(-1), _i64(F)], [((N, F), F32)], (F, N, 1), (32, 8, 1))
+    return out
+
+
+def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
+    check("h", h, F32, ndim=2)
+    N, F2 = h.shape
+    if F2 % 2:
+        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
+    F = F2 // 2
+    check("dout", dout, F32, shape=(N, F))
+    (dh,) = _run("swiglu_backward", [dout.reshape(-1), h.reshape(-1), _i64(F)], [((N, F2), F32)],
+                 (F, N, 1), (32, 8, 1))
+    return dh
+
+
+# ---------------------------------------------------------------------------------------------
+# §6.6 attention
+# ---------------------------------------------------------------------------------------------
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
+    """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
+    B, T, H, G, D = _shapes(q, k, v)
+    W, s = _window(window), _scale(scale)
+    o, lse = _run("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1), _i64(T, H, G, W), _f32(s)],
+                  [((B, T, H, D), F32), ((B, H, T), F32)], (B * H * T, 1, 1), (64, 1, 1),
+                  template=[("D", D)])
+    return o, lse
+
+
+def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                       o: np.ndarray, lse: np.ndarray, window: int, scale: float):
+    """-> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
+    B, T, H, G, D = _shapes(q, k, v)
+    check("dout", dout, F32, shape=(B, T, H, D))
+    check("o", o, F32, shape=(B, T, H, D))
+    check("lse", lse, F32, shape=(B, H, T))
+    W, s = _window(window), _scale(scale)
+    prm, sc = _i64(T, H, G, W), _f32(s)
+    (Di,) = _run("attention_di", [dout.reshape(-1), o.reshape(-1), _i64(T, H, D)], [((B, H, T), F32)],
+                 (B * H * T, 1, 1), (64, 1, 1))
+    ins = [dout.reshape(-1), q.reshape(-1), k.reshape(-1), v.reshape(-1), lse.reshape(-1), Di.reshape(-1), prm, sc]
+    (dq,) = _run("attention_dq", ins, [((B, T, H, D), F32)], (B * H * T, 1, 1), (64, 1, 1), template=[("D", D)])
+    dk, dv = _run("attention_dkv", ins, [((B, T, G, D), F32), ((B, T, G, D), F32)], (B * G * T, 1, 1),
+                  (64, 1, 1), template=[("D", D)])
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# §6.8 cross-entropy with z-loss
+# ---------------------------------------------------------------------------------------------
+def _chunks(V: int, chunk: int):
+    for v0 in range(0, V, chunk):
+        yield v0, min(chunk, V - v0)
+
+
+def _forward_chunked(h, w, targets, zcoef, chunk):
+    N, C, V, zc = _check_common(h, w, targets, zcoef)
+    m = np.full(N, -np.inf, F32)
+    s = np.zeros(N, F32)
+    zt = np.zeros(N, F32)
+    for v0, L in _chunks(V, chunk):
+        z = _gemm(N, L, C, h, 0, C, 1, w, v0 * C, 1, C)            # the columns v0.. of linear_forward(h, w)
+        m, s, zt = _run("xent_forward_chunk", [z, targets, m, s, zt, _i64(v0, L)], [((N,), F32)] * 3,
+                        (N, 1, 1), (64, 1, 1))
+    loss, lse, ce = _run("xent_forward_final", [m, s, zt, _f32(zc)], [((N,), F32)] * 3, (N, 1, 1), (64, 1, 1))
+    return loss, lse, ce
+
+
+def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
+    N, C, V, zc = _check_common(h, w, targets, zcoef)
+    check("lse", lse, F32, shape=(N,))
+    check("dloss", dloss, F32, shape=(N,))
+    dh = None
+    dw = np.empty((V, C), F32)
+    for v0, L in _chunks(V, chunk):
+        z = _gemm(N, L, C, h, 0, C, 1, w, v0 * C, 1, C)            # logits, as in the forward
+        (dz,) = _run("xent_backward_dz", [z, targets, lse, dloss, _f32(zc), _i64(v0, L)], [((N, L), BF16)],
+                     (L, N, 1), (32, 8, 1))
+        # dh[n, c] (+)= sum over j ascending of dz[n, j] w[v0 + j, c]: one accumulator across chunks
+        dh = _gemm(N, C, L, dz, 0, L, 1, w, v0 * C, C, 1, C0=dh)
+        # dw[v0 + j, c] = sum over n ascending of dz[n, j] h[n, c]
+        dw[v0:v0 + L] = _gemm(L, C, N, dz, 0, 1, L, h, 0, C, 1)
+    return dh, dw
+
+
+def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
+    """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 (rounded to float32)
+    -> loss (N,), lse (N,), ce (N,) float32, loss = ce + zcoef lse^2 per row."""
+    return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
+
+
+def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
+                  lse: np.ndarray, dloss: np.ndarray):
+    """lse (N,) float32 from xent_forward, dloss (N,) float32 -> dh (N, C), dw (V, C) float32."""
+    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+
+
+# ---------------------------------------------------------------------------------------------
+# §6.7 AdamW, §7 reductions and clipping
+# ---------------------------------------------------------------------------------------------
+def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float,
+               beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
+               step: int) -> None:
+    """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
+    check("p", writable("p", p_), BF16, ndim=1)
+    n = p_.size
+    check("g", g, F32, shape=(n,))
+    check("m", writable("m", m), F32, shape=(n,))
+    check("v", writable("v", v), F32, shape=(n,))
+    for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
+        if not np.isfinite(val) or val < 0:
+            raise ValueError(f"{name}: expected a finite value >= 0, got {val!r}")
+    if not (beta1 < 1 and beta2 < 1):
+        raise ValueError(f"beta1, beta2: expected values < 1, got {beta1!r}, {beta2!r}")
+    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
+    sc = _f32(s["lr"], s["b1"], s["b2"], s["omb1"], s["omb2"], s["eps"], s["decay"], s["bc1"], s["bc2"])
+    p2, m2, v2 = _run("adamw", [p_, g, m, v, sc], [((n,), BF16), ((n,), F32), ((n,), F32)], (n, 1, 1))
+    p_[...] = p2
+    m[...] = m2
+    v[...] = v2
+
+
+def sumsq_blocks(x: np.ndarray) -> np.ndarray:
+    """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
+    check("x", x, F32)
+    nb = -(-x.size // NORM_BLOCK)
+    (out,) = _run("sumsq_blocks", [x.reshape(-1), _i64(x.size)], [((nb,), F32)], (nb, 1, 1), (64, 1, 1))
+    return out
+
+
+def treefold(values: np.ndarray) -> float:
+    """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
+    check("values", values, F32, ndim=1)
+    (out,) = _run("treefold", [values, _i64(values.size)], [((1,), F32)], (1, 1, 1), (1, 1, 1))
+    return float(out[0])
+
+
+def global_norm(tensors: Sequence[np.ndarray]) -> float:
+    """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
+    if not len(tensors):
+        raise ValueError("tensors: expected at least one tensor")
+    parts = [sumsq_blocks(check(f"tensors[{i}]", t, F32)) for i, t in enumerate(tensors)]
+    return scalar_sqrt(treefold(np.concatenate(parts)))
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """div(max_norm, add(norm, 1e-6)) in float32; the caller scales only when it is < 1."""
+    return _scalar(5, norm, max_norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# §5 random numbers
+# ---------------------------------------------------------------------------------------------
+def _prm_random(seed, stream, index0, sub):
+    seed, stream, index0, sub = (_u("seed", seed, 64), _u("stream", stream, 32), _u("index0", index0, 64),
+                                 _u("sub", sub, 32))
+    return np.array([seed & 0xFFFFFFFF, seed >> 32, stream, sub, index0 & 0xFFFFFFFF, index0 >> 32], U32)
+
+
+def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
+    """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
+    prm = _prm_random(seed, stream, index0, sub)
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n: expected an integer >= 0, got {n}")
+    (out,) = _run("philox", [prm], [((n, 4), U32)], (n, 1, 1))
+    return out
+
+
+def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
+    """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
+    function of (seed, stream, index0 + i)."""
+    prm = _prm_random(seed, stream, index0, 0)
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n: expected an integer >= 0, got {n}")
+    (out,) = _run("trunc_normal", [prm, _f32(sigma)], [((n,), F32)], (n, 1, 1), (64, 1, 1))
+    return out

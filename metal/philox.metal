@@ -1,0 +1,9 @@
+// philox — §5: out[i] = the Philox4x32-10 block at (seed, stream, index0 + i, sub).
+// prm (uint32) = seed lo, seed hi, stream, sub, index0 lo, index0 hi. Grid (n).
+uint i = thread_position_in_grid.x;
+ulong index = ((ulong)prm[5] << 32 | (ulong)prm[4]) + (ulong)i;
+o1b_block w = o1b_philox_block(prm[0], prm[1], prm[2], index, prm[3]);
+out[4 * (ulong)i + 0] = w.w0;
+out[4 * (ulong)i + 1] = w.w1;
+out[4 * (ulong)i + 2] = w.w2;
+out[4 * (ulong)i + 3] = w.w3;

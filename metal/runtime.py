@@ -1,0 +1,138 @@
+"""Binding of the Metal kernel sources: `mx.fast.metal_kernel` on a Mac, the emulator elsewhere.
+
+`MetalKernel(name, input_names, output_names, source, header)` has the call signature of the
+object `mx.fast.metal_kernel` returns (inputs, output_shapes, output_dtypes, grid, threadgroup,
+template, init_value). Where Metal is available (`mx.metal.is_available()`) it *is* that object,
+built with `ensure_row_contiguous=True` and `compile_options={"math_mode": "safe"}`; elsewhere it
+runs the same source text in the emulator (`mlx_open1b.metal.emu`), through the same call.
+Either way a call takes numpy arrays or mx.arrays and returns numpy arrays (bf16 as uint16).
+
+Kernels are built once and reused: `get_kernel` caches them by name, input and output names,
+and the SHA-256 of header and source.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+
+import numpy as np
+
+from . import emu
+
+SOURCE_DIR = pathlib.Path(__file__).resolve().parent
+HEADER_NAME = "contract"
+
+
+@functools.lru_cache(maxsize=None)
+def source(name: str) -> str:
+    """The text of metal/<name>.metal (a kernel body, or the contract header)."""
+    return (SOURCE_DIR / f"{name}.metal").read_text()
+
+
+def header() -> str:
+    return source(HEADER_NAME)
+
+
+@functools.lru_cache(maxsize=1)
+def real_metal() -> bool:
+    """True where MLX runs on a Metal device (and O1B_METAL_EMULATE is not set)."""
+    if os.environ.get("O1B_METAL_EMULATE") == "1":
+        return False
+    try:
+        import mlx.core as mx
+        return bool(mx.metal.is_available())
+    except Exception:
+        return False
+
+
+def available() -> tuple[bool, str]:
+    """(True, what runs the kernels) or (False, why the metal backend cannot run here)."""
+    if real_metal():
+        import mlx.core as mx
+        try:
+            name = mx.metal.device_info().get("device_name", "Metal device")
+        except Exception:
+            name = "Metal device"
+        ok, why = _compile_options_supported()
+        return (True, f"Metal ({name}), mlx {mx.__version__}") if ok else (False, why)
+    return emu.available()
+
+
+def _compile_options_supported() -> tuple[bool, str]:
+    import mlx.core as mx
+    doc = mx.fast.metal_kernel.__doc__ or ""
+    if "compile_options" in doc:
+        return True, ""
+    return False, (f"mlx {mx.__version__}: mx.fast.metal_kernel has no compile_options, so kernels "
+                   "cannot be built with math_mode='safe' (upgrade mlx)")
+
+
+def _mx_dtype(dt):
+    import mlx.core as mx
+    if isinstance(dt, mx.Dtype):
+        return dt
+    return getattr(mx, np.dtype(dt).name)
+
+
+class MetalKernel:
+    """A kernel with the call signature of mx.fast.metal_kernel's object; numpy arrays out."""
+
+    def __init__(self, name: str, input_names, output_names, source: str, header: str = "",
+                 race_check: bool | None = None):
+        self.name = name
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.source, self.header = source, header
+        self.real = real_metal()
+        if self.real:
+            import mlx.core as mx
+            ok, why = _compile_options_supported()
+            if not ok:
+                raise RuntimeError(why)
+            self._kernel = mx.fast.metal_kernel(
+                name=name, input_names=self.input_names, output_names=self.output_names,
+                source=source, header=header, ensure_row_contiguous=True,
+                compile_options={"math_mode": "safe"})
+        else:
+            self._kernel = emu.EmuKernel(name, self.input_names, self.output_names, source, header,
+                                         race_check=race_check)
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                 init_value=None, verbose=False, stream=None):
+        if not self.real:
+            return self._kernel(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                grid=grid, threadgroup=threadgroup, template=template,
+                                init_value=init_value, verbose=verbose)
+        import mlx.core as mx
+        ins = [a if isinstance(a, mx.array) else mx.array(np.ascontiguousarray(a)) for a in inputs]
+        tmpl = [(n, _mx_dtype(v) if not isinstance(v, (bool, int, np.integer, np.bool_)) else
+                 (bool(v) if isinstance(v, (bool, np.bool_)) else int(v))) for n, v in (template or [])]
+        kw = dict(inputs=ins, output_shapes=[tuple(int(s) for s in sh) for sh in output_shapes],
+                  output_dtypes=[_mx_dtype(d) for d in output_dtypes], grid=tuple(grid),
+                  threadgroup=tuple(threadgroup), init_value=init_value, verbose=verbose)
+        if tmpl:
+            kw["template"] = tmpl
+        if stream is not None:
+            kw["stream"] = stream
+        outs = self._kernel(**kw)
+        mx.eval(outs)
+        return [np.array(o) for o in outs]
+
+
+_kernels: dict[tuple, MetalKernel] = {}
+
+
+def get_kernel(name: str, input_names, output_names, source: str, header: str = "") -> MetalKernel:
+    """The MetalKernel for this source, built once per process and reused."""
+    key = (name, tuple(input_names), tuple(output_names),
+           hashlib.sha256(header.encode()).hexdigest(), hashlib.sha256(source.encode()).hexdigest())
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = MetalKernel(name, input_names, output_names, source, header)
+    return k
+
+
+def kernel(name: str, input_names, output_names) -> MetalKernel:
+    """The kernel metal/<name>.metal with contract.metal as its header."""
+    return get_kernel(name, input_names, output_names, source(name), header())

@@ -1,0 +1,584 @@
+"""The CUDA backend (cuda/*.cu) against the C reference, bit for bit.
+
+Where CuPy and a GPU exist the ops run the real runtime; elsewhere they run the same .cu text on
+the CPU emulator (cuda/emu). The emulator-specific tests (barriers, race check, FTZ modes, compile
+errors, the cache, a planted one-ulp mutation) force emulation and need only g++. Inputs are seeded,
+include subnormals, ±0, ±inf, NaN and the largest and smallest normals, and use shapes that are not
+multiples of any block or tile size (128-thread blocks, 16x16 GEMM tiles, 64-key attention blocks,
+1024-entry cross-entropy chunks, 4096-element norm blocks).
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, rand_bf16, rand_f32, sprinkle
+
+import mlx_open1b.cpu_ref as ref
+from mlx_open1b.cuda import emu, ops as cu, runtime
+
+OK, HOW = cu.available()
+pytestmark = pytest.mark.skipif(not OK, reason=HOW)
+HAVE_GXX = emu.compiler_available()[0]
+needs_emulator = pytest.mark.skipif(not HAVE_GXX, reason="the CUDA emulator needs g++")
+CU_FILES = sorted(p.name for p in runtime.SOURCE_DIR.glob("*.cu"))
+
+# edge values of fp32 around the flush threshold and the extremes
+EDGES = np.array([2.0 ** -126, 2.0 ** -126 * (1 + 2.0 ** -23), 2.0 ** -125, 1.1754942e-38, 1.4e-45,
+                  3.4028235e38, 3.4028233e38, 88.72283, 88.72284, -87.33655, -103.0, -103.00001,
+                  2.0 ** -12, 2.0 ** -12 * (1 - 2.0 ** -24), 25735.0, 1e30], np.float32)
+
+
+def rng_for(name: str) -> np.random.Generator:
+    return np.random.default_rng([ord(c) for c in name])
+
+
+def f32_inputs(rng, n_bits: int = 20000) -> np.ndarray:
+    """Specials, edges and their negatives, random bit patterns (every exponent), and ordinary
+    values over several scales."""
+    bits = rng.integers(0, 2 ** 32, n_bits, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    ordinary = np.concatenate([rand_f32(rng, 2000, s) for s in (1e-3, 1.0, 10.0, 100.0)])
+    return np.ascontiguousarray(np.concatenate([SPECIAL_F32, EDGES, -EDGES, bits, ordinary]).astype(np.float32))
+
+
+def bf16_with_specials(rng, shape, scale=1.0, frac=0.05):
+    a = rand_bf16(rng, shape, scale)
+    return sprinkle(rng, a, SPECIAL_BF16, frac) if a.size else a
+
+
+def f32_with_specials(rng, shape, scale=1.0, frac=0.05):
+    return sprinkle(rng, rand_f32(rng, shape, scale), SPECIAL_F32, frac)
+
+
+def run_kernel(file: str, kernel: str, n: int, *args, directory=None):
+    """Launch a kernel of a .cu file directly (1-D, 128 threads a block) on device copies of the
+    numpy arguments; returns the arguments back on the host."""
+    dev = [cu._dev(a) if isinstance(a, np.ndarray) else a for a in args]
+    runtime.load(file, directory).get_function(kernel)(((n + 127) // 128,), (128,), tuple(dev))
+    return [cu._host(d) if isinstance(a, np.ndarray) else a for a, d in zip(args, dev)]
+
+
+# ================================================================== math functions and conversions
+FTZ_MODES = [None] + ([0, 1, 2] if HAVE_GXX else [])
+
+
+@pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
+def test_math_functions(ftz):
+    """Every §4 function on ~30k inputs per function; with each emulated flush mode of the
+    single-precision intrinsics (IEEE, FTZ after rounding, FTZ before rounding) as well: the
+    contract helpers must not depend on the hardware's flush mode."""
+    x = f32_inputs(rng_for("math"))
+    ctx = runtime.emulate() if ftz is not None else _nullctx()
+    with ctx, emu.options(ftz=ftz):
+        for name in ref.FUNCTIONS:
+            assert_bits_equal(getattr(cu, name)(x), getattr(ref, name)(x), name)
+
+
+class _nullctx:
+    def __enter__(self): return self
+    def __exit__(self, *a): return False
+
+
+def tiny_product_pairs(rng, n=3000):
+    """(a, b) whose exact product or quotient lies within a few ulps of 2^-126: the flush-before-
+    rounding rule's only ambiguous case."""
+    a = (1.0 + rng.random(n) * 0.999).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20, n).astype(np.float32)
+    b = (np.float64(2.0 ** -126) / a.astype(np.float64)).astype(np.float32)
+    step = rng.integers(-3, 4, n).astype(np.int32)
+    b = (b.view(np.int32) + step).view(np.float32)
+    sign = rng.choice(np.array([1.0, -1.0], np.float32), n)
+    return (a * sign).astype(np.float32), b
+
+
+@pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
+def test_primitive_ops_tiny_results(ftz):
+    """add/sub/mul/div/sqrt of the kernels against the C reference's scalar ops, on random bit
+    patterns and on products/quotients next to 2^-126 (including the exact-product decision)."""
+    rng = rng_for("prim")
+    x = f32_inputs(rng, 3000)
+    y = rng.permutation(x)
+    ta, tb = tiny_product_pairs(rng)
+    qa = (tb * np.float32(1.0)).astype(np.float32)   # a/b near 2^-126: a = 2^-126 * b' ...
+    qb = (np.float64(1.0) / ta.astype(np.float64)).astype(np.float32)
+    a = np.ascontiguousarray(np.concatenate([x, ta, qa]))
+    b = np.ascontiguousarray(np.concatenate([y, tb, qb]))
+    refs = (ref.mathfn.scalar_add, ref.mathfn.scalar_sub, ref.mathfn.scalar_mul, ref.mathfn.scalar_div,
+            lambda u, v: ref.optim.scalar_sqrt(u))
+    ctx = runtime.emulate() if ftz is not None else _nullctx()
+    with ctx, emu.options(ftz=ftz):
+        for op, fref in enumerate(refs):
+            out = np.empty_like(a)
+            (out,) = run_kernel("mathfn.cu", "o1b_binary", a.size, np.int32(op), np.int64(a.size), a, b, out)[4:]
+            want = np.array([fref(float(u), float(v)) for u, v in zip(a, b)], np.float32)
+            assert_bits_equal(out, want, f"binary op {op}")
+    # the pairs do reach the ambiguous case: IEEE rounds some exact products below 2^-126 up to it
+    exact = ta.astype(np.float64) * tb.astype(np.float64)
+    assert np.any((np.abs(exact) < 2.0 ** -126) & (np.abs(ta * tb) == np.float32(2.0 ** -126)))
+
+
+def test_conversions():
+    rng = rng_for("conv")
+    every_bf16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    assert_bits_equal(cu.bf16_to_f32(every_bf16), ref.bf16_to_f32(every_bf16), "bf16_to_f32")
+    x = f32_inputs(rng, 100000)
+    assert_bits_equal(cu.f32_to_bf16(x), ref.f32_to_bf16(x), "f32_to_bf16")
+    x2 = x[:1001].reshape(7, 11, 13)
+    assert_bits_equal(cu.f32_to_bf16(x2), ref.f32_to_bf16(x2), "f32_to_bf16 3-d")
+
+
+def test_add_and_scale_inplace():
+    rng = rng_for("inplace")
+    a, b = f32_inputs(rng, 5000), rng.permutation(f32_inputs(rng, 5000))
+    a1, a2 = a.copy(), a.copy()
+    cu.add_inplace(a1, b)
+    ref.add_inplace(a2, b)
+    assert_bits_equal(a1, a2, "add_inplace")
+    for s in (0.5, 1.0 / 3, 3.0e-39, 7.0, -0.0, np.inf):
+        a1, a2 = a.copy(), a.copy()
+        cu.scale_inplace(a1, s)
+        ref.scale_inplace(a2, s)
+        assert_bits_equal(a1, a2, f"scale_inplace({s})")
+
+
+# ================================================================== linear (§6.1)
+@pytest.mark.parametrize("N,K,M", [(37, 45, 29), (1, 1, 1), (3, 17, 1), (20, 0, 5), (33, 70, 18), (18, 200, 21)])
+def test_linear(N, K, M):
+    rng = rng_for(f"lin{N}{K}{M}")
+    x, w, dy = (bf16_with_specials(rng, s) for s in ((N, K), (M, K), (N, M)))
+    assert_bits_equal(cu.linear_forward(x, w), ref.linear_forward(x, w), "y")
+    for a, b, what in zip(cu.linear_backward(dy, x, w), ref.linear_backward(dy, x, w), ("dx", "dw")):
+        assert_bits_equal(a, b, what)
+    assert cu.linear_backward(dy, x, w, need_dx=False)[0] is None
+
+
+def test_linear_no_fused_multiply_add():
+    """The contract's table of sequences where an FMA would differ (CONTRACT.md §6.1)."""
+    bf = lambda v: ref.f32_to_bf16(np.array(v, np.float32))
+    cases = [([2.0 ** -100, 2.0 ** -64], [2.0 ** -26, -(2.0 ** -64)]),
+             ([2.0 ** -64], [-(2.0 ** -64)]),
+             ([3.3895314e38, 2.0 ** 64], [-1.0, 2.0 ** 64])]
+    for xs, ws in cases:
+        x, w = bf([xs]), bf([ws])
+        assert_bits_equal(cu.linear_forward(x, w), ref.linear_forward(x, w), f"fma case {xs}")
+
+
+@needs_emulator
+def test_gemm_under_race_check(fibers):
+    """The tiled GEMM's barriers are placed right: forward and reverse thread orders agree."""
+    rng = rng_for("race")
+    x, w = bf16_with_specials(rng, (21, 135)), bf16_with_specials(rng, (19, 135))
+    with runtime.emulate(), emu.options(race_check=True):
+        assert_bits_equal(cu.linear_forward(x, w), ref.linear_forward(x, w), "y (race check)")
+
+
+# ================================================================== layers (§6.2–§6.5)
+def test_embedding():
+    rng = rng_for("emb")
+    V, C, N = 23, 19, 57
+    wte = bf16_with_specials(rng, (V, C))
+    tokens = rng.integers(0, V - 3, N).astype(np.int32)     # the last rows get no position
+    assert_bits_equal(cu.embedding_forward(tokens, wte), ref.embedding_forward(tokens, wte), "fwd")
+    dout = f32_with_specials(rng, (N, C))
+    assert_bits_equal(cu.embedding_backward(tokens, dout, V), ref.embedding_backward(tokens, dout, V), "bwd")
+    empty = np.zeros(0, np.int32)
+    assert_bits_equal(cu.embedding_backward(empty, np.zeros((0, C), np.float32), V),
+                      ref.embedding_backward(empty, np.zeros((0, C), np.float32), V), "bwd empty")
+
+
+@pytest.mark.parametrize("gain", [True, False])
+def test_rmsnorm(gain):
+    rng = rng_for(f"rms{gain}")
+    N, C = 13, 37
+    x = rand_f32(rng, (N, C), 3.0)
+    x[2] = sprinkle(rng, x[2], SPECIAL_F32, 0.2)
+    x[5, :] = 1e-40                                   # an all-subnormal row
+    x[7, :] = 0.0
+    g = bf16_with_specials(rng, (C,), 1.0, 0.1) if gain else None
+    for eps in (1e-5, 0.0):
+        y1, r1 = cu.rmsnorm_forward(x, g, eps)
+        y2, r2 = ref.rmsnorm_forward(x, g, eps)
+        assert_bits_equal(y1, y2, "y")
+        assert_bits_equal(r1, r2, "rstd")
+    dy = f32_with_specials(rng, (N, C))
+    for a, b, what in zip(cu.rmsnorm_backward(dy, x, g, r2), ref.rmsnorm_backward(dy, x, g, r2), ("dx", "dg")):
+        if b is None:
+            assert a is None
+        else:
+            assert_bits_equal(a, b, what)
+
+
+def test_rope():
+    rng = rng_for("rope")
+    for T, D, theta in ((37, 18, 10000.0), (5, 2, 500000.0), (300, 10, 1e6)):
+        for a, b in zip(cu.rope_tables(T, D, theta), ref.rope_tables(T, D, theta)):
+            assert_bits_equal(a, b, f"tables T={T} D={D}")
+    cos_t, sin_t = ref.rope_tables(40, 18, 10000.0)
+    x = f32_with_specials(rng, (2, 37, 3, 18))
+    assert_bits_equal(cu.rope_forward(x, cos_t, sin_t), ref.rope_forward(x, cos_t, sin_t), "fwd")
+    assert_bits_equal(cu.rope_backward(x, cos_t, sin_t), ref.rope_backward(x, cos_t, sin_t), "bwd")
+
+
+def test_swiglu():
+    rng = rng_for("swiglu")
+    h = f32_with_specials(rng, (11, 2 * 27), 4.0)
+    h[0, :27] = np.linspace(-100, 100, 27)
+    assert_bits_equal(cu.swiglu_forward(h), ref.swiglu_forward(h), "fwd")
+    dout = f32_with_specials(rng, (11, 27))
+    assert_bits_equal(cu.swiglu_backward(dout, h), ref.swiglu_backward(dout, h), "bwd")
+
+
+# ================================================================== attention (§6.6)
+ATTN_CASES = [  # B, T, H, G, D, W, specials
+    (2, 150, 4, 2, 8, 0, False),    # three key blocks, the last partial
+    (1, 70, 2, 1, 5, 33, False),    # window crossing a block boundary
+    (1, 130, 3, 3, 4, 1, False),    # each query sees only itself
+    (2, 67, 2, 1, 6, 0, True),      # special values in q, k, v, dout
+    (1, 0, 2, 2, 4, 0, False),      # T = 0
+]
+
+
+@pytest.mark.parametrize("B,T,H,G,D,W,specials", ATTN_CASES)
+def test_attention(B, T, H, G, D, W, specials):
+    rng = rng_for(f"attn{B}{T}{H}{G}{D}{W}")
+    frac = 0.01 if specials else 0.0
+    q = bf16_with_specials(rng, (B, T, H, D), 1.0, frac) if frac else rand_bf16(rng, (B, T, H, D))
+    k = bf16_with_specials(rng, (B, T, G, D), 1.0, frac) if frac else rand_bf16(rng, (B, T, G, D))
+    v = bf16_with_specials(rng, (B, T, G, D), 1.0, frac) if frac else rand_bf16(rng, (B, T, G, D))
+    scale = 1.0 / np.sqrt(D)
+    o1, l1 = cu.attention_forward(q, k, v, W, scale)
+    o2, l2 = ref.attention_forward(q, k, v, W, scale)
+    assert_bits_equal(o1, o2, "o")
+    assert_bits_equal(l1, l2, "lse")
+    dout = f32_with_specials(rng, (B, T, H, D), 1.0, frac) if frac else rand_f32(rng, (B, T, H, D))
+    for a, b, what in zip(cu.attention_backward(dout, q, k, v, o2, l2, W, scale),
+                          ref.attention_backward(dout, q, k, v, o2, l2, W, scale), ("dq", "dk", "dv")):
+        assert_bits_equal(a, b, what)
+
+
+# ================================================================== cross-entropy (§6.8)
+@pytest.mark.parametrize("N,C,V,specials", [(7, 13, 2500, False), (5, 9, 1000, True), (3, 4, 1025, False)])
+def test_xent(N, C, V, specials):
+    rng = rng_for(f"xent{N}{C}{V}")
+    h = bf16_with_specials(rng, (N, C), 1.0, 0.03) if specials else rand_bf16(rng, (N, C))
+    w = rand_bf16(rng, (V, C), 0.5)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    targets[0] = V - 1
+    for zcoef in (1e-4, 0.0):
+        out1 = cu.xent_forward(h, w, targets, zcoef)
+        out2 = ref.xent_forward(h, w, targets, zcoef)
+        for a, b, what in zip(out1, out2, ("loss", "lse", "ce")):
+            assert_bits_equal(a, b, what)
+        dloss = np.full(N, 1.0 / N, np.float32)
+        for a, b, what in zip(cu.xent_backward(h, w, targets, zcoef, out2[1], dloss),
+                              ref.xent_backward(h, w, targets, zcoef, out2[1], dloss), ("dh", "dw")):
+            assert_bits_equal(a, b, what)
+
+
+# ================================================================== optimizer, reductions, random
+def test_adamw():
+    rng = rng_for("adamw")
+    n = 1001
+    p = bf16_with_specials(rng, (n,))
+    m, v = f32_with_specials(rng, (n,), 1e-2), np.abs(f32_with_specials(rng, (n,), 1e-3))
+    pa, ma, va = p.copy(), m.copy(), v.copy()
+    pb, mb, vb = p.copy(), m.copy(), v.copy()
+    for step, wd in ((1, 0.0), (2, 0.1), (3, 0.1), (1000, 0.0)):
+        g = f32_with_specials(rng, (n,), 1e-2)
+        cu.adamw_step(pa, g, ma, va, lr=3e-4, weight_decay=wd, step=step)
+        ref.adamw_step(pb, g, mb, vb, lr=3e-4, weight_decay=wd, step=step)
+        for a, b, what in ((pa, pb, "p"), (ma, mb, "m"), (va, vb, "v")):
+            assert_bits_equal(a, b, f"{what} step {step}")
+
+
+def test_reductions():
+    rng = rng_for("reduce")
+    x = f32_with_specials(rng, (2 * 4096 + 77,), 1.0, 0.0005)
+    for t in (x, x[:1], x[:4096], np.zeros(0, np.float32), rand_f32(rng, (3, 1500)), np.abs(x)[:5000]):
+        t = np.ascontiguousarray(t)
+        assert_bits_equal(cu.sumsq_blocks(t), ref.sumsq_blocks(t), f"sumsq {t.shape}")
+    for n in (0, 1, 2, 5, 6, 7, 100, 1023):
+        vals = rand_f32(rng, (n,), 100.0)
+        assert np.float32(cu.treefold(vals)).view(np.uint32) == np.float32(ref.treefold(vals)).view(np.uint32)
+    tensors = [rand_f32(rng, (5000,)), rand_f32(rng, (7, 9)), rand_f32(rng, (4096,))]
+    assert cu.global_norm(tensors) == ref.global_norm(tensors)
+    for norm, mx in ((3.0, 1.0), (0.5, 1.0), (np.nan, 1.0), (0.0, 1.0), (np.inf, 1.0), (1e-39, 2.0)):
+        a, b = np.float32(cu.clip_coef(norm, mx)), np.float32(ref.clip_coef(norm, mx))
+        assert a.view(np.uint32) == b.view(np.uint32), (norm, mx)
+
+
+def test_random():
+    for seed, stream, index0, sub in ((0, 1, 0, 0), (2 ** 64 - 1, 0xFFFF, 2 ** 32 - 50, 7), (1234567, 3, 2 ** 40, 0)):
+        assert np.array_equal(cu.philox_blocks(seed, stream, index0, 101, sub),
+                              ref.philox_blocks(seed, stream, index0, 101, sub))
+    for seed, index0 in ((42, 0), (2 ** 63 + 5, 2 ** 32 - 1000)):
+        assert_bits_equal(cu.trunc_normal(seed, 1, index0, 3001), ref.trunc_normal(seed, 1, index0, 3001),
+                          "trunc_normal")
+
+
+# ================================================================== bad input: the same errors as cpu_ref
+BAD_CALLS = [
+    ("exp", lambda o: o.exp(np.zeros(3, np.float64))),
+    ("linear", lambda o: o.linear_forward(np.zeros((2, 3), np.uint16), np.zeros((4, 5), np.uint16))),
+    ("tokens", lambda o: o.embedding_forward(np.array([0, 9], np.int32), np.zeros((4, 2), np.uint16))),
+    ("window", lambda o: o.attention_forward(*(np.zeros((1, 2, 2, 4), np.uint16),) * 3, -1, 0.5)),
+    ("targets", lambda o: o.xent_forward(np.zeros((2, 3), np.uint16), np.zeros((4, 3), np.uint16),
+                                         np.array([0, 4], np.int32), 1e-4)),
+    ("adamw", lambda o: o.adamw_step(np.zeros(3, np.uint16), np.zeros(3, np.float32), np.zeros(3, np.float32),
+                                     np.zeros(4, np.float32), lr=1e-3, step=1)),
+    ("rope", lambda o: o.rope_tables(4, 3, 1e4)),
+]
+
+
+@pytest.mark.parametrize("what,call", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_same_error(what, call):
+    with pytest.raises(ValueError) as e_ref:
+        call(ref)
+    with pytest.raises(ValueError) as e_cu:
+        call(cu)
+    assert str(e_cu.value) == str(e_ref.value)
+
+
+# ================================================================== the model program on this backend
+def test_model_forward_backward_equal():
+    from mlx_open1b.config import ModelConfig
+    from mlx_open1b.model import Model
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      ffn_hidden=48, seq_len=16, window=4)
+    rng = rng_for("model")
+    windows = rng.integers(0, cfg.vocab_size, (2, cfg.seq_len + 1)).astype(np.uint32)
+    from mlx_open1b.model import init_params
+    params = init_params(cfg, 7, ops=ref)
+    assert_bits_equal(init_params(cfg, 7, ops=cu), params, "init_params")
+    results = []
+    for ops in (cu, ref):
+        model = Model(cfg, ops=ops)
+        loss, ce, zl, cache = model.forward(params, windows)
+        results.append((loss, ce, zl, model.backward(params, cache)))
+    assert results[0][:3] == results[1][:3]
+    assert_bits_equal(results[0][3], results[1][3], "gradient")
+
+
+# ================================================================== compile checks (nvcc)
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_compiles_every_source(arch, tmp_path):
+    """Each module text, exactly as handed to NVRTC, compiles to PTX with CuPy's flush mode and our
+    options, and the PTX holds no fused multiply-add on fp32."""
+    procs = []
+    for name in CU_FILES:
+        src = tmp_path / name
+        src.write_text(runtime.read_source(name))
+        procs.append((name, subprocess.Popen(
+            [NVCC, "--ptx", f"-arch={arch}", "-ftz=true", *runtime.OPTIONS, str(src), "-o",
+             str(tmp_path / f"{name}.ptx")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for name, proc in procs:
+        out, _ = proc.communicate()
+        assert proc.returncode == 0, f"{name} ({arch}):\n{out}"
+        ptx = (tmp_path / f"{name}.ptx").read_text()
+        assert "fma.rn.f32" not in ptx and "fma.rn.ftz.f32" not in ptx, f"{name}: FMA in the PTX"
+
+
+# ================================================================== the emulator itself
+BARRIER_SRC = r'''
+#include "contract.cuh"
+/* Block-wide pairwise sum in shared memory: out[block] = ((x0+x1)+(x2+x3))+... for 64 threads.
+ * Every step reads values written by other threads in the previous step. */
+extern "C" __global__ void block_sum(const float *x, float *out) {
+    __shared__ float buf[64];
+    const int t = threadIdx.x;
+    buf[t] = x[blockIdx.x * 64 + t];
+    BARRIER
+    for (int s = 1; s < 64; s *= 2) {
+        float mine = buf[t];
+        float other = (t % (2 * s) == 0) ? buf[t + s] : 0.0f;
+        BARRIER
+        if (t % (2 * s) == 0) buf[t] = o1b_add(mine, other);
+        BARRIER
+    }
+    if (t == 0) out[blockIdx.x] = buf[0];
+}
+/* out[t] = x[t+1 mod n]: a rotation through shared memory. */
+extern "C" __global__ void rotate(const float *x, float *out) {
+    __shared__ float buf[64];
+    const int t = threadIdx.x;
+    buf[t] = x[t];
+    BARRIER
+    out[t] = buf[(t + 1) % 64];
+}
+extern "C" __global__ void diverge(float *out) {
+    if (threadIdx.x == 3) return;
+    __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}
+'''
+
+
+@pytest.fixture(params=[False, True], ids=["fast-switch", "ucontext"])
+def fibers(request):
+    """Both fiber implementations of the emulator (the x86-64 stack switch, where available, and
+    ucontext's swapcontext)."""
+    with emu.options(ucontext=request.param):
+        yield request.param
+
+
+def _emu_module(src: str, name: str, directory=runtime.SOURCE_DIR):
+    return emu.EmuModule(runtime.read_source_text(src, name, directory), name=name)
+
+
+def _pairwise(v: np.ndarray) -> np.float32:
+    v = list(v.astype(np.float32))
+    while len(v) > 1:
+        v = [np.float32(v[i] + v[i + 1]) for i in range(0, len(v), 2)]
+    return v[0]
+
+
+@needs_emulator
+def test_barrier_emulation_right_placement(fibers):
+    x = rand_f32(rng_for("barrier"), (3 * 64,))
+    mod = _emu_module(BARRIER_SRC.replace("BARRIER", "__syncthreads();"), "barrier_ok.cu")
+    out = np.zeros(3, np.float32)
+    with emu.options(race_check=True):
+        mod.get_function("block_sum")((3,), (64,), (x, out))
+    assert_bits_equal(out, np.array([_pairwise(x[64 * b:64 * b + 64]) for b in range(3)]), "block sums")
+    rot = np.zeros(64, np.float32)
+    with emu.options(race_check=True):
+        mod.get_function("rotate")((1,), (64,), (x[:64].copy(), rot))
+    assert_bits_equal(rot, np.roll(x[:64], -1), "rotate")
+
+
+@needs_emulator
+def test_missing_barrier_is_detected(fibers):
+    x = rand_f32(rng_for("nobarrier"), (64,))
+    mod = _emu_module(BARRIER_SRC.replace("BARRIER", "").replace("diverge", "diverge_unused"),
+                      "barrier_missing.cu")
+    rot = np.zeros(64, np.float32)
+    mod.get_function("rotate")((1,), (64,), (x, rot))            # plain run: a wrong result ...
+    assert not np.array_equal(rot, np.roll(x, -1))
+    with emu.options(race_check=True), pytest.raises(emu.EmuRaceError, match="rotate"):
+        mod.get_function("rotate")((1,), (64,), (x, rot))         # ... and the race check names it
+    out = np.zeros(1, np.float32)
+    with emu.options(race_check=True), pytest.raises(emu.EmuRaceError, match="block_sum"):
+        mod.get_function("block_sum")((1,), (64,), (x, out))
+
+
+@needs_emulator
+def test_barrier_divergence_is_an_error(fibers):
+    mod = _emu_module(BARRIER_SRC.replace("BARRIER", "__syncthreads();"), "barrier_ok.cu")
+    with pytest.raises(emu.EmuLaunchError, match="barrier divergence"):
+        mod.get_function("diverge")((1,), (32,), (np.zeros(32, np.float32),))
+
+
+@needs_emulator
+def test_compile_error_names_file_and_kernel():
+    src = '#include "contract.cuh"\nextern "C" __global__ void o1b_broken(float *y) {\n  y[0] = o1b_add(y[0]);\n}\n'
+    with runtime.emulate(), pytest.raises(runtime.KernelCompileError) as e:
+        runtime.CudaModule(runtime.read_source_text(src, "broken.cu"), name="broken.cu")
+    msg = str(e.value)
+    assert "broken.cu" in msg and "o1b_broken" in msg and "error" in msg, msg
+    assert "broken.cu:3" in msg, msg     # the #line markers point at the file's own line
+
+
+@needs_emulator
+def test_argument_types_are_checked():
+    fn = runtime.load("mathfn.cu").get_function("o1b_scale_inplace") if not runtime.real_cuda() else None
+    if fn is None:
+        with runtime.emulate():
+            fn = runtime.load("mathfn.cu").get_function("o1b_scale_inplace")
+    a = np.ones(4, np.float32)
+    with pytest.raises(emu.EmuLaunchError, match="int64"):
+        fn((1,), (32,), (4, a, np.float32(2.0)))          # a Python int where the kernel takes i64
+    with pytest.raises(emu.EmuLaunchError, match="float32"):
+        fn((1,), (32,), (np.int64(4), a, 2.0))            # a Python float where it takes float
+
+
+MUTATIONS = [  # (file, original, mutated, function whose bits must change): one constant, one ulp
+    ("contract.cuh", "p = o1b_add(o1b_mul(p, r), 0x1p-1f);", "p = o1b_add(o1b_mul(p, r), 0x1.000002p-1f);", "exp"),
+    ("contract.cuh", "p = o1b_add(o1b_mul(p, z), -0x1.555556p-3f);", "p = o1b_add(o1b_mul(p, z), -0x1.555558p-3f);", "sin"),
+    ("contract.cuh", "p = o1b_add(o1b_mul(p, z), -0x1p-1f);", "p = o1b_add(o1b_mul(p, z), -0x1.000002p-1f);", "cos"),
+]
+
+
+@needs_emulator
+@pytest.mark.parametrize("file,old,new,fn", MUTATIONS, ids=[m[3] for m in MUTATIONS])
+def test_planted_one_ulp_mutation_is_caught(tmp_path, file, old, new, fn):
+    """A copy of the sources with one constant moved by one ulp disagrees with cpu_ref, and the
+    unmutated copy agrees: the comparison is sharp enough to catch it."""
+    for p in runtime.SOURCE_DIR.glob("*.cu*"):
+        shutil.copy(p, tmp_path / p.name)
+    text = (tmp_path / file).read_text()
+    assert text.count(old) == 1
+    x = f32_inputs(rng_for("mutation"), 20000)
+    want = getattr(ref, fn)(x)
+    op = ref.FUNCTIONS.index(fn)
+    with runtime.emulate():
+        y = np.empty_like(x)
+        run_kernel("mathfn.cu", "o1b_map", x.size, np.int32(op), np.int64(x.size), x, y, directory=tmp_path)
+        assert_bits_equal(y, want, "unmutated copy")
+        (tmp_path / file).write_text(text.replace(old, new))
+        mutated = tmp_path / "mutated"
+        mutated.mkdir()
+        for p in tmp_path.glob("*.cu*"):
+            shutil.copy(p, mutated / p.name)
+        y = np.empty_like(x)
+        run_kernel("mathfn.cu", "o1b_map", x.size, np.int32(op), np.int64(x.size), x, y, directory=mutated)
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_bits_equal(y, want, f"mutated {fn}")
+
+
+@needs_emulator
+def test_compiled_library_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    src = runtime.read_source_text(
+        '#include "contract.cuh"\n/* cache test %s */\nextern "C" __global__ void k(float *y) { y[threadIdx.x] = o1b_exp(y[threadIdx.x]); }\n'
+        % tmp_path.name, "cache_test.cu")
+    m1 = emu.EmuModule(src, name="cache_test.cu")
+    assert m1.path.parent == tmp_path / "mlx-open1b" / "emu" and m1.path.exists()
+    emu._loaded.clear()                       # a new process: only the disk cache remains
+
+    def no_compiler(*a, **k):
+        raise AssertionError("g++ was run although the library is cached")
+    monkeypatch.setattr(emu.subprocess, "run", no_compiler)
+    m2 = emu.EmuModule(src, name="cache_test.cu")
+    assert m2.path == m1.path
+    y = np.zeros(4, np.float32)
+    m2.get_function("k")((1,), (4,), (y,))
+    assert_bits_equal(y, np.ones(4, np.float32), "exp(0)")
+
+
+@needs_emulator
+@pytest.mark.parametrize("which", [0, 1], ids=["after-load", "after-use"])
+def test_gemm_with_a_barrier_removed_is_caught(tmp_path, which, fibers):
+    """linear.cu's tiled GEMM with one of its two __syncthreads deleted: the race check (or a
+    wrong result) catches it."""
+    text = (runtime.SOURCE_DIR / "linear.cu").read_text()
+    parts = text.split("__syncthreads();")
+    assert len(parts) == 3
+    broken = parts[0] + ("" if which == 0 else "__syncthreads();") + parts[1] + \
+        ("__syncthreads();" if which == 0 else "") + parts[2]
+    shutil.copy(runtime.SOURCE_DIR / "contract.cuh", tmp_path / "contract.cuh")
+    (tmp_path / "linear.cu").write_text(broken)
+    rng = rng_for("gemm-race")
+    P = 150                                                         # three tiles of p, the last partial
+    x, w = rand_bf16(rng, (21, P)), rand_bf16(rng, (19, P))
+    want = ref.linear_forward(x, w)
+    fn = _emu_module(broken, "linear.cu", tmp_path).get_function("o1b_gemm")
+    y = np.zeros((21, 19), np.float32)
+    args = (np.int64(21), np.int64(19), np.int64(P), x, np.int64(P), np.int64(1), w, np.int64(1),
+            np.int64(P), y, np.int64(19), np.int32(0))
+    fn((4,), (16, 16), args)
+    wrong = y.view(np.uint32).tobytes() != want.view(np.uint32).tobytes()
+    try:
+        with emu.options(race_check=True):
+            fn((4,), (16, 16), args)
+        raced = False
+    except emu.EmuRaceError:
+        raced = True
+    assert wrong or raced
+    assert raced, "the race check should name the kernel"
