@@ -96,6 +96,10 @@ from mlx_open1b.cli.train import audit, hash_, train  # noqa: E402
 for _cmd in (train, audit, hash_):
     cli.add_command(_cmd)
 
+from mlx_open1b.cli.parity import parity  # noqa: E402
+
+cli.add_command(parity)
+
 
 def main() -> None:
     cli()

@@ -55,8 +55,9 @@ class _Progress:
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="model and recipe preset")
 @click.option("--steps", type=int, default=None, help="optimizer steps to reach (default: the preset's token budget)")
-@click.option("--backend", type=click.Choice(["cpu_ref", "torch"]), default="cpu_ref", show_default=True,
-              help="cpu_ref: the reproducible C reference; torch: the non-reproducible PyTorch baseline")
+@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda", "torch"]), default="cpu_ref", show_default=True,
+              help="cpu_ref: the reproducible C reference; metal, cuda: the GPU kernels (bit-identical to cpu_ref; "
+                   "emulated on the CPU where no GPU is present); torch: the non-reproducible PyTorch baseline")
 @click.option("--out", "out", type=click.Path(file_okay=False), default="runs/tiny", show_default=True,
               help="run directory")
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
@@ -122,7 +123,7 @@ def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
 @click.command()
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
 @click.option("--steps", "steps", required=True, help="range A-B (or a single step A)")
-@click.option("--backend", type=click.Choice(["cpu_ref"]), default="cpu_ref", show_default=True)
+@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
 @click.option("--auditor", default="anonymous", show_default=True, help="name written into the attestation")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
               help="attestation file (default: attestation-A-B.json in the current directory)")

@@ -45,10 +45,23 @@ class TrainError(RuntimeError):
 
 
 def get_backend(name: str):
+    """The op module of a backend: cpu_ref, or mlx_open1b.metal.ops / mlx_open1b.cuda.ops when
+    they import and report themselves available (on the GPU or through their CPU emulators)."""
     if name == "cpu_ref":
         from . import cpu_ref
         return cpu_ref
-    raise TrainError(f"backend {name!r} is not available here (available: cpu_ref)", exit_code=2)
+    if name in ("metal", "cuda"):
+        import importlib
+        try:
+            ops = importlib.import_module(f"mlx_open1b.{name}.ops")
+        except Exception as e:   # noqa: BLE001 - any import failure makes the backend unavailable
+            raise TrainError(f"backend {name!r} is not available here: mlx_open1b.{name}.ops cannot be imported "
+                             f"({type(e).__name__}: {e})", exit_code=2) from None
+        ok, why = ops.available()
+        if not ok:
+            raise TrainError(f"backend {name!r} is not available here: {why}", exit_code=2)
+        return ops
+    raise TrainError(f"unknown backend {name!r} (backends: cpu_ref, metal, cuda)", exit_code=2)
 
 
 class TreeFold:

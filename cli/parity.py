@@ -1,0 +1,142 @@
+"""`open1b parity run | export | compare | backends`: bit-for-bit parity of the backends."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(code)
+
+
+def _split(s: str | None) -> list[str] | None:
+    if s is None:
+        return None
+    items = [x.strip() for x in s.split(",") if x.strip()]
+    return items
+
+
+@click.group()
+def parity() -> None:
+    """Bit-for-bit parity of every contract op across backends and machines."""
+
+
+@parity.command("backends")
+def backends_cmd() -> None:
+    """The backends this install knows, and whether each can run here."""
+    from mlx_open1b.parity import status
+    for name, ok, detail in status():
+        click.echo(f"  {name:8s} {'available' if ok else 'unavailable':12s} {detail}")
+
+
+@parity.command("run")
+@click.option("--backends", "backends_opt", default=None, metavar="A,B,...",
+              help="backends to compare; the first is the reference (default: every available one, cpu_ref first; "
+                   "spec, the numpy implementation of the contract, when nothing else is available)")
+@click.option("--ops", "ops_opt", default=None, metavar="X,Y,...", help="ops to run (default: all)")
+@click.option("--cases", type=click.IntRange(min=1), default=20, show_default=True, help="cases per op")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="base seed of the cases")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="also write the report as JSON to this file")
+def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
+    """Run every op on seeded inputs (special values included) on each backend; compare bits.
+
+    Prints a table per op (cases, mismatching cases, seconds per backend, first mismatch with
+    its index and both values); exits 1 on any mismatch, 2 on bad arguments."""
+    from mlx_open1b.parity import OPS, BackendUnavailable, available, format_table, load, run
+    names = _split(backends_opt)
+    if names is None:
+        names = available()
+        if len(names) < 2:
+            click.echo(f"note: only {', '.join(names) or 'no backend'} can run here; comparing with spec "
+                       "(the numpy implementation of the contract)", err=True)
+            names = names + ["spec"]
+    if not names:
+        _fail("--backends: no backend given")
+    if len(set(names)) != len(names):
+        _fail(f"--backends: a backend is named twice ({','.join(names)})")
+    if len(names) < 2:
+        _fail(f"--backends: need at least two backends to compare, got {names[0]}")
+    loaded = []
+    for n in names:
+        try:
+            loaded.append((n, load(n)))
+        except BackendUnavailable as e:
+            _fail(f"--backends: backend {n!r} cannot run here: {e}")
+    ops = _split(ops_opt)
+    if ops is not None:
+        unknown = [o for o in ops if o not in OPS]
+        if unknown or not ops:
+            _fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
+    tty = sys.stderr.isatty()
+
+    def progress(op, res):
+        if tty:
+            click.echo(f"\r{op}: {res.cases} cases, {res.mismatches} mismatching" + " " * 20, err=True, nl=False)
+    report = run(loaded, ops, cases, seed, progress=progress)
+    if tty:
+        click.echo("\r" + " " * 70 + "\r", err=True, nl=False)
+    click.echo(format_table(report))
+    if json_out:
+        from mlx_open1b.fsutil import write_json_atomic
+        write_json_atomic(json_out, report.to_json())
+    sys.exit(0 if report.ok else 1)
+
+
+@parity.command("export")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--backend", default="cpu_ref", show_default=True, help="the backend whose results are exported")
+@click.option("--cases", type=click.IntRange(min=0), default=8, show_default=True, help="cases per op")
+@click.option("--steps", type=click.IntRange(min=0), default=3, show_default=True,
+              help="steps of the tiny preset whose ledger goes into the bundle (0: none)")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="base seed of the cases")
+@click.option("--ops", "ops_opt", default=None, metavar="X,Y,...", help="ops to export (default: all)")
+@click.option("--data", "data_dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="prepared default corpus to train on (default: prepared into a temporary directory)")
+def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
+    """Write a bundle to FILE: per op and case the seed and output hashes, and a short run's
+    ledger, with machine and library information (for `open1b parity compare`)."""
+    from mlx_open1b.data.format import DataError
+    from mlx_open1b.parity import OPS, BackendUnavailable, export_bundle
+    from mlx_open1b.train import TrainError
+    ops = _split(ops_opt)
+    if ops is not None:
+        unknown = [o for o in ops if o not in OPS]
+        if unknown or not ops:
+            _fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
+    try:
+        b = export_bundle(file, backend=backend, cases=cases, steps=steps, seed=seed, ops=ops, data_dir=data_dir,
+                          log=lambda m: click.echo(m, err=True) if sys.stderr.isatty() else None)
+    except BackendUnavailable as e:
+        _fail(f"--backend: {e}")
+    except (TrainError, DataError) as e:
+        _fail(f"training run: {e}", getattr(e, "exit_code", 2))
+    n = sum(len(v) for v in b["ops"].values())
+    errs = sum(1 for v in b["ops"].values() for c in v if "error" in c)
+    tr = b["training"]
+    click.echo(f"wrote {file}: {backend}, contract v{b['contract_version']}, {len(b['ops'])} ops x {cases} cases "
+               f"({n} cases{f', {errs} raised' if errs else ''})"
+               + (f", ledger of {tr['steps']} steps (run hash {tr['run_hash']})" if tr else ", no ledger"))
+
+
+@parity.command("compare")
+@click.argument("a", type=click.Path(dir_okay=False, exists=True))
+@click.argument("b", type=click.Path(dir_okay=False, exists=True))
+def compare_cmd(a, b) -> None:
+    """Compare two bundles case by case and ledger record by record.
+
+    Exits 0 when identical, 1 on any difference, 2 when the bundles cannot be compared
+    (unreadable, or made under different contract versions)."""
+    from mlx_open1b.parity import BundleError, compare_bundles, format_comparison, load_bundle
+    try:
+        ba, bb = load_bundle(a), load_bundle(b)
+    except BundleError as e:
+        _fail(str(e))
+    r = compare_bundles(ba, bb)
+    click.echo(format_comparison(r, ba, bb))
+    if r.contract_mismatch:
+        click.echo(f"error: contract versions differ: {a} is v{ba.get('contract_version')}, {b} is "
+                   f"v{bb.get('contract_version')}", err=True)
+    sys.exit(r.exit_code)

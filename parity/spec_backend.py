@@ -1,0 +1,148 @@
+"""The `spec` pseudo-backend: mlx_open1b/spec (the independent numpy implementation of the
+contract) behind cpu_ref's function names, arguments and returns.
+
+Only adapters live here, no arithmetic of its own: argument order, in-place updates, the load
+rule on scalars and arrays where the spec leaves it to the caller, and the store rule on the one
+spec function (sqrt) that does not apply it. It is slow (numpy loops over the summed dimension)
+and meant for self-tests of the harness and of the C reference, not for training.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from ..hostmath import adamw_scalars
+from ..spec import arith as A
+from ..spec import attention as _att
+from ..spec import layers as _lay
+from ..spec import mathfn as _mf
+from ..spec import optim as _opt
+from ..spec import xent as _xent
+
+NAME = "spec"
+F32 = np.float32
+
+
+def available():
+    return True, "numpy implementation of the contract (mlx_open1b/spec), slow"
+
+
+def contract_version() -> int:
+    return CONTRACT_VERSION
+
+
+def _f32s(x) -> np.float32:
+    """A host scalar as the kernels see it: rounded to fp32 once, then the load rule."""
+    return A.flush(F32(x))[()]
+
+
+# ---------------------------------------------------------------- §4 functions, §2 conversions
+def exp(x): return _mf.exp(x)
+def log(x): return _mf.log(x)
+def sin(x): return _mf.sin(x)
+def cos(x): return _mf.cos(x)
+def rsqrt(x): return _mf.rsqrt(x)
+def sigmoid(x): return _mf.sigmoid(x)
+def silu(x): return _mf.silu(x)
+def sqrt(x): return A.store(A.sqrt(A.flush(x)))
+def sqrt_int(x): return A.store(A.sqrt(A.flush(x)))   # the integer definition equals IEEE sqrt (§3)
+def f32_to_bf16(x): return A.f32_to_bf16(x)
+def bf16_to_f32(x): return A.store(A.bf16_to_f32(x))
+
+
+def add_inplace(a, b) -> None:
+    a[...] = A.store(A.add(A.flush(a), A.flush(b)))
+
+
+def scale_inplace(a, s) -> None:
+    a[...] = A.store(A.mul(A.flush(a), _f32s(s)))
+
+
+def _scalar(fn):
+    def f(a, b) -> float:
+        return float(fn(_f32s(a), _f32s(b)))
+    return f
+
+
+scalar_add, scalar_sub, scalar_mul, scalar_div = (_scalar(f) for f in (A.add, A.sub, A.mul, A.div))
+
+
+def scalar_sqrt(x) -> float:
+    return float(A.sqrt(_f32s(x)))
+
+
+# ---------------------------------------------------------------- §6.1 linear layer
+def linear_forward(x, w):
+    return _xent.gemm_nt(x, w)
+
+
+def linear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True):
+    dx = _xent.gemm_nt(dy, np.ascontiguousarray(w.T)) if need_dx else None          # sum over m
+    dw = _xent.gemm_nt(np.ascontiguousarray(dy.T), np.ascontiguousarray(x.T)) if need_dw else None  # sum over n
+    return dx, dw
+
+
+# ---------------------------------------------------------------- §6.2-6.5 layers
+def embedding_forward(tokens, wte): return _lay.embedding_forward(tokens, wte)
+def embedding_backward(tokens, dout, V): return _lay.embedding_backward(tokens, dout, int(V))
+def rmsnorm_forward(x, g, eps): return _lay.rmsnorm_forward(x, g, _f32s(eps))
+def rmsnorm_backward(dy, x, g, rstd): return _lay.rmsnorm_backward(dy, x, g, rstd)
+def rope_tables(T, D, theta): return _lay.rope_tables(int(T), int(D), _f32s(theta))
+def rope_forward(x, cos, sin): return _lay.rope(x, cos, sin, backward=False)
+def rope_backward(dy, cos, sin): return _lay.rope(dy, cos, sin, backward=True)
+def swiglu_forward(h): return _lay.swiglu_forward(h)
+def swiglu_backward(dout, h): return _lay.swiglu_backward(dout, h)
+
+
+# ---------------------------------------------------------------- §6.6 attention, §6.8 xent
+def attention_forward(q, k, v, window, scale):
+    return _att.attention_forward(q, k, v, int(window), F32(scale))
+
+
+def attention_backward(dout, q, k, v, o, lse, window, scale):
+    return _att.attention_backward(dout, q, k, v, o, lse, int(window), F32(scale))
+
+
+def xent_forward(h, w, targets, zcoef):
+    return _xent.xent_forward(h, w, targets, F32(zcoef), XENT_CHUNK)
+
+
+def xent_backward(h, w, targets, zcoef, lse, dloss):
+    return _xent.xent_backward(h, w, targets, F32(zcoef), A.flush(lse), A.flush(dloss))
+
+
+# ---------------------------------------------------------------- §6.7 AdamW, §7 reductions
+def adamw_step(p_, g, m, v, *, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step) -> None:
+    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
+    p_[...], m[...], v[...] = _opt.adamw_step(p_, g, m, v, s)
+
+
+def sumsq_blocks(x):
+    return _opt.sumsq_blocks(x, NORM_BLOCK)
+
+
+def treefold(values) -> float:
+    return float(_opt.treefold(list(A.flush(values))))
+
+
+def global_norm(tensors: Sequence[np.ndarray]) -> float:
+    parts = np.concatenate([sumsq_blocks(t) for t in tensors])
+    return float(A.sqrt(F32(treefold(parts))))
+
+
+def clip_coef(norm, max_norm) -> float:
+    return float(A.div(_f32s(max_norm), A.add(_f32s(norm), F32(CLIP_EPS))))
+
+
+# ---------------------------------------------------------------- §5 random numbers
+def philox_blocks(seed, stream, index0, n, sub=0):
+    idx = np.arange(int(n), dtype=np.uint64) + np.uint64(index0)    # wraps mod 2^64 like the C counter
+    if n == 0:
+        return np.empty((0, 4), np.uint32)
+    return _opt.philox_block(int(seed), int(stream), idx, int(sub))
+
+
+def trunc_normal(seed, stream, index0, n, sigma=INIT_SIGMA):
+    return _opt.trunc_normal(int(seed), int(stream), int(index0), int(n), F32(sigma))

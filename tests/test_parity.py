@@ -1,0 +1,268 @@
+"""The parity harness (mlx_open1b.parity, `open1b parity run|export|compare`): zero mismatches
+between cpu_ref and the numpy spec (and metal / cuda wherever their ops modules are in the tree),
+a planted one-bit difference is caught with the right op, output, index and values, bundles
+compare identical on one machine and a modified one is reported at the right case, contract
+versions that differ are refused (exit 2), and whole-run parity: the tiny preset trained for a
+few steps gives the same ledger on every backend."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlx_open1b.cpu_ref as cpu_ref
+from mlx_open1b import parity as P
+from mlx_open1b.cli.main import cli
+from mlx_open1b.parity import spec_backend
+from mlx_open1b.parity.bundle import canonical
+
+SPEC_CASES = 24          # per op: 40 ops x 24 = 960 cases cpu_ref vs spec (about 10 s)
+GPU_CASES = 24           # per op for metal / cuda (emulated here) vs cpu_ref: 960 cases each
+
+
+def _gpu_backends() -> list:
+    """metal and cuda, when their ops module exists in the tree (checked at import time). If one
+    exists but does not import or run, the tests fail rather than skip: that is a bug."""
+    out = []
+    for name in ("metal", "cuda"):
+        if importlib.util.find_spec(f"mlx_open1b.{name}.ops") is not None:
+            out.append(name)
+    return out
+
+
+GPU = _gpu_backends()
+MISSING = [n for n in ("metal", "cuda") if n not in GPU]
+
+
+# ----------------------------------------------------------------------------- coverage
+def test_every_cpu_ref_op_has_a_case_generator():
+    runtime = {"contract_version", "get_num_threads", "set_num_threads", "settings", "simd_level", "simd_name"}
+    api = {n for n in dir(cpu_ref) if not n.startswith("_") and callable(getattr(cpu_ref, n))
+           and not isinstance(getattr(cpu_ref, n), type) and getattr(cpu_ref, n).__class__.__name__ != "module"}
+    missing = sorted(api - runtime - set(P.OPS))
+    assert not missing, f"ops of the cpu_ref API without a parity case generator: {missing}"
+    for op in P.OPS:
+        assert P.backends.resolve(cpu_ref, op) is not None, op
+        assert P.backends.resolve(spec_backend, op) is not None, op
+
+
+def test_cases_are_deterministic_and_cover_specials_and_odd_shapes():
+    a, b = P.make_case("attention_forward", 5, seed=7), P.make_case("attention_forward", 5, seed=7)
+    assert a.seed == b.seed and a.input_hash() == b.input_hash()
+    assert P.make_case("attention_forward", 5, seed=8).input_hash() != a.input_hash()
+    # special values appear across cases of an elementwise op
+    bits = np.concatenate([P.make_case("exp", i).args[0].reshape(-1) for i in range(8)]).view(np.uint32)
+    exp_field, mant = bits & 0x7F800000, bits & 0x7FFFFF
+    assert ((exp_field == 0) & (mant != 0)).any(), "no subnormals"
+    assert ((exp_field == 0x7F800000) & (mant != 0)).any(), "no NaNs"
+    assert ((exp_field == 0x7F800000) & (mant == 0)).any(), "no infinities"
+    assert (bits == 0x80000000).any() and (bits == 0).any(), "no signed zeros"
+    assert (bits == 0x7F7FFFFF).any() or (bits == 0xFF7FFFFF).any(), "no largest normals"
+    # vocabularies that cross the 1024-entry chunk, sequences that are no multiple of the 64-key block
+    Vs = {P.make_case("xent_forward", i).args[1].shape[0] for i in range(40)}
+    assert Vs & {1023, 1025, 2049, 2500}
+    Ts = {P.make_case("attention_forward", i).args[0].shape[1] for i in range(40)}
+    assert Ts & {65, 130} and Ts & {1, 7, 33}
+
+
+# ----------------------------------------------------------------------------- zero mismatches
+def test_cpu_ref_matches_spec_on_every_op():
+    report = P.run(["cpu_ref", "spec"], cases=SPEC_CASES, seed=0)
+    assert report.total_cases == len(P.OPS) * SPEC_CASES
+    assert report.ok, P.format_table(report)
+
+
+@pytest.mark.parametrize("name", GPU)
+def test_gpu_backend_matches_cpu_ref_on_every_op(name):
+    ok, why = P.backends.load(name).available()
+    assert ok, why
+    report = P.run(["cpu_ref", name], cases=GPU_CASES, seed=1)
+    assert report.total_cases == len(P.OPS) * GPU_CASES
+    assert report.ok, P.format_table(report)
+
+
+def test_gpu_backends_not_yet_in_tree():
+    if not MISSING:
+        return
+    pytest.skip(f"not in the tree yet (no mlx_open1b.<name>.ops module): {', '.join(MISSING)}")
+
+
+# ----------------------------------------------------------------------------- planted difference
+def _flip_last_bit(fn, output: int, flat_index: int):
+    def planted(*a, **k):
+        res = fn(*a, **k)
+        tup = res if isinstance(res, tuple) else (res,)
+        arr = np.array(tup[output], copy=True)
+        arr.reshape(-1).view(np.uint32 if arr.dtype.itemsize == 4 else np.uint16)[flat_index] ^= 1
+        tup = tup[:output] + (arr,) + tup[output + 1:]
+        return tup if isinstance(res, tuple) else tup[0]
+    return planted
+
+
+def test_planted_one_bit_difference_is_reported(monkeypatch):
+    op = "rmsnorm_forward"
+    case = P.make_case(op, 0)
+    ref_y, ref_r = cpu_ref.rmsnorm_forward(*case.args)
+    N, C = ref_y.shape
+    flat = (N * C) // 2
+    monkeypatch.setattr(spec_backend, op, _flip_last_bit(spec_backend.rmsnorm_forward, 0, flat))
+    report = P.run(["cpu_ref", "spec"], ops=[op, "exp"], cases=3)
+    assert not report.ok
+    r = report.ops[op]
+    assert r.cases == 3 and r.mismatches == 3 and report.ops["exp"].mismatches == 0
+    m = r.first
+    assert (m["op"], m["case"], m["output"], m["backend"], m["kind"]) == (op, 0, "y", "spec", "value")
+    assert m["seed"] == f"0x{case.seed:016x}"
+    idx = tuple(int(i) for i in np.unravel_index(flat, (N, C)))
+    assert tuple(m["index"]) == idx and m["count"] == 1
+    want = int(ref_y.view(np.uint32)[idx])
+    assert m["ref_hex"] == f"0x{want:08x}" and m["hex"] == f"0x{want ^ 1:08x}"
+    assert m["ref_value"] == float(ref_y[idx])
+    assert m["value"] == float(np.uint32(want ^ 1).view(np.float32))
+    table = P.format_table(report)
+    assert "FAIL" in table and f"y[{idx[0]}, {idx[1]}]" in table and m["hex"] in table
+    # the CLI exits 1 and prints the same first mismatch
+    res = CliRunner().invoke(cli, ["parity", "run", "--backends", "cpu_ref,spec", "--ops", op, "--cases", "2"])
+    assert res.exit_code == 1, res.output
+    assert m["hex"] in res.output and m["ref_hex"] in res.output and "FAIL" in res.output
+
+
+def test_backend_that_raises_is_a_mismatch(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+    monkeypatch.setattr(spec_backend, "swiglu_forward", boom)
+    report = P.run(["cpu_ref", "spec"], ops=["swiglu_forward"], cases=2)
+    r = report.ops["swiglu_forward"]
+    assert r.mismatches == r.errors == 2 and "kernel exploded" in r.first["detail"]
+
+
+def test_parity_run_cli_passes_and_rejects_bad_arguments():
+    r = CliRunner()
+    res = r.invoke(cli, ["parity", "run", "--backends", "cpu_ref,spec", "--ops", "exp,linear_forward", "--cases", "3"])
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.output and "linear_forward" in res.output
+    res = r.invoke(cli, ["parity", "run", "--backends", "cpu_ref,nosuch", "--cases", "1"])
+    assert res.exit_code == 2 and "unknown backend 'nosuch'" in res.output
+    res = r.invoke(cli, ["parity", "run", "--backends", "cpu_ref,spec", "--ops", "nosuch_op"])
+    assert res.exit_code == 2 and "unknown op(s) nosuch_op" in res.output
+    res = r.invoke(cli, ["parity", "run", "--backends", "cpu_ref", "--cases", "1"])
+    assert res.exit_code == 2 and "at least two backends" in res.output
+    res = r.invoke(cli, ["parity", "run", "--cases", "0"])
+    assert res.exit_code == 2
+    for name in MISSING:        # a GPU backend not in the tree yet: unavailable, with the reason
+        res = r.invoke(cli, ["parity", "run", "--backends", f"cpu_ref,{name}", "--cases", "1"])
+        assert res.exit_code == 2 and f"backend '{name}' cannot run here" in res.output
+
+
+# ----------------------------------------------------------------------------- bundles
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, default_corpus):
+    """Two bundles exported on this machine (cpu_ref, 3 cases per op, 2 training steps)."""
+    d = tmp_path_factory.mktemp("bundles")
+    r = CliRunner()
+    for name in ("a.json", "b.json"):
+        res = r.invoke(cli, ["parity", "export", str(d / name), "--cases", "3", "--steps", "2",
+                             "--data", str(default_corpus)])
+        assert res.exit_code == 0, res.output
+        assert "contract v1" in res.output and "ledger of 2 steps" in res.output
+    return d
+
+
+def test_export_compare_identical(bundles):
+    b = json.loads((bundles / "a.json").read_text())
+    assert b["format"] == "open1b-parity-bundle/1" and b["contract_version"] == cpu_ref.contract_version()
+    assert set(b["ops"]) == set(P.OPS) and all(len(v) == 3 for v in b["ops"].values())
+    assert len(b["training"]["ledger"]) == 2 and b["machine"]["libraries"]["numpy"] == np.__version__
+    res = CliRunner().invoke(cli, ["parity", "compare", str(bundles / "a.json"), str(bundles / "b.json")])
+    assert res.exit_code == 0, res.output
+    assert "result: IDENTICAL" in res.output and "ledger: 2 records compared" in res.output
+    assert f"{len(P.OPS) * 3} identical" in res.output
+
+
+def _edit(src: pathlib.Path, dst: pathlib.Path, fn, rehash: bool = True) -> None:
+    b = json.loads(src.read_text())
+    fn(b)
+    if rehash:
+        b.pop("bundle_sha256")
+        import hashlib
+        b["bundle_sha256"] = hashlib.sha256(canonical(b)).hexdigest()
+    dst.write_text(json.dumps(b))
+
+
+def test_modified_bundle_reported_at_the_right_case(bundles, tmp_path):
+    def edit(b):
+        out = b["ops"]["swiglu_backward"][2]["outputs"]
+        out["dh"] = "0" * 64
+    _edit(bundles / "a.json", tmp_path / "m.json", edit)
+    res = CliRunner().invoke(cli, ["parity", "compare", str(bundles / "a.json"), str(tmp_path / "m.json")])
+    assert res.exit_code == 1, res.output
+    assert "first difference: swiglu_backward case 2" in res.output and "output 'dh'" in res.output
+    assert "swiglu_backward: 1" in res.output and "result: DIFFERENT" in res.output
+    # edited without re-hashing: the same case, and a warning that the file was edited
+    _edit(bundles / "a.json", tmp_path / "m2.json", edit, rehash=False)
+    res = CliRunner().invoke(cli, ["parity", "compare", str(bundles / "a.json"), str(tmp_path / "m2.json")])
+    assert res.exit_code == 1 and "edited after export" in res.output
+    assert "first difference: swiglu_backward case 2" in res.output
+
+
+def test_modified_ledger_reported_at_the_right_record(bundles, tmp_path):
+    def edit(b):
+        b["training"]["ledger"][1]["hashes"]["params"] = "f" * 64
+    _edit(bundles / "a.json", tmp_path / "l.json", edit)
+    res = CliRunner().invoke(cli, ["parity", "compare", str(bundles / "a.json"), str(tmp_path / "l.json")])
+    assert res.exit_code == 1, res.output
+    assert "ledger record 1 (step 1): hashes.params" in res.output
+
+
+def test_compare_refuses_other_contract_versions(bundles, tmp_path):
+    _edit(bundles / "a.json", tmp_path / "v2.json", lambda b: b.update(contract_version=2))
+    res = CliRunner().invoke(cli, ["parity", "compare", str(bundles / "a.json"), str(tmp_path / "v2.json")])
+    assert res.exit_code == 2, res.output
+    assert "different arithmetic contracts" in res.output and "A v1, B v2" in res.output
+    (tmp_path / "junk.json").write_text("{\"hello\": 1}")
+    res = CliRunner().invoke(cli, ["parity", "compare", str(bundles / "a.json"), str(tmp_path / "junk.json")])
+    assert res.exit_code == 2 and "not a parity bundle" in res.output
+
+
+def test_export_bad_backend(tmp_path):
+    res = CliRunner().invoke(cli, ["parity", "export", str(tmp_path / "x.json"), "--backend", "nosuch"])
+    assert res.exit_code == 2 and "unknown backend 'nosuch'" in res.output
+    res = CliRunner().invoke(cli, ["parity", "export", str(tmp_path / "x.json"), "--backend", "spec"])
+    assert res.exit_code == 2 and "cannot train" in res.output
+    assert not (tmp_path / "x.json").exists()
+
+
+# ----------------------------------------------------------------------------- whole-run parity
+RUN_STEPS = 2            # the emulators take 10-25 s per step of the tiny preset on 2 CPU cores
+
+
+@pytest.fixture(scope="module")
+def cpu_ref_ledger(default_corpus):
+    return P.bundle.train_ledger("cpu_ref", RUN_STEPS, default_corpus)
+
+
+@pytest.mark.parametrize("name", ["metal", "cuda"])
+def test_whole_run_parity(name, cpu_ref_ledger, default_corpus):
+    if name in MISSING:
+        pytest.skip(f"mlx_open1b.{name}.ops is not in the tree yet")
+    got = P.bundle.train_ledger(name, RUN_STEPS, default_corpus)
+    assert len(cpu_ref_ledger["ledger"]) == len(got["ledger"]) == RUN_STEPS
+    for k, (a, b) in enumerate(zip(cpu_ref_ledger["ledger"], got["ledger"])):
+        assert a == b, f"ledger record {k} differs between cpu_ref and {name}"
+    assert got["run_hash"] == cpu_ref_ledger["run_hash"]
+
+
+def test_get_backend_errors():
+    from mlx_open1b.train import TrainError, get_backend
+    with pytest.raises(TrainError, match="unknown backend 'nosuch'"):
+        get_backend("nosuch")
+    for name in MISSING:
+        with pytest.raises(TrainError, match=f"backend '{name}' is not available here"):
+            get_backend(name)
+    for name in GPU:
+        assert get_backend(name) is importlib.import_module(f"mlx_open1b.{name}.ops")
