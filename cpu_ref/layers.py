@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._lib import BF16, F32, I32, c_f32, c_i64, c_int, check, declare, p, positive, ptr
+from .. import opargs
+from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _emb_fwd = declare("o1b_embedding_forward", c_i64, c_i64, ptr, ptr, ptr)
 _emb_bwd = declare("o1b_embedding_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, restype=c_int)
@@ -15,46 +16,26 @@ _swiglu_fwd = declare("o1b_swiglu_forward", c_i64, c_i64, ptr, ptr)
 _swiglu_bwd = declare("o1b_swiglu_backward", c_i64, c_i64, ptr, ptr, ptr)
 
 
-def _tokens(tokens: np.ndarray, V: int) -> np.ndarray:
-    check("tokens", tokens, I32, ndim=1)
-    if tokens.size:
-        bad = np.flatnonzero((tokens < 0) | (tokens >= V))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"tokens: token id {int(tokens[i])} at index {i} is outside [0, {V})")
-    return tokens
-
-
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
-    check("wte", wte, BF16, ndim=2)
-    V, C = wte.shape
-    _tokens(tokens, V)
-    out = np.empty((tokens.size, C), np.float32)
-    _emb_fwd(tokens.size, C, p(tokens), p(wte), p(out))
+    N, V, C = opargs.embedding_forward(tokens, wte)
+    out = np.empty((N, C), np.float32)
+    _emb_fwd(N, C, p(tokens), p(wte), p(out))
     return out
 
 
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
     """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
-    V = positive("V", V)
-    _tokens(tokens, V)
-    check("dout", dout, F32, shape=(tokens.size, None))
-    C = dout.shape[1]
+    N, V, C = opargs.embedding_backward(tokens, dout, V)
     dwte = np.empty((V, C), np.float32)
-    if _emb_bwd(tokens.size, V, C, p(tokens), p(dout), p(dwte)) != 0:
+    if _emb_bwd(N, V, C, p(tokens), p(dout), p(dwte)) != 0:
         raise MemoryError("embedding_backward: out of memory for the position buckets")
     return dwte
 
 
 def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
-    check("x", x, F32, ndim=2)
-    N, C = x.shape
-    if g is not None:
-        check("g", g, BF16, shape=(C,))
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    N, C = opargs.rmsnorm_forward(x, g, eps)
     y = np.empty_like(x)
     rstd = np.empty(N, np.float32)
     _rms_fwd(N, C, p(x), p(g), float(np.float32(eps)), p(y), p(rstd))
@@ -63,12 +44,7 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
 
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
     """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
-    check("x", x, F32, ndim=2)
-    N, C = x.shape
-    check("dy", dy, F32, shape=(N, C))
-    check("rstd", rstd, F32, shape=(N,))
-    if g is not None:
-        check("g", g, BF16, shape=(C,))
+    N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     dx = np.empty_like(x)
     dg = np.empty(C, np.float32) if g is not None else None
     _rms_bwd(N, C, p(dy), p(x), p(g), p(rstd), p(dx), p(dg))
@@ -77,11 +53,7 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
 
 def rope_tables(T: int, D: int, theta: float):
     """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
-    T, D = positive("T", T), positive("D", D)
-    if D % 2:
-        raise ValueError(f"D: head dimension must be even for RoPE, got {D}")
-    if not np.isfinite(theta) or theta <= 1:
-        raise ValueError(f"theta: expected a finite value > 1, got {theta!r}")
+    T, D = opargs.rope_tables(T, D, theta)
     cos = np.empty((T, D // 2), np.float32)
     sin = np.empty((T, D // 2), np.float32)
     _rope_tables(T, D, float(np.float32(theta)), p(cos), p(sin))
@@ -89,14 +61,7 @@ def rope_tables(T: int, D: int, theta: float):
 
 
 def _rope(x, cos, sin, backward, name):
-    check(name, x, F32, ndim=4)
-    B, T, R, D = x.shape
-    check("cos", cos, F32, shape=(None, D // 2))
-    check("sin", sin, F32, shape=cos.shape)
-    if D % 2:
-        raise ValueError(f"{name}: head dimension must be even, got {D}")
-    if cos.shape[0] < T:
-        raise ValueError(f"cos: table has {cos.shape[0]} positions, {name} needs {T}")
+    B, T, R, D = opargs.rope(x, cos, sin, name)
     y = np.empty_like(x)
     _rope_c(B, T, R, D, p(x), p(cos), p(sin), p(y), int(backward))
     return y
@@ -113,21 +78,14 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
 
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
     """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
-    check("h", h, F32, ndim=2)
-    N, F2 = h.shape
-    if F2 % 2:
-        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
-    out = np.empty((N, F2 // 2), np.float32)
-    _swiglu_fwd(N, F2 // 2, p(h), p(out))
+    N, F = opargs.swiglu_forward(h)
+    out = np.empty((N, F), np.float32)
+    _swiglu_fwd(N, F, p(h), p(out))
     return out
 
 
 def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
-    check("h", h, F32, ndim=2)
-    N, F2 = h.shape
-    if F2 % 2:
-        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
-    check("dout", dout, F32, shape=(N, F2 // 2))
+    N, F = opargs.swiglu_backward(dout, h)
     dh = np.empty_like(h)
-    _swiglu_bwd(N, F2 // 2, p(dout), p(h), p(dh))
+    _swiglu_bwd(N, F, p(dout), p(h), p(dh))
     return dh

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._lib import BF16, F32, c_i64, check, declare, p, ptr
+from .. import opargs
+from ._lib import c_i64, declare, p, ptr
 
 _forward = declare("o1b_linear_forward", c_i64, c_i64, c_i64, ptr, ptr, ptr)
 _backward = declare("o1b_linear_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr)
@@ -11,10 +12,7 @@ _backward = declare("o1b_linear_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, p
 
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
-    check("x", x, BF16, ndim=2)
-    N, K = x.shape
-    check("w", w, BF16, shape=(None, K))
-    M = w.shape[0]
+    N, K, M = opargs.linear_forward(x, w)
     y = np.empty((N, M), np.float32)
     _forward(N, K, M, p(x), p(w), p(y))
     return y
@@ -23,11 +21,7 @@ def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                     need_dw: bool = True):
     """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
-    check("x", x, BF16, ndim=2)
-    N, K = x.shape
-    check("w", w, BF16, shape=(None, K))
-    M = w.shape[0]
-    check("dy", dy, BF16, shape=(N, M))
+    N, K, M = opargs.linear_backward(dy, x, w)
     dx = np.empty((N, K), np.float32) if need_dx else None
     dw = np.empty((M, K), np.float32) if need_dw else None
     _backward(N, K, M, p(dy), p(x), p(w), p(dx), p(dw))

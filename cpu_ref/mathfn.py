@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._lib import BF16, F32, c_f32, c_i64, c_int, check, declare, p, ptr, writable
+from .. import opargs
+from ..opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
+from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _map = declare("o1b_map", c_int, c_i64, ptr, ptr)
 _to_bf16 = declare("o1b_f32_to_bf16_array", c_i64, ptr, ptr)
@@ -15,34 +17,26 @@ scalar_sub = declare("o1b_scalar_sub", c_f32, c_f32, restype=c_f32)
 scalar_mul = declare("o1b_scalar_mul", c_f32, c_f32, restype=c_f32)
 scalar_div = declare("o1b_scalar_div", c_f32, c_f32, restype=c_f32)
 
-FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sqrt_int")
+
+def _apply(index: int, x: np.ndarray) -> np.ndarray:
+    y = np.empty_like(x)
+    _map(index, x.size, p(x), p(y))
+    return y
 
 
-def _mapper(index: int, name: str):
-    def f(x: np.ndarray) -> np.ndarray:
-        check("x", x, F32)
-        y = np.empty_like(x)
-        _map(index, x.size, p(x), p(y))
-        return y
-    f.__name__ = name
-    f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
-    return f
-
-
-exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = (
-    _mapper(i, n) for i, n in enumerate(FUNCTIONS))
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_apply)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
-    check("x", x, F32)
+    opargs.f32_to_bf16(x)
     y = np.empty(x.shape, BF16)
     _to_bf16(x.size, p(x), p(y))
     return y
 
 
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
-    check("x", x, BF16)
+    opargs.bf16_to_f32(x)
     y = np.empty(x.shape, F32)
     _to_f32(x.size, p(x), p(y))
     return y
@@ -50,12 +44,11 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
 
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
     """a += b elementwise (a is the lower-index operand of a fold)."""
-    check("a", writable("a", a), F32)
-    check("b", b, F32, shape=a.shape)
-    _add_inplace(a.size, p(a), p(b))
+    n = opargs.add_inplace(a, b)
+    _add_inplace(n, p(a), p(b))
 
 
 def scale_inplace(a: np.ndarray, s: float) -> None:
     """a *= s elementwise, s rounded to float32 first."""
-    check("a", writable("a", a), F32)
-    _scale_inplace(a.size, p(a), float(np.float32(s)))
+    n = opargs.scale_inplace(a)
+    _scale_inplace(n, p(a), float(np.float32(s)))

@@ -5,8 +5,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..hostmath import adamw_scalars
-from ._lib import BF16, F32, c_f32, c_i64, check, declare, p, ptr, writable
+from .. import opargs
+from ._lib import c_f32, c_i64, declare, p, ptr
 
 _adamw = declare("o1b_adamw_step", c_i64, ptr, ptr, ptr, ptr, *([c_f32] * 9))
 _sumsq_blocks = declare("o1b_sumsq_blocks", c_i64, ptr, ptr)
@@ -21,40 +21,26 @@ def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, l
                beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                step: int) -> None:
     """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
-    check("p", writable("p", p_), BF16, ndim=1)
-    n = p_.size
-    check("g", g, F32, shape=(n,))
-    check("m", writable("m", m), F32, shape=(n,))
-    check("v", writable("v", v), F32, shape=(n,))
-    for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
-        if not np.isfinite(val) or val < 0:
-            raise ValueError(f"{name}: expected a finite value >= 0, got {val!r}")
-    if not (beta1 < 1 and beta2 < 1):
-        raise ValueError(f"beta1, beta2: expected values < 1, got {beta1!r}, {beta2!r}")
-    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
-    _adamw(n, p(p_), p(g), p(m), p(v), s["lr"], s["b1"], s["b2"], s["omb1"], s["omb2"], s["eps"],
-           s["decay"], s["bc1"], s["bc2"])
+    n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
+    _adamw(n, p(p_), p(g), p(m), p(v), *scalars)
 
 
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
     """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
-    check("x", x, F32)
-    out = np.empty(-(-x.size // NORM_BLOCK), np.float32)
+    out = np.empty(opargs.sumsq_blocks(x, NORM_BLOCK), np.float32)
     _sumsq_blocks(x.size, p(x), p(out))
     return out
 
 
 def treefold(values: np.ndarray) -> float:
     """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
-    check("values", values, F32, ndim=1)
-    return float(np.float32(_treefold(values.size, p(values))))
+    n = opargs.treefold(values)
+    return float(np.float32(_treefold(n, p(values))))
 
 
 def global_norm(tensors: Sequence[np.ndarray]) -> float:
     """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
-    if not len(tensors):
-        raise ValueError("tensors: expected at least one tensor")
-    parts = [sumsq_blocks(check(f"tensors[{i}]", t, F32)) for i, t in enumerate(tensors)]
+    parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
     return float(scalar_sqrt(treefold(np.concatenate(parts))))
 
 

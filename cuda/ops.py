@@ -2,10 +2,10 @@
 
 Same function names, signatures, argument checks and return types as mlx_open1b.cpu_ref (numpy in,
 numpy out; bf16 held as uint16), so the model program and the trainer run with
-`ops=mlx_open1b.cuda.ops`. Arguments are checked with the C reference's own checks before any
-kernel launch. On a machine with CuPy and a GPU the arrays are moved with cupy.asarray and back
-with cupy.asnumpy and the kernels run through cupy.RawModule; elsewhere the same kernel sources and
-the same launch code run on the CPU emulator (cuda/emu). `available()` says which.
+`ops=mlx_open1b.cuda.ops`. Arguments are checked with the C reference's checks (mlx_open1b.opargs)
+before any kernel launch. On a machine with CuPy and a GPU the arrays are moved with cupy.asarray
+and back with cupy.asnumpy and the kernels run through cupy.RawModule; elsewhere the same kernel
+sources and the same launch code run on the CPU emulator (cuda/emu). `available()` says which.
 """
 from __future__ import annotations
 
@@ -14,13 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from ..contract import CONTRACT_VERSION, INIT_SIGMA
-from ..cpu_ref._lib import BF16, F32, I32, check, positive, writable
-from ..cpu_ref.attention import _scale, _shapes, _window
-from ..cpu_ref.layers import _tokens
-from ..cpu_ref.mathfn import FUNCTIONS
-from ..cpu_ref.random import _u
-from ..cpu_ref.xent import _check_common
-from ..hostmath import adamw_scalars
+from .. import opargs
+from ..opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 
 NAME = "cuda"
@@ -86,30 +81,25 @@ def _gemm(I, J, P, A, sa_i, sa_p, B, sb_p, sb_j, C, ldc, accumulate) -> None:
 
 
 # ------------------------------------------------------------------ mathfn (§2–§4)
-def _mapper(index: int, name: str):
-    def f(x: np.ndarray) -> np.ndarray:
-        check("x", x, F32)
-        y = _empty(x.shape, np.float32)
-        _launch1d("mathfn.cu", "o1b_map", x.size, i32(index), i64(x.size), _dev(x), y)
-        return _host(y)
-    f.__name__ = name
-    f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
-    return f
+def _map(index: int, x: np.ndarray) -> np.ndarray:
+    y = _empty(x.shape, np.float32)
+    _launch1d("mathfn.cu", "o1b_map", x.size, i32(index), i64(x.size), _dev(x), y)
+    return _host(y)
 
 
-exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = (_mapper(i, n) for i, n in enumerate(FUNCTIONS))
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_map)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
-    check("x", x, F32)
+    opargs.f32_to_bf16(x)
     y = _empty(x.shape, np.uint16)
     _launch1d("mathfn.cu", "o1b_f32_to_bf16_array", x.size, i64(x.size), _dev(x), y)
     return _host(y)
 
 
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
-    check("x", x, BF16)
+    opargs.bf16_to_f32(x)
     y = _empty(x.shape, np.float32)
     _launch1d("mathfn.cu", "o1b_bf16_to_f32_array", x.size, i64(x.size), _dev(x), y)
     return _host(y)
@@ -122,18 +112,17 @@ def _inplace_back(a: np.ndarray, d) -> None:
 
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
     """a += b elementwise (a is the lower-index operand of a fold)."""
-    check("a", writable("a", a), F32)
-    check("b", b, F32, shape=a.shape)
+    n = opargs.add_inplace(a, b)
     da = _dev(a)
-    _launch1d("mathfn.cu", "o1b_add_inplace", a.size, i64(a.size), da, _dev(b))
+    _launch1d("mathfn.cu", "o1b_add_inplace", n, i64(n), da, _dev(b))
     _inplace_back(a, da)
 
 
 def scale_inplace(a: np.ndarray, s: float) -> None:
     """a *= s elementwise, s rounded to float32 first."""
-    check("a", writable("a", a), F32)
+    n = opargs.scale_inplace(a)
     da = _dev(a)
-    _launch1d("mathfn.cu", "o1b_scale_inplace", a.size, i64(a.size), da, f32(s))
+    _launch1d("mathfn.cu", "o1b_scale_inplace", n, i64(n), da, f32(s))
     _inplace_back(a, da)
 
 
@@ -167,10 +156,7 @@ def scalar_sqrt(x: float) -> float:
 # ------------------------------------------------------------------ linear (§6.1)
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
-    check("x", x, BF16, ndim=2)
-    N, K = x.shape
-    check("w", w, BF16, shape=(None, K))
-    M = w.shape[0]
+    N, K, M = opargs.linear_forward(x, w)
     y = _empty((N, M), np.float32)
     _gemm(N, M, K, _dev(x), K, 1, _dev(w), 1, K, y, M, False)
     return _host(y)
@@ -179,11 +165,7 @@ def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                     need_dw: bool = True):
     """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
-    check("x", x, BF16, ndim=2)
-    N, K = x.shape
-    check("w", w, BF16, shape=(None, K))
-    M = w.shape[0]
-    check("dy", dy, BF16, shape=(N, M))
+    N, K, M = opargs.linear_backward(dy, x, w)
     ddy = _dev(dy)
     dx = dw = None
     if need_dx:        # dx = dy W, sum over m ascending
@@ -198,10 +180,7 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool 
 # ------------------------------------------------------------------ layers (§6.2–§6.5)
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
-    check("wte", wte, BF16, ndim=2)
-    V, C = wte.shape
-    _tokens(tokens, V)
-    N = tokens.size
+    N, V, C = opargs.embedding_forward(tokens, wte)
     out = _empty((N, C), np.float32)
     _launch1d("embedding.cu", "o1b_embedding_forward", N * C, i64(N), i64(C), _dev(tokens), _dev(wte), out)
     return _host(out)
@@ -209,10 +188,7 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
 
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
     """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
-    V = positive("V", V)
-    _tokens(tokens, V)
-    check("dout", dout, F32, shape=(tokens.size, None))
-    C = dout.shape[1]
+    N, V, C = opargs.embedding_backward(tokens, dout, V)
     # the stable counting sort of positions by token, on the host (data movement only)
     start = np.zeros(V + 1, np.int64)
     np.cumsum(np.bincount(tokens, minlength=V), out=start[1:])
@@ -230,12 +206,7 @@ _NO_GAIN = np.zeros(1, np.uint16)
 
 def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
-    check("x", x, F32, ndim=2)
-    N, C = x.shape
-    if g is not None:
-        check("g", g, BF16, shape=(C,))
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    N, C = opargs.rmsnorm_forward(x, g, eps)
     y = _empty((N, C), np.float32)
     rstd = _empty((N,), np.float32)
     _launch1d("rmsnorm.cu", "o1b_rmsnorm_forward", N, i64(N), i64(C), _dev(x),
@@ -245,12 +216,7 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
 
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
     """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
-    check("x", x, F32, ndim=2)
-    N, C = x.shape
-    check("dy", dy, F32, shape=(N, C))
-    check("rstd", rstd, F32, shape=(N,))
-    if g is not None:
-        check("g", g, BF16, shape=(C,))
+    N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     ddy, xd, drstd = _dev(dy), _dev(x), _dev(rstd)
     dx = _empty((N, C), np.float32)
     _launch1d("rmsnorm.cu", "o1b_rmsnorm_backward_dx", N, i64(N), i64(C), ddy, xd,
@@ -264,11 +230,7 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
 
 def rope_tables(T: int, D: int, theta: float):
     """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
-    T, D = positive("T", T), positive("D", D)
-    if D % 2:
-        raise ValueError(f"D: head dimension must be even for RoPE, got {D}")
-    if not np.isfinite(theta) or theta <= 1:
-        raise ValueError(f"theta: expected a finite value > 1, got {theta!r}")
+    T, D = opargs.rope_tables(T, D, theta)
     cos_t = _empty((T, D // 2), np.float32)
     sin_t = _empty((T, D // 2), np.float32)
     _launch1d("rope.cu", "o1b_rope_tables", T * (D // 2), i64(T), i64(D), f32(theta), cos_t, sin_t)
@@ -276,14 +238,7 @@ def rope_tables(T: int, D: int, theta: float):
 
 
 def _rope(x, cos_t, sin_t, backward, name):
-    check(name, x, F32, ndim=4)
-    B, T, R, D = x.shape
-    check("cos", cos_t, F32, shape=(None, D // 2))
-    check("sin", sin_t, F32, shape=cos_t.shape)
-    if D % 2:
-        raise ValueError(f"{name}: head dimension must be even, got {D}")
-    if cos_t.shape[0] < T:
-        raise ValueError(f"cos: table has {cos_t.shape[0]} positions, {name} needs {T}")
+    B, T, R, D = opargs.rope(x, cos_t, sin_t, name)
     y = _empty(x.shape, np.float32)
     rows = B * T * R
     _launch1d("rope.cu", "o1b_rope", rows * (D // 2), i64(rows), i64(T), i64(R), i64(D), _dev(x),
@@ -300,25 +255,16 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
     return _rope(dy, cos, sin, True, "dy")
 
 
-def _swiglu_shape(h):
-    check("h", h, F32, ndim=2)
-    N, F2 = h.shape
-    if F2 % 2:
-        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
-    return N, F2 // 2
-
-
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
     """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
-    N, F = _swiglu_shape(h)
+    N, F = opargs.swiglu_forward(h)
     out = _empty((N, F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_forward", N * F, i64(N), i64(F), _dev(h), out)
     return _host(out)
 
 
 def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
-    N, F = _swiglu_shape(h)
-    check("dout", dout, F32, shape=(N, F))
+    N, F = opargs.swiglu_backward(dout, h)
     dh = _empty((N, 2 * F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_backward", N * F, i64(N), i64(F), _dev(dout), _dev(h), dh)
     return _host(dh)
@@ -329,20 +275,9 @@ def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, l
                beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                step: int) -> None:
     """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
-    check("p", writable("p", p_), BF16, ndim=1)
-    n = p_.size
-    check("g", g, F32, shape=(n,))
-    check("m", writable("m", m), F32, shape=(n,))
-    check("v", writable("v", v), F32, shape=(n,))
-    for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
-        if not np.isfinite(val) or val < 0:
-            raise ValueError(f"{name}: expected a finite value >= 0, got {val!r}")
-    if not (beta1 < 1 and beta2 < 1):
-        raise ValueError(f"beta1, beta2: expected values < 1, got {beta1!r}, {beta2!r}")
-    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
+    n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
     dp, dm, dv = _dev(p_), _dev(m), _dev(v)
-    _launch1d("adamw.cu", "o1b_adamw_step", n, i64(n), dp, _dev(g), dm, dv,
-              *(f32(s[k]) for k in ("lr", "b1", "b2", "omb1", "omb2", "eps", "decay", "bc1", "bc2")))
+    _launch1d("adamw.cu", "o1b_adamw_step", n, i64(n), dp, _dev(g), dm, dv, *(f32(s) for s in scalars))
     _inplace_back(p_, dp)
     _inplace_back(m, dm)
     _inplace_back(v, dv)
@@ -350,8 +285,7 @@ def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, l
 
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
     """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
-    check("x", x, F32)
-    nb = -(-x.size // NORM_BLOCK)
+    nb = opargs.sumsq_blocks(x, NORM_BLOCK)
     out = _empty((nb,), np.float32)
     _launch1d("reduce.cu", "o1b_sumsq_blocks", nb, i64(x.size), _dev(x), out)
     return _host(out)
@@ -359,17 +293,15 @@ def sumsq_blocks(x: np.ndarray) -> np.ndarray:
 
 def treefold(values: np.ndarray) -> float:
     """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
-    check("values", values, F32, ndim=1)
+    n = opargs.treefold(values)
     out = _empty((1,), np.float32)
-    _launch1d("reduce.cu", "o1b_treefold", 1, i64(values.size), _dev(values if values.size else np.zeros(1, F32)), out)
+    _launch1d("reduce.cu", "o1b_treefold", 1, i64(n), _dev(values if values.size else np.zeros(1, F32)), out)
     return float(np.float32(_host(out)[0]))
 
 
 def global_norm(tensors: Sequence[np.ndarray]) -> float:
     """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
-    if not len(tensors):
-        raise ValueError("tensors: expected at least one tensor")
-    parts = [sumsq_blocks(check(f"tensors[{i}]", t, F32)) for i, t in enumerate(tensors)]
+    parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
     return scalar_sqrt(treefold(np.concatenate(parts)))
 
 
@@ -383,8 +315,8 @@ def clip_coef(norm: float, max_norm: float) -> float:
 # ------------------------------------------------------------------ random (§5)
 def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
     """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
-    args = (u64(_u("seed", seed, 64)), u32(_u("stream", stream, 32)), u64(_u("index0", index0, 64)),
-            u32(_u("sub", sub, 32)))
+    seed, stream, index0, sub = opargs.philox(seed, stream, index0, sub)
+    args = (u64(seed), u32(stream), u64(index0), u32(sub))
     out = _empty((int(n), 4), np.uint32)
     _launch1d("random.cu", "o1b_philox_fill", int(n), *args, i64(n), out)
     return _host(out)
@@ -393,7 +325,8 @@ def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> 
 def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
     """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
     function of (seed, stream, index0 + i)."""
-    args = (u64(_u("seed", seed, 64)), u32(_u("stream", stream, 32)), u64(_u("index0", index0, 64)))
+    seed, stream, index0, _ = opargs.philox(seed, stream, index0)
+    args = (u64(seed), u32(stream), u64(index0))
     out = _empty((int(n),), np.float32)
     _launch1d("random.cu", "o1b_trunc_normal", int(n), *args, f32(sigma), i64(n), out)
     return _host(out)
@@ -402,8 +335,7 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 # ------------------------------------------------------------------ attention (§6.6)
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
-    B, T, H, G, D = _shapes(q, k, v)
-    W, s = _window(window), _scale(scale)
+    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
     rows = B * H * T
@@ -418,11 +350,7 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     """dout (B,T,H,D) fp32, q, k, v as in the forward, o and lse from the forward
     -> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
-    B, T, H, G, D = _shapes(q, k, v)
-    check("dout", dout, F32, shape=(B, T, H, D))
-    check("o", o, F32, shape=(B, T, H, D))
-    check("lse", lse, F32, shape=(B, H, T))
-    W, s = _window(window), _scale(scale)
+    B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
     dq = _empty((B, T, H, D), np.float32)
     dk = _empty((B, T, G, D), np.float32)
     dv = _empty((B, T, G, D), np.float32)
@@ -439,7 +367,7 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
 
 # ------------------------------------------------------------------ cross-entropy (§6.8)
 def _forward_chunked(h, w, targets, zcoef, chunk):
-    N, C, V, zc = _check_common(h, w, targets, zcoef)
+    N, C, V, zc = opargs.xent_forward(h, w, targets, zcoef)
     dh_, dw_, dt = _dev(h), _dev(w), _dev(targets)
     m, s, zt = (_empty((N,), np.float32) for _ in range(3))
     _launch1d("xent.cu", "o1b_xent_init", N, i64(N), m, s, zt)
@@ -454,9 +382,7 @@ def _forward_chunked(h, w, targets, zcoef, chunk):
 
 
 def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
-    N, C, V, zc = _check_common(h, w, targets, zcoef)
-    check("lse", lse, F32, shape=(N,))
-    check("dloss", dloss, F32, shape=(N,))
+    N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
     dh_, dw_, dt, dl, dd = _dev(h), _dev(w), _dev(targets), _dev(lse), _dev(dloss)
     dh = _empty((N, C), np.float32)
     dw = _empty((V, C), np.float32)

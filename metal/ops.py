@@ -1,6 +1,6 @@
 """The Metal backend: every contract op through the Metal kernel sources of this folder.
 
-The same function names, signatures, argument checks (cpu_ref's own, reused) and return types as
+The same function names, signatures, argument checks (mlx_open1b.opargs, as cpu_ref) and return types as
 `mlx_open1b.cpu_ref`, so the model program and the trainer run with `ops=mlx_open1b.metal.ops`.
 Arrays are numpy (bf16 held as uint16) on both sides; inside, each op launches its kernels through
 `runtime.kernel(...)`: mx.fast.metal_kernel on a Mac, the emulator elsewhere — the same grid sizes,
@@ -15,17 +15,12 @@ from typing import Sequence
 import numpy as np
 
 from ..contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
-from ..cpu_ref._lib import BF16, F32, I32, check, positive, writable
-from ..cpu_ref.attention import _scale, _shapes, _window
-from ..cpu_ref.layers import _tokens
-from ..cpu_ref.random import _u
-from ..cpu_ref.xent import _check_common
-from ..hostmath import adamw_scalars
+from .. import opargs
+from ..opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 from .runtime import available  # noqa: F401  (re-exported)
 
 NAME = "metal"
-FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sqrt_int")
 I64 = np.dtype(np.int64)
 U32 = np.dtype(np.uint32)
 MAX_GRID = 2 ** 31 - 1
@@ -98,45 +93,38 @@ def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=Non
 # ---------------------------------------------------------------------------------------------
 # §4 functions, §2 conversions, elementwise ops, host scalars
 # ---------------------------------------------------------------------------------------------
-def _mapper(index: int, name: str):
-    def f(x: np.ndarray) -> np.ndarray:
-        check("x", x, F32)
-        (y,) = _run("map", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1), template=[("OP", index)])
-        return y.reshape(x.shape)
-    f.__name__ = name
-    f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
-    return f
+def _map(index: int, x: np.ndarray) -> np.ndarray:
+    (y,) = _run("map", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1), template=[("OP", index)])
+    return y.reshape(x.shape)
 
 
-exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = (
-    _mapper(i, n) for i, n in enumerate(FUNCTIONS))
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_map)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
-    check("x", x, F32)
+    opargs.f32_to_bf16(x)
     (y,) = _run("f32_to_bf16", [x.reshape(-1)], [((x.size,), BF16)], (x.size, 1, 1))
     return y.reshape(x.shape)
 
 
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
-    check("x", x, BF16)
+    opargs.bf16_to_f32(x)
     (y,) = _run("bf16_to_f32", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1))
     return y.reshape(x.shape)
 
 
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
     """a += b elementwise (a is the lower-index operand of a fold)."""
-    check("a", writable("a", a), F32)
-    check("b", b, F32, shape=a.shape)
-    (out,) = _run("add", [a.reshape(-1), b.reshape(-1)], [((a.size,), F32)], (a.size, 1, 1))
+    n = opargs.add_inplace(a, b)
+    (out,) = _run("add", [a.reshape(-1), b.reshape(-1)], [((n,), F32)], (n, 1, 1))
     a.reshape(-1)[...] = out
 
 
 def scale_inplace(a: np.ndarray, s: float) -> None:
     """a *= s elementwise, s rounded to float32 first."""
-    check("a", writable("a", a), F32)
-    (out,) = _run("scale", [a.reshape(-1), _f32(s)], [((a.size,), F32)], (a.size, 1, 1))
+    n = opargs.scale_inplace(a)
+    (out,) = _run("scale", [a.reshape(-1), _f32(s)], [((n,), F32)], (n, 1, 1))
     a.reshape(-1)[...] = out
 
 
@@ -180,21 +168,14 @@ def _gemm(I, J, P, A, oa, sai, sap, B, ob, sbp, sbj, C0=None) -> np.ndarray:
 
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
-    check("x", x, BF16, ndim=2)
-    N, K = x.shape
-    check("w", w, BF16, shape=(None, K))
-    M = w.shape[0]
+    N, K, M = opargs.linear_forward(x, w)
     return _gemm(N, M, K, x, 0, K, 1, w, 0, 1, K)
 
 
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                     need_dw: bool = True):
     """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
-    check("x", x, BF16, ndim=2)
-    N, K = x.shape
-    check("w", w, BF16, shape=(None, K))
-    M = w.shape[0]
-    check("dy", dy, BF16, shape=(N, M))
+    N, K, M = opargs.linear_backward(dy, x, w)
     dx = _gemm(N, K, M, dy, 0, M, 1, w, 0, K, 1) if need_dx else None
     dw = _gemm(M, K, N, dy, 0, 1, M, x, 0, K, 1) if need_dw else None
     return dx, dw
@@ -205,20 +186,14 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool 
 # ---------------------------------------------------------------------------------------------
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
-    check("wte", wte, BF16, ndim=2)
-    V, C = wte.shape
-    _tokens(tokens, V)
-    N = tokens.size
+    N, V, C = opargs.embedding_forward(tokens, wte)
     (out,) = _run("embedding_forward", [tokens, wte.reshape(-1), _i64(C)], [((N, C), F32)], (C, N, 1), (32, 8, 1))
     return out
 
 
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
     """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
-    V = positive("V", V)
-    _tokens(tokens, V)
-    check("dout", dout, F32, shape=(tokens.size, None))
-    C = dout.shape[1]
+    N, V, C = opargs.embedding_backward(tokens, dout, V)
     # the stable counting sort of positions by token (data movement only)
     start = np.zeros(V + 1, I64)
     start[1:] = np.cumsum(np.bincount(tokens, minlength=V))
@@ -230,12 +205,7 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
 
 def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
-    check("x", x, F32, ndim=2)
-    N, C = x.shape
-    if g is not None:
-        check("g", g, BF16, shape=(C,))
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    N, C = opargs.rmsnorm_forward(x, g, eps)
     gg = g if g is not None else np.zeros(1, BF16)
     y, rstd = _run("rmsnorm_forward", [x.reshape(-1), gg, _f32(eps), _i64(C)], [((N, C), F32), ((N,), F32)],
                    (N, 1, 1), (64, 1, 1), template=[("HAS_G", int(g is not None))])
@@ -244,12 +214,7 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
 
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
     """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
-    check("x", x, F32, ndim=2)
-    N, C = x.shape
-    check("dy", dy, F32, shape=(N, C))
-    check("rstd", rstd, F32, shape=(N,))
-    if g is not None:
-        check("g", g, BF16, shape=(C,))
+    N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     gg = g if g is not None else np.zeros(1, BF16)
     (dx,) = _run("rmsnorm_backward", [dy.reshape(-1), x.reshape(-1), gg, rstd, _i64(C)], [((N, C), F32)],
                  (N, 1, 1), (64, 1, 1), template=[("HAS_G", int(g is not None))])
@@ -262,25 +227,14 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
 
 def rope_tables(T: int, D: int, theta: float):
     """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
-    T, D = positive("T", T), positive("D", D)
-    if D % 2:
-        raise ValueError(f"D: head dimension must be even for RoPE, got {D}")
-    if not np.isfinite(theta) or theta <= 1:
-        raise ValueError(f"theta: expected a finite value > 1, got {theta!r}")
+    T, D = opargs.rope_tables(T, D, theta)
     cos_t, sin_t = _run("rope_tables", [_i64(T, D), _f32(theta)], [((T, D // 2), F32), ((T, D // 2), F32)],
                         (D // 2, T, 1), (32, 8, 1))
     return cos_t, sin_t
 
 
 def _rope(x, cos_t, sin_t, backward, name):
-    check(name, x, F32, ndim=4)
-    B, T, R, D = x.shape
-    check("cos", cos_t, F32, shape=(None, D // 2))
-    check("sin", sin_t, F32, shape=cos_t.shape)
-    if D % 2:
-        raise ValueError(f"{name}: head dimension must be even, got {D}")
-    if cos_t.shape[0] < T:
-        raise ValueError(f"cos: table has {cos_t.shape[0]} positions, {name} needs {T}")
+    B, T, R, D = opargs.rope(x, cos_t, sin_t, name)
     (y,) = _run("rope", [x.reshape(-1), cos_t.reshape(-1), sin_t.reshape(-1), _i64(T, R, D)],
                 [(x.shape, F32)], (D // 2, B * T * R, 1), (32, 8, 1), template=[("BWD", int(backward))])
     return y
@@ -297,23 +251,14 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
 
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
     """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
-    check("h", h, F32, ndim=2)
-    N, F2 = h.shape
-    if F2 % 2:
-        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
-    F = F2 // 2
+    N, F = opargs.swiglu_forward(h)
     (out,) = _run("swiglu_forward", [h.reshape(-1), _i64(F)], [((N, F), F32)], (F, N, 1), (32, 8, 1))
     return out
 
 
 def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
-    check("h", h, F32, ndim=2)
-    N, F2 = h.shape
-    if F2 % 2:
-        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
-    F = F2 // 2
-    check("dout", dout, F32, shape=(N, F))
-    (dh,) = _run("swiglu_backward", [dout.reshape(-1), h.reshape(-1), _i64(F)], [((N, F2), F32)],
+    N, F = opargs.swiglu_backward(dout, h)
+    (dh,) = _run("swiglu_backward", [dout.reshape(-1), h.reshape(-1), _i64(F)], [((N, 2 * F), F32)],
                  (F, N, 1), (32, 8, 1))
     return dh
 
@@ -323,8 +268,7 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
-    B, T, H, G, D = _shapes(q, k, v)
-    W, s = _window(window), _scale(scale)
+    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     o, lse = _run("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1), _i64(T, H, G, W), _f32(s)],
                   [((B, T, H, D), F32), ((B, H, T), F32)], (B * H * T, 1, 1), (64, 1, 1),
                   template=[("D", D)])
@@ -334,11 +278,7 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, 
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     """-> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
-    B, T, H, G, D = _shapes(q, k, v)
-    check("dout", dout, F32, shape=(B, T, H, D))
-    check("o", o, F32, shape=(B, T, H, D))
-    check("lse", lse, F32, shape=(B, H, T))
-    W, s = _window(window), _scale(scale)
+    B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
     prm, sc = _i64(T, H, G, W), _f32(s)
     (Di,) = _run("attention_di", [dout.reshape(-1), o.reshape(-1), _i64(T, H, D)], [((B, H, T), F32)],
                  (B * H * T, 1, 1), (64, 1, 1))
@@ -358,7 +298,7 @@ def _chunks(V: int, chunk: int):
 
 
 def _forward_chunked(h, w, targets, zcoef, chunk):
-    N, C, V, zc = _check_common(h, w, targets, zcoef)
+    N, C, V, zc = opargs.xent_forward(h, w, targets, zcoef)
     m = np.full(N, -np.inf, F32)
     s = np.zeros(N, F32)
     zt = np.zeros(N, F32)
@@ -371,9 +311,7 @@ def _forward_chunked(h, w, targets, zcoef, chunk):
 
 
 def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
-    N, C, V, zc = _check_common(h, w, targets, zcoef)
-    check("lse", lse, F32, shape=(N,))
-    check("dloss", dloss, F32, shape=(N,))
+    N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
     dh = None
     dw = np.empty((V, C), F32)
     for v0, L in _chunks(V, chunk):
@@ -406,18 +344,8 @@ def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, l
                beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                step: int) -> None:
     """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
-    check("p", writable("p", p_), BF16, ndim=1)
-    n = p_.size
-    check("g", g, F32, shape=(n,))
-    check("m", writable("m", m), F32, shape=(n,))
-    check("v", writable("v", v), F32, shape=(n,))
-    for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
-        if not np.isfinite(val) or val < 0:
-            raise ValueError(f"{name}: expected a finite value >= 0, got {val!r}")
-    if not (beta1 < 1 and beta2 < 1):
-        raise ValueError(f"beta1, beta2: expected values < 1, got {beta1!r}, {beta2!r}")
-    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
-    sc = _f32(s["lr"], s["b1"], s["b2"], s["omb1"], s["omb2"], s["eps"], s["decay"], s["bc1"], s["bc2"])
+    n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
+    sc = _f32(*scalars)
     p2, m2, v2 = _run("adamw", [p_, g, m, v, sc], [((n,), BF16), ((n,), F32), ((n,), F32)], (n, 1, 1))
     p_[...] = p2
     m[...] = m2
@@ -426,24 +354,21 @@ def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, l
 
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
     """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
-    check("x", x, F32)
-    nb = -(-x.size // NORM_BLOCK)
+    nb = opargs.sumsq_blocks(x, NORM_BLOCK)
     (out,) = _run("sumsq_blocks", [x.reshape(-1), _i64(x.size)], [((nb,), F32)], (nb, 1, 1), (64, 1, 1))
     return out
 
 
 def treefold(values: np.ndarray) -> float:
     """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
-    check("values", values, F32, ndim=1)
-    (out,) = _run("treefold", [values, _i64(values.size)], [((1,), F32)], (1, 1, 1), (1, 1, 1))
+    n = opargs.treefold(values)
+    (out,) = _run("treefold", [values, _i64(n)], [((1,), F32)], (1, 1, 1), (1, 1, 1))
     return float(out[0])
 
 
 def global_norm(tensors: Sequence[np.ndarray]) -> float:
     """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
-    if not len(tensors):
-        raise ValueError("tensors: expected at least one tensor")
-    parts = [sumsq_blocks(check(f"tensors[{i}]", t, F32)) for i, t in enumerate(tensors)]
+    parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
     return scalar_sqrt(treefold(np.concatenate(parts)))
 
 
@@ -456,8 +381,7 @@ def clip_coef(norm: float, max_norm: float) -> float:
 # §5 random numbers
 # ---------------------------------------------------------------------------------------------
 def _prm_random(seed, stream, index0, sub):
-    seed, stream, index0, sub = (_u("seed", seed, 64), _u("stream", stream, 32), _u("index0", index0, 64),
-                                 _u("sub", sub, 32))
+    seed, stream, index0, sub = opargs.philox(seed, stream, index0, sub)
     return np.array([seed & 0xFFFFFFFF, seed >> 32, stream, sub, index0 & 0xFFFFFFFF, index0 >> 32], U32)
 
 

@@ -1,0 +1,341 @@
+"""Argument checks of every contract op, shared by the C reference, Metal and CUDA backends.
+
+Each backend's op calls the function of the same name here before it touches a kernel: dtype,
+C-contiguity, shape and range are validated (a ValueError names the offending argument), and what
+the launch needs comes back — sizes, output shapes, normalized scalars. Only numpy and the
+host-side contract modules are imported, so a backend can check arguments without the C library.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .contract import NORM_BLOCK
+from .hostmath import adamw_scalars
+
+BF16 = np.dtype(np.uint16)   # bf16 is held as its 16 bits (CONTRACT.md §1)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+
+#: The contract's scalar functions (CONTRACT.md §4), in the order of their kernel index.
+FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sqrt_int")
+
+
+# ------------------------------------------------------------------ argument primitives
+def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int | None = None) -> np.ndarray:
+    """Validate one array argument; shape entries of None match any size."""
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        hint = " (bf16 is held as uint16)" if dtype == BF16 else ""
+        raise ValueError(f"{name}: expected dtype {dtype}{hint}, got {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (use np.ascontiguousarray)")
+    if ndim is None and shape is not None:
+        ndim = len(shape)
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, a.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name}: dimension {axis} is {got}, expected {want} "
+                                 f"(shape {a.shape}, expected {tuple('*' if s is None else s for s in shape)})")
+    return a
+
+
+def writable(name: str, a: np.ndarray) -> np.ndarray:
+    if not a.flags.writeable:
+        raise ValueError(f"{name}: array is read-only but is updated in place")
+    return a
+
+
+def positive(name: str, value: int) -> int:
+    if int(value) != value or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def uint(name: str, value: int, bits: int) -> int:
+    """An integer in [0, 2^bits)."""
+    if int(value) != value or not 0 <= value < 2 ** bits:
+        raise ValueError(f"{name}: expected an integer in [0, 2^{bits}), got {value!r}")
+    return int(value)
+
+
+def tokens(tokens: np.ndarray, V: int) -> np.ndarray:
+    """int32 token ids (N,), each in [0, V)."""
+    check("tokens", tokens, I32, ndim=1)
+    if tokens.size:
+        bad = np.flatnonzero((tokens < 0) | (tokens >= V))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"tokens: token id {int(tokens[i])} at index {i} is outside [0, {V})")
+    return tokens
+
+
+def window(window) -> int:
+    """The attention window: an integer >= 0 (0: causal only)."""
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        raise ValueError(f"window: expected an integer >= 0 (0: causal only), got {window!r}")
+    return int(window)
+
+
+def scale(scale) -> np.float32:
+    """The attention scale, a finite real rounded to a finite float32."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite real number, got {scale!r}")
+    s = np.float32(scale)
+    if not np.isfinite(s):
+        raise ValueError(f"scale: {scale!r} overflows float32")
+    return s
+
+
+def _nonneg(name: str, value) -> None:
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite value >= 0, got {value!r}")
+
+
+# ------------------------------------------------------------------ §2–§4 elementwise
+def map_functions(apply: Callable[[int, np.ndarray], np.ndarray]) -> tuple:
+    """The FUNCTIONS over float32 arrays: each checks x, then returns apply(index, x)."""
+    def make(index: int, name: str):
+        def f(x: np.ndarray) -> np.ndarray:
+            check("x", x, F32)
+            return apply(index, x)
+        f.__name__ = f.__qualname__ = name
+        f.__module__ = apply.__module__
+        f.__doc__ = f"The contract's {name} (CONTRACT.md §4) of every element of a float32 array."
+        return f
+    return tuple(make(i, n) for i, n in enumerate(FUNCTIONS))
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    return check("x", x, F32)
+
+
+def bf16_to_f32(x: np.ndarray) -> np.ndarray:
+    return check("x", x, BF16)
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray) -> int:
+    """-> the element count of a (updated in place, b of the same shape)."""
+    check("a", writable("a", a), F32)
+    check("b", b, F32, shape=a.shape)
+    return a.size
+
+
+def scale_inplace(a: np.ndarray) -> int:
+    """-> the element count of a (updated in place)."""
+    check("a", writable("a", a), F32)
+    return a.size
+
+
+# ------------------------------------------------------------------ §6.1 linear
+def linear_forward(x: np.ndarray, w: np.ndarray) -> tuple[int, int, int]:
+    """x (N, K) bf16, w (M, K) bf16 -> (N, K, M)."""
+    check("x", x, BF16, ndim=2)
+    N, K = x.shape
+    check("w", w, BF16, shape=(None, K))
+    return N, K, w.shape[0]
+
+
+def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[int, int, int]:
+    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> (N, K, M)."""
+    N, K, M = linear_forward(x, w)
+    check("dy", dy, BF16, shape=(N, M))
+    return N, K, M
+
+
+# ------------------------------------------------------------------ §6.2–§6.5 layers
+def embedding_forward(tokens_: np.ndarray, wte: np.ndarray) -> tuple[int, int, int]:
+    """tokens (N,) int32, wte (V, C) bf16 -> (N, V, C)."""
+    check("wte", wte, BF16, ndim=2)
+    V, C = wte.shape
+    tokens(tokens_, V)
+    return tokens_.size, V, C
+
+
+def embedding_backward(tokens_: np.ndarray, dout: np.ndarray, V: int) -> tuple[int, int, int]:
+    """tokens (N,) int32, dout (N, C) fp32, V > 0 -> (N, V, C)."""
+    V = positive("V", V)
+    tokens(tokens_, V)
+    check("dout", dout, F32, shape=(tokens_.size, None))
+    return tokens_.size, V, dout.shape[1]
+
+
+def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float) -> tuple[int, int]:
+    """x (N, C) fp32, g (C,) bf16 or None, eps finite >= 0 -> (N, C)."""
+    check("x", x, F32, ndim=2)
+    N, C = x.shape
+    if g is not None:
+        check("g", g, BF16, shape=(C,))
+    _nonneg("eps", eps)
+    return N, C
+
+
+def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray) -> tuple[int, int]:
+    """dy, x (N, C) fp32, g (C,) bf16 or None, rstd (N,) fp32 -> (N, C)."""
+    check("x", x, F32, ndim=2)
+    N, C = x.shape
+    check("dy", dy, F32, shape=(N, C))
+    check("rstd", rstd, F32, shape=(N,))
+    if g is not None:
+        check("g", g, BF16, shape=(C,))
+    return N, C
+
+
+def rope_tables(T: int, D: int, theta: float) -> tuple[int, int]:
+    """T, D > 0 (D even), theta finite > 1 -> (T, D) as ints."""
+    T, D = positive("T", T), positive("D", D)
+    if D % 2:
+        raise ValueError(f"D: head dimension must be even for RoPE, got {D}")
+    if not np.isfinite(theta) or theta <= 1:
+        raise ValueError(f"theta: expected a finite value > 1, got {theta!r}")
+    return T, D
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, name: str) -> tuple[int, int, int, int]:
+    """x (B, T, R, D) fp32 (named `name`: x or dy), cos and sin tables (>= T, D/2) -> (B, T, R, D)."""
+    check(name, x, F32, ndim=4)
+    B, T, R, D = x.shape
+    check("cos", cos, F32, shape=(None, D // 2))
+    check("sin", sin, F32, shape=cos.shape)
+    if D % 2:
+        raise ValueError(f"{name}: head dimension must be even, got {D}")
+    if cos.shape[0] < T:
+        raise ValueError(f"cos: table has {cos.shape[0]} positions, {name} needs {T}")
+    return B, T, R, D
+
+
+def swiglu_forward(h: np.ndarray) -> tuple[int, int]:
+    """h (N, 2F) fp32 -> (N, F)."""
+    check("h", h, F32, ndim=2)
+    N, F2 = h.shape
+    if F2 % 2:
+        raise ValueError(f"h: last dimension must be 2F (gate and up), got {F2}")
+    return N, F2 // 2
+
+
+def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> tuple[int, int]:
+    """dout (N, F) fp32, h (N, 2F) fp32 -> (N, F)."""
+    N, F = swiglu_forward(h)
+    check("dout", dout, F32, shape=(N, F))
+    return N, F
+
+
+# ------------------------------------------------------------------ §6.6 attention
+def attention_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int]:
+    """Check q, k, v; return (B, T, H, G, D)."""
+    check("q", q, BF16, ndim=4)
+    B, T, H, D = q.shape
+    if H == 0 or D == 0:
+        raise ValueError(f"q: needs at least one head and a head dim > 0, got shape {q.shape}")
+    check("k", k, BF16, shape=(B, T, None, D))
+    G = k.shape[2]
+    if G == 0 or H % G != 0:
+        raise ValueError(f"k: the number of kv heads ({G}) must divide the query heads ({H})")
+    check("v", v, BF16, shape=(B, T, G, D))
+    return B, T, H, G, D
+
+
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window_: int, scale_: float):
+    """-> (B, T, H, G, D, W, s): the sizes, the window as an int and the scale as a float32."""
+    B, T, H, G, D = attention_shapes(q, k, v)
+    return B, T, H, G, D, window(window_), scale(scale_)
+
+
+def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                       o: np.ndarray, lse: np.ndarray, window_: int, scale_: float):
+    """-> (B, T, H, G, D, W, s) as attention_forward, dout, o and lse checked against them."""
+    B, T, H, G, D = attention_shapes(q, k, v)
+    check("dout", dout, F32, shape=(B, T, H, D))
+    check("o", o, F32, shape=(B, T, H, D))
+    check("lse", lse, F32, shape=(B, H, T))
+    return B, T, H, G, D, window(window_), scale(scale_)
+
+
+# ------------------------------------------------------------------ §6.8 cross-entropy
+def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float) -> tuple[int, int, int, float]:
+    """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0
+    -> (N, C, V, zcoef rounded to float32)."""
+    check("h", h, BF16, ndim=2)
+    N, C = h.shape
+    check("w", w, BF16, shape=(None, C))
+    V = w.shape[0]
+    for name, size in (("h rows (N)", N), ("h columns (C)", C), ("w rows (V)", V)):
+        if size == 0:
+            raise ValueError(f"{name}: must be at least 1, got shape h {h.shape}, w {w.shape}")
+    check("targets", targets, I32, shape=(N,))
+    bad = np.flatnonzero((targets < 0) | (targets >= V))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"targets: entry {i} is {int(targets[i])}, outside [0, {V}) "
+                         f"({bad.size} out of range)")
+    try:
+        with np.errstate(over="ignore"):          # 1e39 -> inf, rejected below
+            zc = np.float32(zcoef)
+    except (TypeError, ValueError):
+        raise ValueError(f"zcoef: expected a real number, got {zcoef!r}") from None
+    if np.ndim(zc) != 0 or not math.isfinite(float(zc)) or zc < 0:
+        raise ValueError(f"zcoef: expected a finite number >= 0 (as float32), got {zcoef!r}")
+    return N, C, V, float(zc)
+
+
+def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
+                  lse: np.ndarray, dloss: np.ndarray) -> tuple[int, int, int, float]:
+    """As xent_forward, with lse and dloss (N,) float32 -> (N, C, V, zcoef as float32)."""
+    N, C, V, zc = xent_forward(h, w, targets, zcoef)
+    check("lse", lse, F32, shape=(N,))
+    check("dloss", dloss, F32, shape=(N,))
+    return N, C, V, zc
+
+
+# ------------------------------------------------------------------ §6.7 AdamW, §7 reductions
+#: The order in which the AdamW kernels take adamw's scalars.
+ADAMW_SCALARS = ("lr", "b1", "b2", "omb1", "omb2", "eps", "decay", "bc1", "bc2")
+
+
+def adamw(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, lr: float, beta1: float,
+          beta2: float, eps: float, weight_decay: float, step: int) -> tuple[int, list[float]]:
+    """p (n,) bf16 and m, v (n,) fp32 writable, g (n,) fp32, hyperparameters finite >= 0, betas < 1
+    -> (n, the nine float32 kernel scalars in ADAMW_SCALARS order, from hostmath.adamw_scalars)."""
+    check("p", writable("p", p), BF16, ndim=1)
+    n = p.size
+    check("g", g, F32, shape=(n,))
+    check("m", writable("m", m), F32, shape=(n,))
+    check("v", writable("v", v), F32, shape=(n,))
+    for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
+        _nonneg(name, val)
+    if not (beta1 < 1 and beta2 < 1):
+        raise ValueError(f"beta1, beta2: expected values < 1, got {beta1!r}, {beta2!r}")
+    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, int(step))
+    return n, [s[k] for k in ADAMW_SCALARS]
+
+
+def sumsq_blocks(x: np.ndarray, block: int = NORM_BLOCK) -> int:
+    """x fp32, any shape -> the number of `block`-element blocks of its flattening."""
+    check("x", x, F32)
+    return -(-x.size // block)
+
+
+def treefold(values: np.ndarray) -> int:
+    """values (n,) fp32 -> n."""
+    check("values", values, F32, ndim=1)
+    return values.size
+
+
+def global_norm(tensors: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """At least one fp32 tensor -> the tensors, each checked, in the given order."""
+    if not len(tensors):
+        raise ValueError("tensors: expected at least one tensor")
+    return [check(f"tensors[{i}]", t, F32) for i, t in enumerate(tensors)]
+
+
+# ------------------------------------------------------------------ §5 random numbers
+def philox(seed: int, stream: int, index0: int, sub: int = 0) -> tuple[int, int, int, int]:
+    """A Philox counter start -> (seed, stream, index0, sub) as ints (64, 32, 64, 32 bits)."""
+    return (uint("seed", seed, 64), uint("stream", stream, 32), uint("index0", index0, 64),
+            uint("sub", sub, 32))
