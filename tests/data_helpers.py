@@ -35,3 +35,14 @@ def make_corpus(root, spec: dict, shard_docs: int = 5, seed: int = 0, heldout_do
     m = Manifest("0" * 64, 4000, EOT, sources, created_by="tests")
     m.save(root)
     return m
+
+
+def mix_counts(stream, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Draw n documents: (per-source counts, expected probabilities p, 1-sigma binomial spread)."""
+    counts = np.zeros(len(stream.sources))
+    for _ in range(n):
+        stream._next_document()
+        counts[stream._cur[0]] += 1
+    w = np.array([src.mix_weight for src in stream.sources])
+    p = w / w.sum()
+    return counts, p, np.sqrt(n * p * (1 - p))

@@ -8,6 +8,8 @@ from mlx_open1b.data.prepare import verify
 from mlx_open1b.data.stream import Stream, heldout_windows
 from mlx_open1b.data.tokenizer import Tokenizer
 
+from data_helpers import mix_counts
+
 # SHA-256 of the first 64 windows (seq_len 256, seed 42) of the default corpus as little-endian
 # uint32. Computed once by this code (2026-11-29, x86-64 Linux) and pinned: the stream is a pure
 # function of the seed and the manifest, so every machine and every later version must give it.
@@ -34,12 +36,6 @@ def test_default_corpus_verifies_and_decodes(default_corpus):
 
 
 def test_default_stream_source_shares(default_corpus):
-    s = Stream(default_corpus, 42, 256)
     n = 6000
-    counts = np.zeros(3)
-    for _ in range(n):
-        s._next_document()
-        counts[s._cur[0]] += 1
-    w = np.array([src.mix_weight for src in s.sources])
-    p = w / w.sum()
-    assert (np.abs(counts - n * p) < 4.5 * np.sqrt(n * p * (1 - p))).all()
+    counts, p, sigma = mix_counts(Stream(default_corpus, 42, 256), n)
+    assert (np.abs(counts - n * p) < 4.5 * sigma).all()

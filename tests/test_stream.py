@@ -10,7 +10,7 @@ from mlx_open1b.data.format import DataError, read_shard
 from mlx_open1b.data.schedule import Schedule, WorkerLoader, worker_microbatches
 from mlx_open1b.data.stream import Stream, Words, heldout_windows, mix_thresholds, permutation
 
-from data_helpers import EOT, make_corpus
+from data_helpers import EOT, make_corpus, mix_counts
 
 SPEC = {"web": (0.5, 40, 30), "code": (0.3, 12, 80), "math": (0.2, 25, 10)}
 
@@ -141,13 +141,7 @@ def test_source_shares_within_sampling_error(tmp_path):
     make_corpus(tmp_path, {"a": (0.6, 50, 20), "b": (0.3, 30, 60), "c": (0.1, 40, 5)}, shard_docs=7)
     s = Stream(tmp_path, 1, 64)
     n = 20000
-    counts = np.zeros(3)
-    for _ in range(n):
-        s._next_document()
-        counts[s._cur[0]] += 1
-    w = np.array([src.mix_weight for src in s.sources])
-    p = w / w.sum()
-    sigma = np.sqrt(n * p * (1 - p))
+    counts, p, sigma = mix_counts(s, n)
     assert (np.abs(counts - n * p) < 4.5 * sigma).all(), (counts, n * p)
     # token shares: documents x mean length reproduce the configured shares (up to the spread of
     # document lengths, which is large in this toy corpus)
