@@ -55,6 +55,14 @@ KERNELS = {
     "treefold": (["values", "prm"], ["out"]),
     "philox": (["prm"], ["out"]),
     "trunc_normal": (["prm", "sigma"], ["out"]),
+    "qw_scale": (["w", "prm"], ["s"]),
+    "quant_absmax": (["x", "prm"], ["out"]),
+    "quant_apply": (["v", "s", "prm"], ["q", "clip"]),
+    "gemm_i8": (["A", "B", "prm"], ["C"]),
+    "qdequant": (["acc", "sc", "cs", "clip", "prm"], ["out"]),
+    "hadamard": (["x", "prm"], ["y"]),
+    "hadamard_i8": (["q", "prm"], ["y"]),
+    "qgrad_scale": (["dy", "sw", "prm"], ["g"]),
 }
 
 
@@ -404,3 +412,122 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
         raise ValueError(f"n: expected an integer >= 0, got {n}")
     (out,) = _run("trunc_normal", [prm, _f32(sigma)], [((n,), F32)], (n, 1, 1), (64, 1, 1))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# §6.9 the int8 quantized linear layer (W8A8, Hadamard-rotated straight-through backward)
+# ---------------------------------------------------------------------------------------------
+I8, I32, U8 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)
+QMAX, QB, Q_MAX_P = opargs.QMAX, opargs.QB, opargs.Q_MAX_P
+QUANT_BLOCK = 4096          # elements per thread of the absmax's first pass (any split is exact)
+
+
+def _pad_qb(n: int) -> int:
+    return (n + QB - 1) // QB * QB
+
+
+def _quant_f32(v: np.ndarray):
+    """v (any shape) fp32 -> q (same shape) int8, s (1,) fp32: the per-tensor quantization."""
+    n = v.size
+    flat = v.reshape(-1)
+    nb = (n + QUANT_BLOCK - 1) // QUANT_BLOCK
+    (part,) = _run("quant_absmax", [flat, _i64(n, QUANT_BLOCK)], [((nb,), F32)], (nb, 1, 1), (64, 1, 1),
+                   template=[("SCALE", 0)])
+    (s,) = _run("quant_absmax", [part, _i64(nb, max(nb, 1))], [((1,), F32)], (1, 1, 1), (1, 1, 1),
+                template=[("SCALE", 1)])
+    q, _ = _run("quant_apply", [flat, s, _i64(1)], [((n,), I8), ((n,), U8)], (n, 1, 1),
+                template=[("PER_ROW", 0)])
+    return q.reshape(v.shape), s
+
+
+def _quant_w(w: np.ndarray, M: int, K: int):
+    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32, clip (M, K) uint8 (1 clipped, 2 NaN row)."""
+    (s,) = _run("qw_scale", [w.reshape(-1), _i64(K)], [((M,), F32)], (M, 1, 1), (64, 1, 1))
+    wf = bf16_to_f32(w.reshape(-1))
+    q, clip = _run("quant_apply", [wf, s, _i64(K)], [((M * K,), I8), ((M * K,), U8)], (M * K, 1, 1),
+                   template=[("PER_ROW", 1)])
+    return q.reshape(M, K), s, clip.reshape(M, K)
+
+
+def _gemm_i8(I, J, P, A, sai, sap, B, sbj, sbp) -> np.ndarray:
+    """C (I, J) int32 = sum over p of A[i sai + p sap] B[j sbj + p sbp] (exact)."""
+    (C,) = _run("gemm_i8", [A.reshape(-1), B.reshape(-1), _i64(J, P, sai, sap, sbj, sbp)], [((I, J), I32)],
+                (J, I, 1), (32, 8, 1))
+    return C
+
+
+def _dequant(mode: int, acc: np.ndarray, sc: np.ndarray, cs=None, clip=None) -> np.ndarray:
+    I, J = acc.shape
+    cs = cs if cs is not None else np.zeros(1, F32)
+    clip = clip if clip is not None else np.zeros(1, U8)
+    (out,) = _run("qdequant", [acc.reshape(-1), sc, cs.reshape(-1), clip.reshape(-1), _i64(J)], [((I, J), F32)],
+                  (J, I, 1), (32, 8, 1), template=[("MODE", mode)])
+    return out
+
+
+def _rotate(name: str, a: np.ndarray, R: int, C: int) -> np.ndarray:
+    """a (R, C) fp32 or int8, zero-padded to a multiple of QB rows and rotated along them -> fp32."""
+    Rp = _pad_qb(R)
+    (y,) = _run(name, [a.reshape(-1), _i64(R, C)], [((Rp, C), F32)], (C, Rp // QB, 1), (64, 1, 1))
+    return y
+
+
+def quant_weight_rows(w: np.ndarray):
+    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32 (per-output-row step sizes)."""
+    M, K = opargs.quant_weight_rows(w)
+    q, s, _ = _quant_w(w, M, K)
+    return q, s
+
+
+def quant_tensor(x: np.ndarray):
+    """x (any shape) bf16 or fp32 -> q (same shape) int8, s fp32 (per-tensor scale)."""
+    f32 = x.dtype == np.float32
+    opargs.quant_tensor(x, F32 if f32 else BF16)
+    v = x if f32 else bf16_to_f32(x)
+    q, s = _quant_f32(v)
+    return q, s[0]
+
+
+def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a (I, P) int8, b (J, P) int8 -> C (I, J) int32, C = a b^T exactly."""
+    I, J, P = opargs.gemm_i8(a, b)
+    return _gemm_i8(I, J, P, a, P, 1, b, P, 1)
+
+
+def hadamard_rows(f: np.ndarray) -> np.ndarray:
+    """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
+    f = np.array(f, np.float32, copy=True, order="C")
+    R, C = opargs.hadamard_rows(f)
+    return _rotate("hadamard", f, R, C)
+
+
+def qlinear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization."""
+    N, K, M = opargs.qlinear_forward(x, w)
+    qx, sx = _quant_f32(bf16_to_f32(x))
+    qw, sw, _ = _quant_w(w, M, K)
+    acc = _gemm_i8(N, M, K, qx, K, 1, qw, K, 1)
+    return _dequant(0, acc, sx, cs=sw)
+
+
+def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
+                     need_dw: bool = True):
+    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard)."""
+    N, K, M = opargs.qlinear_backward(dy, x, w)
+    qw, sw, clip = _quant_w(w, M, K)
+    dx = dw = None
+    if need_dx:
+        Mp = _pad_qb(M)
+        (g,) = _run("qgrad_scale", [dy.reshape(-1), sw, _i64(M, N)], [((M, N), F32)], (N, M, 1), (32, 8, 1))
+        qg, sg = _quant_f32(_rotate("hadamard", g, M, N))             # (Mp, N)
+        qr, sr = _quant_f32(_rotate("hadamard_i8", qw, M, K))         # (Mp, K)
+        acc = _gemm_i8(N, K, Mp, qg, 1, N, qr, 1, K)
+        dx = _dequant(1, acc, np.concatenate([sg, sr]))
+    if need_dw:
+        Np = _pad_qb(N)
+        qx, sx = _quant_f32(bf16_to_f32(x))
+        qd, sd = _quant_f32(_rotate("hadamard", bf16_to_f32(dy), N, M))     # (Np, M)
+        qX, sX = _quant_f32(_rotate("hadamard_i8", qx, N, K))               # (Np, K)
+        acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
+        dw = _dequant(2, acc, np.concatenate([sd, sX, sx]), clip=clip)
+    return dx, dw

@@ -339,3 +339,68 @@ def philox(seed: int, stream: int, index0: int, sub: int = 0) -> tuple[int, int,
     """A Philox counter start -> (seed, stream, index0, sub) as ints (64, 32, 64, 32 bits)."""
     return (uint("seed", seed, 64), uint("stream", stream, 32), uint("index0", index0, 64),
             uint("sub", sub, 32))
+
+
+# ------------------------------------------------------------------ §6.9 int8 quantized linear
+I8 = np.dtype(np.int8)
+#: Contraction lengths (after padding to a multiple of QB) are at most Q_MAX_P, so that
+#: |sum of products| <= Q_MAX_P * 127^2 < 2^31 and int32 accumulation is exact.
+QMAX, QB, Q_MAX_P = 127, 128, 1 << 17
+
+
+def _qlen(name: str, n: int, pad: bool) -> None:
+    p = (n + QB - 1) // QB * QB if pad else n
+    if p > Q_MAX_P:
+        raise ValueError(f"{name}: contraction length {n} (padded {p}) exceeds {Q_MAX_P} "
+                         "(int32 accumulation of int8 products would no longer be exact)")
+
+
+def quant_weight_rows(w: np.ndarray) -> tuple[int, int]:
+    """w (M, K) bf16 -> (M, K)."""
+    check("w", w, BF16, ndim=2)
+    if w.shape[1] >= 1 << 24:
+        raise ValueError(f"w: K = {w.shape[1]} must be below 2^24")
+    return w.shape
+
+
+def quant_tensor(x: np.ndarray, dtype: np.dtype = BF16) -> int:
+    """x (any shape) bf16 or fp32 -> its element count."""
+    check("x", x, dtype)
+    return x.size
+
+
+def gemm_i8(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int]:
+    """a (I, P) int8, b (J, P) int8 -> (I, J, P)."""
+    check("a", a, I8, ndim=2)
+    I, P = a.shape
+    check("b", b, I8, shape=(None, P))
+    _qlen("P", P, False)
+    for name, arr in (("a", a), ("b", b)):
+        if arr.size and int(arr.min()) < -QMAX:
+            raise ValueError(f"{name}: contains -128; int8 operands are in [-127, 127]")
+    return I, b.shape[0], P
+
+
+def hadamard_rows(f: np.ndarray) -> tuple[int, int]:
+    """f (R, C) fp32, R a multiple of QB (rotated in place) -> (R, C)."""
+    check("f", writable("f", f), F32, ndim=2)
+    if f.shape[0] % QB:
+        raise ValueError(f"f: {f.shape[0]} rows is not a multiple of the Hadamard block {QB}")
+    return f.shape
+
+
+def qlinear_forward(x: np.ndarray, w: np.ndarray) -> tuple[int, int, int]:
+    """x (N, K) bf16, w (M, K) bf16 -> (N, K, M)."""
+    N, K, M = linear_forward(x, w)
+    _qlen("K", K, False)
+    quant_weight_rows(w)
+    return N, K, M
+
+
+def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[int, int, int]:
+    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> (N, K, M)."""
+    N, K, M = linear_backward(dy, x, w)
+    _qlen("M", M, True)
+    _qlen("N", N, True)
+    quant_weight_rows(w)
+    return N, K, M

@@ -27,10 +27,11 @@ from ..contract import NORM_BLOCK, STREAM_TESTS, XENT_CHUNK
 from ..spec import arith as A
 from ..spec import attention as _sp_att
 from ..spec import layers as _sp_lay
+from ..spec import quant as _sp_q
 from ..spec import xent as _sp_xent
 from ..spec.optim import philox_block
 
-F32, U16, U32, I32 = np.float32, np.uint16, np.uint32, np.int32
+F32, U16, U32, I32, I8 = np.float32, np.uint16, np.uint32, np.int32, np.int8
 
 SPECIAL_F32_BITS = np.array([
     0x00000000, 0x80000000,                 # +-0
@@ -522,6 +523,261 @@ def _trunc_normal(rng, i, op):
               index0=rng.choice([0, rng.below(2 ** 32), 2 ** 32 - 5, rng.u64() >> 2]),
               n=rng.choice((1, 7, 33, 130, 1000)), sigma=rng.choice([0.02, 1.0, 0.5]))
     return dict(args=(), kwargs=kw, outputs=("x",), desc=" ".join(f"{k}={v}" for k, v in kw.items()))
+
+
+# ------------------------------------------------------------------------- §6.9 int8 quantized linear
+QMAX, QB, Q_MAX_P = _sp_q.QMAX, _sp_q.QB, 1 << 17     # levels, Hadamard block, longest contraction
+#: contraction lengths around the Hadamard block and SIMD widths (16, 32, 64 int8 lanes)
+_Q_LEN = (1, 7, 33, 63, 65, 127, 128, 129, 130, 257, 513, 1000)
+#: lengths padded to a multiple of QB (backward's N and M): one block, just over, several
+_Q_PADDED = (1, 7, 33, 127, 128, 129, 130, 257)
+
+
+def _i8(rng: CaseRNG, shape, i: int) -> np.ndarray:
+    """int8 in [-QMAX, QMAX] (never -128): uniform levels, small levels, the extremes +-127,
+    zeros; by case index % 4 also whole rows (axis 0) and columns of +127, -127 or 0."""
+    n = int(np.prod(shape))
+    sel = rng.ints(n, 0, 8).reshape(shape)
+    a = rng.ints(n, -QMAX, QMAX + 1).reshape(shape)
+    a = np.where(sel == 5, rng.ints(n, -2, 3).reshape(shape), a)
+    a = np.where(sel == 6, np.where(rng.ints(n, 0, 2).reshape(shape) == 1, QMAX, -QMAX), a)
+    a = np.where((sel == 7) & (i % 4 != 0), 0, a).astype(I8)
+    if i % 4 and len(shape) == 2 and shape[0] > 1:
+        for r in rng.ints(1 + rng.below(3), 0, shape[0]):
+            a[r] = rng.choice((QMAX, -QMAX, 0))
+    return np.ascontiguousarray(a)
+
+
+def _bf16_exact(v) -> np.ndarray:
+    """fp32 values that are exactly bf16 (as built below) -> their bf16 bits."""
+    u = np.asarray(v, F32).view(U32)
+    assert not np.any(u & U32(0xFFFF)), "value is not exactly a bf16"
+    return (u >> U32(16)).astype(U16)
+
+
+def _tie_tensor(rng: CaseRNG, shape, bf16: bool) -> np.ndarray:
+    """A tensor whose per-tensor scale is a power of two 2^e (absmax 127 * 2^e), so that
+    mul(v, inv) is exact: half-integer levels (ties to even, +-0.5, +-126.5), exact levels and
+    the extremes +-127. bf16 bits if bf16, else fp32 values."""
+    n = int(np.prod(shape))
+    e = rng.choice((-20, -7, 0, 3, 40))
+    k = rng.ints(n, -253, 254)                           # v = k/2 * 2^e: |k| odd -> a tie
+    v = (k.astype(np.float64) * 2.0 ** (e - 1)).astype(F32)
+    if n:
+        v[rng.below(n)] = F32(rng.choice((127.0, -127.0)) * 2.0 ** e)
+    v = v.reshape(shape)
+    return _bf16_exact(v) if bf16 else np.ascontiguousarray(v)
+
+
+def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = False) -> np.ndarray:
+    """Per-tensor quantization input: ties, ordinary values, the special tensors (all zero, all
+    subnormal, so tiny that absmax/127 flushes, an extreme normal), and (case index % 4 == 2,
+    sometimes 3) one NaN or infinity, which makes s NaN and every level 0. layer: the layer's
+    activation x, where a zero or NaN s_x zeroes or spoils all of y and dW: those are rarer."""
+    n = int(np.prod(shape))
+    kinds = ("tie", "tie", "normal", "normal", "wide", "zero", "subnormal", "tiny", "huge")
+    if layer:
+        kinds = ("tie", "tie", "tie", "normal", "normal", "normal", "wide", "huge",
+                 rng.choice(("zero", "subnormal", "tiny")))
+    kind = rng.choice(kinds)
+    if kind == "tie":
+        x = _tie_tensor(rng, shape, bf16)
+    else:
+        if kind == "normal":
+            x = rng.f32(shape, "normal", rng.choice((1.0, 0.02, 300.0)))
+        elif kind == "wide":
+            x = rng.f32(shape, "wide", elo=-60, ehi=60)
+        elif kind == "zero":
+            x = np.where(rng.ints(n, 0, 2).reshape(shape) == 1, F32(-0.0), F32(0.0)).astype(F32)
+        elif kind == "subnormal":
+            x = rng.f32(shape, "bits")
+            x = (x.view(U32) & U32(0x807FFFFF)).view(F32) if not bf16 else \
+                (x.view(U32) & U32(0x807F0000)).view(F32)
+        elif kind == "tiny":                              # absmax ~2^-120: absmax/127 flushes to +0
+            x = rng.f32(shape, "wide", elo=-126, ehi=-120)
+        else:                                             # near the largest normal: inv still finite
+            x = rng.f32(shape, "wide", elo=100, ehi=127)
+        x = np.ascontiguousarray(x.reshape(shape))
+        if bf16:
+            x = A.f32_to_bf16(x).reshape(shape)
+        if kind in ("normal", "wide") and i % 4 == 1:
+            x = rng.sprinkle(x, 0.02, SPECIAL_BF16_FINITE if bf16 else SPECIAL_F32_FINITE)
+    if n and ((i % 4 == 2 and not (layer and rng.coin(0.5))) or (i % 4 == 3 and rng.coin(0.3))):
+        nonfin = SPECIAL_BF16_NONFINITE if bf16 else SPECIAL_F32_NONFINITE
+        x = np.array(x, copy=True)
+        x.reshape(-1)[rng.below(n)] = nonfin[rng.below(len(nonfin))]
+    return np.ascontiguousarray(x)
+
+
+def _tie_row(rng: CaseRNG, K: int) -> np.ndarray | None:
+    """A weight row (K a power of two >= 16) whose step size s_w is exactly 2^e, so its levels
+    t = mul(W, 1/s_w) are exact: half-integers (ties to even, up to +-126.5) and a few pieces
+    far beyond 127 (clipped). Built from tie values plus at most three bf16 pieces making
+    S = sum |W| an fp32 with mul(div(S, K), QW_COEF) == 2^e (every partial sum is exact).
+    None when no such row comes out (checked against the spec's step size)."""
+    e = rng.choice((-12, -5, 0, 4))
+    target = F32(2.0 ** e)
+    q = F32(float(target) / float(_sp_q.QW_COEF))
+    cands = [q]
+    for d in (np.inf, -np.inf):
+        c = q
+        for _ in range(3):
+            c = np.nextafter(c, F32(d))
+            cands.append(c)
+    qq = next((c for c in cands if A.mul(c, _sp_q.QW_COEF) == target), None)
+    if qq is None:
+        return None
+    S = float(qq) * K                                     # exact: K is a power of two
+    nt = K // 8
+    k = 2 * rng.ints(nt, -8, 8) + 1                       # odd: t = k/2 in [-7.5, 7.5]
+    if nt >= 8:
+        k[:2] = [rng.choice((253, 251)), rng.choice((-253, -251))]   # t = +-126.5, +-125.5
+    ties = k.astype(np.float64) * 2.0 ** (e - 1)
+    rest = S - float(np.abs(ties).sum())
+    pieces = []
+    while rest > 0 and len(pieces) < 3:                   # rest is exact in fp32: truncate to bf16
+        p_ = float((np.array([rest], F32).view(U32) & U32(0xFFFF0000)).view(F32)[0])
+        pieces.append(p_)
+        rest -= p_
+    if rest != 0:
+        return None
+    row = np.zeros(K, np.float64)
+    row[:nt] = ties
+    row[nt:nt + len(pieces)] = np.array(pieces) * np.where(rng.ints(len(pieces), 0, 2) == 1, 1.0, -1.0)
+    perm = np.argsort(rng.words(K), kind="stable")
+    w = _bf16_exact(row[perm].astype(F32))
+    return w if _sp_q.weight_scales(w[None])[0] == target else None
+
+
+def _weight_rows(rng: CaseRNG, M: int, K: int, i: int, nonfinite: bool = True) -> np.ndarray:
+    """w (M, K) bf16, row by row: ordinary rows; by case index % 4 (not 0) also zero rows,
+    subnormal rows (flushed: zero rows), rows so small s_w flushes to +0, rows with outliers that
+    clip, tie rows (s_w a power of two), rows whose sum overflows (NaN step), rows with one NaN or
+    infinity (NaN step; with nonfinite only), and sprinkled finite specials."""
+    w = rng.bf16((M, K), rng.choice((0.02, 1.0, 0.02, 40.0)))
+    if i % 4 == 0:
+        return w
+    kinds = ["plain", "plain", "zero", "subnormal", "tiny", "clip", "clip", "tie"]
+    if nonfinite:
+        kinds += ["overflow"] + (["nonfinite"] if i % 4 >= 2 else [])
+    if i % 4 == 1:        # extreme normals overflow the backward's G = dy * s_w: only with nonfinite
+        w = sum_specials(rng, w, 1) if nonfinite else rng.sprinkle(w, 0.02, SPECIAL_BF16_TINY)
+    for j in range(M):
+        kind = rng.choice(kinds)
+        if kind == "zero":
+            w[j] = np.where(rng.ints(K, 0, 2) == 1, U16(0x8000), U16(0))
+        elif kind == "subnormal":
+            w[j] = rng.words(K).astype(U16) & U16(0x807F)
+        elif kind == "tiny":
+            w[j] = A.f32_to_bf16(rng.f32((K,), "wide", elo=-126, ehi=-123))
+        elif kind == "clip":                              # outliers beyond 127 steps (K >= 24 or so)
+            n = 1 + rng.below(max(1, K // 16))
+            row = np.abs(A.bf16_to_f32(w[j]).astype(np.float64))
+            m = row[np.isfinite(row)].mean() if np.isfinite(row).any() else 1.0
+            m = m if 0 < m < 1e30 else 1.0
+            w[j, rng.ints(n, 0, K)] = A.f32_to_bf16((rng.normal(n) * (1000.0 * m)).astype(F32))
+        elif kind == "tie":
+            KK = 1 << (K.bit_length() - 1)                # the largest power of two <= K
+            r = _tie_row(rng, KK) if KK == K and K >= 16 else None
+            if r is not None:
+                w[j] = r
+        elif kind == "overflow" and K >= 2:               # finite weights, their sum is inf
+            w[j] = A.f32_to_bf16(rng.f32((K,), "wide", elo=126, ehi=127))
+        elif kind == "nonfinite":
+            w[j, rng.below(K)] = SPECIAL_BF16_NONFINITE[rng.below(len(SPECIAL_BF16_NONFINITE))]
+    return np.ascontiguousarray(w)
+
+
+def _row_specials(rng: CaseRNG, f: np.ndarray, i: int) -> np.ndarray:
+    """fp32 (R, C): by case index % 4: none; finite specials and zero / subnormal / huge rows;
+    plus rows holding a NaN or infinity; all kinds sprinkled."""
+    f = np.array(f, copy=True)
+    k = i % 4
+    if k == 0:
+        return f
+    if k == 3:
+        return rng.sprinkle(f, min(0.003, 8.0 / max(1, f.size)))
+    f = rng.sprinkle(f, 0.02, SPECIAL_F32_FINITE)
+    R, C = f.shape
+    for r in rng.ints(1 + rng.below(6), 0, R):
+        kind = rng.choice(("zero", "subnormal", "huge", "nonfinite" if k == 2 else "zero"))
+        if kind == "zero":
+            f[r] = 0.0
+        elif kind == "subnormal":
+            f[r] = (rng.words(C) & U32(0x807FFFFF)).view(F32)
+        elif kind == "huge":                              # butterflies overflow to +-inf
+            f[r] = rng.f32((C,), "wide", elo=120, ehi=127)
+        else:
+            f[r, rng.below(C)] = SPECIAL_F32_NONFINITE[rng.below(len(SPECIAL_F32_NONFINITE))]
+    return f
+
+
+@gen("gemm_i8")
+def _gemm_i8(rng, i, op):
+    if i % 8 == 7:        # the longest contraction: |acc| up to 2^17 * 127^2 (just below 2^31)
+        I, J = rng.choice((1, 2, 3)), rng.choice((1, 2, 5))
+        P = rng.choice((Q_MAX_P, Q_MAX_P, Q_MAX_P - 1, Q_MAX_P // 2 + 3))
+    else:
+        I, J, P = rng.choice(SIZES), rng.choice(SIZES), rng.choice(_Q_LEN + (4097,))
+    a, b = _i8(rng, (I, P), i), _i8(rng, (J, P), i)
+    if i % 8 == 7:        # whole rows of +-127: the extreme sums, both signs
+        a[0], b[0] = QMAX, rng.choice((QMAX, -QMAX))
+    return dict(args=(a, b), outputs=("c",), desc=f"I={I} J={J} P={P}")
+
+
+@gen("hadamard_rows")
+def _hadamard(rng, i, op):
+    R, C = QB * rng.choice((1, 1, 2, 3, 8)), rng.choice(SIZES)
+    if rng.coin(0.25):    # integer matrices (as the backward's q_w, q_x): exact sums
+        f = rng.ints(R * C, -QMAX, QMAX + 1).astype(F32).reshape(R, C)
+    else:
+        f = _mixed_f32(rng, (R, C), rng.choice((1.0, 1e-3, 1e30, 1e-30)))
+    f = _row_specials(rng, f, i)
+    return dict(args=(np.ascontiguousarray(f),), outputs=("f",), desc=f"R={R} C={C}")
+
+
+@gen("quant_weight_rows")
+def _quant_weight_rows(rng, i, op):
+    M, K = rng.choice(SIZES), rng.choice(_Q_LEN + (16, 64, 256, 4097))
+    w = _weight_rows(rng, M, K, i)
+    return dict(args=(w,), outputs=("q", "s"), desc=f"M={M} K={K}")
+
+
+@gen("quant_tensor")
+def _quant_tensor(rng, i, op):
+    shape = rng.choice([(1,), (7,), (1000,), (4097,), (33, 65), (7, 130), (2, 7, 33), (0,), (3, 0)])
+    bf16 = rng.coin(0.5)
+    x = _quant_tensor_input(rng, shape, i, bf16)
+    return dict(args=(x,), outputs=("q", "s"), desc=f"shape={shape} dtype={'bf16' if bf16 else 'fp32'}")
+
+
+@gen("qlinear_forward")
+def _qlinear_forward(rng, i, op):
+    N, M = rng.choice(SIZES), rng.choice(SIZES)
+    K = rng.choice(_Q_LEN + (16, 64, 128, 256, 4097))      # powers of two: tie rows in w
+    if i % 8 == 7 and rng.coin(0.5):                      # the longest contraction over k
+        N, M, K = rng.choice((1, 2)), rng.choice((1, 3)), Q_MAX_P
+    x = _quant_tensor_input(rng, (N, K), i, True, layer=True)
+    w = _weight_rows(rng, M, K, i)
+    return dict(args=(x, w), outputs=("y",), desc=f"N={N} K={K} M={M}")
+
+
+@gen("qlinear_backward")
+def _qlinear_backward(rng, i, op):
+    N, M, K = rng.choice(_Q_PADDED), rng.choice(_Q_PADDED), rng.choice(SIZES + (128, 129))
+    x = _quant_tensor_input(rng, (N, K), i, True, layer=True)
+    # a NaN or infinity in w or dy makes all of dx NaN: only in some cases
+    w = _weight_rows(rng, M, K, i, nonfinite=i % 4 == 3 and rng.coin(0.5))
+    dy = rng.bf16((N, M), rng.choice((1.0, 1e-3, 30.0)))
+    if i % 4 == 1:
+        dy = rng.sprinkle(dy, 0.02, SPECIAL_BF16_FINITE)
+    elif i % 4 == 2:      # outlier gradients, which the rotation spreads; one rarely non-finite
+        dy = rng.sprinkle(dy, 0.01, A.f32_to_bf16(np.array([80.0, -50.0, 1e4], F32)))
+        if rng.coin(0.25):
+            dy.reshape(-1)[rng.below(dy.size)] = SPECIAL_BF16_NONFINITE[rng.below(len(SPECIAL_BF16_NONFINITE))]
+    need_dx, need_dw = rng.choice([(True, True), (True, True), (True, False), (False, True)])
+    return dict(args=(dy, x, w), kwargs=dict(need_dx=need_dx, need_dw=need_dw), outputs=("dx", "dw"),
+                desc=f"N={N} K={K} M={M} need_dx={need_dx} need_dw={need_dw}")
 
 
 # ------------------------------------------------------------------------- public

@@ -100,6 +100,7 @@ class OpResult:
     cases: int = 0
     mismatches: int = 0          # cases where some backend differs from the reference (or raised)
     errors: int = 0              # of those, cases where some backend raised
+    missing: list = dataclasses.field(default_factory=list)   # backends without this op: not compared
     first: dict | None = None    # the first mismatch
     seconds: dict = dataclasses.field(default_factory=dict)   # backend -> seconds in the op
 
@@ -128,13 +129,25 @@ class Report:
         return sum(r.mismatches for r in self.ops.values())
 
     @property
+    def missing(self) -> dict:
+        """op -> backends that have no function for it (reported, not compared, not a mismatch)."""
+        return {op: list(r.missing) for op, r in self.ops.items() if r.missing}
+
+    @property
     def ok(self) -> bool:
+        """No mismatch among the ops every backend has (see `missing` and `complete`)."""
         return self.total_mismatches == 0
+
+    @property
+    def complete(self) -> bool:
+        """ok, and every backend had every op."""
+        return self.ok and not self.missing
 
     def to_json(self) -> dict:
         return {"backends": self.backends, "reference": self.reference, "seed": self.seed,
                 "cases_per_op": self.cases_per_op, "seconds": self.seconds,
                 "total_cases": self.total_cases, "total_mismatches": self.total_mismatches,
+                "missing": self.missing,
                 "ops": {k: v.to_json() for k, v in self.ops.items()}}
 
 
@@ -153,16 +166,24 @@ def _resolve_backends(backends) -> list[tuple[str, Any]]:
 def run_case(case: Case, bks: list[tuple[str, Any]], res: OpResult) -> dict | None:
     """Run one case on every backend; update res; return the case's first mismatch (or None)."""
     outs: dict[str, Any] = {}
+    present = []
     for name, b in bks:
         fn = _bk.resolve(b, case.op)
+        if fn is None:          # not implemented there (yet): reported as missing, not compared
+            if name not in res.missing:
+                res.missing.append(name)
+            continue
+        present.append((name, b))
         t0 = time.perf_counter()
         try:
-            if fn is None:
-                raise NotImplementedError(f"backend {name!r} has no function {case.op!r}")
             outs[name] = normalize(case.op, execute(fn, case))
         except Exception as e:   # noqa: BLE001 - a failing backend is a reported mismatch
             outs[name] = e
         res.seconds[name] = res.seconds.get(name, 0.0) + time.perf_counter() - t0
+    res.cases += 1
+    if bks[0][0] in res.missing or len(present) < 2:
+        return None             # nothing to compare with (the reference or every other backend lacks the op)
+    bks = present
     ref_name = bks[0][0]
     ref = outs[ref_name]
     first = None
@@ -185,7 +206,6 @@ def run_case(case: Case, bks: list[tuple[str, Any]], res: OpResult) -> dict | No
                 d = compare_outputs(r, g)
                 if d is not None:
                     first = first or dict(base, backend=name, output=oname, **d)
-    res.cases += 1
     if first is not None:
         res.mismatches += 1
         res.errors += errored
@@ -242,10 +262,25 @@ def format_table(report: Report) -> str:
     for op, r in report.ops.items():
         secs = "  ".join(f"{r.seconds.get(b, 0.0):>9.2f}s" for b in bcols)
         first = describe_mismatch(r.first) if r.first else "-"
+        if r.missing:
+            first = f"MISSING on {', '.join(r.missing)} (not compared); " + first
         lines.append(f"{op:<{w}}  {r.cases:>5}  {r.mismatches:>8}  {secs}  {first}")
     lines.append("-" * len(head))
     bad = [op for op, r in report.ops.items() if r.mismatches]
     lines.append(f"total: {len(report.ops)} ops, {report.total_cases} cases, {report.total_mismatches} mismatching "
                  f"cases{' in ' + ', '.join(bad) if bad else ''} ({report.seconds:.1f} s)")
-    lines.append("PASS: bit-identical" if report.ok else "FAIL: outputs differ")
+    miss = report.missing
+    if miss:
+        by_backend: dict = {}
+        for op, names in miss.items():
+            for n in names:
+                by_backend.setdefault(n, []).append(op)
+        for n, ops_ in by_backend.items():
+            lines.append(f"missing: {n} has no {', '.join(ops_)} ({len(ops_)} op{'s' * (len(ops_) != 1)} "
+                         "not compared)")
+    if report.ok:
+        lines.append("PASS: bit-identical" + (" on the ops every backend has (some ops MISSING, see above)"
+                                              if miss else ""))
+    else:
+        lines.append("FAIL: outputs differ")
     return "\n".join(lines)

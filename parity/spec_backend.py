@@ -13,12 +13,14 @@ from typing import Sequence
 import numpy as np
 
 from ..contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from .. import opargs
 from ..hostmath import adamw_scalars
 from ..spec import arith as A
 from ..spec import attention as _att
 from ..spec import layers as _lay
 from ..spec import mathfn as _mf
 from ..spec import optim as _opt
+from ..spec import quant as _q
 from ..spec import xent as _xent
 
 NAME = "spec"
@@ -146,3 +148,40 @@ def philox_blocks(seed, stream, index0, n, sub=0):
 
 def trunc_normal(seed, stream, index0, n, sigma=INIT_SIGMA):
     return _opt.trunc_normal(int(seed), int(stream), int(index0), int(n), F32(sigma))
+
+
+# ---------------------------------------------------------------- §6.9 int8 quantized linear
+# Arguments are checked by opargs as cpu_ref checks them (contraction lengths <= 2^17, int8 in
+# [-127, 127], Hadamard rows a multiple of 128), so that an invalid case fails on both sides.
+def gemm_i8(a, b):
+    opargs.gemm_i8(a, b)
+    return _q.gemm_i8(a, b)
+
+
+def hadamard_rows(f):
+    f = np.array(f, F32, copy=True, order="C")
+    opargs.hadamard_rows(f)
+    return A.store(_q.hadamard_rows(f))
+
+
+def quant_weight_rows(w):
+    opargs.quant_weight_rows(w)
+    return _q.quant_weight_rows(w)
+
+
+def quant_tensor(x):
+    f32 = x.dtype == np.float32
+    opargs.quant_tensor(x, opargs.F32 if f32 else opargs.BF16)
+    q, s = (_q.quant_tensor_f32 if f32 else _q.quant_tensor)(x)
+    return q.reshape(x.shape), F32(s)
+
+
+def qlinear_forward(x, w):
+    opargs.qlinear_forward(x, w)
+    return _q.qlinear_forward(x, w)
+
+
+def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True):
+    opargs.qlinear_backward(dy, x, w)
+    dx, dw = _q.qlinear_backward(dy, x, w)
+    return (dx if need_dx else None), (dw if need_dw else None)

@@ -21,8 +21,8 @@ from mlx_open1b.cli.main import cli
 from mlx_open1b.parity import spec_backend
 from mlx_open1b.parity.bundle import canonical
 
-SPEC_CASES = 24          # per op: 40 ops x 24 = 960 cases cpu_ref vs spec (about 10 s)
-GPU_CASES = 24           # per op for metal / cuda (emulated here) vs cpu_ref: 960 cases each
+SPEC_CASES = 24          # per op: 46 ops x 24 = 1104 cases cpu_ref vs spec (about 15 s)
+GPU_CASES = 24           # per op for metal / cuda (emulated here) vs cpu_ref: 1104 cases each
 
 
 def _gpu_backends() -> list:
@@ -41,7 +41,8 @@ MISSING = [n for n in ("metal", "cuda") if n not in GPU]
 
 # ----------------------------------------------------------------------------- coverage
 def test_every_cpu_ref_op_has_a_case_generator():
-    runtime = {"contract_version", "get_num_threads", "set_num_threads", "settings", "simd_level", "simd_name"}
+    runtime = {"contract_version", "get_num_threads", "set_num_threads", "settings", "simd_level", "simd_name",
+               "gemm_i8_has_vnni"}
     api = {n for n in dir(cpu_ref) if not n.startswith("_") and callable(getattr(cpu_ref, n))
            and not isinstance(getattr(cpu_ref, n), type) and getattr(cpu_ref, n).__class__.__name__ != "module"}
     missing = sorted(api - runtime - set(P.OPS))
@@ -84,6 +85,44 @@ def test_gpu_backend_matches_cpu_ref_on_every_op(name):
     report = P.run(["cpu_ref", name], cases=GPU_CASES, seed=1)
     assert report.total_cases == len(P.OPS) * GPU_CASES
     assert report.ok, P.format_table(report)
+    if report.missing:      # every op it has is bit-identical; the ones it lacks are listed
+        pytest.xfail(f"{name} has no {', '.join(report.missing)} yet (not compared)")
+
+
+def test_backend_without_an_op_is_reported_missing_not_a_mismatch():
+    class Partial:          # spec without the int8 GEMM
+        def __getattr__(self, op):
+            if op == "gemm_i8":
+                raise AttributeError(op)
+            return getattr(spec_backend, op)
+    report = P.run([("cpu_ref", cpu_ref), ("partial", Partial())], ops=["gemm_i8", "quant_tensor"], cases=3)
+    assert report.ok and not report.complete
+    assert report.missing == {"gemm_i8": ["partial"]} and report.total_mismatches == 0
+    assert report.ops["gemm_i8"].cases == 3 and report.ops["quant_tensor"].missing == []
+    table = P.format_table(report)
+    assert "MISSING on partial" in table and "missing: partial has no gemm_i8" in table and "PASS" in table
+    assert report.to_json()["missing"] == {"gemm_i8": ["partial"]}
+
+
+def test_int8_cases_are_valid_and_cover_specials():
+    from mlx_open1b import opargs
+    big = []
+    for i in range(24):
+        a, b = P.make_case("gemm_i8", i).args
+        opargs.gemm_i8(a, b)                      # valid: int8 in [-127, 127], P <= 2^17
+        big.append(a.shape[1])
+        f = P.make_case("hadamard_rows", i).args[0]
+        assert f.shape[0] % 128 == 0
+        dy, x, w = P.make_case("qlinear_backward", i).args
+        opargs.qlinear_backward(dy, x, w)
+        x, w = P.make_case("qlinear_forward", i).args
+        opargs.qlinear_forward(x, w)
+    assert max(big) == opargs.Q_MAX_P
+    s = [np.float32(cpu_ref.quant_tensor(*P.make_case("quant_tensor", i).args)[1]) for i in range(24)]
+    assert any(np.isnan(v) for v in s) and any(v == 0 for v in s) and any(np.isfinite(v) and v > 0 for v in s)
+    sw = np.concatenate([cpu_ref.quant_weight_rows(*P.make_case("quant_weight_rows", i).args)[1] for i in range(24)])
+    assert np.isnan(sw).any() and (sw == 0).any()
+    assert (np.frexp(sw[np.isfinite(sw) & (sw > 0)])[0] == 0.5).any(), "no tie rows (power-of-two step)"
 
 
 def test_gpu_backends_not_yet_in_tree():

@@ -1,0 +1,83 @@
+"""The int8 quantized linear layer (CONTRACT.md §6.9): quantizers, the exact int8 GEMM, the
+Walsh-Hadamard rotation, and the layer's forward and backward."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import opargs
+from ._lib import c_i64, declare, p, ptr, lib
+import ctypes
+
+_qw = declare("o1b_quant_weight_rows", c_i64, c_i64, ptr, ptr, ptr)
+_qt = declare("o1b_quant_tensor", c_i64, ptr, ptr, ptr, restype=ctypes.c_int)
+_qtf = declare("o1b_quant_tensor_f32", c_i64, ptr, ptr, ptr, restype=ctypes.c_int)
+_gemm = declare("o1b_gemm_i8", c_i64, c_i64, c_i64, ptr, ptr, ptr)
+_vnni = declare("o1b_gemm_i8_has_vnni", restype=ctypes.c_int)
+_had = declare("o1b_hadamard_rows", c_i64, c_i64, ptr)
+_fwd = declare("o1b_qlinear_forward", c_i64, c_i64, c_i64, ptr, ptr, ptr, restype=ctypes.c_int)
+_bwd = declare("o1b_qlinear_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int)
+
+QMAX, QB, Q_MAX_P = opargs.QMAX, opargs.QB, opargs.Q_MAX_P
+
+
+def _ok(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("the C reference could not allocate its int8 work buffers")
+
+
+def quant_weight_rows(w: np.ndarray):
+    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32 (per-output-row step sizes)."""
+    M, K = opargs.quant_weight_rows(w)
+    q = np.empty((M, K), np.int8)
+    s = np.empty(M, np.float32)
+    _qw(M, K, p(w), p(q), p(s))
+    return q, s
+
+
+def quant_tensor(x: np.ndarray):
+    """x (any shape) bf16 or fp32 -> q (same shape) int8, s fp32 (per-tensor scale)."""
+    f32 = x.dtype == np.float32
+    n = opargs.quant_tensor(x, opargs.F32 if f32 else opargs.BF16)
+    q = np.empty(x.shape, np.int8)
+    s = np.empty(1, np.float32)
+    _ok((_qtf if f32 else _qt)(n, p(x), p(q), p(s)))
+    return q, s[0]
+
+
+def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a (I, P) int8, b (J, P) int8 -> C (I, J) int32, C = a b^T exactly."""
+    I, J, P = opargs.gemm_i8(a, b)
+    c = np.empty((I, J), np.int32)
+    _gemm(I, J, P, p(a), p(b), p(c))
+    return c
+
+
+def gemm_i8_has_vnni() -> bool:
+    """Whether the AVX-512 VNNI kernel is in use (at the current SIMD cap)."""
+    return bool(_vnni())
+
+
+def hadamard_rows(f: np.ndarray) -> np.ndarray:
+    """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
+    f = np.array(f, np.float32, copy=True, order="C")
+    R, C = opargs.hadamard_rows(f)
+    _had(R, C, p(f))
+    return f
+
+
+def qlinear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization."""
+    N, K, M = opargs.qlinear_forward(x, w)
+    y = np.empty((N, M), np.float32)
+    _ok(_fwd(N, K, M, p(x), p(w), p(y)))
+    return y
+
+
+def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
+                     need_dw: bool = True):
+    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard)."""
+    N, K, M = opargs.qlinear_backward(dy, x, w)
+    dx = np.empty((N, K), np.float32) if need_dx else None
+    dw = np.empty((M, K), np.float32) if need_dw else None
+    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw)))
+    return dx, dw

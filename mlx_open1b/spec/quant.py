@@ -1,0 +1,138 @@
+"""CONTRACT.md §6.9 (int8 quantized linear) in numpy, written from the contract text.
+
+Integer GEMMs are computed as float64 matmuls of int8 values: every partial sum is an integer of
+magnitude below 2^31 < 2^53, so the float64 result is exact whatever order BLAS uses.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .arith import F32, add, bf16_to_f32, div, f32, flush, from_bits, mul, store, sub
+
+QMAX = 127
+QB = 128
+QW_COEF = np.float32(float.fromhex("0x1.6b7612p-3"))     # 2/sqrt(127) rounded to fp32
+INV_QB = np.float32(2.0 ** -7)
+NAN = from_bits(np.uint32(0x7FC00000))
+
+
+def i2f(acc) -> np.ndarray:
+    """int32 -> fp32, IEEE round to nearest even."""
+    return np.asarray(acc, np.int64).astype(np.int32).astype(F32)
+
+
+def rne_clamp(t) -> np.ndarray:
+    return np.clip(np.rint(f32(t)), -QMAX, QMAX).astype(np.int8)
+
+
+def weight_scales(w):
+    """w (M, K) bf16 -> s (M,) fp32 (NaN where the row sum is not finite)."""
+    wf = bf16_to_f32(w)
+    M, K = wf.shape
+    S = np.zeros(M, F32)
+    for k in range(K):
+        S = add(S, np.abs(wf[:, k]))
+    s = mul(div(S, F32(K)), QW_COEF)
+    return np.where(np.isfinite(S), s, NAN).astype(F32)
+
+
+def quant_weight_rows(w, with_clip=False):
+    wf = bf16_to_f32(w)
+    s = weight_scales(w)
+    ok = np.isfinite(s) & (s != 0)
+    with np.errstate(all="ignore"):
+        inv = div(F32(1), np.where(ok, s, F32(1)))
+        t = mul(wf, inv[:, None])
+    q = np.where(ok[:, None], rne_clamp(np.where(ok[:, None], t, 0)), 0).astype(np.int8)
+    if not with_clip:
+        return q, store(s)
+    clip = np.where(ok[:, None], (np.abs(t) > 127).astype(np.uint8), 0)
+    clip = np.where(np.isnan(s)[:, None], 2, clip).astype(np.uint8)
+    return q, store(s), clip
+
+
+def _tensor_scale(v):
+    v = flush(f32(v))
+    if v.size and not np.all(np.isfinite(v)):
+        return NAN
+    amax = np.abs(v).max() if v.size else F32(0)
+    return div(amax, F32(127))
+
+
+def quant_tensor_f32(v):
+    v = flush(f32(v))
+    s = _tensor_scale(v)
+    if not (np.isfinite(s) and s != 0):
+        return np.zeros(v.shape, np.int8), store(s)
+    inv = div(F32(1), s)
+    return rne_clamp(mul(v, inv)), store(s)
+
+
+def quant_tensor(x):
+    return quant_tensor_f32(bf16_to_f32(x))
+
+
+def hadamard_rows(f, integer=False):
+    """Rotate (R, C) along the rows in blocks of QB: stages h = 1, 2, ..., QB/2, rows i and i+h
+    (i & h == 0) -> (add(a, b), sub(a, b))."""
+    f = np.array(f, np.int64 if integer else F32, copy=True)
+    if not integer:
+        f = flush(f)
+    R = f.shape[0]
+    blocks = f.reshape(R // QB, QB, -1)
+    h = 1
+    while h < QB:
+        idx = np.array([i for i in range(QB) if not i & h])
+        a, b = blocks[:, idx].copy(), blocks[:, idx + h].copy()
+        if integer:
+            blocks[:, idx], blocks[:, idx + h] = a + b, a - b
+        else:
+            blocks[:, idx], blocks[:, idx + h] = add(a, b), sub(a, b)
+        h <<= 1
+    return blocks.reshape(f.shape)
+
+
+def gemm_i8(a, b):
+    """C = a b^T exactly (int32)."""
+    return (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T).astype(np.int64).astype(np.int32)
+
+
+def _pad(n):
+    return (n + QB - 1) // QB * QB
+
+
+def qlinear_forward(x, w):
+    qx, sx = quant_tensor(x)
+    qw, sw = quant_weight_rows(w)
+    acc = gemm_i8(qx, qw)
+    return store(mul(mul(i2f(acc), sx), sw[None, :]))
+
+
+def qlinear_backward(dy, x, w):
+    N, M = dy.shape
+    K = x.shape[1]
+    qw, sw, clip = quant_weight_rows(w, with_clip=True)
+    dyf = bf16_to_f32(dy)
+    # dx: contraction over m
+    Mp = _pad(M)
+    g = np.zeros((Mp, N), F32)
+    g[:M] = mul(dyf, sw[None, :]).T
+    qa, sg = quant_tensor_f32(hadamard_rows(g))
+    r = np.zeros((Mp, K), np.int64)
+    r[:M] = qw
+    qb, sr = quant_tensor_f32(hadamard_rows(r, integer=True).astype(F32))
+    acc = gemm_i8(qa.T, qb.T)
+    dx = store(mul(mul(mul(i2f(acc), sg), sr), INV_QB))
+    # dW: contraction over n
+    Np = _pad(N)
+    qx, sx = quant_tensor(x)
+    d = np.zeros((Np, M), F32)
+    d[:N] = dyf
+    qa, sd = quant_tensor_f32(hadamard_rows(d))
+    r = np.zeros((Np, K), np.int64)
+    r[:N] = qx
+    qb, sr = quant_tensor_f32(hadamard_rows(r, integer=True).astype(F32))
+    acc = gemm_i8(qa.T, qb.T)
+    v = store(mul(mul(mul(mul(i2f(acc), sd), sr), sx), INV_QB))
+    dw = np.where(clip == 2, NAN, np.where(clip == 1, F32(0), v)).astype(F32)
+    return dx, dw

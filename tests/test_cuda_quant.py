@@ -1,0 +1,349 @@
+"""The CUDA backend's int8 quantized linear layer (cuda/quant.cu, CONTRACT.md §6.9) against the C
+reference, bit for bit.
+
+Where CuPy and a GPU exist the ops run the real runtime; elsewhere the same .cu text runs on the CPU
+emulator (cuda/emu). Every public op of the family is compared with mlx_open1b.cpu_ref on shapes
+that are not multiples of any block size (128-thread launches, 128-row Hadamard blocks, 4096-element
+absmax chunks), with NaN/inf rows and tensors, zero rows, subnormals (inputs and flushed scales),
+clipped weights and rounding ties; plus the nvcc compile check of quant.cu for sm_80 and sm_90.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, rand_bf16, rand_f32, sprinkle
+
+import mlx_open1b.cpu_ref as ref
+from mlx_open1b.cuda import emu, ops as cu, runtime
+from mlx_open1b.spec.arith import f32_to_bf16
+
+OK, HOW = cu.available()
+pytestmark = pytest.mark.skipif(not OK, reason=HOW)
+HAVE_GXX = emu.compiler_available()[0]
+QB, Q_MAX_P = cu.QB, cu.Q_MAX_P
+
+
+def rng_for(name: str) -> np.random.Generator:
+    return np.random.default_rng([ord(c) for c in name])
+
+
+def rand_i8(rng, shape):
+    return rng.integers(-127, 128, shape, dtype=np.int64).astype(np.int8)
+
+
+def bf(v) -> np.ndarray:
+    return f32_to_bf16(np.asarray(v, np.float32))
+
+
+def assert_same_quant(got, want, what):
+    (qa, sa), (qb, sb) = got, want
+    assert qa.dtype == np.int8 and qa.shape == qb.shape, what
+    assert np.array_equal(qa, qb), f"{what}: q differs at {np.argwhere(qa != qb)[:5].tolist()}"
+    assert np.asarray(sa).dtype == np.float32, what
+    assert_bits_equal(np.asarray(sa, np.float32), np.asarray(sb, np.float32), f"{what}: s")
+
+
+# ================================================================== int8 GEMM
+@pytest.mark.parametrize("I,J,P", [(1, 1, 1), (3, 5, 7), (37, 53, 19), (9, 33, 3001), (130, 70, 129),
+                                   (0, 4, 5), (4, 0, 5), (3, 4, 0)])
+def test_gemm_i8(I, J, P):
+    rng = rng_for(f"gemm{I},{J},{P}")
+    a, b = rand_i8(rng, (I, P)), rand_i8(rng, (J, P))
+    got = cu.gemm_i8(a, b)
+    assert got.dtype == np.int32 and got.shape == (I, J)
+    assert np.array_equal(got, ref.gemm_i8(a, b))
+    assert np.array_equal(got.astype(np.int64), a.astype(np.int64) @ b.astype(np.int64).T)
+
+
+def test_gemm_i8_extremes_at_the_length_bound():
+    """All products ±127·127 at P = Q_MAX_P: |acc| = 2^17·127² < 2^31, exact."""
+    a = np.full((3, Q_MAX_P), 127, np.int8)
+    a[1] = -127
+    a[2, ::2] = -127
+    b = np.full((2, Q_MAX_P), 127, np.int8)
+    b[1] = -127
+    want = a.astype(np.int64) @ b.astype(np.int64).T
+    got = cu.gemm_i8(a, b)
+    assert np.array_equal(got.astype(np.int64), want)
+    assert np.array_equal(got, ref.gemm_i8(a, b))
+
+
+def test_gemm_i8_has_vnni_is_cpu_only():
+    assert cu.gemm_i8_has_vnni() is False
+
+
+# ================================================================== quantizers
+def test_quant_weight_rows_special_rows():
+    rng = rng_for("qw")
+    M, K = 71, 301
+    w = rand_bf16(rng, (M, K), 0.02)
+    w[3] = 0                                    # zero row: s = +0, q = 0
+    w[4] = 0x0001                               # subnormals flush: a zero row as well
+    w[5, 7] = 0x7F80                            # +inf: the row's scale is NaN, q = 0
+    w[6, 9] = 0x7FC1                            # NaN
+    w[7] = 0x7F7F                               # huge: the row sum overflows -> NaN
+    w[8, 0] = bf(5.0)                           # an outlier that clips (|t| > 127)
+    w[9] = 0x0080                               # all 2^-126: s = 2^-126 * QW_COEF flushes -> zero row
+    w[10, 5] = 0xFF80                           # -inf
+    w[11] = 0x8000                              # all -0
+    w[12, ::3] = 0x0001                         # some subnormals in an ordinary row
+    w[13] = bf(np.where(np.arange(K) % 2, 1.0, -1.0))   # constant magnitude: t = ±1/QW_COEF
+    w[14, :] = 0
+    w[14, 0] = bf(-3.0)                         # a single nonzero: clipped at -127
+    w[15] = 0x7F7F
+    w[15, 1:] = 0                               # one huge finite value: finite sum, clipped
+    got, want = cu.quant_weight_rows(w), ref.quant_weight_rows(w)
+    assert_same_quant(got, want, "quant_weight_rows")
+    q, s = got
+    assert s.shape == (M,)
+    for r in (3, 4, 9, 11):
+        assert s[r] == 0 and not q[r].any(), r
+    for r in (5, 6, 7, 10):
+        assert s.view(np.uint32)[r] == 0x7FC00000 and not q[r].any(), r
+    assert q[8, 0] == 127 and q[14, 0] == -127 and q[15, 0] == 127
+    assert np.abs(q).max() <= 127
+
+
+@pytest.mark.parametrize("M,K", [(1, 1), (5, 3), (129, 257), (33, 1000), (0, 7), (4, 0)])
+def test_quant_weight_rows_shapes(M, K):
+    rng = rng_for(f"qws{M},{K}")
+    w = rand_bf16(rng, (M, K), 0.05)
+    if w.size:
+        w = sprinkle(rng, w, SPECIAL_BF16, 0.002)
+    assert_same_quant(cu.quant_weight_rows(w), ref.quant_weight_rows(w), f"{M}x{K}")
+
+
+def test_quant_weight_rows_ties():
+    """Rows built so that t = w / s_w falls on exact halves for many elements."""
+    rng = rng_for("qwties")
+    M, K = 40, 64
+    w = np.zeros((M, K), np.uint16)
+    for j in range(M):
+        k = rng.integers(1, 6)
+        w[j] = bf(rng.integers(-8, 9, K) * 2.0 ** -k)       # small multiples of a power of two
+    got, want = cu.quant_weight_rows(w), ref.quant_weight_rows(w)
+    assert_same_quant(got, want, "ties")
+
+
+def test_quant_tensor_bf16():
+    rng = rng_for("qtb")
+    cases = [rand_bf16(rng, (33, 65)), rand_bf16(rng, (3, 5, 7), 100.0), np.zeros((4, 4), np.uint16),
+             np.full((3, 3), 0x8000, np.uint16), np.full((5,), 0x0001, np.uint16),
+             sprinkle(rng, rand_bf16(rng, (40,)), SPECIAL_BF16[[0, 1, 6, 7, 8]]),
+             rand_bf16(rng, (3 * 4096 + 17,)),              # several absmax chunks
+             np.zeros((0,), np.uint16), np.zeros((3, 0), np.uint16)]
+    big = rand_bf16(rng, (2 * 4096 + 5,))
+    big[4096 + 3] = bf(1e6)                                 # the absmax in the second chunk
+    cases.append(big)
+    for bad in (0x7F80, 0xFF80, 0x7FC1, 0xFFC0):
+        x = rand_bf16(rng, (9, 4099))
+        x[8, 4000] = bad                                    # the non-finite value in the last chunk
+        cases.append(x)
+    for i, x in enumerate(cases):
+        got = cu.quant_tensor(x)
+        assert_same_quant(got, ref.quant_tensor(x), f"case {i} {x.shape}")
+        assert got[0].shape == x.shape
+    for x in cases[-4:]:
+        q, s = cu.quant_tensor(x)
+        assert np.float32(s).view(np.uint32) == 0x7FC00000 and not q.any()
+
+
+def test_quant_tensor_f32_ties_clipping_and_flushed_scales():
+    rng = rng_for("qtf")
+    # absmax 127: s = 1, inv = 1, t = v exactly, so the halves are ties to even
+    ties = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 125.5, 0.49999997, -0.0,
+                     3.5, 4.5, -3.5, 1e-40, -1e-40, 64.5, 63.5], np.float32)
+    cases = [ties, -ties, ties * np.float32(2.0 ** 100),    # the same with a large scale
+             np.array([2.0 ** -120, 2.0 ** -121, 0.0], np.float32),     # s = div(2^-120, 127) flushes
+             np.array([2.0 ** -119, -(2.0 ** -120), 2.0 ** -125], np.float32),
+             np.array([3.4028235e38, -3.4028235e38, 1.0], np.float32),
+             (rng.standard_normal(1000) * 3).astype(np.float32),
+             f32_inputs(rng),
+             rand_f32(rng, (7, 4097), 1e-30)]
+    for s in SPECIAL_F32:
+        v = rand_f32(rng, (50,))
+        v[17] = s
+        cases.append(v)
+    for i, v in enumerate(cases):
+        assert_same_quant(cu.quant_tensor(v), ref.quant_tensor(v), f"f32 case {i}")
+    q, s = cu.quant_tensor(ties)
+    assert np.float32(s) == 1.0
+    assert q.tolist() == [127, 0, 2, 2, 0, -2, -2, 126, -126, 126, 0, 0, 4, 4, -4, 0, 0, 64, 64]
+    q, s = cu.quant_tensor(cases[3])
+    assert np.float32(s).view(np.uint32) == 0 and not q.any()
+
+
+def f32_inputs(rng) -> np.ndarray:
+    """Finite random bit patterns (every exponent, subnormals included) and the specials."""
+    bits = rng.integers(0, 2 ** 32, 5000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.ascontiguousarray(bits[np.isfinite(bits)])
+
+
+# ================================================================== Hadamard rotation
+def test_hadamard_identity_is_sylvester():
+    H = cu.hadamard_rows(np.eye(QB, dtype=np.float32))
+    assert_bits_equal(H, ref.hadamard_rows(np.eye(QB, dtype=np.float32)), "H")
+    assert np.array_equal(H @ H, QB * np.eye(QB, dtype=np.float32))
+
+
+@pytest.mark.parametrize("R,C", [(128, 1), (256, 37), (384, 5), (128, 0), (0, 3)])
+def test_hadamard_rows(R, C):
+    rng = rng_for(f"had{R},{C}")
+    v = (rng.standard_normal((R, C)) * 10.0 ** rng.integers(-38, 38, (R, C))).astype(np.float32)
+    if v.size:
+        v = sprinkle(rng, v, SPECIAL_F32, 0.01)
+    assert_bits_equal(cu.hadamard_rows(v), ref.hadamard_rows(v), f"{R}x{C}")
+    assert_bits_equal(cu.hadamard_rows(v.astype(np.float64)), ref.hadamard_rows(v.astype(np.float64)), "f64 in")
+    w = v.copy()
+    cu.hadamard_rows(w)
+    assert_bits_equal(w, v, "input unchanged")
+
+
+def test_hadamard_overflow_and_cancellation():
+    v = np.zeros((QB, 4), np.float32)
+    v[:, 0] = 3.4028235e38                                   # overflows to inf, then inf - inf = NaN
+    v[0, 1], v[1, 1] = 1.0, -1.0
+    v[0, 2], v[64, 2] = 2.0 ** -126, -(2.0 ** -127)          # a subnormal input flushes
+    v[:, 3] = np.inf
+    assert_bits_equal(cu.hadamard_rows(v), ref.hadamard_rows(v), "specials")
+
+
+# ================================================================== the layer
+def check_layer(x, w, dy, what):
+    y = cu.qlinear_forward(x, w)
+    assert_bits_equal(y, ref.qlinear_forward(x, w), f"{what} y")
+    dx, dw = cu.qlinear_backward(dy, x, w)
+    rdx, rdw = ref.qlinear_backward(dy, x, w)
+    assert_bits_equal(dx, rdx, f"{what} dx")
+    assert_bits_equal(dw, rdw, f"{what} dw")
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("N,K,M", [(1, 1, 1), (5, 3, 7), (37, 45, 29), (130, 70, 129), (129, 200, 3),
+                                   (3, 129, 257), (20, 0, 5)])
+def test_layer(N, K, M):
+    rng = rng_for(f"layer{N},{K},{M}")
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
+    check_layer(x, w, dy, f"{N}x{K}x{M}")
+
+
+def test_layer_need_flags():
+    rng = rng_for("flags")
+    x, w, dy = rand_bf16(rng, (9, 11)), rand_bf16(rng, (13, 11), 0.02), rand_bf16(rng, (9, 13), 1e-3)
+    rdx, rdw = ref.qlinear_backward(dy, x, w)
+    dx, dw = cu.qlinear_backward(dy, x, w, need_dw=False)
+    assert dw is None
+    assert_bits_equal(dx, rdx, "dx only")
+    dx, dw = cu.qlinear_backward(dy, x, w, need_dx=False)
+    assert dx is None
+    assert_bits_equal(dw, rdw, "dw only")
+    assert cu.qlinear_backward(dy, x, w, False, False) == (None, None)
+
+
+FTZ_MODES = [None] + ([0, 1, 2] if HAVE_GXX else [])
+
+
+@pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
+def test_special_values_in_the_layer(ftz):
+    import contextlib
+    ctx = contextlib.ExitStack()
+    if ftz is not None:
+        ctx.enter_context(runtime.emulate())
+        ctx.enter_context(emu.options(ftz=ftz))
+    with ctx:
+        rng = rng_for("specials")
+        N, K, M = 140, 96, 150
+        x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
+        w[10] = 0                                   # zero row: y column 0
+        w[11, 5] = 0x7FC1                           # NaN in a weight row: y column NaN, dW row NaN
+        w[12, 0] = bf(1.0)                          # clipped weight: its dW element is +0
+        w[13] = 0x0080                              # flushed step size: a zero row
+        x[3, 3] = 0x0001                            # subnormal input: flushed
+        dy[5, 6] = 0x8001
+        y, dx, dw = check_layer(x, w, dy, "specials")
+        assert np.all(y[:, 10] == 0) and np.all(np.isnan(y[:, 11])) and not np.isnan(y[:, 12]).any()
+        assert np.all(y[:, 13] == 0)
+        assert np.all(np.isnan(dw[11])) and dw[12, 0] == 0 and np.all(np.isnan(dx))
+        w[11, 5] = 0
+        x[7, 7] = 0x7F80                            # inf activation: the tensor scale is NaN
+        y, dx, dw = check_layer(x, w, dy, "inf x")
+        assert np.all(np.isnan(y)) and np.all(np.isnan(dw[:10])) and not np.isnan(dx).any()
+        dy[0, 0] = 0xFF80                           # inf gradient: both gradients NaN
+        y, dx, dw = check_layer(x, w, dy, "inf dy")
+        assert np.all(np.isnan(dx)) and np.all(np.isnan(dw[14:]))
+        y, dx, dw = check_layer(np.zeros((N, K), np.uint16), w * 0, dy * 0, "zeros")
+        assert y.view(np.uint32).max() == 0 and dx.view(np.uint32).max() == 0
+        xs = sprinkle(rng, rand_bf16(rng, (N, K)), SPECIAL_BF16, 0.01)
+        ws = sprinkle(rng, rand_bf16(rng, (M, K), 0.02), SPECIAL_BF16, 0.001)
+        check_layer(xs, ws, rand_bf16(rng, (N, M), 1e-3), "sprinkled")
+
+
+def test_layer_outliers_and_large_values():
+    """Outlier tokens and channels (the case the rotation is for), huge finite values whose row sums
+    stay finite, and gradients near the bf16 range's ends."""
+    rng = rng_for("outliers")
+    N, K, M = 131, 67, 140
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
+    widen = lambda a: ref.bf16_to_f32(np.ascontiguousarray(a))
+    x[::17] = bf(widen(x[::17]) * 80)
+    dy[::13] = bf(widen(dy[::13]) * 1e4)
+    w[3, 2] = bf(1e30)
+    dy[7, 7] = bf(1e38)
+    check_layer(x, w, dy, "outliers")
+    check_layer(x, w, bf(widen(dy) * np.float32(1e-36)), "tiny gradients")
+
+
+# ================================================================== argument errors
+BAD_CALLS = [
+    ("w K", lambda o: o.qlinear_forward(np.zeros((4, 8), np.uint16), np.zeros((3, 9), np.uint16))),
+    ("x dtype", lambda o: o.qlinear_forward(np.zeros((4, 8), np.float32), np.zeros((3, 8), np.uint16))),
+    ("dy shape", lambda o: o.qlinear_backward(np.zeros((4, 4), np.uint16), np.zeros((4, 8), np.uint16),
+                                              np.zeros((3, 8), np.uint16))),
+    ("w layout", lambda o: o.quant_weight_rows(np.zeros((8, 3), np.uint16).T)),
+    ("-128", lambda o: o.gemm_i8(np.full((2, 2), -128, np.int8), np.zeros((2, 2), np.int8))),
+    ("P bound", lambda o: o.gemm_i8(np.zeros((1, Q_MAX_P + 1), np.int8), np.zeros((1, Q_MAX_P + 1), np.int8))),
+    ("gemm dtype", lambda o: o.gemm_i8(np.zeros((2, 2), np.int16), np.zeros((2, 2), np.int8))),
+    ("gemm P", lambda o: o.gemm_i8(np.zeros((2, 3), np.int8), np.zeros((2, 2), np.int8))),
+    ("hadamard rows", lambda o: o.hadamard_rows(np.zeros((100, 3), np.float32))),
+    ("hadamard ndim", lambda o: o.hadamard_rows(np.zeros((128,), np.float32))),
+    ("quant_tensor dtype", lambda o: o.quant_tensor(np.zeros(3, np.float64))),
+    ("backward N bound", lambda o: o.qlinear_backward(np.zeros((Q_MAX_P + 1, 1), np.uint16),
+                                                      np.zeros((Q_MAX_P + 1, 1), np.uint16),
+                                                      np.zeros((1, 1), np.uint16))),
+    ("forward K bound", lambda o: o.qlinear_forward(np.zeros((1, Q_MAX_P + 1), np.uint16),
+                                                    np.zeros((1, Q_MAX_P + 1), np.uint16))),
+]
+
+
+@pytest.mark.parametrize("what,call", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_same_error(what, call):
+    with pytest.raises(ValueError) as e_ref:
+        call(ref)
+    with pytest.raises(ValueError) as e_cu:
+        call(cu)
+    assert str(e_cu.value) == str(e_ref.value)
+
+
+# ================================================================== compile check (nvcc)
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_compiles_quant(arch, tmp_path):
+    """quant.cu, exactly as handed to NVRTC, compiles to PTX with CuPy's flush mode and our options,
+    and the PTX holds no fused multiply-add on fp32."""
+    src = tmp_path / "quant.cu"
+    src.write_text(runtime.read_source("quant.cu"))
+    ptx = tmp_path / "quant.ptx"
+    proc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-ftz=true", *runtime.OPTIONS, str(src), "-o",
+                           str(ptx)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"quant.cu ({arch}):\n{proc.stdout}{proc.stderr}"
+    text = ptx.read_text()
+    assert "fma.rn.f32" not in text and "fma.rn.ftz.f32" not in text, "FMA in the PTX"
+    for kernel in emu.kernel_names(runtime.read_source("quant.cu")):
+        assert f".entry {kernel}(" in text, kernel

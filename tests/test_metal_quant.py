@@ -1,0 +1,310 @@
+"""The int8 quantized linear layer (CONTRACT.md §6.9) on the Metal backend against the C reference,
+bit for bit: the quantizers (per-row weight step sizes, per-tensor scales), the exact int8 GEMM,
+the Walsh-Hadamard rotation and the layer's forward and backward.
+
+Where Metal is available the kernels run through mx.fast.metal_kernel, elsewhere in the emulator.
+Shapes are odd (not multiples of QB, of the absmax block or of any threadgroup), inputs include
+NaN/inf rows, zero rows, subnormals, clipped weights and rounding ties. Floats are compared as
+uint32 bit patterns, integer outputs exactly.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import mlx_open1b.cpu_ref as C
+from mlx_open1b.metal import ops as M
+from mlx_open1b.spec.arith import f32_to_bf16
+
+from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, rand_bf16, rand_f32, sprinkle
+
+OPS = ("gemm_i8", "hadamard_rows", "quant_weight_rows", "quant_tensor", "qlinear_forward", "qlinear_backward")
+QB = C.quant.QB
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng([0x18A7, *key])
+
+
+def rand_i8(rng, shape):
+    return rng.integers(-127, 128, shape, dtype=np.int64).astype(np.int8)
+
+
+def assert_same_q(got, want, what):
+    (qa, sa), (qb, sb) = got, want
+    assert qa.dtype == np.int8 and qa.shape == qb.shape, what
+    bad = np.argwhere(qa != qb)
+    assert not bad.size, f"{what}: q differs at {tuple(bad[0])}: {qa[tuple(bad[0])]} vs {qb[tuple(bad[0])]}"
+    assert np.asarray(sa).dtype == np.float32, what
+    assert_bits_equal(np.asarray(sa), np.asarray(sb), f"{what} scale")
+
+
+def check_layer(x, w, dy, what):
+    y = M.qlinear_forward(x, w)
+    want_y = C.qlinear_forward(x, w)
+    assert_bits_equal(y, want_y, f"{what} y")
+    dx, dw = M.qlinear_backward(dy, x, w)
+    want_dx, want_dw = C.qlinear_backward(dy, x, w)
+    assert_bits_equal(dx, want_dx, f"{what} dx")
+    assert_bits_equal(dw, want_dw, f"{what} dw")
+    return y, dx, dw
+
+
+def test_same_functions_as_cpu_ref():
+    for name in OPS:
+        assert inspect.signature(getattr(M, name)) == inspect.signature(getattr(C, name)), name
+
+
+# ------------------------------------------------------------------ int8 GEMM
+@pytest.mark.parametrize("I,J,P", [(1, 1, 1), (3, 5, 7), (37, 53, 19), (9, 33, 3001), (130, 70, 1030), (2, 3, 0)])
+def test_gemm_i8_exact(I, J, P):
+    rng = rng_for(1, I, J, P)
+    a, b = rand_i8(rng, (I, P)), rand_i8(rng, (J, P))
+    if P:
+        a[0] = 127                      # extreme rows and columns
+        b[-1] = -127
+    got = M.gemm_i8(a, b)
+    assert got.dtype == np.int32 and got.shape == (I, J)
+    want = a.astype(np.int64) @ b.astype(np.int64).T
+    assert np.array_equal(got.astype(np.int64), want)
+    assert np.array_equal(got, C.gemm_i8(a, b))
+
+
+def test_gemm_i8_extremes_at_the_length_bound():
+    P = C.quant.Q_MAX_P
+    a = np.full((3, P), 127, np.int8)
+    a[1] = -127
+    a[2, ::2] = -127
+    b = np.full((2, P), 127, np.int8)
+    b[1] = -127
+    want = a.astype(np.int64) @ b.astype(np.int64).T
+    assert np.abs(want).max() == P * 127 * 127
+    assert np.array_equal(M.gemm_i8(a, b).astype(np.int64), want)
+
+
+# ------------------------------------------------------------------ quantizers
+def special_weights(rng, M_, K):
+    w = rand_bf16(rng, (M_, K), 0.02)
+    w[3] = 0                                    # zero row: s = +0, q = 0
+    w[4] = 0x0001                               # subnormals flush: a zero row as well
+    w[5, 7] = 0x7F80                            # +inf: NaN scale, q = 0
+    w[6, 9] = 0x7FC1                            # NaN
+    w[7] = 0x7F7F                               # huge: the row sum overflows -> NaN
+    w[8, 0] = f32_to_bf16(np.float32(5.0))      # an outlier that clips (|t| > 127)
+    w[9, 1] = 0xFF80                            # -inf
+    w[10] = 0x8000                              # -0 row
+    w[11, ::2] = 0x0080                         # smallest normals: the quotient flushes -> zero row
+    w[11, 1::2] = 0
+    w[12, 0] = 0x0080                           # one smallest normal, the rest tiny normals
+    w[13] = sprinkle(rng, w[13], SPECIAL_BF16[[0, 1, 6, 7, 8]], 0.3)   # zeros, subnormals in a row
+    w[14, :5] = f32_to_bf16(np.float32(-9.0))   # negative clipping
+    return w
+
+
+@pytest.mark.parametrize("M_,K", [(67, 301), (16, 1), (20, 4099)])
+def test_quant_weight_rows(M_, K):
+    rng = rng_for(2, M_, K)
+    w = special_weights(rng, M_, K) if K > 10 else rand_bf16(rng, (M_, K), 0.02)
+    got, want = M.quant_weight_rows(w), C.quant_weight_rows(w)
+    assert_same_q(got, want, f"quant_weight_rows {M_}x{K}")
+    q, s = got
+    assert s.shape == (M_,) and np.abs(q.astype(np.int64)).max() <= 127
+    if K > 10:
+        su = s.view(np.uint32)
+        for r in (5, 6, 7, 9):
+            assert su[r] == 0x7FC00000 and not q[r].any()
+        for r in (3, 4, 10, 11):
+            assert su[r] == 0 and not q[r].any()
+        assert q[8, 0] == 127 and (q[14, :5] == -127).all()
+
+
+def test_quant_weight_rows_empty_and_k0():
+    for shape in ((0, 5), (3, 0)):
+        w = np.zeros(shape, np.uint16)
+        assert_same_q(M.quant_weight_rows(w), C.quant_weight_rows(w), f"quant_weight_rows {shape}")
+
+
+@pytest.mark.parametrize("shape", [(33, 65), (40,), (4, 4), (3, 4097), (9000,), (2, 3, 5), (0,), ()])
+def test_quant_tensor_bf16(shape):
+    rng = rng_for(3, *shape)
+    x = rand_bf16(rng, shape) if shape else np.array(0x3F80, np.uint16)
+    if x.size > 4:
+        x = sprinkle(rng, x, SPECIAL_BF16[[0, 1, 6, 7, 8, 9, 12, 13, 14, 15]], 0.1)
+    assert_same_q(M.quant_tensor(x), C.quant_tensor(x), f"quant_tensor bf16 {shape}")
+    z = np.zeros(shape, np.uint16)
+    assert_same_q(M.quant_tensor(z), C.quant_tensor(z), f"quant_tensor zeros {shape}")
+
+
+@pytest.mark.parametrize("bad", [0x7F80, 0xFF80, 0x7FC1, 0xFFC0])
+def test_quant_tensor_non_finite(bad):
+    rng = rng_for(4, bad)
+    for shape, pos in (((8, 8), (2, 2)), ((3, 5000), (2, 4999)), ((3, 5000), (0, 0))):
+        x = rand_bf16(rng, shape)
+        x[pos] = bad
+        q, s = M.quant_tensor(x)
+        assert np.float32(s).view(np.uint32) == 0x7FC00000 and not q.any()
+        assert_same_q((q, s), C.quant_tensor(x), f"quant_tensor {bad:#x} at {pos}")
+
+
+def test_quant_tensor_f32():
+    rng = rng_for(5)
+    v = (rng.standard_normal(10000) * 3).astype(np.float32)
+    v[0] = 1e-40                                 # subnormal: flushed
+    v[9999] = -40.0                              # the max in the last block
+    assert_same_q(M.quant_tensor(v), C.quant_tensor(v), "quant_tensor f32")
+    # ties go to even (s = 1 exactly), the clamp, a max that is itself a subnormal
+    t = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 3.5, -1.5], np.float32)
+    q, s = M.quant_tensor(t)
+    assert s == 1.0 and q.tolist() == [127, 0, 2, 2, 0, -2, 126, -126, 4, -2]
+    assert_same_q((q, s), C.quant_tensor(t), "ties")
+    for v in (np.array([1e-40, -1e-41], np.float32),                  # flushed to a zero tensor
+              np.array([2.0 ** -120, 2.0 ** -126], np.float32),         # a / 127 flushes: s = +0
+              np.array([3.4028235e38, -3.4028235e38, 1.0], np.float32),
+              sprinkle(rng, rand_f32(rng, (50, 7), 1e-30), SPECIAL_F32[[0, 1, 5, 6, 7, 8, 9, 12, 13]], 0.2),
+              np.array([np.inf, 1.0], np.float32), np.array([1.0, np.nan], np.float32)):
+        assert_same_q(M.quant_tensor(v), C.quant_tensor(v), f"quant_tensor f32 {v.ravel()[:3]}")
+
+
+def test_quant_apply_levels_and_clip_flags():
+    """The rounding kernel itself: per-row scales of powers of two (inv exact), values at ties,
+    at the clamp, past it, overflowing to inf; a NaN-scale row and a zero-scale row."""
+    v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.5, -127.5, 127.0, 128.0, 3e38, -3e38,
+                  0.49999997, -2.5000002], np.float32)
+    K = v.size
+    s = np.array([1.0, 0.5, 2.0 ** -100, np.nan, 0.0], np.float32)
+    vv = np.tile(v, s.size)
+    q, clip = M._run("quant_apply", [vv, s, M._i64(K)], [((vv.size,), np.int8), ((vv.size,), np.uint8)],
+                     (vv.size, 1, 1), template=[("PER_ROW", 1)])
+    q, clip = q.reshape(s.size, K), clip.reshape(s.size, K)
+    with np.errstate(over="ignore"):
+        for r in range(3):
+            t = (v * (np.float32(1) / s[r])).astype(np.float32)
+            assert q[r].tolist() == np.clip(np.rint(t), -127, 127).astype(np.int64).tolist(), r
+            assert clip[r].tolist() == (np.abs(t) > 127).astype(np.int64).tolist(), r
+    assert not q[3].any() and (clip[3] == 2).all()
+    assert not q[4].any() and not clip[4].any()
+
+
+# ------------------------------------------------------------------ Hadamard
+def test_hadamard_identity_and_specials():
+    Hf = M.hadamard_rows(np.eye(QB, dtype=np.float32))
+    assert_bits_equal(Hf, C.hadamard_rows(np.eye(QB, dtype=np.float32)), "H")
+    assert np.array_equal(Hf @ Hf, QB * np.eye(QB, dtype=np.float32))
+    rng = rng_for(6)
+    v = (rng.standard_normal((3 * QB, 37)) * 10.0 ** rng.integers(-30, 30, (3 * QB, 37))).astype(np.float32)
+    v[0, 0], v[1, 1], v[2, 2], v[200, 3], v[300, 4] = 1e-40, np.inf, np.nan, -np.inf, 3.4e38
+    v[130:140, 5] = 2.0 ** -126
+    v[141, 5] = -(2.0 ** -126) * 1.5
+    v = sprinkle(rng, v, SPECIAL_F32, 0.01)
+    src = v.copy()
+    got = M.hadamard_rows(v)
+    assert np.array_equal(v.view(np.uint32), src.view(np.uint32))          # the input is not changed
+    assert_bits_equal(got, C.hadamard_rows(v), "hadamard_rows")
+    for shape in ((QB, 1), (2 * QB, 0), (0, 5)):
+        f = rand_f32(rng, shape)
+        assert_bits_equal(M.hadamard_rows(f), C.hadamard_rows(f), f"hadamard_rows {shape}")
+    f64 = rng.standard_normal((QB, 3))                  # converted to fp32 first, as in cpu_ref
+    assert_bits_equal(M.hadamard_rows(f64), C.hadamard_rows(f64), "hadamard_rows float64 input")
+
+
+def test_hadamard_i8_kernel_exact():
+    """The integer rotation (backward operands): int32 butterflies, i2f, zero-padded rows."""
+    rng = rng_for(7)
+    R, Cc = 200, 9
+    q = rand_i8(rng, (R, Cc))
+    q[:QB, 0] = 127
+    q[:QB, 1] = -127
+    got = M._rotate("hadamard_i8", q, R, Cc)
+    pad = np.zeros((2 * QB, Cc), np.float32)
+    pad[:R] = q
+    assert_bits_equal(got, C.hadamard_rows(pad), "hadamard_i8")
+    assert got[0, 0] == 127 * QB and got[0, 1] == -127 * QB
+
+
+# ------------------------------------------------------------------ the layer
+@pytest.mark.parametrize("N,K,M_", [(1, 1, 1), (5, 3, 7), (130, 70, 129), (300, 257, 200), (129, 33, 128)])
+def test_layer_matches_cpu_ref(N, K, M_):
+    rng = rng_for(8, N, K, M_)
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M_, K), 0.02), rand_bf16(rng, (N, M_), 1e-3)
+    check_layer(x, w, dy, f"{N}x{K}x{M_}")
+
+
+def test_layer_need_flags():
+    rng = rng_for(9)
+    x, w, dy = rand_bf16(rng, (17, 11)), rand_bf16(rng, (13, 11), 0.02), rand_bf16(rng, (17, 13), 1e-3)
+    want_dx, want_dw = C.qlinear_backward(dy, x, w)
+    dx, dw = M.qlinear_backward(dy, x, w, need_dx=False)
+    assert dx is None
+    assert_bits_equal(dw, want_dw, "dw only")
+    dx, dw = M.qlinear_backward(dy, x, w, need_dw=False)
+    assert dw is None
+    assert_bits_equal(dx, want_dx, "dx only")
+
+
+def test_special_values_in_the_layer():
+    rng = rng_for(10)
+    N, K, M_ = 140, 96, 150
+    x, w, dy = rand_bf16(rng, (N, K)), special_weights(rng, M_, K), rand_bf16(rng, (N, M_), 1e-3)
+    x[3, 3] = 0x0001                            # subnormal input: flushed
+    x[4, :7] = 0x8001
+    dy[5, :9] = 0x0001
+    y, dx, dw = check_layer(x, w, dy, "specials")
+    assert np.all(y[:, 3] == 0) and np.all(np.isnan(y[:, 5])) and np.all(np.isnan(dw[6])) and np.all(np.isnan(dx))
+    assert dw[8, 0] == 0 and dw[8, 0].view(np.uint32) == 0
+    for r in (5, 6, 7, 9):                      # without the non-finite rows
+        w[r] = 0
+    y, dx, dw = check_layer(x, w, dy, "finite weights")
+    assert not np.isnan(dx).any()
+    x[7, 7] = 0x7F80                            # inf activation: the tensor scale is NaN
+    y, dx, dw = check_layer(x, w, dy, "inf x")
+    assert np.all(np.isnan(y)) and not np.isnan(dx).any()
+    dy[0, 0] = 0xFF80                           # inf gradient: both gradients NaN
+    check_layer(x, w, dy, "inf dy")
+    x[7, 7] = 0
+    dy[0, 0] = 0x7FC1                           # NaN gradient
+    check_layer(x, w, dy, "nan dy")
+    y, dx, dw = check_layer(np.zeros((N, K), np.uint16), w * 0, dy * 0, "zeros")
+    assert y.view(np.uint32).max() == 0
+    big = rand_bf16(rng, (N, K), 1e30)          # large activations, tiny gradients near flushing
+    tiny = rand_bf16(rng, (N, M_), 1e-36)
+    check_layer(big, w, tiny, "big x, tiny dy")
+    check_layer(x, rand_bf16(rng, (M_, K), 1e-37), dy, "tiny weights")
+
+
+def test_layer_outliers_and_clipping():
+    rng = rng_for(11)
+    N, K, M_ = 257, 130, 131
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M_, K), 0.02), rand_bf16(rng, (N, M_), 1e-3)
+    w[:, 0] = f32_to_bf16(np.float32(3.0))      # a clipped column in every row
+    w[1, :] = f32_to_bf16(np.float32(0.5))      # a constant row: every t = sqrt(127) / 2, level 6
+    dy[rng.choice(N, 4, replace=False)] = f32_to_bf16(np.float32(80.0))   # outlier tokens
+    x[:, 5] = f32_to_bf16(np.float32(-1e4))     # an outlier channel
+    _, _, dw = check_layer(x, w, dy, "outliers")
+    q, s = C.quant_weight_rows(w)
+    assert (q[2:, 0] == 127).all() and (q[1] == 6).all()
+    assert (dw[2:, 0] == 0).all() and (dw[2:, 0].view(np.uint32) == 0).all()
+
+
+# ------------------------------------------------------------------ argument errors
+def test_bad_inputs_as_cpu_ref():
+    x = np.zeros((4, 8), np.uint16)
+    w = np.zeros((3, 8), np.uint16)
+    cases = [
+        ("qlinear_forward", (x, np.zeros((3, 9), np.uint16)), "w: dimension 1"),
+        ("qlinear_forward", (x.astype(np.float32), w), "dtype"),
+        ("qlinear_backward", (np.zeros((4, 4), np.uint16), x, w), "dy: dimension"),
+        ("quant_weight_rows", (np.zeros((8, 3), np.uint16).T,), "C-contiguous"),
+        ("gemm_i8", (np.full((2, 2), -128, np.int8), np.zeros((2, 2), np.int8)), "-128"),
+        ("gemm_i8", (np.zeros((1, (1 << 17) + 1), np.int8), np.zeros((1, (1 << 17) + 1), np.int8)), "exceeds"),
+        ("gemm_i8", (np.zeros((2, 2), np.int16), np.zeros((2, 2), np.int8)), "dtype"),
+        ("hadamard_rows", (np.zeros((100, 3), np.float32),), "multiple of the Hadamard block"),
+        ("quant_tensor", (np.zeros((2, 2), np.int32),), "dtype"),
+        ("qlinear_backward", (np.zeros((4, (1 << 17) + 1), np.uint16), x, np.zeros(((1 << 17) + 1, 8), np.uint16)),
+         "exceeds"),
+    ]
+    for name, args, match in cases:
+        for mod in (C, M):
+            with pytest.raises(ValueError, match=match):
+                getattr(mod, name)(*args)
