@@ -65,7 +65,10 @@ class _Progress:
 @click.option("--resume", is_flag=True, help="continue the run in --out from its latest checkpoint")
 @click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU); never changes a bit")
 @click.option("--seed", type=int, default=None, help="override the preset's seed")
-def train(preset_name, steps, backend, out, data_dir, resume, threads, seed):
+@click.option("--precision", type=click.Choice(["int8", "bf16"]), default=None,
+              help="linear-layer arithmetic, overriding the preset's (tiny, small: bf16; open1b: int8): int8 "
+                   "quantizes the attention Q/K/V/O and FFN GEMMs (CONTRACT.md §6.9)")
+def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     import dataclasses
 
@@ -80,11 +83,16 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed):
         cfg = preset(preset_name)
         if seed is not None:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
+        if precision is not None:
+            cfg = dataclasses.replace(cfg, precision=precision)
         if backend == "torch":
             return _train_torch(cfg, data_dir, steps or 50, threads)
         tr = Trainer(out, None if resume else cfg, data_dir, backend=backend, resume=resume)
+        if resume and precision is not None and precision != tr.cfg.precision:
+            _fail(f"--precision {precision}: the run in {out} trains in {tr.cfg.precision} (part of its genesis "
+                  f"hash); it cannot be changed on resume", 2)
         total = steps if steps is not None else steps_for_tokens(tr.tcfg, tr.model_cfg, tr.tcfg.total_tokens)
-        click.echo(f"run {out}: preset {tr.cfg.preset}, {tr.model_cfg.n_params():,} parameters, "
+        click.echo(f"run {out}: preset {tr.cfg.preset} ({tr.cfg.precision}), {tr.model_cfg.n_params():,} parameters, "
                    f"steps {tr.state.step} -> {total}, backend {backend}, {cpu_ref.get_num_threads()} threads", err=True)
         h = tr.train(total, progress=_Progress(total, tr.state.step))
         click.echo("", err=True)

@@ -151,18 +151,22 @@ def steps_for_tokens(train: TrainConfig, model: ModelConfig, budget: int) -> int
     return steps
 
 
+PRECISIONS = ("bf16", "int8")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = _f(ModelConfig(), "the architecture")
     train: TrainConfig = _f(TrainConfig(), "the recipe")
     preset: str = _f("tiny", "the preset this configuration started from")
-    precision: str = _f("bf16", "linear-layer arithmetic: bf16 (int8 comes with its own issue)")
+    precision: str = _f("bf16", "linear-layer arithmetic of the attention Q/K/V/O and FFN GEMMs: bf16 "
+                                "(CONTRACT.md §6.1) or int8 (W8A8 quantized, §6.9)")
 
     def check(self) -> "RunConfig":
         self.model.check()
         self.train.check(self.model)
-        if self.precision != "bf16":
-            raise ConfigError(f"precision {self.precision!r} is not available yet (bf16)")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         return self
 
     def to_json(self) -> dict:
@@ -202,7 +206,7 @@ PRESETS: dict[str, RunConfig] = {
                     ffn_hidden=5632, seq_len=4096, window=512),
         TrainConfig(microbatch_seqs=4, phases=((0, 192), (4_000_000_000, 288), (360_000_000_000, 576)),
                     total_tokens=400_000_000_000, peak_lr=4.5e-4, warmup_tokens=667 * _PAPER_WARMUP_BATCH,
-                    checkpoint_every=100, eval_every=1000, eval_windows=64), "open1b"),
+                    checkpoint_every=100, eval_every=1000, eval_windows=64), "open1b", precision="int8"),
 }
 
 

@@ -28,6 +28,15 @@ Choices that decide bits (everything else is the ops' own contract):
   backward) are treated as the identity in the backward (straight-through).
 - Means are mul(treefold(rows), reciprocal(N)) (CONTRACT.md §7, §8); dloss is reciprocal(N) in
   every row.
+- precision "int8" (CONTRACT.md §6.9): the QKV, wo, w_gate_up and w_down GEMMs are
+  qlinear_forward / qlinear_backward on the same bf16 operands the bf16 path gives
+  linear_forward / linear_backward (the layer quantizes inside); embedding, LM head, norms, RoPE,
+  attention and loss are unchanged, and so is the cache. The fused QKV forward equals three
+  separate quantized GEMMs (weight step sizes are per output row, computed from that row alone;
+  the activation scale is one per-tensor absmax of the same a_b). Its backward is one
+  qlinear_backward on the fused ((H+2G)·D, d) matrix — not three: the dx path rotates and
+  quantizes dy·s_w over all (H+2G)·D outputs as one tensor, and the dW path quantizes dy as one
+  tensor, so the fused call is the definition (as the fused bf16 backward is).
 """
 from __future__ import annotations
 
@@ -172,9 +181,16 @@ class Model:
     """The model program on one backend. forward/backward work on one microbatch of windows
     (B, seq_len + 1) uint32; params is the flat bf16 buffer (n_params,) uint16."""
 
-    def __init__(self, cfg: ModelConfig, ops=cpu_ref):
+    def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16"):
         cfg.check()
-        self.cfg, self.ops = cfg, ops
+        if precision not in ("bf16", "int8"):
+            raise ValueError(f"precision: expected 'bf16' or 'int8', got {precision!r}")
+        self.cfg, self.ops, self.precision = cfg, ops, precision
+        # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands
+        if precision == "int8":
+            self._linear_forward, self._linear_backward = ops.qlinear_forward, ops.qlinear_backward
+        else:
+            self._linear_forward, self._linear_backward = ops.linear_forward, ops.linear_backward
         self.layout = ParamLayout(cfg)
         self.n_params = self.layout.n_params
         # host scalars, each rounded once to fp32 (CONTRACT.md §8)
@@ -289,7 +305,7 @@ class Model:
         # attention: h_mid = h + wo(attn(rope(qknorm(q)), rope(qknorm(k)), v))
         a, rstd_attn = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)   # (N, d)
         a_b = ops.f32_to_bf16(a)
-        qkv = ops.linear_forward(a_b, w_qkv)                             # (N, (H+2G)D)
+        qkv = self._linear_forward(a_b, w_qkv)                             # (N, (H+2G)D)
         q_pre = np.ascontiguousarray(qkv[:, :H * D]).reshape(N * H, D)
         k_pre = np.ascontiguousarray(qkv[:, H * D:(H + G) * D]).reshape(N * G, D)
         v = np.ascontiguousarray(qkv[:, (H + G) * D:]).reshape(B, T, G, D)
@@ -301,14 +317,14 @@ class Model:
         o, lse = ops.attention_forward(q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
         o_b = ops.f32_to_bf16(o.reshape(N, H * D))
         h_mid = h.copy()
-        ops.add_inplace(h_mid, ops.linear_forward(o_b, w[p + "wo"]))     # (N, d)
+        ops.add_inplace(h_mid, self._linear_forward(o_b, w[p + "wo"]))     # (N, d)
         # SwiGLU: h_out = h_mid + w_down(silu(gate) * up)
         f, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
         f_b = ops.f32_to_bf16(f)
-        gu = ops.linear_forward(f_b, w[p + "w_gate_up"])                 # (N, 2F)
+        gu = self._linear_forward(f_b, w[p + "w_gate_up"])                 # (N, 2F)
         s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
         h_out = h_mid.copy()
-        ops.add_inplace(h_out, ops.linear_forward(s_b, w[p + "w_down"]))  # (N, d)
+        ops.add_inplace(h_out, self._linear_forward(s_b, w[p + "w_down"]))  # (N, d)
         if lc is not None:
             lc.update(h_in=h, rstd_attn=rstd_attn, a_b=a_b, q_pre=q_pre, rstd_q=rstd_q, k_pre=k_pre,
                       rstd_k=rstd_k, q_b=q_b, k_b=k_b, v_b=v_b, o=o, lse=lse, o_b=o_b, h_mid=h_mid,
@@ -341,13 +357,13 @@ class Model:
         lo, hi = self.layout.qkv_range(l)
         w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
         # SwiGLU branch: h_out = h_mid + w_down(s)
-        ds, dw[p + "w_down"][...] = ops.linear_backward(bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
+        ds, dw[p + "w_down"][...] = self._linear_backward(bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
         dgu = ops.swiglu_backward(ds, lc.gu)                                                 # (N, 2F)
-        df, dw[p + "w_gate_up"][...] = ops.linear_backward(bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
+        df, dw[p + "w_gate_up"][...] = self._linear_backward(bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
         dh_mid, dw[p + "ffn_norm"][...] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
         ops.add_inplace(dh, dh_mid)            # dh = dL/dh_mid: running gradient + branch
         # attention branch: h_mid = h_in + wo(o)
-        do, dw[p + "wo"][...] = ops.linear_backward(bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
+        do, dw[p + "wo"][...] = self._linear_backward(bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
         dq_r, dk_r, dv = ops.attention_backward(do.reshape(B, T, H, D), lc.q_b, lc.k_b, lc.v_b, lc.o,
                                                 lc.lse, self.windows[l], self.attn_scale)
         dqn = ops.rope_backward(dq_r, self.rope_cos, self.rope_sin).reshape(N * H, D)
@@ -355,7 +371,7 @@ class Model:
         dq, _ = ops.rmsnorm_backward(dqn, lc.q_pre, None, lc.rstd_q)     # (N*H, D)
         dk, _ = ops.rmsnorm_backward(dkn, lc.k_pre, None, lc.rstd_k)     # (N*G, D)
         dqkv = np.concatenate([dq.reshape(N, H * D), dk.reshape(N, G * D), dv.reshape(N, G * D)], axis=1)
-        da, dw_qkv = ops.linear_backward(bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
+        da, dw_qkv = self._linear_backward(bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
         grads[lo:hi] = dw_qkv.reshape(-1)
         dh_in, dw[p + "attn_norm"][...] = ops.rmsnorm_backward(da, lc.h_in, w[p + "attn_norm"], lc.rstd_attn)
         ops.add_inplace(dh, dh_in)             # dh = dL/dh_in

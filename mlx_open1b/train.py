@@ -144,7 +144,7 @@ class Trainer:
                 "corpus_dir": str(self.corpus.resolve()), "manifest_fingerprint": self.fingerprint,
                 "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis})
         from .model import Model, ParamLayout, init_params
-        self.model = Model(self.model_cfg, self.ops)
+        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision)
         self.layout = ParamLayout(self.model_cfg)
         self.shapes = self.model_cfg.param_shapes()
         self.readonly = readonly
