@@ -11,7 +11,6 @@ import pathlib
 import tempfile
 import time
 
-import numpy as np
 
 
 def main() -> None:

@@ -1,7 +1,6 @@
 """`open1b train`, `open1b audit`, `open1b hash`."""
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import opargs
-from ._lib import c_i64, declare, p, ptr, lib
+from ._lib import c_i64, declare, p, ptr
 import ctypes
 
 _qw = declare("o1b_quant_weight_rows", c_i64, c_i64, ptr, ptr, ptr)

@@ -26,7 +26,7 @@ from . import __version__, hashing
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .contract import CONTRACT_VERSION
-from .data.format import DataError, Manifest
+from .data.format import Manifest
 from .data.stream import Stream, heldout_windows, manifest_fingerprint
 from .fsutil import write_json_atomic
 from .hostmath import f32, reciprocal

@@ -9,7 +9,6 @@ multiples of any block or tile size (128-thread blocks, 16x16 GEMM tiles, 64-key
 """
 from __future__ import annotations
 
-import pathlib
 import shutil
 import subprocess
 

@@ -18,7 +18,6 @@ import json
 import numpy as np
 import pytest
 
-from mlx_open1b import cpu_ref
 from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig, preset
 from mlx_open1b.cpu_ref import settings
 from mlx_open1b.model import Model, ParamLayout, init_params

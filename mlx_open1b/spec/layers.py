@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arith import F32, add, bf16_to_f32, div, f32, flush, i2f, mul, neg, store, sub
+from .arith import F32, add, bf16_to_f32, div, flush, i2f, mul, neg, store, sub
 from .mathfn import cos, exp, log, rsqrt, sigmoid, sin
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arith import (F32, U32, add, bits, canon, div, f32, flush, from_bits, i2f, mul, neg, sqrt,
+from .arith import (F32, U32, add, bits, canon, div, flush, from_bits, i2f, mul, neg, sqrt,
                     sub)
 
 MAGIC = F32(12582912.0)  # 1.5 * 2^23

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arith import F32, add, bf16_to_f32, div, f32, f32_to_bf16, flush, i2f, mul, sqrt, store, sub
+from .arith import F32, add, bf16_to_f32, div, f32_to_bf16, flush, i2f, mul, sqrt, store, sub
 from .mathfn import cos, log, sin
 
 M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
