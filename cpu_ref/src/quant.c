@@ -14,6 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")  /* lets the selects below if-convert; no value changes */
+#endif
 #include "contract.h"
 #include "runtime.h"
 
@@ -45,6 +48,33 @@ static inline int8_t rne_clamp(float t) {
     return (int8_t)(int)r;
 }
 
+/* ------------------------------------------------------------------ branch-free helpers */
+/* The loops below are written as selects on bit patterns so the compiler vectorizes them; each
+ * gives exactly the contract primitive's result. o1b_mul differs from a flushed IEEE product
+ * only when |a*b| rounds to exactly 2^-126 (the exact product decides there): such a case sets
+ * `bad`, and the caller recomputes its range with the scalar primitives. */
+static inline uint32_t qbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float qfrom(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static inline float qflush(float x) {
+    uint32_t u = qbits(x);
+    return qfrom((u & 0x7F800000u) == 0 ? (u & 0x80000000u) : u);
+}
+static inline float qstore(float x) {      /* o1b_store: flush, then canonical NaN */
+    uint32_t u = qbits(x);
+    u = (u & 0x7F800000u) == 0 ? (u & 0x80000000u) : u;
+    return qfrom((u & 0x7FFFFFFFu) > 0x7F800000u ? O1B_NAN_BITS : u);
+}
+#define QMUL(r, a, b, bad) do { float r_ = (a) * (b); uint32_t u_ = qbits(r_); \
+    (bad) |= (uint32_t)((u_ & 0x7FFFFFFFu) == 0x00800000u); \
+    (r) = qfrom((u_ & 0x7F800000u) == 0 ? (u_ & 0x80000000u) : u_); } while (0)
+/* rne_clamp for any non-NaN t (clamping first changes nothing: 127 rounds to 127). */
+static inline int8_t qrne(float t) {
+    t = t > 127.0f ? 127.0f : t;
+    t = t < -127.0f ? -127.0f : t;
+    /* t + 1.5*2^23 has ulp 1 here, so its low bits are the rounded integer (as in rne_clamp) */
+    return (int8_t)(qbits(t + O1B_ROUND_MAGIC) - 0x4B400000u);
+}
+
 /* ------------------------------------------------------------------ scales and quantization */
 /* s from a row/tensor's statistics; returns 0 (zero scale), 1 (finite), 2 (NaN) */
 static inline int scale_kind(float s) {
@@ -54,29 +84,61 @@ static inline int scale_kind(float s) {
 
 typedef struct { int64_t M, K; const bf16 *w; int8_t *q; float *s; uint8_t *clip; } qw_args;
 
+#define QW_R 8   /* rows summed side by side (each row's sum stays k-ascending) */
 static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
     const qw_args *a = (const qw_args *)ctx;
     float kf = o1b_i2f((int32_t)a->K);
-    for (int64_t j = lo; j < hi; j++) {
-        const bf16 *row = a->w + j * a->K;
-        float S = 0.0f;
-        for (int64_t k = 0; k < a->K; k++) S = o1b_add(S, fabsf(o1b_bf16_to_f32(row[k])));
-        float s = is_finite(S) ? o1b_mul(o1b_div(S, kf), QW_COEF) : o1b_nan();
-        int8_t *q = a->q + j * a->K;
-        uint8_t *c = a->clip ? a->clip + j * a->K : NULL;
-        int kind = scale_kind(s);
-        if (kind != 1) {
-            memset(q, 0, (size_t)a->K);
-            if (c) memset(c, kind == 2 ? 2 : 0, (size_t)a->K);
+    int64_t K = a->K;
+    for (int64_t j0 = lo; j0 < hi; j0 += QW_R) {
+        int nr = hi - j0 < QW_R ? (int)(hi - j0) : QW_R;
+        float S[QW_R] = {0};
+        if (nr == QW_R) {
+            const bf16 *rw[QW_R];
+            for (int r = 0; r < QW_R; r++) rw[r] = a->w + (j0 + r) * K;
+            for (int64_t k = 0; k < K; k++)
+                for (int r = 0; r < QW_R; r++)
+                    S[r] = qflush(S[r] + qfrom(((uint32_t)rw[r][k] & 0x7FFFu) < 0x80u ? 0u
+                                                : ((uint32_t)rw[r][k] & 0x7FFFu) << 16));
         } else {
-            float inv = o1b_div(1.0f, s);
-            for (int64_t k = 0; k < a->K; k++) {
-                float t = o1b_mul(o1b_bf16_to_f32(row[k]), inv);
-                q[k] = rne_clamp(t);
-                if (c) c[k] = fabsf(t) > 127.0f;
+            for (int r = 0; r < nr; r++) {
+                const bf16 *row = a->w + (j0 + r) * K;
+                for (int64_t k = 0; k < K; k++) S[r] = o1b_add(S[r], fabsf(o1b_bf16_to_f32(row[k])));
             }
         }
-        a->s[j] = o1b_store(s);
+        for (int r = 0; r < nr; r++) {
+            int64_t j = j0 + r;
+            const bf16 *row = a->w + j * K;
+            float s = is_finite(S[r]) ? o1b_mul(o1b_div(S[r], kf), QW_COEF) : o1b_nan();
+            int8_t *q = a->q + j * K;
+            uint8_t *c = a->clip ? a->clip + j * K : NULL;
+            int kind = scale_kind(s);
+            if (kind != 1) {
+                memset(q, 0, (size_t)K);
+                if (c) memset(c, kind == 2 ? 2 : 0, (size_t)K);
+            } else {
+                float inv = o1b_div(1.0f, s);
+                uint32_t bad = 0;
+                if (c) {
+                    for (int64_t k = 0; k < K; k++) {
+                        float t; QMUL(t, qflush(qfrom((uint32_t)row[k] << 16)), inv, bad);
+                        q[k] = qrne(t);
+                        c[k] = (uint8_t)(fabsf(t) > 127.0f);
+                    }
+                } else {
+                    for (int64_t k = 0; k < K; k++) {
+                        float t; QMUL(t, qflush(qfrom((uint32_t)row[k] << 16)), inv, bad);
+                        q[k] = qrne(t);
+                    }
+                }
+                if (bad)
+                    for (int64_t k = 0; k < K; k++) {
+                        float t = o1b_mul(o1b_bf16_to_f32(row[k]), inv);
+                        q[k] = rne_clamp(t);
+                        if (c) c[k] = fabsf(t) > 127.0f;
+                    }
+            }
+            a->s[j] = o1b_store(s);
+        }
     }
 }
 
@@ -90,54 +152,99 @@ O1B_API void o1b_quant_weight_rows(int64_t M, int64_t K, const bf16 *w, int8_t *
     quant_weight_rows(M, K, w, q, s, NULL);
 }
 
-/* absmax of fp32 values (flushed): returns NaN if any is NaN or inf. */
-static float absmax_f32(const float *v, int64_t n) {
-    float m = 0.0f; int bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float a = fabsf(v[i]);
-        bad |= !(a <= 0x1.fffffep127f);
-        m = a > m ? a : m;
-    }
-    return bad ? o1b_nan() : m;
-}
 static float tensor_scale(float amax) {
     if (amax != amax) return o1b_nan();
     return o1b_div(amax, 127.0f);        /* +0 if amax is 0 or the quotient flushes */
 }
 
-typedef struct { const float *v; int8_t *q; float inv; } qt_args;
+/* Per-tensor absmax, split into chunks (a max is exact in any order). Sources: flushed fp32
+ * (kind 0), bf16 (kind 1, flushed on widening), int32 (kind 2, exact in fp32). Computed on the
+ * bit patterns of |v|, whose integer order is the float order; NaN/inf -> NaN. */
+#define AM_CHUNKS 64
+typedef struct { const void *v; int kind; int64_t n, per; uint32_t *mx, *bad; } am_args;
+static void am_range(void *ctx, int64_t lo, int64_t hi) {
+    const am_args *a = (const am_args *)ctx;
+    for (int64_t ch = lo; ch < hi; ch++) {
+        int64_t i0 = ch * a->per, i1 = i0 + a->per < a->n ? i0 + a->per : a->n;
+        uint32_t m = 0, bad = 0;
+        if (a->kind == 0) {
+            const uint32_t *v = (const uint32_t *)a->v;
+            for (int64_t i = i0; i < i1; i++) {
+                uint32_t u = v[i] & 0x7FFFFFFFu;
+                bad |= (uint32_t)(u >= 0x7F800000u);
+                m = u > m ? u : m;
+            }
+        } else if (a->kind == 1) {
+            const bf16 *v = (const bf16 *)a->v;
+            for (int64_t i = i0; i < i1; i++) {
+                uint32_t u = (uint32_t)v[i] & 0x7FFFu;
+                bad |= (uint32_t)(u >= 0x7F80u);
+                u = u < 0x80u ? 0u : u;
+                m = u > m ? u : m;
+            }
+            m <<= 16;
+        } else {
+            const int32_t *v = (const int32_t *)a->v;
+            for (int64_t i = i0; i < i1; i++) {
+                int32_t x = v[i], ax = x < 0 ? -x : x;
+                m = (uint32_t)ax > m ? (uint32_t)ax : m;
+            }
+            m = qbits((float)(int32_t)m);
+        }
+        a->mx[ch] = m; a->bad[ch] = bad;
+    }
+}
+static float absmax_any(const void *v, int kind, int64_t n) {
+    uint32_t mx[AM_CHUNKS], bad[AM_CHUNKS];
+    int64_t per = (n + AM_CHUNKS - 1) / AM_CHUNKS;
+    if (per < 4096) per = 4096;
+    int64_t nch = (n + per - 1) / per;
+    am_args a = {v, kind, n, per, mx, bad};
+    o1b_parallel_for(nch, 1, am_range, &a);
+    uint32_t m = 0, b = 0;
+    for (int64_t c = 0; c < nch; c++) { m = mx[c] > m ? mx[c] : m; b |= bad[c]; }
+    return b ? o1b_nan() : qfrom(m);
+}
+
+/* q = rne_clamp(mul(v, inv)) from fp32 (kind 0, flushed), bf16 (1) or int32 (2). */
+typedef struct { const void *v; int kind; int8_t *q; float inv; } qt_args;
 static void qt_range(void *ctx, int64_t lo, int64_t hi) {
     const qt_args *a = (const qt_args *)ctx;
-    for (int64_t i = lo; i < hi; i++) a->q[i] = rne_clamp(o1b_mul(a->v[i], a->inv));
+    float inv = a->inv;
+    uint32_t bad = 0;
+    if (a->kind == 0) {
+        const float *v = (const float *)a->v;
+        for (int64_t i = lo; i < hi; i++) { float t; QMUL(t, v[i], inv, bad); a->q[i] = qrne(t); }
+    } else if (a->kind == 1) {
+        const bf16 *v = (const bf16 *)a->v;
+        for (int64_t i = lo; i < hi; i++) {
+            float t; QMUL(t, qflush(qfrom((uint32_t)v[i] << 16)), inv, bad); a->q[i] = qrne(t);
+        }
+    } else {
+        const int32_t *v = (const int32_t *)a->v;
+        for (int64_t i = lo; i < hi; i++) { float t; QMUL(t, (float)v[i], inv, bad); a->q[i] = qrne(t); }
+    }
+    if (bad)
+        for (int64_t i = lo; i < hi; i++) {
+            float x = a->kind == 0 ? ((const float *)a->v)[i]
+                    : a->kind == 1 ? o1b_bf16_to_f32(((const bf16 *)a->v)[i])
+                    : o1b_i2f(((const int32_t *)a->v)[i]);
+            a->q[i] = rne_clamp(o1b_mul(x, inv));
+        }
 }
-/* v (n) fp32, already flushed -> q (n) int8, returns the scale. */
-static float quant_tensor_f32(const float *v, int64_t n, int8_t *q) {
-    float s = tensor_scale(absmax_f32(v, n));
+static float quant_tensor_any(const void *v, int kind, int64_t n, int8_t *q) {
+    float s = tensor_scale(absmax_any(v, kind, n));
     if (scale_kind(s) != 1) { memset(q, 0, (size_t)n); return s; }
-    qt_args a = {v, q, o1b_div(1.0f, s)};
-    o1b_parallel_for(n, 1 << 16, qt_range, &a);
+    qt_args a = {v, kind, q, o1b_div(1.0f, s)};
+    o1b_parallel_for(n, 1 << 14, qt_range, &a);
     return s;
 }
+/* v (n) fp32, already flushed -> q (n) int8, returns the scale. */
+static float quant_tensor_f32(const float *v, int64_t n, int8_t *q) { return quant_tensor_any(v, 0, n, q); }
 
-typedef struct { const bf16 *x; float *f; } widen_args;
-static void widen_range(void *ctx, int64_t lo, int64_t hi) {
-    const widen_args *a = (const widen_args *)ctx;
-    for (int64_t i = lo; i < hi; i++) a->f[i] = o1b_bf16_to_f32(a->x[i]);
-}
-static float *widen_bf16(const bf16 *x, int64_t n) {
-    float *f = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    if (!f) return NULL;
-    widen_args a = {x, f};
-    o1b_parallel_for(n, 1 << 16, widen_range, &a);
-    return f;
-}
-
-/* x (n) bf16 -> q (n) int8, *s. Returns 0 on allocation failure. */
+/* x (n) bf16 -> q (n) int8, *s. Returns 0 on allocation failure (none is needed now). */
 static int quant_tensor_bf16(const bf16 *x, int64_t n, int8_t *q, float *s) {
-    float *f = widen_bf16(x, n);
-    if (!f) return 0;
-    *s = quant_tensor_f32(f, n, q);
-    free(f);
+    *s = quant_tensor_any(x, 1, n, q);
     return 1;
 }
 O1B_API int o1b_quant_tensor(int64_t n, const bf16 *x, int8_t *q, float *s) {
@@ -158,38 +265,45 @@ O1B_API int o1b_quant_tensor_f32(int64_t n, const float *v, int8_t *q, float *s)
 /* ------------------------------------------------------------------ Walsh-Hadamard rotation */
 /* Rows [r0, r0 + QB) of a (R, C) row-major matrix form one block; the butterfly stages
  * h = 1, 2, ..., QB/2 combine rows i and i + h (i & h == 0) into (add(a, b), sub(a, b)),
- * elementwise over the C columns. Integer version: the same in int32 (exact). */
-typedef struct { float *f; int32_t *n; int64_t C; } rot_args;
+ * elementwise over the C columns. Integer version: the same in int32 (exact). Columns are
+ * independent, so the work is split over (block, column tile). */
+#define ROT_CT 256
+typedef struct { float *f; int32_t *n; int64_t C, ntile; } rot_args;
 static void rot_blocks(void *ctx, int64_t lo, int64_t hi) {
     const rot_args *a = (const rot_args *)ctx;
-    for (int64_t blk = lo; blk < hi; blk++)
+    for (int64_t task = lo; task < hi; task++) {
+        int64_t blk = task / a->ntile, c0 = (task % a->ntile) * ROT_CT;
+        int64_t c1 = c0 + ROT_CT < a->C ? c0 + ROT_CT : a->C;
         for (int h = 1; h < QB; h <<= 1)
             for (int i = 0; i < QB; i++) {
                 if (i & h) continue;
                 int64_t r0 = (blk * QB + i) * a->C, r1 = (blk * QB + i + h) * a->C;
                 if (a->f) {
                     float *x = a->f + r0, *y = a->f + r1;
-                    for (int64_t c = 0; c < a->C; c++) {
+                    for (int64_t c = c0; c < c1; c++) {
                         float u = x[c], v = y[c];
-                        x[c] = o1b_add(u, v); y[c] = o1b_sub(u, v);
+                        x[c] = qflush(u + v); y[c] = qflush(u - v);
                     }
                 } else {
                     int32_t *x = a->n + r0, *y = a->n + r1;
-                    for (int64_t c = 0; c < a->C; c++) {
+                    for (int64_t c = c0; c < c1; c++) {
                         int32_t u = x[c], v = y[c];
                         x[c] = u + v; y[c] = u - v;
                     }
                 }
             }
+    }
 }
 /* Rotate along the rows (R a multiple of QB). */
 static void rotate_rows_f32(float *f, int64_t R, int64_t C) {
-    rot_args a = {f, NULL, C};
-    o1b_parallel_for(R / QB, 1, rot_blocks, &a);
+    int64_t nt = C > 0 ? (C + ROT_CT - 1) / ROT_CT : 1;
+    rot_args a = {f, NULL, C, nt};
+    o1b_parallel_for(R / QB * nt, 1, rot_blocks, &a);
 }
 static void rotate_rows_i32(int32_t *n, int64_t R, int64_t C) {
-    rot_args a = {NULL, n, C};
-    o1b_parallel_for(R / QB, 1, rot_blocks, &a);
+    int64_t nt = C > 0 ? (C + ROT_CT - 1) / ROT_CT : 1;
+    rot_args a = {NULL, n, C, nt};
+    o1b_parallel_for(R / QB * nt, 1, rot_blocks, &a);
 }
 static int64_t pad_qb(int64_t n) { return (n + QB - 1) / QB * QB; }
 
@@ -263,26 +377,47 @@ static int has_vnni(void) {
     __builtin_cpu_init();
     return o1b_simd_level() >= 2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
+typedef struct { int64_t I, J, P, P4; const int8_t *A, *B; uint8_t *Au; int8_t *Bp; int32_t *cs; } pk_args;
+/* Tasks [0, Ip/MR): MR rows of Au; then one 32-column panel of Bp (with its column sums) each. */
+static void pack_range(void *ctx, int64_t lo, int64_t hi) {
+    const pk_args *g = (const pk_args *)ctx;
+    int64_t P = g->P, P4 = g->P4, na = (g->I + MR - 1) / MR;
+    for (int64_t t = lo; t < hi; t++) {
+        if (t < na) {
+            for (int64_t i = t * MR; i < t * MR + MR; i++) {
+                uint8_t *d = g->Au + i * P4;
+                if (i < g->I) {
+                    const int8_t *s = g->A + i * P;
+                    for (int64_t p = 0; p < P; p++) d[p] = (uint8_t)((uint8_t)s[p] ^ 0x80u);
+                    for (int64_t p = P; p < P4; p++) d[p] = 128;
+                } else memset(d, 128, (size_t)P4);
+            }
+        } else {
+            int64_t jp = t - na;
+            int8_t *dst = g->Bp + jp * 32 * P4;
+            memset(dst, 0, (size_t)(32 * P4));
+            for (int64_t jl = 0; jl < 32; jl++) {
+                int64_t j = jp * 32 + jl;
+                if (j >= g->J) { g->cs[j] = 0; continue; }
+                const int8_t *b = g->B + j * P;
+                int32_t s = 0;
+                int64_t p = 0;
+                for (; p + 4 <= P; p += 4) memcpy(dst + p * 32 + jl * 4, b + p, 4);
+                for (; p < P; p++) dst[(p / 4) * 128 + jl * 4 + (p % 4)] = b[p];
+                for (p = 0; p < P; p++) s += b[p];
+                g->cs[j] = s;
+            }
+        }
+    }
+}
 static int gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C) {
     int64_t P4 = (P + 3) / 4 * 4, Ip = (I + MR - 1) / MR * MR, Jp = (J + 31) / 32 * 32;
     uint8_t *Au = (uint8_t *)malloc((size_t)(Ip * P4 > 0 ? Ip * P4 : 1));
     int8_t *Bp = (int8_t *)malloc((size_t)(Jp * P4 > 0 ? Jp * P4 : 1));
     int32_t *cs = (int32_t *)calloc((size_t)Jp, sizeof(int32_t));
     if (!Au || !Bp || !cs) { free(Au); free(Bp); free(cs); return 0; }
-    memset(Au, 128, (size_t)(Ip * P4));
-    for (int64_t i = 0; i < I; i++)
-        for (int64_t p = 0; p < P; p++) Au[i * P4 + p] = (uint8_t)(A[i * P + p] + 128);
-    memset(Bp, 0, (size_t)(Jp * P4));
-    for (int64_t j = 0; j < J; j++) {
-        int64_t jp = j / 32, jl = j % 32;
-        int8_t *dst = Bp + jp * 32 * P4;
-        int32_t s = 0;
-        for (int64_t p = 0; p < P; p++) {
-            dst[(p / 4) * 128 + jl * 4 + (p % 4)] = B[j * P + p];
-            s += B[j * P + p];
-        }
-        cs[j] = s;
-    }
+    pk_args pa = {I, J, P, P4, A, B, Au, Bp, cs};
+    o1b_parallel_for(Ip / MR + Jp / 32, 1, pack_range, &pa);
     i8_args g = {I, J, P, A, B, C, P4, Au, Bp, cs};
     o1b_parallel_for(Ip / MR, 1 + (1 << 18) / ((J * P4 * MR) > 0 ? J * P4 * MR : 1) , i8_rows_vnni, &g);
     free(Au); free(Bp); free(cs);
@@ -309,11 +444,73 @@ O1B_API int o1b_gemm_i8_has_vnni(void) {
 #endif
 }
 
-static void transpose_i8(const int8_t *src, int64_t R, int64_t C, int8_t *dst) {  /* (R,C)->(C,R) */
-    for (int64_t r0 = 0; r0 < R; r0 += 64)
-        for (int64_t c0 = 0; c0 < C; c0 += 64)
-            for (int64_t r = r0; r < R && r < r0 + 64; r++)
-                for (int64_t c = c0; c < C && c < c0 + 64; c++) dst[c * R + r] = src[r * C + c];
+/* (R,C) -> (C,R), split over the destination rows. */
+typedef struct { const int8_t *src; int64_t R, C; int8_t *dst; } tr_args;
+static void tr_range(void *ctx, int64_t lo, int64_t hi) {
+    const tr_args *a = (const tr_args *)ctx;
+    int64_t R = a->R, C = a->C;
+    for (int64_t c0 = lo; c0 < hi; c0 += 32)
+        for (int64_t r0 = 0; r0 < R; r0 += 32)
+            for (int64_t c = c0; c < hi && c < c0 + 32; c++) {
+                int8_t *d = a->dst + c * R;
+                const int8_t *s = a->src + c;
+                int64_t r1 = r0 + 32 < R ? r0 + 32 : R;
+                for (int64_t r = r0; r < r1; r++) d[r] = s[r * C];
+            }
+}
+static void transpose_i8(const int8_t *src, int64_t R, int64_t C, int8_t *dst) {
+    tr_args a = {src, R, C, dst};
+    o1b_parallel_for(C, 32, tr_range, &a);
+}
+
+/* y[i, j] = store(mul(...mul(mul(i2f(acc), c0), c1)..., cw[j])) chains, over rows. */
+typedef struct { int64_t J; const int32_t *acc; float *y; float c[3]; int nc; const float *cw;
+                 const uint8_t *clip; } dq_args;
+static float dq_exact(const dq_args *a, int64_t idx, int64_t j) {
+    float v = o1b_i2f_rne(a->acc[idx]);
+    if (a->nc == 1 && a->cw) return o1b_store(o1b_mul(o1b_mul(v, a->c[0]), a->cw[j]));
+    for (int t = 0; t < a->nc; t++) v = o1b_mul(v, a->c[t]);
+    if (a->cw) v = o1b_mul(v, a->cw[j]);
+    v = o1b_mul(v, INV_QB);
+    if (a->clip) return a->clip[idx] == 2 ? o1b_nan() : a->clip[idx] ? 0.0f : o1b_store(v);
+    return o1b_store(v);
+}
+static void dq_rows(void *ctx, int64_t lo, int64_t hi) {
+    const dq_args *a = (const dq_args *)ctx;
+    int64_t J = a->J;
+    float c0 = a->c[0], c1 = a->c[1], c2 = a->c[2];
+    for (int64_t i = lo; i < hi; i++) {
+        const int32_t *ac = a->acc + i * J;
+        float *y = a->y + i * J;
+        uint32_t bad = 0;
+        if (a->nc == 1) {                   /* forward: (acc * sx) * sw[j] */
+            for (int64_t j = 0; j < J; j++) {
+                float v; QMUL(v, (float)ac[j], c0, bad); QMUL(v, v, a->cw[j], bad);
+                y[j] = qstore(v);
+            }
+        } else if (a->nc == 2) {            /* dx: ((acc * sg) * sr) * 1/QB */
+            for (int64_t j = 0; j < J; j++) {
+                float v; QMUL(v, (float)ac[j], c0, bad); QMUL(v, v, c1, bad); QMUL(v, v, INV_QB, bad);
+                y[j] = qstore(v);
+            }
+        } else {                            /* dw: (((acc * sd) * sr) * sx) * 1/QB, clip masks */
+            const uint8_t *cl = a->clip + i * J;
+            for (int64_t j = 0; j < J; j++) {
+                float v; QMUL(v, (float)ac[j], c0, bad); QMUL(v, v, c1, bad); QMUL(v, v, c2, bad);
+                QMUL(v, v, INV_QB, bad);
+                uint32_t u = qbits(qstore(v));
+                u = cl[j] == 2 ? O1B_NAN_BITS : cl[j] ? 0u : u;
+                y[j] = qfrom(u);
+            }
+        }
+        if (bad)
+            for (int64_t j = 0; j < J; j++) y[j] = dq_exact(a, i * J + j, j);
+    }
+}
+static void dequant(int64_t I, int64_t J, const int32_t *acc, float *y, int nc, const float *c,
+                    const float *cw, const uint8_t *clip) {
+    dq_args a = {J, acc, y, {c[0], nc > 1 ? c[1] : 0.0f, nc > 2 ? c[2] : 0.0f}, nc, cw, clip};
+    o1b_parallel_for(I, 1 + (1 << 14) / (J > 0 ? J : 1), dq_rows, &a);
 }
 
 /* ------------------------------------------------------------------ the quantized linear layer */
@@ -326,13 +523,42 @@ O1B_API int o1b_qlinear_forward(int64_t N, int64_t K, int64_t M, const bf16 *x, 
     if (!qx || !qw || !sw || !acc || !quant_tensor_bf16(x, N * K, qx, &sx)) goto out;
     quant_weight_rows(M, K, w, qw, sw, NULL);
     gemm_i8(N, M, K, qx, qw, acc);
-    for (int64_t i = 0; i < N; i++)
-        for (int64_t j = 0; j < M; j++)
-            y[i * M + j] = o1b_store(o1b_mul(o1b_mul(o1b_i2f_rne(acc[i * M + j]), sx), sw[j]));
+    dequant(N, M, acc, y, 1, &sx, sw, NULL);
     rc = 0;
 out:
     free(qx); free(qw); free(sw); free(acc);
     return rc;
+}
+
+/* g[m * N + n] = mul(bf16(dy[n * M + m]), sw[m]) (sw NULL: the plain widened value), m < M. */
+typedef struct { int64_t N, M; const bf16 *dy; const float *sw; float *g; } gt_args;
+static void gt_range(void *ctx, int64_t lo, int64_t hi) {
+    const gt_args *a = (const gt_args *)ctx;
+    int64_t N = a->N, M = a->M;
+    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+        int64_t n1 = n0 + 64 < N ? n0 + 64 : N;
+        for (int64_t m = lo; m < hi; m++) {
+            float s = a->sw[m], *g = a->g + m * N;
+            const bf16 *d = a->dy + m;
+            uint32_t bad = 0;
+            for (int64_t n = n0; n < n1; n++) {
+                float v; QMUL(v, qflush(qfrom((uint32_t)d[n * M] << 16)), s, bad);
+                g[n] = v;
+            }
+            if (bad)
+                for (int64_t n = n0; n < n1; n++) g[n] = o1b_mul(o1b_bf16_to_f32(d[n * M]), s);
+        }
+    }
+}
+typedef struct { const bf16 *x; float *f; } widen_args;
+static void widen_range(void *ctx, int64_t lo, int64_t hi) {
+    const widen_args *a = (const widen_args *)ctx;
+    for (int64_t i = lo; i < hi; i++) a->f[i] = qflush(qfrom((uint32_t)a->x[i] << 16));
+}
+typedef struct { const int8_t *q; int32_t *r; } w32_args;
+static void w32_range(void *ctx, int64_t lo, int64_t hi) {
+    const w32_args *a = (const w32_args *)ctx;
+    for (int64_t i = lo; i < hi; i++) a->r[i] = a->q[i];
 }
 
 /* dx (N, K) and dW (M, K); either may be NULL. */
@@ -341,75 +567,75 @@ O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy
     int rc = -1;
     int64_t Mp = pad_qb(M), Np = pad_qb(N);
     int8_t *qw = NULL, *qx = NULL, *qa = NULL, *qb = NULL, *ta = NULL, *tb = NULL;
-    float *sw = NULL, *g = NULL, *f = NULL;
+    float *sw = NULL, *g = NULL;
     int32_t *ri = NULL, *acc = NULL;
     uint8_t *clip = NULL;
     qw = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
     sw = (float *)malloc((size_t)(M > 0 ? M : 1) * sizeof(float));
-    clip = (uint8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
-    if (!qw || !sw || !clip) goto out;
+    clip = dw ? (uint8_t *)malloc((size_t)(M * K > 0 ? M * K : 1)) : NULL;
+    if (!qw || !sw || (dw && !clip)) goto out;
     quant_weight_rows(M, K, w, qw, sw, clip);
     if (dx) {
         /* G (N, Mp): g = mul(dy, s_w[m]), zero padded, rotated along m. Transposed for the row
          * rotation: rotate G^T (Mp, N) along its rows. */
-        g = (float *)calloc((size_t)(Mp * N > 0 ? Mp * N : 1), sizeof(float));
-        ri = (int32_t *)calloc((size_t)(Mp * K > 0 ? Mp * K : 1), sizeof(int32_t));
-        f = (float *)malloc((size_t)(Mp * (N > K ? N : K) > 0 ? Mp * (N > K ? N : K) : 1) * sizeof(float));
+        g = (float *)malloc((size_t)(Mp * N > 0 ? Mp * N : 1) * sizeof(float));
+        ri = (int32_t *)malloc((size_t)(Mp * K > 0 ? Mp * K : 1) * sizeof(int32_t));
         qa = (int8_t *)malloc((size_t)(Mp * N > 0 ? Mp * N : 1));
         qb = (int8_t *)malloc((size_t)(Mp * K > 0 ? Mp * K : 1));
         ta = (int8_t *)malloc((size_t)(Mp * N > 0 ? Mp * N : 1));
         tb = (int8_t *)malloc((size_t)(Mp * K > 0 ? Mp * K : 1));
         acc = (int32_t *)malloc((size_t)(N * K > 0 ? N * K : 1) * sizeof(int32_t));
-        if (!g || !ri || !f || !qa || !qb || !ta || !tb || !acc) goto out;
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t m = 0; m < M; m++)
-                g[m * N + n] = o1b_mul(o1b_bf16_to_f32(dy[n * M + m]), sw[m]);
+        if (!g || !ri || !qa || !qb || !ta || !tb || !acc) goto out;
+        gt_args ga = {N, M, dy, sw, g};
+        o1b_parallel_for(M, 1 + (1 << 14) / (N > 0 ? N : 1), gt_range, &ga);
+        memset(g + M * N, 0, (size_t)((Mp - M) * N) * sizeof(float));
         rotate_rows_f32(g, Mp, N);
         float sg = quant_tensor_f32(g, Mp * N, qa);             /* (Mp, N) */
-        for (int64_t i = 0; i < M * K; i++) ri[i] = qw[i];
+        w32_args wa = {qw, ri};
+        o1b_parallel_for(M * K, 1 << 15, w32_range, &wa);
+        memset(ri + M * K, 0, (size_t)((Mp - M) * K) * sizeof(int32_t));
         rotate_rows_i32(ri, Mp, K);
-        for (int64_t i = 0; i < Mp * K; i++) f[i] = o1b_i2f(ri[i]);
-        float sr = quant_tensor_f32(f, Mp * K, qb);              /* (Mp, K) */
+        float sr = quant_tensor_any(ri, 2, Mp * K, qb);          /* (Mp, K) */
         transpose_i8(qa, Mp, N, ta);                            /* (N, Mp) */
         transpose_i8(qb, Mp, K, tb);                            /* (K, Mp) */
         gemm_i8(N, K, Mp, ta, tb, acc);
-        for (int64_t i = 0; i < N * K; i++)
-            dx[i] = o1b_store(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_rne(acc[i]), sg), sr), INV_QB));
-        free(g); free(ri); free(f); free(qa); free(qb); free(ta); free(tb); free(acc);
-        g = NULL; ri = NULL; f = NULL; qa = qb = ta = tb = NULL; acc = NULL;
+        float cc[2] = {sg, sr};
+        dequant(N, K, acc, dx, 2, cc, NULL, NULL);
+        free(g); free(ri); free(qa); free(qb); free(ta); free(tb); free(acc);
+        g = NULL; ri = NULL; qa = qb = ta = tb = NULL; acc = NULL;
     }
     if (dw) {
         float sx;
         qx = (int8_t *)malloc((size_t)(N * K > 0 ? N * K : 1));
-        g = (float *)calloc((size_t)(Np * M > 0 ? Np * M : 1), sizeof(float));
-        ri = (int32_t *)calloc((size_t)(Np * K > 0 ? Np * K : 1), sizeof(int32_t));
-        f = (float *)malloc((size_t)(Np * K > 0 ? Np * K : 1) * sizeof(float));
+        g = (float *)malloc((size_t)(Np * M > 0 ? Np * M : 1) * sizeof(float));
+        ri = (int32_t *)malloc((size_t)(Np * K > 0 ? Np * K : 1) * sizeof(int32_t));
         qa = (int8_t *)malloc((size_t)(Np * M > 0 ? Np * M : 1));
         qb = (int8_t *)malloc((size_t)(Np * K > 0 ? Np * K : 1));
         ta = (int8_t *)malloc((size_t)(Np * M > 0 ? Np * M : 1));
         tb = (int8_t *)malloc((size_t)(Np * K > 0 ? Np * K : 1));
         acc = (int32_t *)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(int32_t));
-        if (!qx || !g || !ri || !f || !qa || !qb || !ta || !tb || !acc) goto out;
+        if (!qx || !g || !ri || !qa || !qb || !ta || !tb || !acc) goto out;
         if (!quant_tensor_bf16(x, N * K, qx, &sx)) goto out;
-        for (int64_t i = 0; i < N * M; i++) g[i] = o1b_bf16_to_f32(dy[i]);   /* (Np, M) */
+        widen_args wa = {dy, g};
+        o1b_parallel_for(N * M, 1 << 15, widen_range, &wa);     /* (Np, M) */
+        memset(g + N * M, 0, (size_t)((Np - N) * M) * sizeof(float));
         rotate_rows_f32(g, Np, M);
         float sd = quant_tensor_f32(g, Np * M, qa);
-        for (int64_t i = 0; i < N * K; i++) ri[i] = qx[i];
+        w32_args ra = {qx, ri};
+        o1b_parallel_for(N * K, 1 << 15, w32_range, &ra);
+        memset(ri + N * K, 0, (size_t)((Np - N) * K) * sizeof(int32_t));
         rotate_rows_i32(ri, Np, K);
-        for (int64_t i = 0; i < Np * K; i++) f[i] = o1b_i2f(ri[i]);
-        float sr = quant_tensor_f32(f, Np * K, qb);
+        float sr = quant_tensor_any(ri, 2, Np * K, qb);
         transpose_i8(qa, Np, M, ta);                            /* (M, Np) */
         transpose_i8(qb, Np, K, tb);                            /* (K, Np) */
         gemm_i8(M, K, Np, ta, tb, acc);
-        for (int64_t i = 0; i < M * K; i++) {
-            float v = o1b_mul(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_rne(acc[i]), sd), sr), sx), INV_QB);
-            dw[i] = clip[i] == 2 ? o1b_nan() : clip[i] ? 0.0f : o1b_store(v);
-        }
+        float cc[3] = {sd, sr, sx};
+        dequant(M, K, acc, dw, 3, cc, NULL, clip);
     }
     rc = 0;
 out:
     free(qw); free(sw); free(clip); free(qx); free(qa); free(qb); free(ta); free(tb);
-    free(g); free(f); free(ri); free(acc);
+    free(g); free(ri); free(acc);
     return rc;
 }
 
