@@ -133,24 +133,7 @@ def _scalar(op: int, a: float, b: float = 0.0) -> float:
     return float(_host(out)[0])
 
 
-def scalar_add(a: float, b: float) -> float:
-    return _scalar(0, a, b)
-
-
-def scalar_sub(a: float, b: float) -> float:
-    return _scalar(1, a, b)
-
-
-def scalar_mul(a: float, b: float) -> float:
-    return _scalar(2, a, b)
-
-
-def scalar_div(a: float, b: float) -> float:
-    return _scalar(3, a, b)
-
-
-def scalar_sqrt(x: float) -> float:
-    return _scalar(4, x)
+scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = opargs.scalar_functions(_scalar)
 
 
 # ------------------------------------------------------------------ linear (§6.1)

@@ -112,6 +112,26 @@ def map_functions(apply: Callable[[int, np.ndarray], np.ndarray]) -> tuple:
     return tuple(make(i, n) for i, n in enumerate(FUNCTIONS))
 
 
+SCALAR_OPS = ("add", "sub", "mul", "div", "sqrt")   # op codes 0..4 of the backends' scalar kernels
+
+
+def scalar_functions(apply: Callable[..., float]) -> tuple:
+    """scalar_add, scalar_sub, scalar_mul, scalar_div(a, b) and scalar_sqrt(x): host-side contract
+    arithmetic on one float32 value; each returns apply(op code, operands...)."""
+    def make(code: int, name: str):
+        if name == "sqrt":
+            def f(x: float) -> float:
+                return apply(code, x)
+        else:
+            def f(a: float, b: float) -> float:
+                return apply(code, a, b)
+        f.__name__ = f.__qualname__ = f"scalar_{name}"
+        f.__module__ = apply.__module__
+        f.__doc__ = f"The contract's {name} (CONTRACT.md §3) of float32 scalars."
+        return f
+    return tuple(make(i, n) for i, n in enumerate(SCALAR_OPS))
+
+
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return check("x", x, F32)
 
