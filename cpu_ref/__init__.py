@@ -13,7 +13,7 @@ from .layers import (embedding_backward, embedding_forward, rmsnorm_backward, rm
                      rope_backward, rope_forward, rope_tables, swiglu_backward, swiglu_forward)
 from .optim import adamw_step, clip_coef, global_norm, sumsq_blocks, treefold
 from .random import philox_blocks, trunc_normal
-from .attention import attention_forward, attention_backward
+from .attention import attention_forward, attention_forward_i8, attention_backward
 from .xent import xent_forward, xent_backward, XENT_CHUNK
 from .quant import (gemm_i8, gemm_i8_has_vnni, hadamard_rows, qlinear_backward, qlinear_forward,
                     quant_tensor, quant_weight_rows)

@@ -14,6 +14,8 @@ from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _forward = declare("o1b_attention_forward", c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f32,
                    ptr, ptr, ptr, ptr, ptr, restype=c_int)
+_forward_i8 = declare("o1b_attention_forward_i8", c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f32,
+                      ptr, ptr, ptr, ptr, ptr, restype=c_int)
 _backward = declare("o1b_attention_backward", c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f32,
                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, restype=c_int)
 
@@ -27,6 +29,17 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, 
     lse = np.empty((B, H, T), np.float32)
     if _forward(B, T, H, G, D, W, s, p(q), p(k), p(v), p(o), p(lse)) != 0:
         raise MemoryError("attention_forward: out of memory")
+    return o, lse
+
+
+def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
+    """As attention_forward, with each 64-key block's P·V product in int8 (CONTRACT.md §6.10):
+    value rows quantized per key, the block's weights per query row, exact int32 accumulation."""
+    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    o = np.empty((B, T, H, D), np.float32)
+    lse = np.empty((B, H, T), np.float32)
+    if _forward_i8(B, T, H, G, D, W, s, p(q), p(k), p(v), p(o), p(lse)) != 0:
+        raise MemoryError("attention_forward_i8: out of memory")
     return o, lse
 
 

@@ -11,6 +11,11 @@
  * is rescaled). The row's accumulator lives in its own o row and its per-block pv in a scratch row.
  * Backward: two passes without atomics, each output element summed by one thread in the written
  * order — dq per query row (b, h, i), dk and dv per key row (b, g, j) — recomputing s, p, dp, ds.
+ *
+ * The int8 forward (§6.10): the value rows are quantized once, one thread per key row
+ * (o1b_attention_vquant: q_v int8, s_v fp32); the forward is the one above with each block's
+ * P·V product replaced by t_j = p_j s_v[j], a per-(query row, block) scale s_p = max t_j / 127,
+ * int8 weights q_p = level(t_j / s_p) and an exact int32 sum of q_p q_v, dequantized by s_p.
  */
 #include "contract.cuh"
 
@@ -68,6 +73,102 @@ extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64
         }
         l = o1b_add(o1b_mul(l, corr), ps);
         for (i64 d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pvr[d]);
+        m = m_new;
+    }
+    float inv = o1b_div(1.0f, l);
+    for (i64 d = 0; d < D; d++) acc[d] = o1b_store(o1b_mul(acc[d], inv));
+    lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
+}
+
+/* level(x) of §6.9 for a finite x: clamp to [-127, 127], then round to nearest, ties to even, by the
+ * magic constant (|x| < 127 < 2^22). */
+__device__ __forceinline__ int o1b_attn_level(float x) {
+    if (x >= 127.0f) return 127;
+    if (x <= -127.0f) return -127;
+    return (int)__float2int_rz(o1b_sub(o1b_add(x, O1B_ROUND_MAGIC), O1B_ROUND_MAGIC));
+}
+
+/* §6.10 value rows: one thread per key row r = (b*T + j)*G + g of v (n = B*T*G rows of D values).
+ * s = NaN and q = 0 if any value is inf/NaN; else s = div(max |v|, 127) (the max on the bits:
+ * exact); s = +0: q = 0; else q = level(mul(v, div(1, s))). sv[r] = s (stored). */
+extern "C" __global__ void o1b_attention_vquant(i64 n, i64 D, const bf16 *v, signed char *qv, float *sv) {
+    i64 r = o1b_gid();
+    if (r >= n) return;
+    const bf16 *row = v + r * D;
+    u32 m = 0u;
+    bool bad = false;
+    for (i64 d = 0; d < D; d++) {
+        u32 a = o1b_abs_bits(o1b_bf16_to_f32(row[d]));
+        bad = bad || a >= 0x7F800000u;
+        m = a > m ? a : m;
+    }
+    float s = bad ? o1b_nan() : o1b_div(__uint_as_float(m), 127.0f);
+    bool ok = !bad && o1b_abs_bits(s) != 0u;
+    float inv = ok ? o1b_div(1.0f, s) : 0.0f;
+    for (i64 d = 0; d < D; d++)
+        qv[r * D + d] = (signed char)(ok ? o1b_attn_level(o1b_mul(o1b_bf16_to_f32(row[d]), inv)) : 0);
+    sv[r] = o1b_store(s);
+}
+
+/* §6.10 forward, one thread per r = (b*H + h)*T + i; qv (B,T,G,D) int8 and sv (B,T,G) fp32 from
+ * o1b_attention_vquant. Per block: the scores, mb, m_new, corr, p_j and ps of §6.6; then
+ * t_j = mul(p_j, s_v[j]); any t_j NaN: pv = NaN; else a = max t_j (t_j >= +0), s_p = div(a, 127);
+ * s_p = +0: pv = +0; else q_p[j] = level(mul(t_j, div(1, s_p))), pv[d] = mul(i2f(sum_j q_p[j] q_v[j,d]),
+ * s_p) with the sum in int32 (exact). The row's accumulator lives in its own o row. */
+extern "C" __global__ void o1b_attention_forward_i8(i64 B, i64 T, i64 H, i64 G, i64 D, i64 W, float scale,
+                                                    const bf16 *q, const bf16 *k, const signed char *qv,
+                                                    const float *sv, float *o, float *lse) {
+    i64 r = o1b_gid();
+    if (r >= B * H * T) return;
+    const i64 i = r % T, h = (r / T) % H, b = r / (T * H), rep = H / G, g = h / rep;
+    const float sc = o1b_load(scale);
+    const bf16 *qi = q + ((b * T + i) * H + h) * D;
+    float *acc = o + ((b * T + i) * H + h) * D;
+    float t[ATTN_BLOCK];
+    signed char qp[ATTN_BLOCK];
+    float m = o1b_neg(o1b_inf()), l = 0.0f;
+    for (i64 d = 0; d < D; d++) acc[d] = 0.0f;
+    const i64 jlo = first_key(i, W);
+    for (i64 kb = jlo / ATTN_BLOCK; kb <= i / ATTN_BLOCK; kb++) {
+        i64 j0 = kb * ATTN_BLOCK > jlo ? kb * ATTN_BLOCK : jlo;
+        i64 j1 = kb * ATTN_BLOCK + ATTN_BLOCK - 1 < i ? kb * ATTN_BLOCK + ATTN_BLOCK - 1 : i;
+        float mb = o1b_neg(o1b_inf());
+        for (i64 j = j0; j <= j1; j++) {
+            t[j - j0] = o1b_mul(dot_bf16(qi, k + ((b * T + j) * G + g) * D, D), sc);
+            mb = o1b_max(mb, t[j - j0]);
+        }
+        float m_new = o1b_max(m, mb);
+        float corr = o1b_exp(o1b_sub(m, m_new));          /* exp(-inf) = +0 on the first block */
+        float ps = 0.0f, a = 0.0f;
+        bool bad = false;
+        for (i64 j = j0; j <= j1; j++) {
+            float p = o1b_exp(o1b_sub(t[j - j0], m_new));
+            ps = o1b_add(ps, p);
+            float tj = o1b_mul(p, o1b_load(sv[(b * T + j) * G + g]));
+            t[j - j0] = tj;
+            bad = bad || o1b_isnan(tj);
+            a = o1b_max(a, tj);                           /* a NaN t_j is passed over */
+        }
+        float sp = o1b_div(a, 127.0f);
+        bool zero = o1b_abs_bits(sp) == 0u;
+        if (!bad && !zero) {
+            float inv = o1b_div(1.0f, sp);
+            for (i64 j = j0; j <= j1; j++) qp[j - j0] = (signed char)o1b_attn_level(o1b_mul(t[j - j0], inv));
+        }
+        l = o1b_add(o1b_mul(l, corr), ps);
+        for (i64 d = 0; d < D; d++) {
+            float pv;
+            if (bad) {
+                pv = o1b_nan();
+            } else if (zero) {
+                pv = 0.0f;
+            } else {
+                int ia = 0;                               /* exact: at most 64 terms of |.| <= 127^2 */
+                for (i64 j = j0; j <= j1; j++) ia += (int)qp[j - j0] * (int)qv[((b * T + j) * G + g) * D + d];
+                pv = o1b_mul(o1b_i2f(ia), sp);
+            }
+            acc[d] = o1b_add(o1b_mul(acc[d], corr), pv);
+        }
         m = m_new;
     }
     float inv = o1b_div(1.0f, l);

@@ -329,6 +329,23 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, 
     return _host(o), _host(lse)
 
 
+def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
+    """§6.10: attention_forward with each block's P·V product in int8 (the value rows quantized once,
+    one thread per key row) -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
+    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    o = _empty((B, T, H, D), np.float32)
+    lse = _empty((B, H, T), np.float32)
+    rows = B * H * T
+    if rows:
+        nv = B * T * G
+        qv = _empty((nv, D), np.int8)
+        sv = _empty((nv,), np.float32)
+        _launch1d("attention.cu", "o1b_attention_vquant", nv, i64(nv), i64(D), _dev(v), qv, sv)
+        _launch1d("attention.cu", "o1b_attention_forward_i8", rows, i64(B), i64(T), i64(H), i64(G), i64(D),
+                  i64(W), f32(s), _dev(q), _dev(k), qv, sv, o, lse)
+    return _host(o), _host(lse)
+
+
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     """dout (B,T,H,D) fp32, q, k, v as in the forward, o and lse from the forward

@@ -44,6 +44,8 @@ KERNELS = {
     "swiglu_forward": (["h", "prm"], ["out"]),
     "swiglu_backward": (["dout", "h", "prm"], ["dh"]),
     "attention_forward": (["q", "k", "v", "prm", "scale"], ["o", "lse"]),
+    "attention_vquant": (["v", "prm"], ["qv", "sv"]),
+    "attention_forward_i8": (["q", "k", "vq", "vs", "prm", "scale"], ["o", "lse"]),
     "attention_di": (["dout", "o", "prm"], ["Di"]),
     "attention_dq": (["dout", "q", "k", "v", "lse", "Di", "prm", "scale"], ["dq"]),
     "attention_dkv": (["dout", "q", "k", "v", "lse", "Di", "prm", "scale"], ["dk", "dv"]),
@@ -263,6 +265,18 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, 
     o, lse = _run("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1), _i64(T, H, G, W), _f32(s)],
                   [((B, T, H, D), F32), ((B, H, T), F32)], (B * H * T, 1, 1), (64, 1, 1),
                   template=[("D", D)])
+    return o, lse
+
+
+def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
+    """§6.10: attention_forward with each block's P·V product in int8 (value rows quantized once
+    per key row by attention_vquant, the block's weights per query row) -> o, lse as attention_forward."""
+    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    vq, vs = _run("attention_vquant", [v.reshape(-1), _i64(D)], [((B, T, G, D), np.dtype(np.int8)), ((B, T, G), F32)],
+                  (B * T * G, 1, 1), (64, 1, 1))
+    o, lse = _run("attention_forward_i8",
+                  [q.reshape(-1), k.reshape(-1), vq.reshape(-1), vs.reshape(-1), _i64(T, H, G, W), _f32(s)],
+                  [((B, T, H, D), F32), ((B, H, T), F32)], (B * H * T, 1, 1), (64, 1, 1), template=[("D", D)])
     return o, lse
 
 

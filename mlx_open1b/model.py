@@ -30,8 +30,10 @@ Choices that decide bits (everything else is the ops' own contract):
   every row.
 - precision "int8" (CONTRACT.md §6.9): the QKV, wo, w_gate_up and w_down GEMMs are
   qlinear_forward / qlinear_backward on the same bf16 operands the bf16 path gives
-  linear_forward / linear_backward (the layer quantizes inside); embedding, LM head, norms, RoPE,
-  attention and loss are unchanged, and so is the cache. The fused QKV forward equals three
+  linear_forward / linear_backward (the layer quantizes inside); the attention forward is
+  attention_forward_i8 (CONTRACT.md §6.10: the P·V product of each key block in int8) and its
+  backward is the bf16 path's (straight-through, on that forward's o and lse); embedding, LM head,
+  norms, RoPE and loss are unchanged, and so is the cache. The fused QKV forward equals three
   separate quantized GEMMs (weight step sizes are per output row, computed from that row alone;
   the activation scale is one per-tensor absmax of the same a_b). Its backward is one
   qlinear_backward on the fused ((H+2G)·D, d) matrix — not three: the dx path rotates and
@@ -189,8 +191,10 @@ class Model:
         # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands
         if precision == "int8":
             self._linear_forward, self._linear_backward = ops.qlinear_forward, ops.qlinear_backward
+            self._attention_forward = ops.attention_forward_i8
         else:
             self._linear_forward, self._linear_backward = ops.linear_forward, ops.linear_backward
+            self._attention_forward = ops.attention_forward
         self.layout = ParamLayout(cfg)
         self.n_params = self.layout.n_params
         # host scalars, each rounded once to fp32 (CONTRACT.md §8)
@@ -314,7 +318,7 @@ class Model:
         q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(B, T, H, D), self.rope_cos, self.rope_sin))
         k_b = ops.f32_to_bf16(ops.rope_forward(kn.reshape(B, T, G, D), self.rope_cos, self.rope_sin))
         v_b = ops.f32_to_bf16(v)
-        o, lse = ops.attention_forward(q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
+        o, lse = self._attention_forward(q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
         o_b = ops.f32_to_bf16(o.reshape(N, H * D))
         h_mid = h.copy()
         ops.add_inplace(h_mid, self._linear_forward(o_b, w[p + "wo"]))     # (N, d)

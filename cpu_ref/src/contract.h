@@ -110,6 +110,13 @@ static inline float o1b_sqrt_int(float x) {
 /* ---- software transcendentals (§4). Taylor coefficients 1/k!, 2/(2k+1), rounded to fp32. ---- */
 #define O1B_ROUND_MAGIC 0x1.8p23f   /* t + 1.5*2^23 - 1.5*2^23 rounds t to an integer (|t| < 2^22) */
 
+/* level(t) of CONTRACT.md §6.9 for a finite t: nearest integer, ties to even, clamped to ±127. */
+static inline int8_t o1b_level(float t) {
+    if (t >= 127.0f) return 127;
+    if (t <= -127.0f) return -127;
+    return (int8_t)(int)((t + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC);
+}
+
 static inline float o1b_exp(float x) {
     if (x != x) return o1b_nan();
     if (x > 0x1.62e42ep6f) return INFINITY;                   /* > ln(FLT_MAX) */

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arith import F32, add, bf16_to_f32, div, f32, flush, maximum, mul, store, sub
+from .arith import F32, add, bf16_to_f32, div, f32, flush, i2f, maximum, mul, store, sub
 from .mathfn import exp, log
+from .quant import rne_clamp
 
 BK = 64   # contract constant: key block of the forward online softmax
 
@@ -50,11 +51,50 @@ def _scores(qh: np.ndarray, kh: np.ndarray, scale) -> np.ndarray:
 
 def attention_forward(q, k, v, window: int, scale):
     """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
+    return _forward(q, k, v, window, scale, int8_pv=False)
+
+
+def attention_forward_i8(q, k, v, window: int, scale):
+    """§6.10: as attention_forward, with each block's P·V product in int8 (value rows quantized
+    per key row, the block's weights per query row) and exact integer accumulation."""
+    return _forward(q, k, v, window, scale, int8_pv=True)
+
+
+def _quant_value_rows(vh):
+    """(B,H,T,D) fp32 -> q_v (B,H,T,D) int64, s_v (B,H,T) fp32: §6.9's per-tensor rule per row."""
+    finite = np.isfinite(vh).all(axis=-1)
+    a = np.where(finite, np.abs(np.where(np.isfinite(vh), vh, 0)).max(axis=-1, initial=F32(0)), 0).astype(F32)
+    sv = np.where(finite, div(a, F32(127)), np.float32(np.nan)).astype(F32)
+    ok = finite & (sv != 0)
+    inv = div(F32(1), np.where(ok, sv, F32(1)))
+    qv = np.where(ok[..., None], rne_clamp(np.where(ok[..., None], mul(vh, inv[..., None]), 0)), 0)
+    return qv.astype(np.int64), sv
+
+
+def _block_pv_i8(p, part, sv, qv):
+    """One block's int8 P·V (§6.10). p (B,H,T,n) fp32 weights, part (T,n) participating keys,
+    sv (B,H,n) and qv (B,H,n,D) the block's quantized value rows -> pv (B,H,T,D) fp32."""
+    t = mul(p, sv[:, :, None, :])
+    nonfinite = (np.isnan(t) & part).any(axis=-1)
+    a = np.where(part & ~np.isnan(t), t, F32(0)).max(axis=-1, initial=F32(0)).astype(F32)
+    sp = div(a, F32(127))
+    ok = (sp != 0) & ~nonfinite
+    inv = div(F32(1), np.where(ok, sp, F32(1)))
+    use = part & ok[..., None]
+    qp = np.where(use, rne_clamp(np.where(use, mul(t, inv[..., None]), 0)), 0).astype(np.int64)
+    acc = np.einsum("bhtn,bhnd->bhtd", qp, qv)                  # exact: |acc| < 2^20
+    pv = np.where(ok[..., None], mul(i2f(acc), sp[..., None]), F32(0)).astype(F32)
+    return np.where(nonfinite[..., None], np.float32(np.nan), pv).astype(F32)
+
+
+def _forward(q, k, v, window: int, scale, int8_pv: bool):
     B, T, H, D = q.shape
     scale = flush(F32(scale))
     qh, kh, vh = bf16_to_f32(q).transpose(0, 2, 1, 3), _heads(k, H), _heads(v, H)
     s = _scores(qh, kh, scale)                          # (B, H, T, T)
     vis = visible(T, window)
+    if int8_pv:
+        qv, sv = _quant_value_rows(vh)
     m = np.full((B, H, T), -np.inf, F32)
     l = np.zeros((B, H, T), F32)
     acc = np.zeros((B, H, T, D), F32)
@@ -69,10 +109,16 @@ def attention_forward(q, k, v, window: int, scale):
             corr = exp(sub(m, m_new))
             ps = np.zeros((B, H, T), F32)
             pv = np.zeros((B, H, T, D), F32)
+            pblock = []
             for j in keys:
                 p = exp(sub(s[..., j], m_new))
+                pblock.append(p)
                 ps = np.where(vis[:, j], add(ps, p), ps)
-                pv = np.where(vis[:, j, None], add(pv, mul(p[..., None], vh[:, :, None, j, :])), pv)
+                if not int8_pv:
+                    pv = np.where(vis[:, j, None], add(pv, mul(p[..., None], vh[:, :, None, j, :])), pv)
+            if int8_pv:
+                pv = _block_pv_i8(np.stack(pblock, axis=-1), vis[:, keys.start:keys.stop],
+                                  sv[:, :, keys.start:keys.stop], qv[:, :, keys.start:keys.stop])
             l = np.where(active, add(mul(l, corr), ps), l)
             acc = np.where(active[:, None], add(mul(acc, corr[..., None]), pv), acc)
             m = np.where(active, m_new, m)

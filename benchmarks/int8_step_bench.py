@@ -1,0 +1,99 @@
+"""int8 vs bf16 side by side in one run: the model program's loss_and_grad (one microbatch,
+forward + backward, C reference) with precision bf16 and int8, alternated so that both see the
+same machine load; medians over repetitions, and where the time goes by op.
+
+    python benchmarks/int8_step_bench.py --preset small --reps 7 --threads 2 [--no-ops]
+
+The op breakdown wraps every cpu_ref function the model calls with a timer (a second pass, so
+that the ratios above are measured without the wrappers)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import numpy as np
+
+from mlx_open1b import cpu_ref
+from mlx_open1b.config import preset
+from mlx_open1b.model import Model, init_params
+
+
+class TimedOps:
+    """cpu_ref with every function call timed by name (modules and constants pass through)."""
+
+    def __init__(self, ops):
+        self._ops, self.t = ops, {}
+
+    def __getattr__(self, name):
+        v = getattr(self._ops, name)
+        if not callable(v) or isinstance(v, (type, types.ModuleType)):
+            return v
+        t = self.t
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            r = v(*a, **k)
+            t[name] = t.get(name, 0.0) + time.perf_counter() - t0
+            return r
+        return timed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-ops", action="store_true")
+    a = ap.parse_args()
+    cpu_ref.set_num_threads(a.threads)
+    cfg = preset(a.preset)
+    m, t = cfg.model, cfg.train
+    params = init_params(m, t.seed)
+    rng = np.random.default_rng(0)
+    win = rng.integers(0, m.vocab_size, (t.microbatch_seqs, m.seq_len + 1)).astype(np.uint32)
+    models = {p: Model(m, precision=p) for p in ("bf16", "int8")}
+    times = {p: [] for p in models}
+    for mod in models.values():
+        mod.loss_and_grad(params, win)                        # warm-up
+    for _ in range(a.reps):
+        for p, mod in models.items():
+            t0 = time.perf_counter()
+            mod.loss_and_grad(params, win)
+            times[p].append(time.perf_counter() - t0)
+    ratios = [b / i for b, i in zip(times["bf16"], times["int8"])]
+    N = t.microbatch_seqs * m.seq_len
+    print(f"preset {a.preset}: N {N}, d {m.d_model}, F {m.ffn_hidden}, layers {m.n_layers}, "
+          f"threads {cpu_ref.get_num_threads()}, {a.reps} reps (microbatch forward+backward)")
+    for p in models:
+        print(f"  {p:5s} median {1e3 * statistics.median(times[p]):8.1f} ms   "
+              f"min {1e3 * min(times[p]):8.1f} ms")
+    print(f"  speed int8/bf16: median of per-rep ratios {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    if a.no_ops:
+        return
+    for p in models:
+        ops = TimedOps(cpu_ref)
+        mod = Model(m, ops=ops, precision=p)
+        tot = []
+        acc = {}
+        for _ in range(a.reps):
+            ops.t.clear()
+            t0 = time.perf_counter()
+            mod.loss_and_grad(params, win)
+            tot.append(time.perf_counter() - t0)
+            for k, v in ops.t.items():
+                acc.setdefault(k, []).append(v)
+        total = statistics.median(tot)
+        print(f"  {p} by op (median ms per microbatch; total {1e3 * total:.1f} ms):")
+        rows = sorted(((statistics.median(v), k) for k, v in acc.items()), reverse=True)
+        for v, k in rows:
+            if v >= 0.002 * total:
+                print(f"    {k:22s} {1e3 * v:8.2f}  {100 * v / total:5.1f}%")
+        rest = total - sum(v for v, _ in rows)
+        print(f"    {'(python, numpy)':22s} {1e3 * rest:8.2f}  {100 * rest / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
