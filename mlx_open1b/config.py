@@ -161,16 +161,28 @@ class RunConfig:
     preset: str = _f("tiny", "the preset this configuration started from")
     precision: str = _f("bf16", "linear-layer arithmetic of the attention Q/K/V/O and FFN GEMMs: bf16 "
                                 "(CONTRACT.md §6.1) or int8 (W8A8 quantized, §6.9)")
+    gnmr: object = _f(None, "GNMR precision controller (mlx_open1b.gnmr.GNMRConfig; CONTRACT.md §13), or None")
 
     def check(self) -> "RunConfig":
         self.model.check()
         self.train.check(self.model)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.gnmr is not None:
+            from .gnmr import GNMRConfig, GNMRError
+            if not isinstance(self.gnmr, GNMRConfig):
+                raise ConfigError(f"gnmr: expected a GNMRConfig, got {type(self.gnmr).__name__}")
+            try:
+                self.gnmr.check(self.precision)
+            except GNMRError as e:
+                raise ConfigError(str(e)) from None
         return self
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.gnmr is None:
+            del d["gnmr"]        # runs without a controller keep their pre-GNMR genesis
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "RunConfig":
@@ -178,8 +190,12 @@ class RunConfig:
             m = ModelConfig(**d["model"])
             t = dict(d["train"])
             t["phases"] = tuple(tuple(p) for p in t["phases"])
+            gnmr = None
+            if d.get("gnmr") is not None:
+                from .gnmr import GNMRConfig
+                gnmr = GNMRConfig(**d["gnmr"])
             return cls(model=m, train=TrainConfig(**t), preset=d.get("preset", "custom"),
-                       precision=d.get("precision", "bf16"))
+                       precision=d.get("precision", "bf16"), gnmr=gnmr)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"config: malformed ({e})") from None
 

@@ -188,13 +188,14 @@ class Model:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"precision: expected 'bf16' or 'int8', got {precision!r}")
         self.cfg, self.ops, self.precision = cfg, ops, precision
-        # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands
-        if precision == "int8":
-            self._linear_forward, self._linear_backward = ops.qlinear_forward, ops.qlinear_backward
-            self._attention_forward = ops.attention_forward_i8
-        else:
-            self._linear_forward, self._linear_backward = ops.linear_forward, ops.linear_backward
-            self._attention_forward = ops.attention_forward
+        # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands;
+        # per unit (layer, op) overridable by a controller (GNMR) through set_paths
+        self._impl = {"bf16": (ops.linear_forward, ops.linear_backward, ops.attention_forward)}
+        if hasattr(ops, "qlinear_forward") and hasattr(ops, "attention_forward_i8"):
+            self._impl["int8"] = (ops.qlinear_forward, ops.qlinear_backward, ops.attention_forward_i8)
+        if precision not in self._impl:
+            raise ValueError(f"precision {precision!r}: backend {getattr(ops, 'NAME', ops)} has no such path")
+        self.paths: dict[tuple[int, str], str] = {}
         self.layout = ParamLayout(cfg)
         self.n_params = self.layout.n_params
         # host scalars, each rounded once to fp32 (CONTRACT.md §8)
@@ -205,6 +206,29 @@ class Model:
         self.windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
         # fp32 scalar multiply with the contract's flush (cpu_ref keeps it in its mathfn module)
         self._scalar_mul = getattr(ops, "scalar_mul", None) or ops.mathfn.scalar_mul
+
+    UNIT_OPS = ("qkv", "wo", "gate_up", "down", "attn")
+
+    def set_paths(self, paths: dict[tuple[int, str], str] | None) -> None:
+        """Override the precision of single units: {(layer, op): path}, op one of UNIT_OPS (attn is
+        the attention forward's P·V product), path one of the backend's paths; units not named run
+        at the model's precision. The next forward and backward use it."""
+        paths = dict(paths or {})
+        for (l, op), path in paths.items():
+            if not (0 <= l < self.cfg.n_layers) or op not in self.UNIT_OPS:
+                raise ValueError(f"set_paths: unknown unit ({l}, {op!r})")
+            if path not in self._impl:
+                raise ValueError(f"set_paths: unit ({l}, {op}): unknown path {path!r} (have {sorted(self._impl)})")
+        self.paths = paths
+
+    def _path(self, l: int, op: str):
+        return self._impl[self.paths.get((l, op), self.precision)]
+
+    def _linear_forward(self, l, op, x, w):
+        return self._path(l, op)[0](x, w)
+
+    def _linear_backward(self, l, op, dy, x, w):
+        return self._path(l, op)[1](dy, x, w)
 
     # ---- public API
     def forward(self, params: np.ndarray, windows: np.ndarray):
@@ -309,7 +333,7 @@ class Model:
         # attention: h_mid = h + wo(attn(rope(qknorm(q)), rope(qknorm(k)), v))
         a, rstd_attn = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)   # (N, d)
         a_b = ops.f32_to_bf16(a)
-        qkv = self._linear_forward(a_b, w_qkv)                             # (N, (H+2G)D)
+        qkv = self._linear_forward(l, "qkv", a_b, w_qkv)                             # (N, (H+2G)D)
         q_pre = np.ascontiguousarray(qkv[:, :H * D]).reshape(N * H, D)
         k_pre = np.ascontiguousarray(qkv[:, H * D:(H + G) * D]).reshape(N * G, D)
         v = np.ascontiguousarray(qkv[:, (H + G) * D:]).reshape(B, T, G, D)
@@ -318,17 +342,17 @@ class Model:
         q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(B, T, H, D), self.rope_cos, self.rope_sin))
         k_b = ops.f32_to_bf16(ops.rope_forward(kn.reshape(B, T, G, D), self.rope_cos, self.rope_sin))
         v_b = ops.f32_to_bf16(v)
-        o, lse = self._attention_forward(q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
+        o, lse = self._path(l, "attn")[2](q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
         o_b = ops.f32_to_bf16(o.reshape(N, H * D))
         h_mid = h.copy()
-        ops.add_inplace(h_mid, self._linear_forward(o_b, w[p + "wo"]))     # (N, d)
+        ops.add_inplace(h_mid, self._linear_forward(l, "wo", o_b, w[p + "wo"]))     # (N, d)
         # SwiGLU: h_out = h_mid + w_down(silu(gate) * up)
         f, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
         f_b = ops.f32_to_bf16(f)
-        gu = self._linear_forward(f_b, w[p + "w_gate_up"])                 # (N, 2F)
+        gu = self._linear_forward(l, "gate_up", f_b, w[p + "w_gate_up"])                 # (N, 2F)
         s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
         h_out = h_mid.copy()
-        ops.add_inplace(h_out, self._linear_forward(s_b, w[p + "w_down"]))  # (N, d)
+        ops.add_inplace(h_out, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
         if lc is not None:
             lc.update(h_in=h, rstd_attn=rstd_attn, a_b=a_b, q_pre=q_pre, rstd_q=rstd_q, k_pre=k_pre,
                       rstd_k=rstd_k, q_b=q_b, k_b=k_b, v_b=v_b, o=o, lse=lse, o_b=o_b, h_mid=h_mid,
@@ -361,13 +385,13 @@ class Model:
         lo, hi = self.layout.qkv_range(l)
         w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
         # SwiGLU branch: h_out = h_mid + w_down(s)
-        ds, dw[p + "w_down"][...] = self._linear_backward(bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
+        ds, dw[p + "w_down"][...] = self._linear_backward(l, "down", bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
         dgu = ops.swiglu_backward(ds, lc.gu)                                                 # (N, 2F)
-        df, dw[p + "w_gate_up"][...] = self._linear_backward(bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
+        df, dw[p + "w_gate_up"][...] = self._linear_backward(l, "gate_up", bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
         dh_mid, dw[p + "ffn_norm"][...] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
         ops.add_inplace(dh, dh_mid)            # dh = dL/dh_mid: running gradient + branch
         # attention branch: h_mid = h_in + wo(o)
-        do, dw[p + "wo"][...] = self._linear_backward(bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
+        do, dw[p + "wo"][...] = self._linear_backward(l, "wo", bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
         dq_r, dk_r, dv = ops.attention_backward(do.reshape(B, T, H, D), lc.q_b, lc.k_b, lc.v_b, lc.o,
                                                 lc.lse, self.windows[l], self.attn_scale)
         dqn = ops.rope_backward(dq_r, self.rope_cos, self.rope_sin).reshape(N * H, D)
@@ -375,7 +399,7 @@ class Model:
         dq, _ = ops.rmsnorm_backward(dqn, lc.q_pre, None, lc.rstd_q)     # (N*H, D)
         dk, _ = ops.rmsnorm_backward(dkn, lc.k_pre, None, lc.rstd_k)     # (N*G, D)
         dqkv = np.concatenate([dq.reshape(N, H * D), dk.reshape(N, G * D), dv.reshape(N, G * D)], axis=1)
-        da, dw_qkv = self._linear_backward(bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
+        da, dw_qkv = self._linear_backward(l, "qkv", bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
         grads[lo:hi] = dw_qkv.reshape(-1)
         dh_in, dw[p + "attn_norm"][...] = ops.rmsnorm_backward(da, lc.h_in, w[p + "attn_norm"], lc.rstd_attn)
         ops.add_inplace(dh, dh_in)             # dh = dL/dh_in

@@ -149,3 +149,44 @@ def test_cli_precision_option(tmp_path, default_corpus):
     assert res.exit_code == 2 and "precision" in res.output
     res = r.invoke(cli, ["train", "--steps", "2", "--out", str(out), "--resume", "--precision", "int8"])
     assert res.exit_code == 0, res.output
+
+
+# ------------------------------------------------------------------ per-unit paths (GNMR's switch)
+def _all_units(path):
+    return {(l, op): path for l in range(MICRO.n_layers) for op in Model.UNIT_OPS}
+
+
+def test_every_unit_on_bf16_is_the_bf16_program():
+    """An int8 model with every unit switched to bf16 is the bf16 model, bit for bit."""
+    params, win = init_params(MICRO, 3), _windows(4)
+    ref = Model(MICRO).loss_and_grad(params, win)
+    m = Model(MICRO, precision="int8")
+    m.set_paths(_all_units("bf16"))
+    got = m.loss_and_grad(params, win)
+    assert got[:3] == ref[:3]
+    assert_bits_equal(got[3], ref[3], "gradient")
+    m.set_paths(None)                                   # and back: the int8 program again
+    assert_bits_equal(m.loss_and_grad(params, win)[3], Model(MICRO, precision="int8").loss_and_grad(params, win)[3])
+
+
+def test_one_recovered_unit_changes_only_what_it_should():
+    """Recovering one GEMM (layer 1's FFN down) gives a third program: different from both pure
+    ones, and deterministic."""
+    params, win = init_params(MICRO, 5), _windows(6)
+    g8 = Model(MICRO, precision="int8").loss_and_grad(params, win)[3]
+    g16 = Model(MICRO).loss_and_grad(params, win)[3]
+    m = Model(MICRO, precision="int8")
+    m.set_paths({(1, "down"): "bf16"})
+    g = m.loss_and_grad(params, win)[3]
+    assert (g.view(np.uint32) != g8.view(np.uint32)).any() and (g.view(np.uint32) != g16.view(np.uint32)).any()
+    assert_bits_equal(m.loss_and_grad(params, win)[3], g, "repeat")
+
+
+def test_set_paths_rejects_unknown_units_and_paths():
+    m = Model(MICRO, precision="int8")
+    with pytest.raises(ValueError, match="unknown unit"):
+        m.set_paths({(MICRO.n_layers, "wo"): "bf16"})
+    with pytest.raises(ValueError, match="unknown unit"):
+        m.set_paths({(0, "lm_head"): "bf16"})
+    with pytest.raises(ValueError, match="unknown path"):
+        m.set_paths({(0, "wo"): "fp8"})
