@@ -416,7 +416,7 @@ def _swiglu(rng, i, op):
     return dict(args=(dout, h), outputs=("dh",), desc=f"N={N} F={F}")
 
 
-@gen("attention_forward", "attention_backward")
+@gen("attention_forward", "attention_backward", "attention_forward_i8")
 def _attention(rng, i, op):
     B, T = rng.choice((1, 2)), rng.choice((1, 7, 33, 65, 130))
     G = rng.choice((1, 2))
@@ -428,12 +428,62 @@ def _attention(rng, i, op):
     desc = f"B={B} T={T} H={H} G={G} D={D} window={W} scale={scale:.6g}"
     if op == "attention_forward":
         return dict(args=(q, k, v, W, scale), outputs=("o", "lse"), desc=desc)
+    if op == "attention_forward_i8":
+        q0 = rng.coin(0.25)   # q = +-0: every score 0, every p_j = 1, t_j = s_v[j]: ties of q_p (tie rows)
+        v, kinds = _value_rows_i8(rng, v, i, ties=q0)
+        if q0:
+            q = np.where(rng.ints(q.size, 0, 2).reshape(q.shape) == 1, U16(0x8000), U16(0)).astype(U16)
+            desc += " q=0"
+        return dict(args=(q, k, v, W, scale), outputs=("o", "lse"), desc=desc + f" v rows: {kinds}")
     o, lse = _sp_att.attention_forward(q, k, v, W, F32(scale))
     dout = _mixed_f32(rng, (B, T, H, D))
     if i % 4 == 3:                      # specials in the forward's outputs too
         o, lse = rng.sprinkle(o, 0.01), rng.sprinkle(lse, 0.01)
     dout = sum_specials(rng, dout, i)
     return dict(args=(dout, q, k, v, o, lse, W, scale), outputs=("dq", "dk", "dv"), desc=desc)
+
+
+def _value_rows_i8(rng: CaseRNG, v: np.ndarray, i: int, ties: bool = False):
+    """§6.10's value rows (each quantized alone, s_v = absmax/127): v (B, T, G, D) bf16 with rows
+    (the D values of one key and head) replaced, row by row: tie rows (half-integer multiples of
+    2^(e-1), e one of two exponents per case: ties of q_v, and of q_p under equal scores); by case
+    index % 4 (not 0) also zero rows (s_v = +0), subnormal rows (flushed: zero rows), tiny rows
+    (s_v or the block scale s_p flushes), huge rows, rows with one outlier (most levels 0),
+    sometimes every row tiny; and (index % 4 == 2, sometimes 3) one row holding a NaN or infinity
+    (s_v NaN: every query that sees it is NaN). ties: mostly tie rows. Returns (v, summary)."""
+    B, T, G, D = v.shape
+    rows = np.array(v, copy=True).reshape(-1, D)
+    n = rows.shape[0]
+    kinds = ["plain", "tie", "tie", "tie", "tie"] if ties else ["plain", "plain", "plain", "tie", "tie"]
+    if i % 4:
+        kinds += ["zero", "subnormal", "tiny", "huge", "outlier"]
+    used: dict[str, int] = {}
+    all_tiny = i % 4 != 0 and rng.coin(0.1)
+    e_tie = rng.choice((-20, -7, 0, 3, 40))
+    for r in range(n):
+        kind = "tiny" if all_tiny else rng.choice(kinds)
+        if kind == "tie":                 # v = k/2 2^e, max |k| = kmax: s_v = div(kmax 2^(e-1), 127)
+            e = e_tie - rng.below(2)      # (2^e when kmax = 254: |k| odd is then a tie of q_v). With
+            kmax = rng.choice((254, 254, 1 + rng.below(254)))   # equal scores t_j = s_v[j], and a block
+            k = rng.ints(D, -kmax, kmax + 1)                     # whose largest t is 2^e gives
+            k[rng.below(D)] = rng.choice((kmax, -kmax))          # q_p = kmax/2: ties when kmax is odd
+            rows[r] = _bf16_exact((k.astype(np.float64) * 2.0 ** (e - 1)).astype(F32))
+        elif kind == "zero":
+            rows[r] = np.where(rng.ints(D, 0, 2) == 1, U16(0x8000), U16(0))
+        elif kind == "subnormal":
+            rows[r] = rng.words(D).astype(U16) & U16(0x807F)
+        elif kind == "tiny":              # absmax 2^-126 .. 2^-110: s_v = div(a, 127) flushes below 2^-119
+            rows[r] = A.f32_to_bf16(rng.f32((D,), "wide", elo=-126, ehi=-110))
+        elif kind == "huge":
+            rows[r] = A.f32_to_bf16(rng.f32((D,), "wide", elo=110, ehi=127))
+        elif kind == "outlier":
+            rows[r, rng.below(D)] = A.f32_to_bf16(np.array([rng.choice((1e3, -1e3, 3e5))], F32))[0]
+        used[kind] = used.get(kind, 0) + 1
+    if n and ((i % 4 == 2) or (i % 4 == 3 and rng.coin(0.3))):
+        rows[rng.below(n), rng.below(D)] = SPECIAL_BF16_NONFINITE[rng.below(len(SPECIAL_BF16_NONFINITE))]
+        used["nonfinite"] = 1
+    summary = ",".join(f"{k}={c}" for k, c in sorted(used.items()))
+    return np.ascontiguousarray(rows.reshape(B, T, G, D)), summary
 
 
 @gen("xent_forward", "xent_backward")

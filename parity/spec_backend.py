@@ -103,6 +103,10 @@ def attention_forward(q, k, v, window, scale):
     return _att.attention_forward(q, k, v, int(window), F32(scale))
 
 
+def attention_forward_i8(q, k, v, window, scale):
+    return _att.attention_forward_i8(q, k, v, int(window), F32(scale))
+
+
 def attention_backward(dout, q, k, v, o, lse, window, scale):
     return _att.attention_backward(dout, q, k, v, o, lse, int(window), F32(scale))
 

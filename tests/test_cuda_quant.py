@@ -6,19 +6,24 @@ emulator (cuda/emu). Every public op of the family is compared with mlx_open1b.c
 that are not multiples of any block size (128-thread launches, 128-row Hadamard blocks, 4096-element
 absmax chunks), with NaN/inf rows and tensors, zero rows, subnormals (inputs and flushed scales),
 clipped weights and rounding ties; plus the nvcc compile check of quant.cu for sm_80 and sm_90.
+The int8 attention forward (§6.10, cuda/attention.cu: the value-row quantization kernel and the
+int8 block product) is compared with the numpy spec and the C reference the same way.
 """
 from __future__ import annotations
 
+import inspect
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, rand_bf16, rand_f32, sprinkle
+from helpers import (SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, attention_i8_inputs, rand_bf16, rand_f32,
+                     sprinkle)
 
 import mlx_open1b.cpu_ref as ref
 from mlx_open1b.cuda import emu, ops as cu, runtime
+from mlx_open1b.spec import attention as spec_attention, quant as spec_quant
 from mlx_open1b.spec.arith import f32_to_bf16
 
 OK, HOW = cu.available()
@@ -295,6 +300,135 @@ def test_layer_outliers_and_large_values():
     dy[7, 7] = bf(1e38)
     check_layer(x, w, dy, "outliers")
     check_layer(x, w, bf(widen(dy) * np.float32(1e-36)), "tiny gradients")
+
+
+# ================================================================== §6.10 the int8 attention forward
+I8_SHAPES = [(1, 7, 2, 1, 4, 0), (1, 70, 2, 2, 3, 0), (2, 67, 3, 1, 5, 65), (1, 9, 2, 2, 2, 1), (1, 130, 2, 1, 8, 100)]
+
+
+def _rng_i8(*key) -> np.random.Generator:
+    return np.random.default_rng([0xA778, *key])
+
+
+def check_attention_i8(q, k, v, W, scale, what):
+    """cu.attention_forward_i8 equals the numpy spec and the C reference bit for bit."""
+    o, lse = cu.attention_forward_i8(q, k, v, W, scale)
+    want_o, want_lse = spec_attention.attention_forward_i8(q, k, v, W, np.float32(scale))
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert_bits_equal(o, want_o, f"{what} o")
+    assert_bits_equal(lse, want_lse, f"{what} lse")
+    ref_o, ref_lse = ref.attention_forward_i8(q, k, v, W, scale)
+    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
+    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
+    return o, lse
+
+
+def test_attention_forward_i8_same_signature_as_cpu_ref():
+    assert inspect.signature(cu.attention_forward_i8) == inspect.signature(ref.attention_forward_i8)
+
+
+@pytest.mark.parametrize("B,T,H,G,D,W", I8_SHAPES)
+def test_attention_forward_i8_matches_spec(B, T, H, G, D, W):
+    """Blocks crossed (T not a multiple of 64), windows, grouped-query heads; plain inputs, then
+    zero / subnormal / tiny / huge / tie / +inf / NaN value rows and finite specials in q and k."""
+    rng = _rng_i8(20, B, T, H, G, D, W)
+    for specials, scale in ((False, float(np.float32(1 / np.sqrt(D)))), (True, 1.0), (True, 8.0)):
+        q, k, v = attention_i8_inputs(rng, B, T, H, G, D, specials)
+        check_attention_i8(q, k, v, W, scale, f"{B, T, H, G, D, W} specials={specials} scale={scale}")
+
+
+@pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
+def test_attention_forward_i8_flush_modes(ftz):
+    """The same bits whatever the emulated device's flushing (tiny values, flushed scales)."""
+    import contextlib
+    ctx = contextlib.ExitStack()
+    if ftz is not None:
+        ctx.enter_context(runtime.emulate())
+        ctx.enter_context(emu.options(ftz=ftz))
+    with ctx:
+        rng = _rng_i8(23)
+        q, k, v = attention_i8_inputs(rng, 1, 67, 2, 1, 4, specials=True)
+        check_attention_i8(q, k, v, 0, 1.0, f"ftz={ftz}")
+        tiny = f32_to_bf16((rng.uniform(-1, 1, v.shape) * 2.0 ** -112).astype(np.float32))
+        check_attention_i8(q, k, tiny, 0, 1.0, f"tiny values, ftz={ftz}")
+
+
+def test_attention_forward_i8_special_rows():
+    """A +inf value row makes every query that sees it NaN (and only those); lse is §6.6's; all-zero
+    and all-tiny values (s_v = +0, or the block scale s_p flushes) give +0 outputs."""
+    rng = _rng_i8(21)
+    B, T, H, G, D, W = 1, 70, 2, 1, 4, 0
+    q, k, v = attention_i8_inputs(rng, B, T, H, G, D)
+    v[0, 40, 0, 2] = 0x7F80
+    o, lse = check_attention_i8(q, k, v, W, 0.5, "inf row")
+    assert np.isnan(o[0, 40:]).all() and not np.isnan(o[0, :40]).any()
+    assert_bits_equal(lse, ref.attention_forward(q, k, v, W, 0.5)[1], "lse is the fp32 path's")
+    v[0, 40, 0, 2] = 0
+    v[0, 5] = 0x7FC1                                          # a NaN row inside a window of 3
+    o, _ = check_attention_i8(q, k, v, 3, 0.5, "nan row, window 3")
+    assert np.isnan(o[0, 5:8]).all() and not np.isnan(o[0, :5]).any() and not np.isnan(o[0, 8:]).any()
+    for what, vv in (("zero", np.where(rng.integers(0, 2, v.shape) == 1, 0x8000, 0).astype(np.uint16)),
+                     ("subnormal", (rng.integers(0, 0x10000, v.shape) & 0x807F).astype(np.uint16)),
+                     ("tiny", f32_to_bf16((rng.uniform(-1, 1, v.shape) * 2.0 ** -118).astype(np.float32)))):
+        o, _ = check_attention_i8(q, k, vv, W, 0.5, what)
+        if what != "tiny":
+            assert not o.view(np.uint32).any(), what
+
+
+def test_attention_forward_i8_ties_to_even():
+    """q = 0: every score is 0 and every p_j = 1, so t_j = s_v[j]. Key 0's values [127, 0] give
+    s_v = 1, key 1's [62.5, 0] s_v = div(62.5, 127); query 1's block scale is s_p = div(1, 127) and
+    its weights level(127) = 127, level(62.5) = 62 (a tie, to even): o = mul(i2f(127 * 189), s_p) / 2."""
+    q = np.zeros((1, 2, 1, 2), np.uint16)
+    k = f32_to_bf16(np.ones((1, 2, 1, 2), np.float32))
+    v = f32_to_bf16(np.array([[127.0, 0.0], [62.5, 0.0]], np.float32)).reshape(1, 2, 1, 2)
+    o, lse = check_attention_i8(q, k, v, 0, 1.0, "ties")
+    f = np.float32
+    sp = f(1) / f(127)
+    assert o[0, 0, 0, 0] == f(f(127 * 127) * sp) * (f(1) / f(1))
+    assert o[0, 1, 0, 0] == f(f(127 * 189) * sp) * (f(1) / f(2))       # 62.5 -> 62, not 63
+    assert o[0, 1, 0, 1] == 0 and o.view(np.uint32)[0, 1, 0, 1] == 0
+
+
+def run_vquant(v):
+    """The kernel o1b_attention_vquant alone -> q_v (B,T,G,D) int8, s_v (B,T,G) fp32."""
+    B, T, G, D = v.shape
+    n = B * T * G
+    qv, sv = cu._empty((B, T, G, D), np.int8), cu._empty((B, T, G), np.float32)
+    cu._launch1d("attention.cu", "o1b_attention_vquant", n, np.int64(n), np.int64(D), cu._dev(v), qv, sv)
+    return cu._host(qv), cu._host(sv)
+
+
+def test_attention_vquant_kernel_is_the_per_tensor_rule():
+    """The value-row kernel alone: each row's (q_v, s_v) is §6.9's per-tensor quantization of it."""
+    rng = _rng_i8(22)
+    B, T, G, D = 2, 9, 2, 6
+    _, _, v = attention_i8_inputs(rng, B, T, G, G, D, specials=True)
+    v[0, 0, 0] = f32_to_bf16(np.array([127.0, 0.5, -0.5, 1.5, 2.5, -126.5], np.float32))   # ties, s = 1
+    qv, sv = run_vquant(v)
+    assert qv.shape == (B, T, G, D) and qv.dtype == np.int8 and sv.shape == (B, T, G)
+    assert qv[0, 0, 0].tolist() == [127, 0, 0, 2, 2, -126]
+    for idx in np.ndindex(B, T, G):
+        want_q, want_s = spec_quant.quant_tensor(v[idx])
+        assert np.array_equal(qv[idx], want_q.reshape(D)), idx
+        assert_bits_equal(np.float32(sv[idx]), np.float32(want_s), f"s_v {idx}")
+
+
+def test_attention_forward_i8_empty_and_bad_arguments():
+    for shape in ((0, 5, 2, 4), (1, 0, 2, 4)):
+        q = np.zeros(shape, np.uint16)
+        kv = np.zeros(shape[:2] + (1, 4), np.uint16)
+        o, lse = cu.attention_forward_i8(q, kv, kv, 0, 0.5)
+        ro, rl = ref.attention_forward_i8(q, kv, kv, 0, 0.5)
+        assert o.shape == ro.shape and lse.shape == rl.shape and o.dtype == lse.dtype == np.float32
+    q, kv = np.zeros((1, 3, 3, 4), np.uint16), np.zeros((1, 3, 2, 4), np.uint16)
+    for args in ((q, kv, kv, 0, 0.5), (q.astype(np.float32), kv[:, :, :1], kv[:, :, :1], 0, 0.5),
+                 (q, kv[:, :, :1], kv[:, :, :1], -1, 0.5)):
+        with pytest.raises(ValueError) as e_ref:
+            ref.attention_forward_i8(*args)
+        with pytest.raises(ValueError) as e_be:
+            cu.attention_forward_i8(*args)
+        assert str(e_be.value) == str(e_ref.value)
 
 
 # ================================================================== argument errors

@@ -1,6 +1,7 @@
 """The int8 quantized linear layer (CONTRACT.md §6.9) on the Metal backend against the C reference,
 bit for bit: the quantizers (per-row weight step sizes, per-tensor scales), the exact int8 GEMM,
-the Walsh-Hadamard rotation and the layer's forward and backward.
+the Walsh-Hadamard rotation and the layer's forward and backward; and the int8 attention forward
+(§6.10: value-row quantization kernel, int8 block product) against the numpy spec and the C reference.
 
 Where Metal is available the kernels run through mx.fast.metal_kernel, elsewhere in the emulator.
 Shapes are odd (not multiples of QB, of the absmax block or of any threadgroup), inputs include
@@ -16,9 +17,11 @@ import pytest
 
 import mlx_open1b.cpu_ref as C
 from mlx_open1b.metal import ops as M
+from mlx_open1b.spec import attention as spec_attention, quant as spec_quant
 from mlx_open1b.spec.arith import f32_to_bf16
 
-from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, rand_bf16, rand_f32, sprinkle
+from helpers import (SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, attention_i8_inputs, rand_bf16, rand_f32,
+                     sprinkle)
 
 OPS = ("gemm_i8", "hadamard_rows", "quant_weight_rows", "quant_tensor", "qlinear_forward", "qlinear_backward")
 QB = C.quant.QB
@@ -285,6 +288,112 @@ def test_layer_outliers_and_clipping():
     q, s = C.quant_weight_rows(w)
     assert (q[2:, 0] == 127).all() and (q[1] == 6).all()
     assert (dw[2:, 0] == 0).all() and (dw[2:, 0].view(np.uint32) == 0).all()
+
+
+# ------------------------------------------------------------------ §6.10 the int8 attention forward
+I8_SHAPES = [(1, 7, 2, 1, 4, 0), (1, 70, 2, 2, 3, 0), (2, 67, 3, 1, 5, 65), (1, 9, 2, 2, 2, 1), (1, 130, 2, 1, 8, 100)]
+
+
+def check_attention_i8(q, k, v, W, scale, what):
+    """M.attention_forward_i8 equals the numpy spec and the C reference bit for bit."""
+    o, lse = M.attention_forward_i8(q, k, v, W, scale)
+    want_o, want_lse = spec_attention.attention_forward_i8(q, k, v, W, np.float32(scale))
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert_bits_equal(o, want_o, f"{what} o")
+    assert_bits_equal(lse, want_lse, f"{what} lse")
+    ref_o, ref_lse = C.attention_forward_i8(q, k, v, W, scale)
+    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
+    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
+    return o, lse
+
+
+def test_attention_forward_i8_same_signature_as_cpu_ref():
+    assert inspect.signature(M.attention_forward_i8) == inspect.signature(C.attention_forward_i8)
+
+
+@pytest.mark.parametrize("B,T,H,G,D,W", I8_SHAPES)
+def test_attention_forward_i8_matches_spec(B, T, H, G, D, W):
+    """Blocks crossed (T not a multiple of 64), windows, grouped-query heads; plain inputs, then
+    zero / subnormal / tiny / huge / tie / +inf / NaN value rows and finite specials in q and k."""
+    rng = rng_for(20, B, T, H, G, D, W)
+    for specials, scale in ((False, float(np.float32(1 / np.sqrt(D)))), (True, 1.0), (True, 8.0)):
+        q, k, v = attention_i8_inputs(rng, B, T, H, G, D, specials)
+        check_attention_i8(q, k, v, W, scale, f"{B, T, H, G, D, W} specials={specials} scale={scale}")
+
+
+def test_attention_forward_i8_special_rows():
+    """A +inf value row makes every query that sees it NaN (and only those); lse is §6.6's; all-zero
+    and all-tiny values (s_v = +0, or the block scale s_p flushes) give +0 outputs."""
+    rng = rng_for(21)
+    B, T, H, G, D, W = 1, 70, 2, 1, 4, 0
+    q, k, v = attention_i8_inputs(rng, B, T, H, G, D)
+    v[0, 40, 0, 2] = 0x7F80
+    o, lse = check_attention_i8(q, k, v, W, 0.5, "inf row")
+    assert np.isnan(o[0, 40:]).all() and not np.isnan(o[0, :40]).any()
+    assert_bits_equal(lse, C.attention_forward(q, k, v, W, 0.5)[1], "lse is the fp32 path's")
+    v[0, 40, 0, 2] = 0
+    v[0, 5] = 0x7FC1                                          # a NaN row inside a window of 3
+    o, _ = check_attention_i8(q, k, v, 3, 0.5, "nan row, window 3")
+    assert np.isnan(o[0, 5:8]).all() and not np.isnan(o[0, :5]).any() and not np.isnan(o[0, 8:]).any()
+    for what, vv in (("zero", np.where(rng.integers(0, 2, v.shape) == 1, 0x8000, 0).astype(np.uint16)),
+                     ("subnormal", (rng.integers(0, 0x10000, v.shape) & 0x807F).astype(np.uint16)),
+                     ("tiny", f32_to_bf16((rng.uniform(-1, 1, v.shape) * 2.0 ** -118).astype(np.float32)))):
+        o, _ = check_attention_i8(q, k, vv, W, 0.5, what)
+        if what != "tiny":
+            assert not o.view(np.uint32).any(), what
+
+
+def test_attention_forward_i8_ties_to_even():
+    """q = 0: every score is 0 and every p_j = 1, so t_j = s_v[j]. Key 0's values [127, 0] give
+    s_v = 1, key 1's [62.5, 0] s_v = div(62.5, 127); query 1's block scale is s_p = div(1, 127) and
+    its weights level(127) = 127, level(62.5) = 62 (a tie, to even): o = mul(i2f(127 * 189), s_p) / 2."""
+    q = np.zeros((1, 2, 1, 2), np.uint16)
+    k = f32_to_bf16(np.ones((1, 2, 1, 2), np.float32))
+    v = f32_to_bf16(np.array([[127.0, 0.0], [62.5, 0.0]], np.float32)).reshape(1, 2, 1, 2)
+    o, lse = check_attention_i8(q, k, v, 0, 1.0, "ties")
+    f = np.float32
+    sp = f(1) / f(127)
+    assert o[0, 0, 0, 0] == f(f(127 * 127) * sp) * (f(1) / f(1))
+    assert o[0, 1, 0, 0] == f(f(127 * 189) * sp) * (f(1) / f(2))       # 62.5 -> 62, not 63
+    assert o[0, 1, 0, 1] == 0 and o.view(np.uint32)[0, 1, 0, 1] == 0
+
+
+def run_vquant(v):
+    B, T, G, D = v.shape
+    return M._run("attention_vquant", [v.reshape(-1), M._i64(D)], [((B, T, G, D), np.int8), ((B, T, G), np.float32)],
+                  (B * T * G, 1, 1), (64, 1, 1))
+
+
+def test_attention_vquant_kernel_is_the_per_tensor_rule():
+    """The value-row kernel alone: each row's (q_v, s_v) is §6.9's per-tensor quantization of it."""
+    rng = rng_for(22)
+    B, T, G, D = 2, 9, 2, 6
+    _, _, v = attention_i8_inputs(rng, B, T, G, G, D, specials=True)
+    v[0, 0, 0] = f32_to_bf16(np.array([127.0, 0.5, -0.5, 1.5, 2.5, -126.5], np.float32))   # ties, s = 1
+    qv, sv = run_vquant(v)
+    assert qv.shape == (B, T, G, D) and qv.dtype == np.int8 and sv.shape == (B, T, G)
+    assert qv[0, 0, 0].tolist() == [127, 0, 0, 2, 2, -126]
+    for idx in np.ndindex(B, T, G):
+        want_q, want_s = spec_quant.quant_tensor(v[idx])
+        assert np.array_equal(qv[idx], want_q.reshape(D)), idx
+        assert_bits_equal(np.float32(sv[idx]), np.float32(want_s), f"s_v {idx}")
+
+
+def test_attention_forward_i8_empty_and_bad_arguments():
+    for shape in ((0, 5, 2, 4), (1, 0, 2, 4)):
+        q = np.zeros(shape, np.uint16)
+        kv = np.zeros(shape[:2] + (1, 4), np.uint16)
+        o, lse = M.attention_forward_i8(q, kv, kv, 0, 0.5)
+        ro, rl = C.attention_forward_i8(q, kv, kv, 0, 0.5)
+        assert o.shape == ro.shape and lse.shape == rl.shape and o.dtype == lse.dtype == np.float32
+    q, kv = np.zeros((1, 3, 3, 4), np.uint16), np.zeros((1, 3, 2, 4), np.uint16)
+    for args in ((q, kv, kv, 0, 0.5), (q.astype(np.float32), kv[:, :, :1], kv[:, :, :1], 0, 0.5),
+                 (q, kv[:, :, :1], kv[:, :, :1], -1, 0.5)):
+        with pytest.raises(ValueError) as e_ref:
+            C.attention_forward_i8(*args)
+        with pytest.raises(ValueError) as e_be:
+            M.attention_forward_i8(*args)
+        assert str(e_be.value) == str(e_ref.value)
 
 
 # ------------------------------------------------------------------ argument errors
