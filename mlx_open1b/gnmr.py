@@ -178,11 +178,13 @@ class Controller:
         """Two-stage threshold: alpha_init while consumed tokens < warm * total_tokens."""
         return self.alphas[0] if consumed_after < self.cfg.warm * self.total_tokens else self.alphas[1]
 
-    def unit_norms(self, grads: np.ndarray, layout, ops) -> np.ndarray:
-        """(U,) f32: each unit's §7 global norm over its tensors (buffer order)."""
+    def unit_norms(self, partials: dict, ops) -> np.ndarray:
+        """(U,) f32: each unit's §7 global norm over its tensors (buffer order), from the tensors'
+        sum-of-squares block partials {name: ops.sumsq_blocks(grad)} (the global norm's own)."""
+        sqrt = getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
         out = np.empty(len(self.units), F32)
         for i, (_, tensors, _) in enumerate(self.units):
-            out[i] = ops.global_norm([grads[layout[t].offset:layout[t].offset + layout[t].size] for t in tensors])
+            out[i] = sqrt(ops.treefold(np.ascontiguousarray(np.concatenate([partials[t] for t in tensors]), F32)))
         return out
 
     def update(self, st: GNMRState, norms: np.ndarray, consumed_after: int) -> tuple[GNMRState, dict]:

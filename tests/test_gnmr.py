@@ -170,3 +170,20 @@ def test_config_parse_and_errors():
         GNMRConfig(mode="layer").check("int8")
     with pytest.raises(GNMRError, match="gnmr.window"):
         GNMRConfig(window=0).check("int8")
+
+
+def test_unit_norms_are_global_norms_of_the_units_tensors():
+    """From the global norm's own block partials, each unit's norm equals cpu_ref.global_norm over
+    the unit's tensors, bit for bit."""
+    from mlx_open1b import cpu_ref
+    from mlx_open1b.model import ParamLayout
+    layout = ParamLayout(CFG)
+    g = (np.random.default_rng(0).standard_normal(layout.n_params) * 1e-2).astype(np.float32)
+    parts = {t.name: cpu_ref.sumsq_blocks(g[t.offset:t.offset + t.size]) for t in layout}
+    for mode in ("op", "block"):
+        ctl = Controller(GNMRConfig(mode=mode).check("int8"), CFG, 1000)
+        got = ctl.unit_norms(parts, cpu_ref)
+        for i, (name, tensors, _) in enumerate(ctl.units):
+            want = np.float32(cpu_ref.global_norm([g[layout[t].offset:layout[t].offset + layout[t].size]
+                                                   for t in tensors]))
+            assert got[i].view(np.uint32) == want.view(np.uint32), name
