@@ -91,7 +91,8 @@ from mlx_open1b.cli.data import data  # noqa: E402
 
 cli.add_command(data)
 
-from mlx_open1b.cli.train import audit, hash_, train  # noqa: E402
+from mlx_open1b.cli.train import hash_, train  # noqa: E402
+from mlx_open1b.cli.audit import audit  # noqa: E402  (the group; `audit RUN --steps A-B` still works)
 
 for _cmd in (train, audit, hash_):
     cli.add_command(_cmd)
@@ -99,6 +100,11 @@ for _cmd in (train, audit, hash_):
 from mlx_open1b.cli.parity import parity  # noqa: E402
 
 cli.add_command(parity)
+
+from mlx_open1b.cli.publish import eval_, export, report  # noqa: E402
+
+for _cmd in (report, export, eval_):
+    cli.add_command(_cmd)
 
 
 def main() -> None:

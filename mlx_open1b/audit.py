@@ -14,6 +14,7 @@ import pathlib
 import platform
 
 from . import __version__
+from .attest import environment, seal
 from .checkpoint import list_checkpoints, load_checkpoint
 from .contract import CONTRACT_VERSION
 from .fsutil import write_json_atomic
@@ -111,7 +112,9 @@ def _attest(run, first, last, backend, auditor, out, verdict, start, certified, 
                      "system": f"{platform.system()} {platform.release()}", "python": platform.python_version()},
         "software": f"mlx-open1b {__version__}", "contract_version": CONTRACT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(backend), "plan": None,
     }
+    seal(att)        # attestation_hash: what a collective-audit report verifies (attest.py)
     if out is not None:
         write_json_atomic(out, att)
     return att

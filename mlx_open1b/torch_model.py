@@ -271,7 +271,8 @@ class TorchModel(nn.Module):
         f = rmsnorm(h, layer.ffn_norm, eps)
         return h + F.linear(swiglu(F.linear(f, layer.w_gate_up)), layer.w_down).to(cdt)
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor):
+    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """inputs (B, T) int64 -> logits (B, T, V) in the compute dtype."""
         cfg, cdt = self.cfg, self._cdt()
         T = inputs.shape[1]
         h = rmsnorm(F.embedding(inputs, self.wte), self.emb_norm, cfg.norm_eps)
@@ -282,9 +283,27 @@ class TorchModel(nn.Module):
                 masks[W] = visibility_mask(T, W, h.device)
             h = self._block(l, layer, h, masks[W])
         hn = rmsnorm(h, self.final_norm, cfg.norm_eps)
-        z = F.linear(hn, self.lm_head).to(cdt).reshape(-1, cfg.vocab_size)   # (N, V)
+        return F.linear(hn, self.lm_head).to(cdt)
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor):
+        cfg = self.cfg
+        z = self._logits(inputs).reshape(-1, cfg.vocab_size)   # (N, V)
         ce, zl = xent_zloss(z, targets.reshape(-1), cfg.z_loss)
         return (ce + zl).mean(), ce.mean(), zl.mean()
+
+    @torch.no_grad()
+    def logits(self, tokens) -> torch.Tensor:
+        """tokens (B, T) ints, T <= seq_len -> next-token logits (B, T, V), no loss (inference;
+        used to check exported weights against the model program)."""
+        t = torch.as_tensor(np.asarray(tokens, np.int64), device=self.wte.device)
+        if t.ndim != 2 or not 1 <= t.shape[1] <= self.cfg.seq_len:
+            raise ValueError(f"tokens must be (B, T) with 1 <= T <= seq_len = {self.cfg.seq_len}, got {tuple(t.shape)}")
+        if int(t.min()) < 0 or int(t.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        if self.autocast_bf16:
+            with torch.autocast(device_type=self.wte.device.type, dtype=torch.bfloat16):
+                return self._logits(t)
+        return self._logits(t)
 
     def forward(self, windows: np.ndarray):
         """windows uint32 (B, seq_len + 1) → (loss, ce_mean, z_mean), scalar tensors:

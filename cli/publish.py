@@ -1,0 +1,89 @@
+"""`open1b report`, `open1b export`, `open1b eval`: what a user of a published run needs."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(code)
+
+
+@click.command()
+@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="output directory (default: RUN/report); the page is OUT/index.html")
+@click.option("--max-checkpoints", type=click.IntRange(min=2), default=64, show_default=True,
+              help="weight norms from at most this many checkpoints (evenly spaced; each is read whole)")
+def report(run, out, max_checkpoints):
+    """Write a self-contained HTML report of RUN: loss, gradient-norm, schedule and weight-norm
+    figures (inline SVG) and the run summary, all from the verified ledger and checkpoints."""
+    from mlx_open1b.checkpoint import CheckpointError
+    from mlx_open1b.config import ConfigError
+    from mlx_open1b.report import ReportError, write_report
+    try:
+        path = write_report(run, out, max_checkpoints)
+    except (ReportError, CheckpointError, ConfigError) as e:
+        _fail(str(e), getattr(e, "exit_code", 2))
+    click.echo(f"report {path}")
+
+
+@click.command()
+@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.option("--step", type=int, default=None, help="checkpoint step (default: the latest checkpoint)")
+@click.option("--format", "fmt", type=click.Choice(["mlx", "hf"]), default="mlx", show_default=True,
+              help="mlx: the model program's tensor names; hf: Hugging Face Llama names + model.embed_norm")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="new output directory")
+def export(run, step, fmt, out):
+    """Export a checkpoint's weights (bf16, bit-identical) with config.json and tokenizer.json.
+
+    \b
+    Loads in plain MLX (mx.load; mlx_open1b.export.mlx_forward runs it) and in PyTorch
+    (mlx_open1b.export.torch_model -> mlx_open1b.torch_model.TorchModel). What does NOT map onto
+    HF / mlx-lm Llama, so the config says model_type "open1b", not "llama":
+      - the RMSNorm on the embedding output (embed_norm),
+      - QK-norm: gain-free per-head RMSNorm of q and k before RoPE (= Qwen3's q_norm/k_norm with
+        all-ones weights),
+      - sliding-window attention on local layers (layer_types / sliding_window),
+      - z-loss (training only).
+    """
+    from mlx_open1b.export import ExportError, export as do_export
+    try:
+        path = do_export(run, step, fmt, out)
+    except ExportError as e:
+        _fail(str(e), e.exit_code)
+    click.echo(f"exported {path} ({fmt})")
+
+
+@click.command(name="eval")
+@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.option("--step", type=int, default=None, help="checkpoint step (default: the latest checkpoint)")
+@click.option("--tasks", default="arith,facts,code,text", show_default=True,
+              help="comma-separated offline tasks shipped with the package: arith, facts, code (multiple choice), "
+                   "text (rolling log-likelihood)")
+@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
+@click.option("--limit", type=int, default=None, help="at most this many items per task")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="the run's tokenizer.json (default: the shipped one; the run's hash must match it)")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write the results as JSON")
+def eval_(run, step, tasks, backend, limit, tokenizer, json_out):
+    """Evaluate a checkpoint of RUN on the offline task set (the lm-eval adapter is
+    mlx_open1b.evaluate.Open1BLM; with lm_eval installed it is registered as model "open1b")."""
+    from mlx_open1b.data.format import DataError
+    from mlx_open1b.evaluate import EvalError, Open1BLM, evaluate
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    try:
+        lm = Open1BLM(run, step, backend, tokenizer=tokenizer)
+        res = evaluate(lm, names, limit)
+    except (EvalError, DataError) as e:
+        _fail(str(e), getattr(e, "exit_code", 2))
+    click.echo(f"{run} checkpoint step {lm.step} on {backend} (run hash {lm.run_hash})")
+    for name, m in res.items():
+        click.echo(f"  {name:6s} " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in m.items()))
+    if json_out:
+        from mlx_open1b.fsutil import write_json_atomic
+        write_json_atomic(json_out, {"run": str(run), "step": lm.step, "backend": backend, "run_hash": lm.run_hash,
+                                     "results": res})

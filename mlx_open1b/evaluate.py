@@ -1,0 +1,248 @@
+"""Evaluation of a run's checkpoints: an lm-eval model adapter and a small offline task set.
+
+`Open1BLM(run, step, backend)` loads checkpoint `step` (verified: tensor hashes, and the parameter
+hash against the run's ledger) and scores text with the model program itself on any backend. It
+implements lm-eval-harness's model interface:
+
+    loglikelihood(requests)          [(context, continuation)] -> [(sum log p(continuation), is_greedy)]
+    loglikelihood_rolling(requests)  [(text,)] -> [sum log p(text)]  (disjoint windows of seq_len tokens,
+                                     the first token conditioned on the end-of-text separator)
+    generate_until(requests)         [(context, {"until": [...], "max_gen_toks": n})] -> [text]  (greedy)
+
+Requests may be lm-eval `Instance`s (their `.args`) or plain tuples. When `lm_eval` is installed the
+class derives from `lm_eval.api.model.LM` and is registered as model "open1b", so
+`lm_eval.simple_evaluate(model=Open1BLM(...), tasks=[...])` works; nothing here needs it.
+
+Scores are the model program's own numbers: the log-probability of a token is minus the row
+cross-entropy of the contract's fused LM-head cross-entropy (CONTRACT.md §6.8) for that position,
+and is_greedy/generation use the argmax of the LM-head GEMM's logits on the same operands. A window
+holds seq_len tokens: longer contexts are cut on the left; shorter windows are padded on the right
+with the separator (causal attention: padding never changes earlier positions).
+
+Offline tasks (files shipped in mlx_open1b/data/assets/eval-*.jsonl, no network): `arith`
+(arithmetic in the default corpus's style), `facts` (encyclopedic completions), `code` (Python
+completions) — multiple choice, metrics acc and acc_norm (log-likelihood per character) — and
+`text` (held-out-style paragraphs, rolling log-likelihood: token perplexity and bits per byte).
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import pathlib
+
+import numpy as np
+
+try:                                                   # optional: lm-eval-harness
+    from lm_eval.api.model import LM as _LMBase
+except Exception:   # noqa: BLE001 - absent or broken install: plain object
+    _LMBase = object
+
+TASKS = {"arith": "multiple_choice", "facts": "multiple_choice", "code": "multiple_choice", "text": "rolling"}
+
+
+class EvalError(Exception):
+    def __init__(self, msg: str, exit_code: int = 2):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+def _args(req):
+    return tuple(req.args) if hasattr(req, "args") else tuple(req)
+
+
+class Open1BLM(_LMBase):
+    """The model program at one checkpoint of a run, as an lm-eval model."""
+
+    def __init__(self, run_dir, step: int | None = None, backend: str = "cpu_ref", batch_size: int = 8,
+                 tokenizer=None):
+        if _LMBase is not object:
+            super().__init__()
+        from .checkpoint import CheckpointError, checkpoint_dir, list_checkpoints, load_checkpoint
+        from .config import RunConfig
+        from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
+        from .model import Model
+        from .train import RUN_FILE, TrainError, get_backend
+        run = pathlib.Path(run_dir)
+        if not (run / RUN_FILE).exists():
+            raise EvalError(f"{run}: not a run directory (no {RUN_FILE})")
+        info = json.loads((run / RUN_FILE).read_text())
+        self.cfg = RunConfig.from_json(info["config"])
+        have = [s for s, _ in list_checkpoints(run)]
+        if step is None:
+            if not have:
+                raise EvalError(f"{run}: no checkpoints")
+            step = have[-1]
+        if step not in have:
+            raise EvalError(f"{run}: no checkpoint of step {step} (checkpoints: {have})")
+        try:
+            tensors, meta = load_checkpoint(checkpoint_dir(run, step))
+        except CheckpointError as e:
+            raise EvalError(str(e), exit_code=1) from None
+        from .export import _ledger_params_hash
+        want, self.run_hash = _ledger_params_hash(run, step, info["genesis"])
+        if meta.get("genesis") != info["genesis"] or (want is not None and meta.get("params_hash") != want):
+            raise EvalError(f"{checkpoint_dir(run, step)}: does not match the run's ledger", exit_code=1)
+        if tokenizer is None:
+            if info.get("tokenizer_sha256") != DEFAULT_TOKENIZER_SHA256:
+                raise EvalError(f"{run}: trained with tokenizer {str(info.get('tokenizer_sha256'))[:12]}…, not the "
+                                f"shipped one; pass its tokenizer.json")
+            tokenizer = Tokenizer.load(None)
+        elif not hasattr(tokenizer, "encode"):
+            tokenizer = Tokenizer.load(tokenizer)
+        if tokenizer.vocab_size > self.cfg.model.vocab_size:
+            raise EvalError(f"tokenizer vocabulary {tokenizer.vocab_size} > model.vocab_size {self.cfg.model.vocab_size}")
+        try:
+            self.ops = get_backend(backend)
+        except TrainError as e:
+            raise EvalError(str(e)) from None
+        self.tok, self.step, self.backend, self.batch_size = tokenizer, step, backend, max(1, int(batch_size))
+        self.run_dir = run
+        self.params = np.array(tensors["params"][0], copy=True)
+        self.model = Model(self.cfg.model, self.ops, precision=self.cfg.precision)
+        self.T = self.cfg.model.seq_len
+        self.eot = tokenizer.eot_id
+
+    # ------------------------------------------------------------------ the forward pass
+    def _rows(self, windows: np.ndarray, want_logits: bool):
+        """windows (B, T+1) uint32 -> (logprob (B, T) float64 of each target, argmax (B, T) or None)."""
+        from .model import Cache, views
+        inputs, targets, B = self.model._split(windows)
+        cache = Cache(B, self.T, inputs, targets) if want_logits else None
+        _, _, ce_n = self.model._forward(self.params, inputs, targets, B, cache)
+        lp = -np.asarray(ce_n, np.float64).reshape(B, self.T)
+        if not want_logits:
+            return lp, None
+        lm = np.ascontiguousarray(views(self.params, self.model.layout)["lm_head"])
+        z = np.asarray(self.ops.linear_forward(cache.hn_b, lm))
+        return lp, z.argmax(axis=1).reshape(B, self.T)
+
+    def _window(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """The last T+1 tokens of ids padded on the right: (window, number of real tokens)."""
+        ids = np.asarray(ids, np.uint32)[-(self.T + 1):]
+        w = np.full(self.T + 1, self.eot, np.uint32)
+        w[:len(ids)] = ids
+        return w, len(ids)
+
+    def loglikelihood_tokens(self, pairs, want_greedy: bool = True) -> list[tuple[float, bool]]:
+        """[(context ids, continuation ids)] -> [(sum log p(continuation | context), is greedy)]."""
+        out: list = [None] * len(pairs)
+        jobs = []
+        for i, (ctx, cont) in enumerate(pairs):
+            ctx, cont = np.asarray(ctx, np.uint32), np.asarray(cont, np.uint32)
+            if len(cont) == 0:
+                raise EvalError(f"request {i}: empty continuation")
+            if len(cont) > self.T:
+                raise EvalError(f"request {i}: continuation of {len(cont)} tokens exceeds seq_len {self.T}")
+            if len(ctx) == 0:
+                ctx = np.array([self.eot], np.uint32)
+            w, n = self._window(np.concatenate([ctx, cont]))
+            jobs.append((i, w, n, len(cont)))
+        for b0 in range(0, len(jobs), self.batch_size):
+            chunk = jobs[b0:b0 + self.batch_size]
+            lp, am = self._rows(np.stack([w for _, w, _, _ in chunk]), want_greedy)
+            for k, (i, w, n, c) in enumerate(chunk):
+                pos = slice(n - 1 - c, n - 1)          # target positions of the continuation
+                greedy = bool((am[k, pos] == w[n - c:n]).all()) if am is not None else False
+                out[i] = (float(lp[k, pos].sum()), greedy)
+        return out
+
+    def _encode_pair(self, context: str, continuation: str):
+        n_sp = len(context) - len(context.rstrip())
+        if n_sp:                                     # lm-eval's convention: trailing spaces go right
+            context, continuation = context[:-n_sp], context[-n_sp:] + continuation
+        whole = self.tok.encode(context + continuation)
+        ctx = self.tok.encode(context)
+        if len(ctx) <= len(whole) and np.array_equal(whole[:len(ctx)], ctx):
+            return ctx, whole[len(ctx):]
+        return ctx, self.tok.encode(continuation)
+
+    # ------------------------------------------------------------------ lm-eval interface
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self.loglikelihood_tokens([self._encode_pair(*_args(r)[:2]) for r in requests])
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for r in requests:
+            ids = self.tok.encode(_args(r)[0])
+            full = np.concatenate([[self.eot], ids]).astype(np.uint32)
+            total, pairs = 0.0, []
+            for s in range(0, len(ids), self.T):
+                piece = full[s:s + self.T + 1]
+                pairs.append((piece[:1], piece[1:]))
+            for ll, _ in self.loglikelihood_tokens(pairs, want_greedy=False):
+                total += ll
+            out.append(total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for r in requests:
+            a = _args(r)
+            context, kw = a[0], (a[1] if len(a) > 1 and isinstance(a[1], dict) else {})
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.get("max_gen_toks", 32))
+            ids = list(self.tok.encode(context)) or [self.eot]
+            new: list[int] = []
+            text = ""
+            for _ in range(max_new):
+                w, n = self._window(np.array((ids + new)[-self.T:], np.uint32))   # n <= T: all inputs
+                _, am = self._rows(w[None], True)
+                nxt = int(am[0, n - 1])
+                if nxt == self.eot:
+                    break
+                new.append(nxt)
+                text = self.tok.decode(new)
+                if any(u in text for u in until):
+                    break
+            for u in until:
+                if u in text:
+                    text = text[:text.index(u)]
+            out.append(text)
+        return out
+
+
+if _LMBase is not object:    # pragma: no cover - only with lm-eval installed
+    try:
+        from lm_eval.api.registry import register_model
+        register_model("open1b")(Open1BLM)
+    except Exception:   # noqa: BLE001 - already registered, or an incompatible version
+        pass
+
+
+# ------------------------------------------------------------------------------- offline tasks
+def load_task(name: str) -> list[dict]:
+    if name not in TASKS:
+        raise EvalError(f"unknown task {name!r} (tasks: {', '.join(TASKS)})")
+    p = importlib.resources.files("mlx_open1b.data") / "assets" / f"eval-{name}.jsonl"
+    return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def evaluate(lm: Open1BLM, tasks, limit: int | None = None) -> dict:
+    """{task: metrics} on the shipped offline tasks."""
+    res = {}
+    for name in tasks:
+        items = load_task(name)[:limit]
+        if TASKS[name] == "multiple_choice":
+            reqs = [(it["context"], ch) for it in items for ch in it["choices"]]
+            lls = [ll for ll, _ in lm.loglikelihood(reqs)]
+            acc = acc_norm = 0
+            k = 0
+            for it in items:
+                n = len(it["choices"])
+                sc = lls[k:k + n]
+                k += n
+                acc += int(np.argmax(sc)) == it["answer"]
+                acc_norm += int(np.argmax([s / max(1, len(c)) for s, c in zip(sc, it["choices"])])) == it["answer"]
+            res[name] = {"n": len(items), "acc": acc / len(items), "acc_norm": acc_norm / len(items),
+                         "chance": float(np.mean([1 / len(it["choices"]) for it in items]))}
+        else:
+            texts = [it["text"] for it in items]
+            lls = lm.loglikelihood_rolling([(t,) for t in texts])
+            ntok = sum(len(lm.tok.encode(t)) for t in texts)
+            nbytes = sum(len(t.encode("utf-8")) for t in texts)
+            nll = -sum(lls)
+            res[name] = {"n": len(items), "tokens": ntok, "token_perplexity": math.exp(nll / ntok),
+                         "bits_per_byte": nll / nbytes / math.log(2)}
+    return res

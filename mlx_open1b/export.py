@@ -1,0 +1,359 @@
+"""Export a checkpoint's weights for use elsewhere (`open1b export RUN --step S --format mlx|hf`).
+
+Both formats write into a new directory (atomically: built beside it, then renamed):
+
+    weights.safetensors (mlx) / model.safetensors (hf)   the parameters, bf16, bit-identical to the
+                                                         checkpoint's (written by checkpoint.py's own
+                                                         safetensors writer; no extra dependency)
+    config.json                                          the architecture (below) and provenance: run
+                                                         hash, genesis, step, the ledger's parameter hash
+    tokenizer.json                                       the run's tokenizer (when it is the shipped one)
+    README.md                                            what maps to other libraries and what does not
+
+`mlx`: tensors under the model program's names (`wte`, `emb_norm`, `layers.<l>.attn_norm`, `wq`, `wk`,
+`wv`, `wo`, `ffn_norm`, `w_gate_up` = [gate | up], `w_down`, `final_norm`, `lm_head`), shapes (out, in);
+`mx.load` reads them, `mlx_forward` below runs them in plain MLX, and `torch_state_dict` loads them
+into `mlx_open1b.torch_model.TorchModel` (`load_state_dict`, strict).
+
+`hf`: the same weights under Hugging Face Llama names (`model.embed_tokens.weight`,
+`model.layers.<l>.self_attn.{q,k,v,o}_proj.weight`, `input_layernorm`, `post_attention_layernorm`,
+`mlp.{gate,up,down}_proj.weight` with w_gate_up split in its gate and up halves, `model.norm.weight`,
+`lm_head.weight`) plus `model.embed_norm.weight`, and a Llama-like config.json with
+`model_type: "open1b"`. What does NOT map onto HF/mlx-lm Llama (a Llama loader would silently compute
+something else, so the config does not claim to be Llama):
+  - the RMSNorm on the embedding output (`embed_norm`; it can be folded into the embedding table in
+    fp32, at the cost of one more rounding if stored in bf16);
+  - QK-norm: a gain-free RMSNorm of every query and key head before RoPE (Qwen3's q_norm/k_norm with
+    all-ones weights is the same operation; Llama has none);
+  - sliding-window attention on local layers (`layer_types`, `sliding_window`; every
+    `global_every`-th layer and the last are global): Llama attends globally everywhere;
+  - the z-loss (training only; no effect on inference).
+Everything else is Llama's: untied embeddings, pre-norm RMSNorm blocks with gains, grouped-query
+attention with scale 1/sqrt(head_dim), RoPE in the rotate-half convention (element i pairs with
+i + D/2, HF's `rotate_half`), SwiGLU (silu(gate) * up), no biases.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+
+from . import __version__
+from .checkpoint import (CheckpointError, checkpoint_dir, list_checkpoints, load_checkpoint, read_safetensors,
+                         write_safetensors)
+from .config import ModelConfig, RunConfig
+
+FORMAT = "open1b-export/1"
+FILES = {"mlx": "weights.safetensors", "hf": "model.safetensors"}
+NOT_MAPPED = [
+    "embed_norm: RMSNorm (with gain) on the embedding output; no Llama equivalent (foldable into the "
+    "embedding table in fp32)",
+    "qk_norm: gain-free RMSNorm of each query and key head before RoPE; Llama has none (Qwen3's q_norm/k_norm "
+    "with all-ones weights is the same operation)",
+    "sliding windows: local layers attend to the last `sliding_window` positions, every global_every-th layer "
+    "and the last one globally (`layer_types`); Llama attends globally everywhere",
+    "z_loss: a training-only term; no effect on inference",
+]
+
+
+class ExportError(Exception):
+    """An export that cannot be made or read; the message names the file, step or tensor."""
+
+    def __init__(self, msg: str, exit_code: int = 2):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+# ------------------------------------------------------------------------------- names
+def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
+    """HF name -> (canonical name, row slice of it or None)."""
+    F = cfg.ffn_hidden
+    out = {"model.embed_tokens.weight": ("wte", None), "model.embed_norm.weight": ("emb_norm", None)}
+    for l in range(cfg.n_layers):
+        p, q = f"layers.{l}.", f"model.layers.{l}."
+        out.update({q + "input_layernorm.weight": (p + "attn_norm", None),
+                    q + "self_attn.q_proj.weight": (p + "wq", None), q + "self_attn.k_proj.weight": (p + "wk", None),
+                    q + "self_attn.v_proj.weight": (p + "wv", None), q + "self_attn.o_proj.weight": (p + "wo", None),
+                    q + "post_attention_layernorm.weight": (p + "ffn_norm", None),
+                    q + "mlp.gate_proj.weight": (p + "w_gate_up", slice(0, F)),
+                    q + "mlp.up_proj.weight": (p + "w_gate_up", slice(F, 2 * F)),
+                    q + "mlp.down_proj.weight": (p + "w_down", None)})
+    out.update({"model.norm.weight": ("final_norm", None), "lm_head.weight": ("lm_head", None)})
+    return out
+
+
+def _config_json(cfg: ModelConfig, fmt: str, provenance: dict) -> dict:
+    windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
+    base = {"format": FORMAT, "export_format": fmt, "model_type": "open1b",
+            "architecture": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
+            "layer_windows": windows, "dtype": "bfloat16", "source": provenance, "not_mapped_to_llama": NOT_MAPPED}
+    if fmt == "hf":
+        base.update({
+            "architectures": ["Open1BForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.seq_len, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+            "torch_dtype": "bfloat16", "sliding_window": cfg.window,
+            "layer_types": ["full_attention" if w == 0 else "sliding_attention" for w in windows],
+            "qk_norm": "per-head RMSNorm without gain, before RoPE", "embed_norm": True})
+    return base
+
+
+# ------------------------------------------------------------------------------- export
+def _ledger_params_hash(run: pathlib.Path, step: int, genesis: str) -> tuple[str | None, str | None]:
+    """(params hash after step-1 per the verified ledger, run hash), or (None, None) without a ledger."""
+    from .ledger import LedgerError, verify_chain
+    from .train import LEDGER_FILE
+    led = run / LEDGER_FILE
+    if not led.exists():
+        return None, None
+    try:
+        run_hash = verify_chain(led, genesis)
+    except LedgerError as e:
+        raise ExportError(f"the run's ledger does not verify: {e}", exit_code=1) from None
+    if step == 0:
+        return None, run_hash
+    with open(led) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["step"] == step - 1:
+                return r["hashes"]["params"], run_hash
+    return None, run_hash
+
+
+def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
+    """Write checkpoint `step` (default: the latest) of the run in `fmt` to the new directory out_dir."""
+    from .train import RUN_FILE
+    if fmt not in FILES:
+        raise ExportError(f"--format: expected mlx or hf, got {fmt!r}")
+    run = pathlib.Path(run_dir)
+    rf = run / RUN_FILE
+    if not rf.exists():
+        raise ExportError(f"{run}: not a run directory (no {RUN_FILE})")
+    info = json.loads(rf.read_text())
+    cfg = RunConfig.from_json(info["config"]).model
+    have = [s for s, _ in list_checkpoints(run)]
+    if step is None:
+        if not have:
+            raise ExportError(f"{run}: no checkpoints")
+        step = have[-1]
+    if step not in have:
+        raise ExportError(f"{run}: no checkpoint of step {step} (checkpoints: {have})")
+    out = pathlib.Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out}: exists and is not empty; choose a new --out")
+    path = checkpoint_dir(run, step)
+    try:
+        tensors, meta = load_checkpoint(path)      # every tensor hash verified
+    except CheckpointError as e:
+        raise ExportError(str(e), exit_code=1) from None
+    if meta.get("genesis") != info["genesis"]:
+        raise ExportError(f"{path}: belongs to another run (genesis differs)", exit_code=1)
+    want, run_hash = _ledger_params_hash(run, step, info["genesis"])
+    if want is not None and meta.get("params_hash") != want:
+        raise ExportError(f"{path}: parameter hash differs from the ledger's after step {step - 1}", exit_code=1)
+    flat = tensors["params"][0]
+    from .model import ParamLayout
+    layout = ParamLayout(cfg)
+    if flat.shape != (layout.n_params,):
+        raise ExportError(f"{path}: params has {flat.shape} elements, the config {layout.n_params}", exit_code=1)
+    canon = {t.name: flat[t.offset:t.offset + t.size].reshape(t.shape) for t in layout}
+    if fmt == "mlx":
+        named = {n: (np.ascontiguousarray(a), "bf16") for n, a in canon.items()}
+    else:
+        named = {hn: (np.ascontiguousarray(canon[n] if sl is None else canon[n][sl]), "bf16")
+                 for hn, (n, sl) in hf_names(cfg).items()}
+    provenance = {"run": str(run.resolve()), "run_hash": run_hash, "genesis": info["genesis"], "step": step,
+                  "params_hash": meta.get("params_hash"), "tokenizer_sha256": info.get("tokenizer_sha256"),
+                  "contract_version": info.get("contract_version"), "exported_by": f"mlx-open1b {__version__}"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_safetensors(tmp / FILES[fmt], named, {"format": FORMAT, "step": str(step),
+                                                     "params_hash": str(meta.get("params_hash"))})
+        (tmp / "config.json").write_text(json.dumps(_config_json(cfg, fmt, provenance), indent=2) + "\n")
+        _copy_tokenizer(info, tmp)
+        (tmp / "README.md").write_text(_readme(fmt, provenance))
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _copy_tokenizer(info: dict, dest: pathlib.Path) -> None:
+    from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, default_tokenizer_path
+    if info.get("tokenizer_sha256") == DEFAULT_TOKENIZER_SHA256:
+        shutil.copyfile(default_tokenizer_path(), dest / "tokenizer.json")
+
+
+def _readme(fmt: str, prov: dict) -> str:
+    lines = [f"# open1b export ({fmt})", "",
+             f"Checkpoint step {prov['step']} of run `{prov['run_hash']}` (genesis `{prov['genesis']}`), parameter "
+             f"hash `{prov['params_hash']}` as in the run's ledger. Weights are bf16, bit-identical to the checkpoint.",
+             "", "Load: `mx.load(\"" + FILES[fmt] + "\")` (MLX); `mlx_open1b.export.mlx_forward` runs them in plain MLX; "
+             "`mlx_open1b.export.torch_model(DIR)` gives a `mlx_open1b.torch_model.TorchModel`.", "",
+             "Not mapped onto Hugging Face / mlx-lm Llama (config `model_type` is `open1b` on purpose):", ""]
+    lines += [f"- {n}" for n in NOT_MAPPED]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------- loading
+def load_export(export_dir) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
+    """(ModelConfig, {canonical name: bf16 bits (uint16)}, config.json) of an export, either format."""
+    d = pathlib.Path(export_dir)
+    try:
+        conf = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{d}: no config.json (not an open1b export)") from None
+    if conf.get("format") != FORMAT:
+        raise ExportError(f"{d / 'config.json'}: format {conf.get('format')!r}, expected {FORMAT!r}")
+    cfg = ModelConfig(**conf["architecture"])
+    fmt = conf["export_format"]
+    try:
+        tensors, _ = read_safetensors(d / FILES[fmt])
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    except FileNotFoundError:
+        raise ExportError(f"{d}: {FILES[fmt]} is missing") from None
+    out: dict[str, np.ndarray] = {}
+    if fmt == "mlx":
+        out = {n: np.asarray(a) for n, (a, _) in tensors.items()}
+    else:
+        parts: dict[str, list] = {}
+        for hn, (n, sl) in hf_names(cfg).items():
+            if hn not in tensors:
+                raise ExportError(f"{d / FILES[fmt]}: tensor {hn!r} is missing")
+            parts.setdefault(n, []).append((sl.start if sl else 0, np.asarray(tensors[hn][0])))
+        out = {n: (p[0][1] if len(p) == 1 else np.concatenate([a for _, a in sorted(p, key=lambda x: x[0])]))
+               for n, p in parts.items()}
+    for n, shape, _ in cfg.param_shapes():
+        if n not in out:
+            raise ExportError(f"{d / FILES[fmt]}: tensor {n!r} is missing")
+        if tuple(out[n].shape) != tuple(shape):
+            raise ExportError(f"{d / FILES[fmt]}: tensor {n!r} has shape {out[n].shape}, the config {shape}")
+    return cfg, out, conf
+
+
+def flat_params(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """The model program's flat bf16 buffer from canonical tensors."""
+    return np.concatenate([np.ascontiguousarray(tensors[n], np.uint16).reshape(-1) for n, _, _ in cfg.param_shapes()])
+
+
+def torch_state_dict(export_dir, dtype=None) -> tuple[ModelConfig, dict]:
+    """(config, state dict for TorchModel.load_state_dict): bf16 values widened exactly to dtype
+    (default float32)."""
+    import torch
+    cfg, tensors, _ = load_export(export_dir)
+    dtype = dtype or torch.float32
+    sd = {n: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(dtype)
+          for n, a in tensors.items()}
+    return cfg, sd
+
+
+def torch_model(export_dir, dtype=None):
+    """A TorchModel holding the export's weights."""
+    import torch
+
+    from .torch_model import TorchModel
+    cfg, sd = torch_state_dict(export_dir, dtype)
+    m = TorchModel(cfg, dtype or torch.float32)
+    m.load_state_dict(sd, strict=True)
+    return m
+
+
+# ------------------------------------------------------------------------------- plain MLX forward
+def mlx_weights(export_dir) -> tuple[ModelConfig, dict]:
+    """(config, {canonical name: mx.array bf16}) read with mx.load (hf names mapped back)."""
+    import mlx.core as mx
+    d = pathlib.Path(export_dir)
+    cfg, _, conf = load_export(d)      # validates names and shapes
+    w = mx.load(str(d / FILES[conf["export_format"]]))
+    if conf["export_format"] == "hf":
+        out: dict = {}
+        for hn, (n, sl) in hf_names(cfg).items():
+            out.setdefault(n, []).append(w[hn])
+        w = {n: (v[0] if len(v) == 1 else mx.concatenate(v, axis=0)) for n, v in out.items()}
+    return cfg, w
+
+
+def mlx_forward(cfg: ModelConfig, w: dict, tokens, round_bf16: bool = False):
+    """Next-token logits (B, T, V) float32 of tokens (B, T) in plain MLX, float32 compute on the bf16
+    weights. round_bf16=True also rounds the activations to bf16 where the model program does
+    (every GEMM input), which brings the result within a few bf16 rounding flips of it."""
+    import mlx.core as mx
+    tok = mx.array(np.asarray(tokens, np.int32))
+    B, T = tok.shape
+    H, G, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+    f = {n: a.astype(mx.float32) for n, a in w.items()}
+
+    def r(x):
+        return x.astype(mx.bfloat16).astype(mx.float32) if round_bf16 else x
+
+    def rms(x, g):
+        y = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
+        return y if g is None else y * g
+
+    i = np.arange(D // 2, dtype=np.float64)
+    ang = np.arange(T, dtype=np.float64)[:, None] * (cfg.rope_theta ** (-2.0 * i / D))[None, :]
+    cos = mx.array(np.cos(ang).astype(np.float32))[None, :, None, :]
+    sin = mx.array(np.sin(ang).astype(np.float32))[None, :, None, :]
+
+    def rope(x):
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    qi, kj = np.arange(T)[:, None], np.arange(T)[None, :]
+    h = rms(f["wte"][tok], f["emb_norm"])
+    for l in range(cfg.n_layers):
+        p = f"layers.{l}."
+        a = r(rms(h, f[p + "attn_norm"]))
+        q = rms((a @ f[p + "wq"].T).reshape(B, T, H, D), None)
+        k = rms((a @ f[p + "wk"].T).reshape(B, T, G, D), None)
+        v = r((a @ f[p + "wv"].T).reshape(B, T, G, D))
+        q, k = r(rope(q)), r(rope(k))
+        win = cfg.layer_window(l)
+        vis = (kj <= qi) & ((qi - kj < win) if win else True)
+        mask = mx.array(np.where(vis, 0.0, -np.inf).astype(np.float32))
+        qh = q.transpose(0, 2, 1, 3)                                     # (B, H, T, D)
+        kh = mx.repeat(k.transpose(0, 2, 1, 3), H // G, axis=1)
+        vh = mx.repeat(v.transpose(0, 2, 1, 3), H // G, axis=1)
+        s = (qh @ kh.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(D)) + mask
+        o = mx.softmax(s, axis=-1) @ vh                                  # (B, H, T, D)
+        o = r(o.transpose(0, 2, 1, 3).reshape(B, T, H * D))
+        h = h + o @ f[p + "wo"].T
+        x = r(rms(h, f[p + "ffn_norm"]))
+        gu = x @ f[p + "w_gate_up"].T
+        gate, up = gu[..., :cfg.ffn_hidden], gu[..., cfg.ffn_hidden:]
+        h = h + r(gate * mx.sigmoid(gate) * up) @ f[p + "w_down"].T
+    hn = r(rms(h, f["final_norm"]))
+    z = hn @ f["lm_head"].T
+    mx.eval(z)
+    return z
+
+
+def program_logits(cfg: ModelConfig, params: np.ndarray, tokens, ops=None, precision: str = "bf16") -> np.ndarray:
+    """The model program's own next-token logits (B, seq_len, V) fp32 for tokens (B, seq_len): its
+    forward on the backend (default cpu_ref), then the LM head GEMM (CONTRACT.md §6.1) on the final
+    norm's bf16 output, the same operands the fused cross-entropy uses."""
+    from .model import Model, views
+    if ops is None:
+        from . import cpu_ref as ops
+    tok = np.asarray(tokens)
+    B, T = tok.shape
+    if T != cfg.seq_len:
+        raise ValueError(f"tokens: the model program runs windows of seq_len = {cfg.seq_len} tokens, got {T}")
+    windows = np.concatenate([tok, np.zeros((B, 1), tok.dtype)], axis=1).astype(np.uint32)
+    model = Model(cfg, ops, precision=precision)
+    *_, cache = model.forward(params, windows)
+    z = ops.linear_forward(cache.hn_b, np.ascontiguousarray(views(params, model.layout)["lm_head"]))
+    return np.asarray(z, np.float32).reshape(B, T, cfg.vocab_size)
