@@ -17,13 +17,19 @@ def _fail(msg: str, code: int) -> None:
 
 
 def _default_corpus(path: pathlib.Path) -> pathlib.Path:
-    """Prepare the embedded default corpus once (idempotent: a finished one is reused)."""
+    """Prepare the embedded default corpus once (idempotent: a finished one is reused; a lock
+    file lets the workers of a distributed run on one machine share it)."""
+    import fcntl
+
     from mlx_open1b.data.corpus import default_sources
     from mlx_open1b.data.prepare import prepare
     from mlx_open1b.data.tokenizer import Tokenizer
-    if not (path / "manifest.json").exists():
-        click.echo(f"preparing the embedded default corpus in {path} (once, ~10 s)", err=True)
-    prepare(default_sources(), path, Tokenizer.load(None))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "manifest.json").exists():
+            click.echo(f"preparing the embedded default corpus in {path} (once, ~10 s)", err=True)
+        prepare(default_sources(), path, Tokenizer.load(None))
     return path
 
 
@@ -67,15 +73,28 @@ class _Progress:
 @click.option("--precision", type=click.Choice(["int8", "bf16"]), default=None,
               help="linear-layer arithmetic, overriding the preset's (tiny, small: bf16; open1b: int8): int8 "
                    "quantizes the attention Q/K/V/O and FFN GEMMs (CONTRACT.md §6.9)")
-def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision):
+@click.option("--nproc", type=int, default=None,
+              help="data-parallel workers on this machine (torchrun; gloo on CPUs, NCCL with --backend cuda on "
+                   "GPUs): the same ledger, bit for bit, at any count from 1 to the microbatches per step")
+@click.option("--dist-timeout", type=float, default=120.0, show_default=True,
+              help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an error")
+def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, nproc, dist_timeout):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     import dataclasses
 
     from mlx_open1b import cpu_ref
     from mlx_open1b.config import steps_for_tokens
+    from mlx_open1b.distributed import in_worker_env
     from mlx_open1b.train import TrainError, Trainer
-    cpu_ref.set_num_threads(threads)
     out = pathlib.Path(out)
+    worker = in_worker_env()
+    if nproc is not None and worker:
+        _fail("--nproc: this process is already a distributed worker (RANK and WORLD_SIZE are set); "
+              "the launcher decides the worker count", 2)
+    if (nproc is not None or worker) and backend == "torch":
+        _fail("--backend torch: the PyTorch baseline runs in one process (no --nproc, no torchrun)", 2)
+    if not worker:
+        cpu_ref.set_num_threads(threads)
     try:
         if data_dir is None and not resume:
             data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
@@ -84,6 +103,11 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
         if precision is not None:
             cfg = dataclasses.replace(cfg, precision=precision)
+        if nproc is not None:
+            return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
+                           seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout)
+        if worker:
+            return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout)
         if backend == "torch":
             return _train_torch(cfg, data_dir, steps or 50, threads)
         tr = Trainer(out, None if resume else cfg, data_dir, backend=backend, resume=resume)
@@ -100,6 +124,100 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
         _fail(str(e), e.exit_code)
     except (DataError, ConfigError) as e:
         _fail(str(e), 2)
+
+
+def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
+    """--precision on --resume must be the run's own (it is part of the genesis hash)."""
+    import json
+    if not (resume and precision is not None and (out / "run.json").exists()):
+        return
+    try:
+        have = json.loads((out / "run.json").read_text())["config"].get("precision", "bf16")
+    except (ValueError, KeyError, AttributeError):
+        return                       # the trainer reports an unreadable run.json
+    if precision != have:
+        _fail(f"--precision {precision}: the run in {out} trains in {have} (part of its genesis hash); it cannot "
+              f"be changed on resume", 2)
+
+
+def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
+            precision, preset_name, timeout) -> None:
+    """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
+    import json
+    import os
+    import subprocess
+
+    from mlx_open1b.checkpoint import list_checkpoints
+    from mlx_open1b.config import RunConfig
+    from mlx_open1b.distributed import ShardingError, check_worker_count
+    from mlx_open1b.distributed.collectives import cpu_count
+    if nproc < 1:
+        _fail(f"--nproc must be >= 1, got {nproc}", 2)
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        _fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
+    run_file = out / "run.json"
+    if resume and run_file.exists():
+        try:
+            cfg = RunConfig.from_json(json.loads(run_file.read_text())["config"])
+        except (ValueError, KeyError, ConfigError) as e:
+            _fail(f"{run_file}: unreadable ({e})", 2)
+        _check_resume_precision(out, resume, precision)
+    try:
+        check_worker_count(nproc, cfg.train.phases)
+    except ShardingError as e:
+        _fail(f"--nproc {nproc}: {e}", 2)
+    per = threads or max(1, cpu_count() // nproc)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "mlx_open1b.cli.main", "train", "--preset", preset_name, "--backend", backend, "--out", str(out),
+           "--threads", str(per), "--dist-timeout", repr(float(timeout))]
+    for flag, val in (("--steps", steps), ("--seed", seed), ("--precision", precision),
+                      ("--data", None if data_dir is None else str(pathlib.Path(data_dir).resolve()))):
+        if val is not None:
+            cmd += [flag, str(val)]
+    if resume:
+        cmd.append("--resume")
+    env = dict(os.environ, OMP_NUM_THREADS=str(per))
+    rc = subprocess.call(cmd, env=env)
+    if rc:
+        ck = list_checkpoints(out)
+        where = (f"the last checkpoint in {out} is step {ck[-1][0]} (intact): continue with "
+                 f"`open1b train --resume --out {out} --nproc N` at any valid N") if ck else f"{out} holds no checkpoint"
+        _fail(f"distributed training stopped (torchrun exit code {rc}; the workers' errors are above); {where}", 3)
+
+
+def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend: str, threads: int,
+                  precision, timeout: float) -> None:
+    """One torchrun worker of a distributed run (RANK, WORLD_SIZE, MASTER_ADDR... set by torchrun)."""
+    import os
+
+    from mlx_open1b import cpu_ref
+    from mlx_open1b.checkpoint import CheckpointError
+    from mlx_open1b.distributed import DistError, run_worker
+    from mlx_open1b.ledger import LedgerError
+    from mlx_open1b.train import TrainError
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    prog = {}
+
+    _check_resume_precision(out, resume, precision)
+
+    def on_start(tr, total):
+        click.echo(f"run {out}: preset {tr.cfg.preset} ({tr.cfg.precision}), {tr.model_cfg.n_params():,} parameters, "
+                   f"steps {tr.state.step} -> {total}, backend {backend}, {tr.comm.world} workers "
+                   f"({tr.comm.backend}), {cpu_ref.get_num_threads()} threads each", err=True)
+        prog["p"] = _Progress(total, tr.state.step)
+
+    try:
+        h, tr = run_worker(out, cfg, data_dir, steps=steps, backend=backend, resume=resume, timeout=timeout,
+                           threads=threads, on_start=on_start, progress=lambda rec, tok_s: prog["p"](rec, tok_s))
+    except (TrainError, DistError, DataError, ConfigError, CheckpointError, LedgerError) as e:
+        click.echo(f"error: [rank {rank}/{world}] {e}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(getattr(e, "exit_code", 2))     # at once: never wait on a broken process group
+    if tr.comm.rank == 0:
+        click.echo("", err=True)
+        click.echo(f"run hash {h}")
 
 
 def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:

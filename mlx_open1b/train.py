@@ -71,8 +71,9 @@ class TreeFold:
     def __init__(self, add_inplace):
         self.add, self.stack = add_inplace, []
 
-    def push(self, v: np.ndarray) -> None:
-        level = 0
+    def push(self, v: np.ndarray, level: int = 0) -> None:
+        """Push the next value in index order; a value at level L stands for an aligned block of
+        2^L leaves already folded by this same tree (CONTRACT.md §7), e.g. a worker's partial."""
         while self.stack and self.stack[-1][0] == level:
             _, lower = self.stack.pop()
             self.add(lower, v)
@@ -122,15 +123,7 @@ class Trainer:
             if cfg is None or corpus_dir is None:
                 raise TrainError("a new run needs a config and a prepared corpus", exit_code=2)
             self.cfg = cfg.check()
-        self.model_cfg, self.tcfg = self.cfg.model, self.cfg.train
-        self.corpus = pathlib.Path(corpus_dir)
-        self.manifest = Manifest.load(self.corpus)
-        if self.manifest.vocab_size != self.model_cfg.vocab_size:
-            raise TrainError(f"corpus {self.corpus}: vocabulary {self.manifest.vocab_size}, model.vocab_size "
-                             f"{self.model_cfg.vocab_size}", exit_code=2)
-        self.fingerprint = manifest_fingerprint(self.manifest)
-        self.genesis = genesis_hash(self.cfg.to_json(), self.fingerprint, self.manifest.tokenizer_sha256,
-                                    CONTRACT_VERSION)
+        self._open_corpus(corpus_dir)
         if resume or readonly:
             for key, mine in (("manifest_fingerprint", self.fingerprint), ("genesis", self.genesis),
                               ("tokenizer_sha256", self.manifest.tokenizer_sha256)):
@@ -143,12 +136,9 @@ class Trainer:
                 "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION, "created_by": f"mlx-open1b {__version__}",
                 "corpus_dir": str(self.corpus.resolve()), "manifest_fingerprint": self.fingerprint,
                 "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis})
-        from .model import Model, ParamLayout, init_params
-        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision)
-        self.layout = ParamLayout(self.model_cfg)
-        self.shapes = self.model_cfg.param_shapes()
+        from .model import init_params
+        self._build_model()
         self.readonly = readonly
-        self.timing = {"hash": 0.0, "steps": 0.0, "n": 0}   # seconds spent hashing / in compute_step
         self.ledger = None if readonly else Ledger(self.dir / LEDGER_FILE, self.genesis)
         if readonly:
             self.state = self._load_latest(at_step)
@@ -163,6 +153,25 @@ class Trainer:
             self._checkpoint()
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
         self._probes = None
+
+    def _open_corpus(self, corpus_dir) -> None:
+        """The corpus of self.cfg: its manifest, fingerprint and the run's genesis hash."""
+        self.model_cfg, self.tcfg = self.cfg.model, self.cfg.train
+        self.corpus = pathlib.Path(corpus_dir)
+        self.manifest = Manifest.load(self.corpus)
+        if self.manifest.vocab_size != self.model_cfg.vocab_size:
+            raise TrainError(f"corpus {self.corpus}: vocabulary {self.manifest.vocab_size}, model.vocab_size "
+                             f"{self.model_cfg.vocab_size}", exit_code=2)
+        self.fingerprint = manifest_fingerprint(self.manifest)
+        self.genesis = genesis_hash(self.cfg.to_json(), self.fingerprint, self.manifest.tokenizer_sha256,
+                                    CONTRACT_VERSION)
+
+    def _build_model(self) -> None:
+        from .model import Model, ParamLayout
+        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision)
+        self.layout = ParamLayout(self.model_cfg)
+        self.shapes = self.model_cfg.param_shapes()
+        self.timing = {"hash": 0.0, "steps": 0.0, "n": 0}   # seconds spent hashing / in compute_step
 
     # ------------------------------------------------------------------ state and hashes
     def _tensors(self, buf: np.ndarray, dtype: str):

@@ -4,7 +4,8 @@
 #   2. pip install -e . --no-deps (builds the C reference) plus the missing pure dependencies
 #   3. open1b parity run --backends cpu_ref,cuda on every op
 #   4. the tiny preset trained a few steps on cpu_ref and on cuda: parity export on each
-#      (op output hashes + ledger) and parity compare
+#      (op output hashes + ledger) and parity compare; then once more as one torchrun worker on the
+#      cuda backend (NCCL collectives on the GPU): the same ledger as cpu_ref's
 #   5. a short table; exit 0 only if everything is bit-identical.
 # Designed to finish within 5 minutes on an H200 (about 2 on a warm machine).
 #
@@ -142,11 +143,26 @@ stage "compare the bundles"
 "${OPEN1B[@]}" parity compare "$RES/bundle-cpu_ref.json" "$RES/bundle-cuda.json" | tee "$RES/compare.txt"
 RC_COMPARE=${PIPESTATUS[0]}
 
+# ------------------------------------------------------------------------------- 4b. distributed
+# one torchrun worker on the cuda backend: NCCL carries the collectives when torch sees the GPU
+# (gloo otherwise, e.g. in the emulated dry run); its ledger must be cpu_ref's, bit for bit
+RC_DIST=-1
+if $PY -c "import torch.distributed" >/dev/null 2>&1; then
+    stage "tiny preset, $STEPS steps, open1b train --nproc 1 --backend cuda (torchrun)"
+    rm -rf "$RES/run-dist"
+    "${OPEN1B[@]}" train --nproc 1 --backend cuda --steps "$STEPS" --data "$DATA" --out "$RES/run-dist" \
+        --dist-timeout 300 2>&1 | tee "$RES/dist.txt"
+    RC_DIST=${PIPESTATUS[0]}
+else
+    echo "torch.distributed is not importable: the distributed stage is skipped"
+fi
+
 # ------------------------------------------------------------------------------- 5. table
 stage "summary"
-$PY - "$RES" "$RC_PARITY" "$RC_COMPARE" "$GPU_NAME" "$((SECONDS - T0))" <<'EOF' | tee "$RES/summary.txt"
-import json, pathlib, sys
+$PY - "$RES" "$RC_PARITY" "$RC_COMPARE" "$GPU_NAME" "$((SECONDS - T0))" "$RC_DIST" <<'EOF' | tee "$RES/summary.txt"
+import json, pathlib, re, sys
 res, rc_p, rc_c, gpu, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+rc_d = int(sys.argv[6])
 p = json.loads((res / "parity.json").read_text())
 a, b = (json.loads((res / f"bundle-{n}.json").read_text()) for n in ("cpu_ref", "cuda"))
 la, lb = a["training"]["ledger"], b["training"]["ledger"]
@@ -159,11 +175,21 @@ rows = [("CUDA device", "ok", gpu),
          f"{sum(same)}/{len(la)} records identical; run hash cpu_ref {a['training']['run_hash'][:16]}…, "
          f"cuda {b['training']['run_hash'][:16]}…"),
         ("bundle compare (op hashes + ledger)", "PASS" if rc_c == 0 else "FAIL", (res / "compare.txt").read_text().strip().splitlines()[-1])]
+dist_ok = True
+if rc_d >= 0:
+    led = res / "run-dist" / "ledger.jsonl"
+    dl = [json.loads(x) for x in led.read_text().splitlines()] if led.exists() else []
+    pg = re.search(r"workers \((\w+)\)", (res / "dist.txt").read_text())
+    dist_ok = rc_d == 0 and dl == la
+    rows.append((f"distributed, 1 worker ({pg.group(1) if pg else '?'}), cuda backend", "PASS" if dist_ok else "FAIL",
+                 f"exit {rc_d}; {sum(x == y for x, y in zip(dl, la))}/{len(la)} records identical to cpu_ref's"))
+else:
+    rows.append(("distributed (torchrun)", "SKIP", "torch.distributed not importable"))
 w = max(len(r[0]) for r in rows)
 print(f"device check ({secs} s)")
 for name, verdict, detail in rows:
     print(f"  {name:<{w}}  {verdict:<4}  {detail}")
-ok = rc_p == 0 and rc_c == 0 and all(same) and len(la) == len(lb)
+ok = rc_p == 0 and rc_c == 0 and all(same) and len(la) == len(lb) and dist_ok
 print("RESULT:", "PASS, cuda is bit-identical to cpu_ref" if ok else "FAIL")
 print("reports:", res)
 sys.exit(0 if ok else 1)

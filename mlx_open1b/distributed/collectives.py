@@ -1,0 +1,256 @@
+"""Deterministic collectives: torch.distributed moves bytes, our kernels do every sum.
+
+Only data-movement primitives touch training values: all_to_all_single (the gradient
+reduce-scatter), all_gather_single / all_gather_into_tensor (parameters, scalars), broadcast and
+send/recv (state at start-up and checkpoints), all_gather_object (hashes, small records). Arrays
+travel as raw bytes (a uint8 view of the numpy buffer, handed to torch without a copy), so no
+library ever interprets, converts or adds them; NCCL's and gloo's own reductions are never used.
+
+The reductions themselves are pure functions, testable without a process group:
+
+* `owner_fold`: the owner of a parameter range receives, from every worker, the partials of that
+  worker's aligned dyadic microbatch blocks (sharding.dyadic_blocks), restricted to its range, in
+  whatever order they arrive. It sorts them by microbatch index and pushes them, each at its
+  block's level, into the binary-carry tree fold of CONTRACT.md §7 — the same tree, so the same
+  bits, as folding the M microbatch gradients on one device (elementwise adds on a slice give the
+  slice of the elementwise adds).
+* `norm_from_partials`: the global gradient norm from the per-tensor block partials of §7,
+  gathered from the owners and concatenated in canonical tensor order.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..train import TreeFold
+from .sharding import Shard
+
+
+class DistError(RuntimeError):
+    """The process group cannot be set up (missing or failed rendezvous); exit_code for the CLI."""
+
+    def __init__(self, msg: str, exit_code: int = 2):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, closed its connection or did not answer within the
+    timeout. `op` names the collective, `cause` the transport's message (first line)."""
+
+    def __init__(self, op: str, cause: BaseException):
+        self.op = op
+        msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        msg = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", msg)            # gloo's source location
+        self.cause = msg.split(" This is typically caused by")[0]               # and its generic advice
+        super().__init__(f"{op}: {self.cause}")
+
+
+# ----------------------------------------------------------------------------- pure reductions
+def owner_fold(parts: Iterable[tuple[int, int, np.ndarray]], M: int, add_inplace) -> np.ndarray:
+    """The tree fold (CONTRACT.md §7) over microbatch index 0 … M-1 from block partials
+    (start, level, array), given in any order: each stands for the 2^level microbatches from
+    `start` (a multiple of 2^level) already folded by the same tree. The blocks must tile
+    [0, M). Arrays are modified in place (the lower-index operand accumulates)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    nxt = 0
+    for start, level, _ in parts:
+        if start != nxt or level < 0 or start % (1 << level):
+            raise ValueError(f"owner_fold: block ({start}, level {level}) does not continue an aligned tiling "
+                             f"of microbatches at {nxt} (of {M})")
+        nxt += 1 << level
+    if nxt != M or not parts:
+        raise ValueError(f"owner_fold: the blocks cover microbatches 0-{nxt - 1}, the step has {M}")
+    fold = TreeFold(add_inplace)
+    for _, level, a in parts:
+        fold.push(a, level)
+    return fold.result()
+
+
+def scalar_sqrt_of(ops):
+    """The contract's host-side fp32 square root of a backend (cpu_ref keeps it in its optim module)."""
+    return getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
+
+
+def norm_from_partials(partials: Sequence[np.ndarray], ops) -> float:
+    """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
+    ops.global_norm of the whole gradient (CONTRACT.md §7)."""
+    return float(scalar_sqrt_of(ops)(ops.treefold(np.ascontiguousarray(np.concatenate(partials), np.float32))))
+
+
+def route(parts: Sequence[np.ndarray], shards: Sequence[Shard]) -> tuple[np.ndarray, list[int]]:
+    """The all-to-all send buffer: for each owner in rank order, its slice of each partial in
+    block order; and the element count sent to each owner."""
+    pieces = [p[sh.lo:sh.hi] for sh in shards for p in parts]
+    send = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    return send, [len(parts) * sh.size for sh in shards]
+
+
+# ----------------------------------------------------------------------------- the transport
+def _as_bytes(a: np.ndarray):
+    """A torch uint8 tensor sharing the memory of a C-contiguous numpy array (DLPack/from_numpy)."""
+    import torch
+    if not a.flags.c_contiguous:
+        raise ValueError("collectives move C-contiguous arrays only")
+    return torch.from_numpy(a.reshape(-1).view(np.uint8))
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class Comm:
+    """The process group, as byte-moving collectives on numpy arrays. Every call either returns or
+    raises CommError; `seconds` accumulates the time spent inside collectives (waiting included)."""
+
+    def __init__(self, rank: int, world: int, local_rank: int = 0, local_world: int = 1, device: str = "cpu",
+                 backend: str = "gloo", timeout_s: float = 120.0):
+        self.rank, self.world = rank, world
+        self.local_rank, self.local_world = local_rank, local_world
+        self.device, self.backend, self.timeout_s = device, backend, timeout_s
+        self.seconds = 0.0
+        self.calls = 0
+
+    # ---- setting up
+    @classmethod
+    def init_from_env(cls, compute_backend: str = "cpu_ref", timeout_s: float = 120.0) -> "Comm":
+        """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
+        MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE): NCCL when the compute backend is
+        cuda and torch sees a GPU, gloo otherwise."""
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise DistError(f"rendezvous: environment variable{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                            f"not set; start the workers with torchrun (or `open1b train --nproc N`)")
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        except ValueError as e:
+            raise DistError(f"rendezvous: malformed worker environment ({e})") from None
+        if not (world >= 1 and 0 <= rank < world):
+            raise DistError(f"rendezvous: RANK {rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE {world})")
+        import torch
+        import torch.distributed as dist
+        if not dist.is_available():
+            raise DistError("this torch build has no torch.distributed")
+        device, backend = "cpu", "gloo"
+        if compute_backend == "cuda" and torch.cuda.is_available():
+            backend, device = "nccl", f"cuda:{local_rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(torch.device(device))
+        elif not dist.is_gloo_available():
+            raise DistError("this torch build has no gloo backend (needed for CPU workers)")
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=float(timeout_s)))
+        except Exception as e:  # noqa: BLE001 - every rendezvous failure becomes one clear error
+            raise DistError(f"rendezvous at {where} failed for rank {rank} of {world} workers within "
+                            f"{timeout_s:g} s ({backend}): {CommError('init', e).cause}") from None
+        return cls(rank, world, local_rank, local_world, device, backend, timeout_s)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- plumbing
+    def _call(self, op: str, fn):
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - a collective's failure is a lost worker or a timeout
+            raise CommError(op, e) from None
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+    def _dev(self, t):
+        return t if self.device == "cpu" else t.to(self.device)
+
+    def _back(self, host, dev) -> None:
+        if dev is not host:
+            host.copy_(dev.cpu())
+
+    # ---- collectives on arrays
+    def all_to_all(self, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int]) -> np.ndarray:
+        """Element counts per peer (rank order); returns the received elements, by source rank."""
+        import torch.distributed as dist
+        item = send.dtype.itemsize
+        recv = np.empty(int(sum(recv_counts)), send.dtype)
+        si, ro = _as_bytes(np.ascontiguousarray(send)), _as_bytes(recv)
+
+        def run():
+            di, do = self._dev(si), self._dev(ro)
+            dist.all_to_all_single(do, di, [int(c) * item for c in recv_counts], [int(c) * item for c in send_counts])
+            self._back(ro, do)
+        self._call("all_to_all_single", run)
+        return recv
+
+    def all_gather(self, own: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
+        """Every rank's array (rank r contributes counts[r] elements), padded to the largest
+        count for the transport; returns views per rank."""
+        import torch.distributed as dist
+        if len(own) != counts[self.rank]:
+            raise ValueError(f"all_gather: rank {self.rank} holds {len(own)} elements, counts say {counts[self.rank]}")
+        width = max(int(c) for c in counts)
+        out = np.empty(self.world * width, own.dtype)
+        if width:
+            buf = np.zeros(width, own.dtype)
+            buf[:len(own)] = own
+            bi, bo = _as_bytes(buf), _as_bytes(out)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+            def run():
+                di, do = self._dev(bi), self._dev(bo)
+                gather(do, di)
+                self._back(bo, do)
+            self._call("all_gather", run)
+        return [out[r * width:r * width + int(c)] for r, c in enumerate(counts)]
+
+    def broadcast(self, arr: np.ndarray, src: int = 0) -> None:
+        """arr (same shape and dtype everywhere) takes src's contents, in place."""
+        import torch.distributed as dist
+        b = _as_bytes(arr)
+
+        def run():
+            d = self._dev(b)
+            dist.broadcast(d, src)
+            self._back(b, d)
+        self._call("broadcast", run)
+
+    def send(self, arr: np.ndarray, dst: int) -> None:
+        import torch.distributed as dist
+        b = _as_bytes(np.ascontiguousarray(arr))
+        self._call(f"send to rank {dst}", lambda: dist.send(self._dev(b), dst))
+
+    def recv(self, out: np.ndarray, src: int) -> None:
+        """Receive into `out` (a C-contiguous array or view; written in place)."""
+        import torch.distributed as dist
+        b = _as_bytes(out)
+
+        def run():
+            d = self._dev(b)
+            dist.recv(d, src)
+            self._back(b, d)
+        self._call(f"receive from rank {src}", run)
+
+    # ---- small Python objects (hashes, records, status)
+    def all_gather_object(self, obj) -> list:
+        import torch.distributed as dist
+        out = [None] * self.world
+        self._call("all_gather_object", lambda: dist.all_gather_object(out, obj))
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        import torch.distributed as dist
+        box = [obj if self.rank == src else None]
+        self._call("broadcast_object", lambda: dist.broadcast_object_list(box, src))
+        return box[0]

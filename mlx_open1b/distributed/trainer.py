@@ -1,0 +1,517 @@
+"""Data-parallel training on torch.distributed with the bits of one device (DESIGN §5, §9).
+
+N workers run one step together; the step is the single-device step of mlx_open1b/train.py,
+computed differently but with identical bits (the ledger records are identical, record for record):
+
+  1. every worker reads the step's M*mb windows from the canonical stream (the stream state stays
+     identical everywhere) and computes its microbatches [w*M//N, (w+1)*M//N), folding them as
+     aligned dyadic blocks of the step's microbatch tree (sharding.dyadic_blocks);
+  2. reduce-scatter by data movement: one all_to_all_single routes every block partial's slice of
+     each owner's parameter range to that owner, which pushes the partials by microbatch index
+     into the tree fold of CONTRACT.md §7 (collectives.owner_fold) and multiplies by 1/M;
+  3. per-microbatch loss, CE and z-loss, the owners' tensor hashes of their gradient tensors and
+     their sum-of-squares block partials are all-gathered: every worker folds the same scalars,
+     combines the gradient hash, and folds the norm partials in canonical tensor order, so the
+     pre-clip norm and every decision that follows (spike, skip, clip) are the same everywhere;
+  4. each owner clips and applies AdamW to its own tensors (moments exist only on their owner),
+     and the bf16 parameters are all-gathered;
+  5. the parameter and optimizer-state hashes combine the owners' tensor hashes.
+Rank 0 alone writes: run.json, the ledger, checkpoints (the moments are gathered to it, and the
+format is the single-device one, so a run resumes at any worker count). Rank 0 alone reads the run
+directory: at start-up it broadcasts the state (parameters, moments to their owners, counters and
+the stream position), so the other workers need only the corpus. Held-out evaluation spreads the
+corpus sources over the workers, each source's windows one batch as on one device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from .. import hashing
+from ..checkpoint import CheckpointError
+from ..config import ConfigError, RunConfig
+from ..contract import CONTRACT_VERSION
+from ..data.format import DataError, Manifest
+from ..data.stream import Stream, manifest_fingerprint
+from ..hostmath import f32, reciprocal
+from ..ledger import LedgerError, genesis_hash
+from ..train import RUN_FILE, Trainer, TrainError, TrainState, TreeFold, get_backend
+from .collectives import Comm, CommError, DistError, cpu_count, norm_from_partials, owner_fold, route
+from .sharding import ShardingError, check_worker_count, dyadic_blocks, microbatch_range, shard_tensors
+
+# test hook: "RANK:STEP" makes that worker die (os._exit) in the middle of that step, after its
+# microbatches and before the reduce-scatter, as a crashed or killed worker would
+TEST_EXIT_ENV = "OPEN1B_TEST_WORKER_EXIT"
+
+_STARTUP_ERRORS = (TrainError, DataError, ConfigError, CheckpointError, LedgerError, ShardingError, OSError,
+                   ValueError, KeyError)
+
+
+class WorkerTerminated(BaseException):
+    """SIGTERM while training: the launcher (torchrun) stops the workers, usually because another
+    worker failed."""
+
+
+def _flat(d, prefix="") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class DistributedTrainer(Trainer):
+    """A Trainer whose steps run on all workers of `comm`; every worker constructs one with the
+    same arguments (rank 0 opens or creates the run directory)."""
+
+    def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
+                 backend: str = "cpu_ref", resume: bool = False, log=None):
+        self.comm = comm
+        self._sharded = False
+        self._in_checkpoint = False
+        self.last_checkpoint = None
+        try:
+            cfg, corpus_dir = self._agree(run_dir, cfg, corpus_dir, backend, resume)
+            err = None
+            try:
+                if comm.rank == 0:
+                    Trainer.__init__(self, run_dir, None if resume else cfg, corpus_dir, backend=backend,
+                                     resume=resume, log=log)
+                else:
+                    self._init_replica(run_dir, cfg, corpus_dir, backend, log)
+            except _STARTUP_ERRORS as e:
+                err = (str(e), getattr(e, "exit_code", 2))
+            self._all_ok("opening the run (before any training step)", err)
+            self._distribute_state()
+        except CommError as e:
+            raise TrainError(f"worker lost while starting the run (rank {comm.rank} of {comm.world}): {e}. "
+                             f"No step was taken.", exit_code=3) from None
+        for k in ("compute", "reduce", "optim", "comm"):
+            self.timing[k] = 0.0
+
+    # ------------------------------------------------------------------ start-up
+    def _all_ok(self, what: str, err) -> None:
+        """A barrier that carries each worker's error (None or (message, exit code)): if any worker
+        failed, every worker raises the same TrainError naming the ranks."""
+        status = self.comm.all_gather_object(err)
+        bad = [(r, s) for r, s in enumerate(status) if s is not None]
+        if bad:
+            msg = "; ".join(f"rank {r}: {m}" for r, (m, _) in bad[:4])
+            raise TrainError(f"{what} failed: {msg}", exit_code=bad[0][1][1])
+
+    def _agree(self, run_dir, cfg, corpus_dir, backend, resume):
+        """Every worker's configuration, corpus and contract, compared with rank 0's before anything
+        is written; then the worker count against the batch. Returns (cfg, corpus_dir)."""
+        import pathlib
+        comm = self.comm
+        info, err = None, None
+        if resume and comm.rank == 0:       # the run's config and corpus path, from rank 0's run directory
+            try:
+                run_file = pathlib.Path(run_dir) / RUN_FILE
+                if not run_file.exists():
+                    raise TrainError(f"{run_file}: no run to resume (start one without --resume)", exit_code=2)
+                info = json.loads(run_file.read_text())
+                info = {"config": info["config"], "corpus_dir": info["corpus_dir"]}
+            except (TrainError, OSError, ValueError, KeyError) as e:
+                err = (f"{e}", getattr(e, "exit_code", 2))
+        info, err = comm.broadcast_object((info, err))      # every worker, resuming or not (same collectives)
+        if err is not None:
+            raise TrainError(f"rank 0 cannot resume: {err[0]}", exit_code=err[1])
+        ident, err = None, None
+        try:
+            if resume:
+                if info is None:
+                    raise TrainError("started with --resume, rank 0 without", exit_code=2)
+                if comm.rank == 0 or corpus_dir is None:
+                    corpus_dir = info["corpus_dir"]
+                cfg = RunConfig.from_json(info["config"])
+            if cfg is None or corpus_dir is None:
+                raise TrainError("a new run needs a config and a prepared corpus", exit_code=2)
+            cfg = cfg.check()
+            if getattr(cfg, "gnmr", None) is not None:
+                raise TrainError("config gnmr: the GNMR controller does not run distributed yet; train this "
+                                 "configuration in one process (without --nproc / torchrun)", exit_code=2)
+            get_backend(backend)                     # importable and available on this worker
+            manifest = Manifest.load(corpus_dir)
+            fp = manifest_fingerprint(manifest)
+            ident = {"genesis": genesis_hash(cfg.to_json(), fp, manifest.tokenizer_sha256, CONTRACT_VERSION),
+                     "config": cfg.to_json(), "manifest_fingerprint": fp, "corpus": str(corpus_dir),
+                     "tokenizer_sha256": manifest.tokenizer_sha256, "contract_version": CONTRACT_VERSION,
+                     "backend": backend, "resume": bool(resume)}
+        except _STARTUP_ERRORS as e:
+            err = (str(e), getattr(e, "exit_code", 2))
+        got = comm.all_gather_object((ident, err))
+        bad = [(r, e) for r, (_, e) in enumerate(got) if e is not None]
+        if bad:
+            msg = "; ".join(f"rank {r}: {m}" for r, (m, _) in bad[:4])
+            raise TrainError(f"workers cannot start: {msg}", exit_code=bad[0][1][1])
+        ref, diffs = got[0][0], []
+        for r, (mine, _) in enumerate(got[1:], 1):
+            what = []
+            if mine["config"] != ref["config"]:
+                a, b = _flat(ref["config"]), _flat(mine["config"])
+                keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                what += [f"config {k} = {b.get(k)!r} (rank 0: {a.get(k)!r})" for k in keys[:4]]
+            for key in ("manifest_fingerprint", "tokenizer_sha256"):
+                if mine[key] != ref[key]:
+                    what.append(f"{key} {mine[key][:16]}… of corpus {mine['corpus']} (rank 0: {ref[key][:16]}… "
+                                f"of {ref['corpus']})")
+            for key in ("contract_version", "backend", "resume"):
+                if mine[key] != ref[key]:
+                    what.append(f"{key} {mine[key]!r} (rank 0: {ref[key]!r})")
+            if what:
+                diffs.append(f"rank {r}: " + ", ".join(what))
+        if diffs:
+            raise TrainError("workers disagree before the first step — every worker must run the same "
+                             "configuration on the same prepared corpus: " + "; ".join(diffs), exit_code=2)
+        try:
+            check_worker_count(comm.world, cfg.train.phases)
+        except ShardingError as e:
+            raise TrainError(str(e), exit_code=2) from None
+        return cfg, corpus_dir
+
+    def _init_replica(self, run_dir, cfg: RunConfig, corpus_dir, backend: str, log) -> None:
+        """What Trainer.__init__ builds, without touching the run directory (rank 0 owns it)."""
+        import pathlib
+        self.dir = pathlib.Path(run_dir)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.ops = get_backend(backend)
+        self.backend = backend
+        self.cfg = cfg.check()
+        self._open_corpus(corpus_dir)
+        self._build_model()
+        self.readonly = False
+        self.ledger = None
+        self._probes = None
+
+    def _distribute_state(self) -> None:
+        """Rank 0's state to every worker: counters and stream position, the parameters, and each
+        owner's slices of the Adam moments."""
+        comm, rank = self.comm, self.comm.rank
+        sizes = [int(np.prod(s)) for _, s, _ in self.shapes]
+        self.shards = shard_tensors(sizes, comm.world)
+        self.own = self.shards[rank]
+        P = self.model_cfg.n_params()
+        st = self.state if rank == 0 else None
+        meta = comm.broadcast_object(None if st is None else
+                                     {k: getattr(st, k) for k in ("step", "consumed", "adam_t", "skip_left", "stream")})
+        params = st.params if rank == 0 else np.empty(P, np.uint16)
+        comm.broadcast(params)
+        m = np.empty(self.own.size, np.float32)
+        v = np.empty(self.own.size, np.float32)
+        if rank == 0:
+            m[:], v[:] = st.m[self.own.lo:self.own.hi], st.v[self.own.lo:self.own.hi]
+            for sh in self.shards[1:]:
+                if sh.size:
+                    comm.send(st.m[sh.lo:sh.hi], sh.rank)
+                    comm.send(st.v[sh.lo:sh.hi], sh.rank)
+        elif self.own.size:
+            comm.recv(m, 0)
+            comm.recv(v, 0)
+        self.state = TrainState(meta["step"], meta["consumed"], meta["adam_t"], meta["skip_left"], params, m, v,
+                                meta["stream"])
+        if rank != 0:
+            self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=meta["stream"])
+        self.last_checkpoint = meta["step"]
+        self._sharded = True
+
+    # ------------------------------------------------------------------ owned tensors and hashes
+    def _owned(self, buf: np.ndarray, local: bool):
+        """(name, shape, decayed, view) of this rank's tensors in `buf`: the full parameter buffer
+        (local=False) or a buffer of this rank's elements only (local=True)."""
+        offs = 0 if local else self.own.lo
+        for name, shape, decayed in self.shapes[self.own.t0:self.own.t1]:
+            n = int(np.prod(shape))
+            yield name, shape, decayed, buf[offs:offs + n]
+            offs += n
+
+    def _digests(self, items) -> dict:
+        t0 = time.perf_counter()
+        d = hashing.tensor_digests(items)
+        self.timing["hash"] += time.perf_counter() - t0
+        return d
+
+    def _state_hashes(self) -> tuple[str, str]:
+        """(params hash, opt_state hash) from every owner's tensor hashes."""
+        st = self.state
+        dp = self._digests([(n, a.reshape(s), "bf16") for n, s, _, a in self._owned(st.params, False)])
+        do = self._digests([("m." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(st.m, True)]
+                           + [("v." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(st.v, True)])
+        allp, allo = {}, {}
+        for p, o in self.comm.all_gather_object((dp, do)):
+            allp.update(p)
+            allo.update(o)
+        allo.update(self._digests([("adam_t", np.array([st.adam_t], np.int64), "i64"),
+                                   ("skip_left", np.array([st.skip_left], np.int64), "i64")]))
+        t0 = time.perf_counter()
+        out = (hashing.collection_hash_from_tensor_hashes("params", allp),
+               hashing.collection_hash_from_tensor_hashes("opt_state", allo))
+        self.timing["hash"] += time.perf_counter() - t0
+        return out
+
+    # ------------------------------------------------------------------ one step
+    def _reduce_scatter(self, parts: list[np.ndarray], M: int) -> np.ndarray:
+        """This owner's slice of the step's averaged gradient (f32, own.size elements)."""
+        N, own = self.comm.world, self.own
+        blocks = [dyadic_blocks(*microbatch_range(M, N, w)) for w in range(N)]
+        send, send_counts = route(parts, self.shards)
+        recv = self.comm.all_to_all(send, send_counts, [len(b) * own.size for b in blocks])
+        t0 = time.perf_counter()
+        if own.size == 0:
+            return np.zeros(0, np.float32)
+        arrivals, off = [], 0
+        for w in range(N):
+            for start, level in blocks[w]:
+                arrivals.append((start, level, recv[off:off + own.size]))
+                off += own.size
+        g = owner_fold(arrivals, M, self.ops.add_inplace)
+        self.ops.scale_inplace(g, reciprocal(M))
+        self.timing["reduce"] += time.perf_counter() - t0
+        return g
+
+    def _compute_step(self) -> dict:
+        st, ops, t, comm = self.state, self.ops, self.state.step, self.comm
+        M, tokens = self.tcfg.tokens_per_step(self.model_cfg, st.consumed)
+        mb = self.tcfg.microbatch_seqs
+        w0 = self.stream.windows_emitted
+        windows = self.stream.next_windows(M * mb)
+        batch_hash = self._hash("batch", [("windows", windows, "u32")])
+        lo, hi = microbatch_range(M, comm.world, comm.rank)
+        t0 = time.perf_counter()
+        parts, scalars = [], {}
+        for start, level in dyadic_blocks(lo, hi):
+            fold = TreeFold(ops.add_inplace)
+            for i in range(start, start + (1 << level)):
+                loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
+                scalars[i] = (loss, ce, zl)
+                fold.push(g)
+            parts.append(fold.result())
+        self.timing["compute"] += time.perf_counter() - t0
+        hook = os.environ.get(TEST_EXIT_ENV)
+        if hook and hook == f"{comm.rank}:{t}":
+            os._exit(17)
+        grads = self._reduce_scatter(parts, M)
+        del parts
+        owned_g = [(n, s, d, a) for n, s, d, a in self._owned(grads, True)]
+        digests = self._digests([(n, a.reshape(s), "f32") for n, s, _, a in owned_g])
+        sumsq = [ops.sumsq_blocks(a) for _, _, _, a in owned_g]
+        gathered = comm.all_gather_object({"scalars": scalars, "grads": digests, "sumsq": sumsq})
+        allsc, alld, partials = {}, {}, []
+        for g in gathered:                       # rank order = canonical tensor order of the partials
+            allsc.update(g["scalars"])
+            alld.update(g["grads"])
+            partials.extend(g["sumsq"])
+        rM = reciprocal(M)
+        loss, ce, zl = (float(np.float32(ops.treefold(np.array([allsc[i][k] for i in range(M)], np.float32)))
+                              * np.float32(rM)) for k in range(3))
+        if not math.isfinite(loss):
+            raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
+                             f"The last checkpoint is intact; inspect the data or lower the learning rate.")
+        grad_hash = hashing.collection_hash_from_tensor_hashes("grads", alld)
+        norm = norm_from_partials(partials, ops)
+        spike = not (norm <= self.tcfg.spike_threshold)
+        skipped = st.skip_left > 0
+        clipped = False
+        lr = f32(self.tcfg.lr_at(st.consumed + tokens))
+        if not skipped and math.isfinite(norm):
+            t0 = time.perf_counter()
+            coef = ops.clip_coef(norm, self.tcfg.clip_norm)
+            if coef < 1.0:
+                if grads.size:
+                    ops.scale_inplace(grads, coef)
+                clipped = True
+            st.adam_t += 1
+            for (name, _, decayed, p), (_, _, _, g), (_, _, _, m), (_, _, _, v) in zip(
+                    self._owned(st.params, False), owned_g, self._owned(st.m, True), self._owned(st.v, True)):
+                ops.adamw_step(p, g, m, v, lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
+                               weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
+            self.timing["optim"] += time.perf_counter() - t0
+            pieces = comm.all_gather(st.params[self.own.lo:self.own.hi], [sh.size for sh in self.shards])
+            for sh, piece in zip(self.shards, pieces):
+                if sh.rank != comm.rank and sh.size:
+                    st.params[sh.lo:sh.hi] = piece
+        elif not math.isfinite(norm):
+            raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
+        st.skip_left = self.tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
+        st.step, st.consumed = t + 1, st.consumed + tokens
+        st.stream = self.stream.state()
+        params_hash, opt_hash = self._state_hashes()
+        self.timing["comm"] = comm.seconds
+        return {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
+                "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
+                "spike": spike, "microbatches": M,
+                "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
+
+    def _last_checkpoint(self) -> str:
+        later = " or, if rank 0 finished writing it, the next" if self._in_checkpoint and self.comm.rank else ""
+        return (f"the last checkpoint (step {self.last_checkpoint}{later}) is intact: resume with --resume, at any "
+                f"worker count")
+
+    def _lost(self, t: int, e: CommError) -> TrainError:
+        return TrainError(f"worker lost during step {t}: {e.op} failed on rank {self.comm.rank} of {self.comm.world} "
+                          f"({e.cause}); the run stops here, {self._last_checkpoint()}", exit_code=3)
+
+    def step(self) -> dict:
+        """Compute the next step on every worker; rank 0 appends the ledger record; checkpoint when due."""
+        t = self.state.step
+        try:
+            record = self.compute_step()
+            if self.tcfg.eval_every and (self.state.step % self.tcfg.eval_every == 0):
+                record["eval"] = self.heldout_ce()
+            if self.comm.rank == 0:
+                record["hash"] = self.ledger.append(record)
+            if self.state.step % self.tcfg.checkpoint_every == 0:
+                self._checkpoint()
+            return record
+        except CommError as e:
+            raise self._lost(t, e) from None
+        except WorkerTerminated as e:
+            raise TrainError(f"worker stopped during step {t} on rank {self.comm.rank} of {self.comm.world}: {e}; "
+                             f"{self._last_checkpoint()}", exit_code=3) from None
+
+    def heldout_ce(self) -> dict:
+        """Trainer.heldout_ce with the sources spread over the workers (source i on rank i mod N).
+        Each source's probe windows stay one batch, as on one device: with int8 linear layers the
+        activation scales are per tensor, so a window's CE depends on the windows batched with it."""
+        from ..data.stream import heldout_windows
+        if self._probes is None:
+            self._probes = {s.name: heldout_windows(self.corpus, s.name, self.model_cfg.seq_len,
+                                                    self.tcfg.eval_windows) for s in self.manifest.sources}
+        N, r = self.comm.world, self.comm.rank
+        mine = {}
+        for i, s in enumerate(self.manifest.sources):
+            w = self._probes[s.name]
+            if i % N == r and len(w):
+                mine[s.name] = float(np.mean(self.model.eval_loss(self.state.params, w), dtype=np.float64))
+        got = {}
+        for g in self.comm.all_gather_object(mine):
+            got.update(g)
+        out, mix = {}, 0.0
+        for s in self.manifest.sources:
+            if s.name not in got:
+                continue
+            out[s.name] = got[s.name]
+            mix += s.share * got[s.name]
+        out["mixture"] = mix
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self):
+        """The single-device checkpoint, written by rank 0 after the moments are gathered to it."""
+        if not self._sharded:                  # rank 0 inside Trainer.__init__: the full state is local
+            return Trainer._checkpoint(self)
+        comm, st, P = self.comm, self.state, self.model_cfg.n_params()
+        path, err = None, None
+        self._in_checkpoint = True
+        if comm.rank == 0:
+            m, v = np.empty(P, np.float32), np.empty(P, np.float32)
+            m[self.own.lo:self.own.hi], v[self.own.lo:self.own.hi] = st.m, st.v
+            for sh in self.shards[1:]:
+                if sh.size:
+                    comm.recv(m[sh.lo:sh.hi], sh.rank)
+                    comm.recv(v[sh.lo:sh.hi], sh.rank)
+            self.state = dataclasses.replace(st, m=m, v=v)
+            try:
+                path = Trainer._checkpoint(self)
+                self.last_checkpoint = st.step
+            except (CheckpointError, OSError) as e:
+                err = (f"{e} (the checkpoint of step {self.last_checkpoint} is intact)", 3)
+            finally:
+                self.state = st
+        elif self.own.size:
+            comm.send(st.m, 0)
+            comm.send(st.v, 0)
+        self._all_ok(f"writing the checkpoint of step {st.step}", err)
+        self.last_checkpoint, self._in_checkpoint = st.step, False
+        return path
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, steps: int, progress=None) -> str:
+        """Run until `steps` steps are completed in total; returns the run hash (on every rank)."""
+        t0, tok0 = time.perf_counter(), self.state.consumed
+        while self.state.step < steps:
+            rec = self.step()
+            if progress and self.comm.rank == 0:
+                dt = time.perf_counter() - t0
+                progress(rec, (self.state.consumed - tok0) / dt if dt > 0 else 0.0)
+        try:
+            if self.state.step % self.tcfg.checkpoint_every:
+                self._checkpoint()
+            h = (self.ledger.last_hash or self.genesis) if self.comm.rank == 0 else None
+            return self.comm.broadcast_object(h)
+        except CommError as e:
+            raise self._lost(self.state.step, e) from None
+
+
+# ---------------------------------------------------------------------- worker entry point
+def in_worker_env() -> bool:
+    """True in a process started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return bool(os.environ.get("RANK")) and bool(os.environ.get("WORLD_SIZE"))
+
+
+def _raise_terminated(signum, frame):
+    raise WorkerTerminated(f"terminated by {signal.Signals(signum).name} (the launcher stops every worker when "
+                           f"one fails, or the run was interrupted)")
+
+
+def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps: int | None = None,
+               backend: str = "cpu_ref", resume: bool = False, timeout: float = 120.0, threads: int = 0,
+               progress=None, on_start=None, log=None, close: bool = True) -> tuple[str, DistributedTrainer]:
+    """This process's part of a distributed run (the environment of torchrun): join the process
+    group, build the trainer, train until `steps` (default: the token budget). Returns (run hash,
+    trainer). Kernel threads default to the CPUs divided by the workers on this node (threads never
+    change a bit). on_start(trainer, total_steps) and progress(record, tokens/s) run on rank 0.
+    close=False leaves the process group up (trainer.comm) for the caller."""
+    from .. import cpu_ref
+    from ..config import steps_for_tokens
+    comm = Comm.init_from_env(backend, timeout)
+    if comm.device.startswith("cuda"):            # the cuda backend's kernels on this worker's GPU too
+        import cupy
+        cupy.cuda.Device(int(comm.device.split(":")[1])).use()
+    n = threads or max(1, cpu_count() // max(1, comm.local_world))
+    cpu_ref.set_num_threads(n)
+    hashing.set_hash_threads(min(n, 8))
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM,)}
+    try:
+        tr = DistributedTrainer(comm, run_dir, cfg, corpus_dir, backend=backend, resume=resume, log=log)
+        total = steps if steps is not None else steps_for_tokens(tr.tcfg, tr.model_cfg, tr.tcfg.total_tokens)
+        if on_start and comm.rank == 0:
+            on_start(tr, total)
+        h = tr.train(total, progress=progress)
+    except WorkerTerminated as e:
+        raise TrainError(f"worker stopped before the first step on rank {comm.rank}: {e}", exit_code=3) from None
+    finally:
+        for s, h0 in old.items():
+            signal.signal(s, h0)
+    if close:
+        comm.close()
+    return h, tr
+
+
+def worker_main(run_dir, cfg=None, corpus_dir=None, **kw) -> None:
+    """run_worker for a process that ends with it: on failure prints `error: [rank r/N] message` and
+    exits with the error's code at once (os._exit: no waiting on a broken process group);
+    rank 0 prints the run hash on success."""
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    try:
+        h, tr = run_worker(run_dir, cfg, corpus_dir, **kw)
+    except (TrainError, DistError, ConfigError, DataError, CheckpointError, LedgerError) as e:
+        print(f"error: [rank {rank}/{world}] {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(getattr(e, "exit_code", 2))
+    if tr.comm.rank == 0:
+        print(f"run hash {h}", flush=True)

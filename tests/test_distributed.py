@@ -1,0 +1,387 @@
+"""Distributed data-parallel training (issue 7): the same ledger, record for record and bit for bit,
+at any worker count; elastic resume; a lost worker stops every worker; bad input fails before any
+step. Workers are real processes on gloo (torchrun, or a direct launch with torchrun's environment)."""
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mlx_open1b import cpu_ref
+from mlx_open1b.audit import audit, run_hash
+from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig, preset
+from mlx_open1b.distributed import (ShardingError, check_worker_count, dyadic_blocks, microbatch_range,
+                                    norm_from_partials, owner_fold, shard_tensors, valid_worker_counts)
+from mlx_open1b.distributed.collectives import CommError, route
+from mlx_open1b.hostmath import reciprocal
+from mlx_open1b.train import Trainer, TreeFold
+
+from data_helpers import make_corpus
+
+pytest.importorskip("torch.distributed")
+
+
+def dist_cfg(**train):
+    model = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                        ffn_hidden=48, seq_len=16, window=8, global_every=2)
+    # 12 microbatches: 1, 2, 3 and 4 workers split it evenly (2: blocks of 4+2 and 2+4 microbatches);
+    # the clip, spike and skip paths all run within four steps
+    t = dict(seed=7, microbatch_seqs=1, phases=((0, 12),), total_tokens=4000, peak_lr=1e-2, warmup_tokens=64,
+             checkpoint_every=2, eval_every=2, eval_windows=3, clip_norm=0.3, spike_threshold=3.0, spike_skip=1)
+    t.update(train)
+    return RunConfig(model, TrainConfig(**t), "micro")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist") / "corpus"
+    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    return d
+
+
+_WORKER = """
+import dataclasses, json, os, sys
+from mlx_open1b.config import RunConfig
+from mlx_open1b.distributed import worker_main
+a = json.loads(sys.argv[1])
+cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
+if cfg is not None and os.environ.get("O1B_TEST_SEED"):        # a worker started with another config
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(os.environ["O1B_TEST_SEED"])))
+worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.get("resume", False),
+            timeout=a.get("timeout", 60.0))
+"""
+
+
+@pytest.fixture(scope="module")
+def worker_script(tmp_path_factory):
+    f = tmp_path_factory.mktemp("dist_worker") / "worker.py"
+    f.write_text(_WORKER)
+    return f
+
+
+def _args(run, cfg=None, corpus=None, steps=4, resume=False, timeout=60.0):
+    return json.dumps({"run": str(run), "cfg": cfg.to_json() if cfg else None, "corpus": str(corpus) if corpus else None,
+                       "steps": steps, "resume": resume, "timeout": timeout})
+
+
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", **extra)
+
+
+def torchrun(n, script, args, **env):
+    """The production launcher: python -m torch.distributed.run --standalone --nproc-per-node n."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script), args]
+    r = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=300)
+    return r
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n, script, args, per_rank=None, **env):
+    """n workers with torchrun's environment but no agent (so that nobody signals the survivors
+    when a worker dies): [(exit code, stdout, stderr)] by rank, and the seconds until all exited."""
+    port, procs, t0 = free_port(), [], time.monotonic()
+    for r in range(n):
+        e = _env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), **env, **((per_rank or {}).get(r, {})))
+        procs.append(subprocess.Popen([sys.executable, str(script), args], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = [(p.returncode, *p.communicate(timeout=300)) for p in procs]
+    out = [(p.returncode, o, e) for p, (_, o, e) in zip(procs, out)]
+    return out, time.monotonic() - t0
+
+
+def ledger(run):
+    return (run / "ledger.jsonl").read_bytes()
+
+
+def tree(run):
+    """Every file of a run directory, relative path -> bytes."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------ pure parts
+def test_microbatch_ranges_and_dyadic_blocks():
+    for M in range(1, 21):
+        for N in range(1, M + 1):
+            covered = []
+            for w in range(N):
+                lo, hi = microbatch_range(M, N, w)
+                assert hi > lo
+                blocks = dyadic_blocks(lo, hi)
+                for (s, L), nxt in zip(blocks, blocks[1:] + [(hi, 0)]):
+                    assert s % (1 << L) == 0 and s + (1 << L) == nxt[0]
+                    # maximal: the block cannot double while staying aligned and inside the range
+                    assert not (s % (2 << L) == 0 and s + (2 << L) <= hi)
+                covered += [(s, L) for s, L in blocks]
+            assert sum(1 << L for _, L in covered) == M and covered[0][0] == 0
+    assert dyadic_blocks(0, 12) == [(0, 3), (8, 2)] and dyadic_blocks(6, 12) == [(6, 1), (8, 2)]
+    assert dyadic_blocks(1, 3) == [(1, 0), (2, 0)]
+
+
+def test_shard_tensors_contiguous_balanced_and_allows_empty_ranks():
+    sizes = [s for _, s in ((n, int(np.prod(sh))) for n, sh, _ in preset("small").model.param_shapes())]
+    for N in range(1, 9):
+        sh = shard_tensors(sizes, N)
+        assert [s.rank for s in sh] == list(range(N)) and sh[0].t0 == 0 and sh[-1].t1 == len(sizes)
+        assert all(a.t1 == b.t0 and a.hi == b.lo for a, b in zip(sh, sh[1:]))
+        assert sum(s.size for s in sh) == sum(sizes)
+        best = max(s.size for s in sh)
+        assert best >= max(sizes) and best <= max(max(sizes), -(-sum(sizes) // N) + max(sizes))
+    # brute force on small cases: the largest range is the smallest possible
+    rng = np.random.default_rng(1)
+    import itertools
+    for _ in range(40):
+        sizes = [int(x) for x in rng.integers(1, 50, rng.integers(1, 7))]
+        N = int(rng.integers(1, 5))
+        got = max(s.size for s in shard_tensors(sizes, N))
+        opt = min(max(sum(sizes[a:b]) for a, b in zip((0,) + c, c + (len(sizes),)))
+                  for k in range(0, min(N, len(sizes)))
+                  for c in itertools.combinations(range(1, len(sizes)), k))
+        assert got == opt, (sizes, N)
+    sh = shard_tensors([10, 1, 1, 1, 1], 4)         # more ranks than useful cuts: the last owns nothing
+    assert [s.size for s in sh] == [10, 4, 0, 0]
+
+
+def test_worker_counts():
+    assert list(valid_worker_counts(((0, 12),))) == list(range(1, 13))
+    assert list(valid_worker_counts(((0, 4), (100, 8)))) == [1, 2, 3, 4]
+    check_worker_count(4, ((0, 4), (100, 8)))
+    with pytest.raises(ShardingError, match=r"5 workers.*4 microbatches per step from 0 tokens.*valid worker counts are 1-4"):
+        check_worker_count(5, ((0, 4), (100, 8)))
+    with pytest.raises(ShardingError, match="valid worker counts are 1-2"):
+        check_worker_count(0, ((0, 2),))
+
+
+def _grads(rng, M, P):
+    # magnitudes spread over many octaves so that the order of the adds shows in the bits
+    return [(rng.standard_normal(P) * np.exp2(rng.integers(-12, 12, P))).astype(np.float32) for _ in range(M)]
+
+
+@pytest.mark.parametrize("M", [5, 7, 12])
+def test_reduce_scatter_keys_on_microbatch_index_not_arrival(M):
+    """Owners fold the block partials they receive, in any arrival order, to the bits of the
+    single-device fold over microbatch index; the brief's plain routing (every microbatch on its
+    own, level 0) gives the same bits."""
+    rng = np.random.default_rng(M)
+    sizes = [int(x) for x in rng.integers(1, 300, 9)]
+    P = sum(sizes)
+    grads = _grads(rng, M, P)
+    ref = TreeFold(cpu_ref.add_inplace)
+    for g in grads:
+        ref.push(g.copy())
+    ref = ref.result()
+    cpu_ref.scale_inplace(ref, reciprocal(M))
+    seq = grads[0].copy()                                   # a left-to-right sum: different bits
+    for g in grads[1:]:
+        cpu_ref.add_inplace(seq, g)
+    cpu_ref.scale_inplace(seq, reciprocal(M))
+    assert not np.array_equal(seq.view(np.uint32), ref.view(np.uint32))
+    for N in sorted({1, 2, 3, M - 1, M} - {0}):
+        shards = shard_tensors(sizes, N)
+        inbox = {r: [] for r in range(N)}                   # what every owner receives
+        for w in range(N):
+            blocks = dyadic_blocks(*microbatch_range(M, N, w))
+            parts = []
+            for s, L in blocks:
+                f = TreeFold(cpu_ref.add_inplace)
+                for i in range(s, s + (1 << L)):
+                    f.push(grads[i].copy())
+                parts.append(f.result())
+            send, counts = route(parts, shards)
+            off = 0
+            for sh in shards:                               # the all-to-all, by hand
+                for (s, L) in blocks:
+                    inbox[sh.rank].append((s, L, send[off:off + sh.size].copy()))
+                    off += sh.size
+            assert off == sum(counts) == len(send)
+        for sh in shards:
+            if not sh.size:
+                continue
+            for plain in (False, True):
+                if plain:                                   # every microbatch routed alone
+                    arrivals = [(i, 0, grads[i][sh.lo:sh.hi].copy()) for i in range(M)]
+                else:
+                    arrivals = list(inbox[sh.rank])
+                order = rng.permutation(len(arrivals))
+                got = owner_fold([arrivals[k] for k in order], M, cpu_ref.add_inplace)
+                cpu_ref.scale_inplace(got, reciprocal(M))
+                assert np.array_equal(got.view(np.uint32), ref[sh.lo:sh.hi].view(np.uint32)), (N, sh, plain)
+
+
+def test_owner_fold_rejects_gaps_and_misaligned_blocks():
+    a = [np.ones(3, np.float32) for _ in range(4)]
+    with pytest.raises(ValueError, match="cover microbatches 0-2, the step has 4"):
+        owner_fold([(0, 1, a[0]), (2, 0, a[1])], 4, cpu_ref.add_inplace)
+    with pytest.raises(ValueError, match="does not continue"):
+        owner_fold([(0, 0, a[0]), (1, 1, a[1]), (3, 0, a[2])], 4, cpu_ref.add_inplace)
+    with pytest.raises(ValueError, match="does not continue"):
+        owner_fold([(0, 0, a[0]), (2, 0, a[1])], 2, cpu_ref.add_inplace)
+
+
+def test_norm_from_owner_partials_is_the_global_norm():
+    rng = np.random.default_rng(3)
+    sizes = [5000, 3, 9000, 4096, 1, 700]
+    g = _grads(rng, 1, sum(sizes))[0]
+    tensors, off = [], 0
+    for s in sizes:
+        tensors.append(g[off:off + s])
+        off += s
+    want = cpu_ref.global_norm(tensors)
+    for N in (1, 2, 3, 6, 8):
+        partials = []
+        for sh in shard_tensors(sizes, N):                  # each owner, in rank order
+            partials += [cpu_ref.sumsq_blocks(t) for t in tensors[sh.t0:sh.t1]]
+        assert np.float32(norm_from_partials(partials, cpu_ref)).view(np.uint32) == np.float32(want).view(np.uint32)
+
+
+def test_comm_error_names_the_collective():
+    e = CommError("all_to_all_single", RuntimeError(
+        "[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. This is typically caused by "
+        "a remote worker crashing. Check the logs.\nmore"))
+    assert str(e) == "all_to_all_single: Connection closed by peer [127.0.0.1]:1."
+
+
+# ------------------------------------------------------------------------------ real workers
+def test_same_ledger_at_1_2_3_4_workers(tmp_path, corpus, worker_script):
+    cfg = dist_cfg()
+    single = tmp_path / "single"
+    h = Trainer(single, cfg, corpus).train(4)
+    recs = [json.loads(line) for line in ledger(single).splitlines()]
+    assert any(r["clipped"] for r in recs) and any(r["skipped"] for r in recs) and any(r["spike"] for r in recs)
+    assert any("eval" in r for r in recs)
+    want = tree(single)
+    for n in (1, 2, 3, 4):                  # 4 workers: one owns no tensor (two big embeddings, one middle)
+        run = tmp_path / f"w{n}"
+        r = torchrun(n, worker_script, _args(run, cfg, corpus, steps=4))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"run hash {h}" in r.stdout
+        assert ledger(run) == ledger(single), n
+        assert tree(run) == want, n         # run.json, ledger and every checkpoint, byte for byte
+    assert [s.size for s in shard_tensors([int(np.prod(s)) for _, s, _ in cfg.model.param_shapes()], 4)][-1] == 0
+    # one process certifies the 4-worker run, knowing nothing of its worker count
+    att = audit(tmp_path / "w4", 0, 3)
+    assert att["verdict"] == "certified" and att["run_hash"] == h
+    assert run_hash(tmp_path / "w4")["run_hash"] == h
+
+
+def test_checkpoint_at_2_workers_resume_at_3_int8(tmp_path, corpus, worker_script):
+    # 12 microbatches for two steps, then 5: 3 workers split 5 unevenly (1 + 2 + 2, unaligned blocks)
+    # int8 linear layers (the open1b preset's): per-tensor activation scales, still the same bits
+    cfg = dist_cfg(phases=((0, 12), (2 * 12 * 16, 5)), checkpoint_every=3)
+    cfg = dataclasses.replace(cfg, precision="int8")
+    single = tmp_path / "single"
+    Trainer(single, cfg, corpus).train(6)
+    run = tmp_path / "run"
+    r = torchrun(2, worker_script, _args(run, cfg, corpus, steps=4))      # checkpoints at 3 and 4 (the end)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import shutil
+    shutil.rmtree(run / "ckpt-00000004")                                   # resume from step 3 (mid-run)
+    r = torchrun(3, worker_script, _args(run, resume=True, steps=6))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ledger(run) == ledger(single)
+    assert tree(run) == tree(single)
+
+
+def test_killed_worker_stops_every_worker_and_the_run_resumes(tmp_path, corpus, worker_script):
+    cfg = dist_cfg()
+    single = tmp_path / "single"
+    Trainer(single, cfg, corpus).train(5)
+    run = tmp_path / "run"
+    timeout = 30.0
+    res, took = launch(3, worker_script, _args(run, cfg, corpus, steps=5, timeout=timeout),
+                       OPEN1B_TEST_WORKER_EXIT="1:2")        # rank 1 dies in the middle of step 2
+    assert res[1][0] == 17
+    for rank in (0, 2):
+        code, _, err = res[rank]
+        assert code == 3, err[-2000:]
+        assert f"error: [rank {rank}/3] worker lost during step 2" in err, err[-2000:]
+        assert "the last checkpoint (step 2) is intact" in err
+    assert took < timeout
+    assert len(ledger(run).splitlines()) == 2                   # steps 0 and 1; checkpoint 2 is complete
+    from mlx_open1b.checkpoint import list_checkpoints, load_checkpoint
+    assert [s for s, _ in list_checkpoints(run)] == [0, 2]
+    load_checkpoint(list_checkpoints(run)[-1][1])
+    r = torchrun(2, worker_script, _args(run, resume=True, steps=5))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ledger(run) == ledger(single)
+
+
+def test_bad_input_fails_before_any_step(tmp_path, corpus, worker_script):
+    # a worker count the batch cannot be split over
+    res, _ = launch(3, worker_script, _args(tmp_path / "a", dist_cfg(phases=((0, 2),)), corpus))
+    for code, _, err in res:
+        assert code == 2 and "3 workers" in err and "valid worker counts are 1-2" in err, err[-2000:]
+    assert not (tmp_path / "a").exists()
+    # a worker with another configuration
+    res, _ = launch(2, worker_script, _args(tmp_path / "b", dist_cfg(), corpus), per_rank={1: {"O1B_TEST_SEED": "8"}})
+    for code, _, err in res:
+        assert code == 2 and "workers disagree" in err and "rank 1: config train.seed = 8 (rank 0: 7)" in err, err[-2000:]
+    assert not (tmp_path / "b").exists()
+    # another corpus on rank 1 (same vocabulary, other documents)
+    other = tmp_path / "other"
+    make_corpus(other, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)}, seed=5)
+    a0, a1 = _args(tmp_path / "c", dist_cfg(), corpus), _args(tmp_path / "c", dist_cfg(), other)
+    port, procs = free_port(), []
+    for r, a in enumerate((a0, a1)):
+        procs.append(subprocess.Popen([sys.executable, str(worker_script), a], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      env=_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and "rank 1: manifest_fingerprint" in err and str(other) in err, err[-2000:]
+    assert not (tmp_path / "c").exists()
+    # resuming a run that does not exist
+    res, _ = launch(2, worker_script, _args(tmp_path / "none", resume=True))
+    for code, _, err in res:
+        assert code == 2 and "no run to resume" in err, err[-2000:]
+
+
+def test_missing_rendezvous(tmp_path, corpus, worker_script):
+    a = _args(tmp_path / "r", dist_cfg(), corpus, timeout=2.0)
+    env = _env(RANK="0", WORLD_SIZE="2")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    r = subprocess.run([sys.executable, str(worker_script), a], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "MASTER_ADDR, MASTER_PORT not set" in r.stderr, r.stderr[-2000:]
+    t0 = time.monotonic()                                           # rank 0 waits for a rank 1 that never comes
+    r = subprocess.run([sys.executable, str(worker_script), a], capture_output=True, text=True, timeout=120,
+                       env=_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    assert r.returncode == 2 and "rendezvous at 127.0.0.1" in r.stderr and "rank 0 of 2" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_nproc(tmp_path, default_corpus):
+    """`open1b train --nproc 2` (torchrun under the hood) writes the ledger of `open1b train`, also
+    when a worker dies on the way and the run is resumed."""
+    def cli(*args, **env):
+        return subprocess.run([sys.executable, "-m", "mlx_open1b.cli.main", "train", "--data", str(default_corpus),
+                               "--steps", "3", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=_env(**env))
+    r1 = cli("--out", str(tmp_path / "one"), "--threads", "2")
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    two = tmp_path / "two"
+    r2 = cli("--out", str(two), "--nproc", "2", OPEN1B_TEST_WORKER_EXIT="1:1")
+    assert r2.returncode == 3, r2.stderr[-3000:]
+    # the survivor either sees the lost connection or is stopped by torchrun, which stops every
+    # worker when one fails; either way it says so and names the step
+    assert ("[rank 0/2] worker lost during step 1" in r2.stderr
+            or "[rank 0/2] worker stopped during step 1" in r2.stderr), r2.stderr[-3000:]
+    assert "distributed training stopped" in r2.stderr and "is step 0 (intact)" in r2.stderr
+    r2 = cli("--out", str(two), "--nproc", "2", "--resume")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "2 workers (gloo)" in r2.stderr and r2.stdout.strip().splitlines()[-1] == r1.stdout.strip().splitlines()[-1]
+    assert ledger(two) == ledger(tmp_path / "one")
+    r3 = cli("--out", str(tmp_path / "three"), "--nproc", "3")      # the tiny preset has 2 microbatches per step
+    assert r3.returncode == 2 and "--nproc 3" in r3.stderr and "valid worker counts are 1-2" in r3.stderr
+    assert not (tmp_path / "three").exists()
