@@ -45,6 +45,8 @@ class _Progress:
         el = time.perf_counter() - self.t0
         eta = el / max(1, done - self.start) * (self.total - done)
         flags = "".join(c for c, f in (("C", rec["clipped"]), ("S", rec["skipped"]), ("!", rec["spike"])) if f)
+        if rec.get("gnmr", {}).get("active"):
+            flags += f"G{len(rec['gnmr']['active'])}"       # units on the GNMR recovery path this step
         line = (f"step {done}/{self.total}  loss {rec['loss']:.4f}  ce {rec['ce']:.4f}  lr {rec['lr']:.2e}  "
                 f"|g| {rec['grad_norm']:.3f} {flags:3s} {tok_s:,.0f} tok/s  eta {eta:,.0f}s")
         if "eval" in rec:
@@ -73,12 +75,16 @@ class _Progress:
 @click.option("--precision", type=click.Choice(["int8", "bf16"]), default=None,
               help="linear-layer arithmetic, overriding the preset's (tiny, small: bf16; open1b: int8): int8 "
                    "quantizes the attention Q/K/V/O and FFN GEMMs (CONTRACT.md §6.9)")
+@click.option("--gnmr", "gnmr_spec", default=None, metavar="K=V,...",
+              help="GNMR precision controller (CONTRACT.md §13) on an int8 run: risky units go to the bf16 path "
+                   "for a step, e.g. --gnmr alpha=3,beta=2,maxO=2,lock=5,window=10,mode=op (keys: alpha, "
+                   "alpha_init, warm, beta, maxO, lock, window, mode op|block, eps, high); '' for the defaults")
 @click.option("--nproc", type=int, default=None,
               help="data-parallel workers on this machine (torchrun; gloo on CPUs, NCCL with --backend cuda on "
                    "GPUs): the same ledger, bit for bit, at any count from 1 to the microbatches per step")
 @click.option("--dist-timeout", type=float, default=120.0, show_default=True,
               help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an error")
-def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, nproc, dist_timeout):
+def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec, nproc, dist_timeout):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     import dataclasses
 
@@ -103,9 +109,20 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
         if precision is not None:
             cfg = dataclasses.replace(cfg, precision=precision)
+        if gnmr_spec is not None:
+            if resume:
+                _fail("--gnmr: a run's controller is part of its configuration (genesis); it cannot be set on "
+                      "--resume", 2)
+            from mlx_open1b.gnmr import GNMRConfig, GNMRError
+            try:
+                cfg = dataclasses.replace(cfg, gnmr=GNMRConfig.parse(gnmr_spec))
+                cfg.check()
+            except GNMRError as e:
+                _fail(str(e), 2)
         if nproc is not None:
             return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
-                           seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout)
+                           seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
+                           gnmr_spec=gnmr_spec)
         if worker:
             return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout)
         if backend == "torch":
@@ -141,7 +158,7 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
 
 
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
-            precision, preset_name, timeout) -> None:
+            precision, preset_name, timeout, gnmr_spec=None) -> None:
     """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
     import json
     import os
@@ -171,7 +188,7 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "mlx_open1b.cli.main", "train", "--preset", preset_name, "--backend", backend, "--out", str(out),
            "--threads", str(per), "--dist-timeout", repr(float(timeout))]
-    for flag, val in (("--steps", steps), ("--seed", seed), ("--precision", precision),
+    for flag, val in (("--steps", steps), ("--seed", seed), ("--precision", precision), ("--gnmr", gnmr_spec),
                       ("--data", None if data_dir is None else str(pathlib.Path(data_dir).resolve()))):
         if val is not None:
             cmd += [flag, str(val)]

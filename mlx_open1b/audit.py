@@ -25,11 +25,13 @@ COMPARED = (("batch", ("hashes", "batch")), ("grads", ("hashes", "grads")), ("pa
             ("optimizer", ("hashes", "opt_state")), ("loss", ("loss",)), ("grad_norm", ("grad_norm",)),
             ("lr", ("lr",)), ("flags", ("clipped",)), ("flags", ("skipped",)), ("flags", ("spike",)),
             ("windows", ("windows",)))
+# runs with a GNMR controller (CONTRACT.md §13): its decisions and state replay too
+COMPARED_GNMR = (("gnmr", ("gnmr",)), ("gnmr", ("hashes", "gnmr")))
 
 
 def _get(rec: dict, path: tuple):
     for k in path:
-        rec = rec[k]
+        rec = rec.get(k) if isinstance(rec, dict) else None
     return rec
 
 
@@ -55,10 +57,13 @@ def run_hash(run_dir) -> dict:
         rec = records.get(step - 1)
         if rec is None:
             continue
-        for key, mine in (("params", meta["params_hash"]), ("opt_state", meta["opt_hash"])):
-            if rec["hashes"][key] != mine:
-                raise TrainError(f"{path}: {key} hash {mine[:16]}… differs from ledger step {step - 1} "
-                                 f"({rec['hashes'][key][:16]}…)", exit_code=1)
+        pairs = [("params", meta["params_hash"]), ("opt_state", meta["opt_hash"])]
+        if "gnmr_hash" in meta or "gnmr" in rec["hashes"]:
+            pairs.append(("gnmr", meta.get("gnmr_hash")))
+        for key, mine in pairs:
+            if rec["hashes"].get(key) != mine:
+                raise TrainError(f"{path}: {key} hash {str(mine)[:16]}… differs from ledger step {step - 1} "
+                                 f"({str(rec['hashes'].get(key))[:16]}…)", exit_code=1)
         checked.append(step)
     return {"run_hash": final, "steps": len(records), "checkpoints_checked": checked}
 
@@ -87,7 +92,7 @@ def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str
     for t in range(start, last + 1):
         rec = tr.compute_step()
         want = records[t]
-        for component, path in COMPARED:
+        for component, path in COMPARED + (COMPARED_GNMR if ("gnmr" in want or "gnmr" in rec) else ()):
             if _get(rec, path) != _get(want, path):
                 detail = {"step": t, "component": component, "field": ".".join(path),
                           "recorded": _get(want, path), "replayed": _get(rec, path)}

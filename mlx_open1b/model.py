@@ -254,8 +254,10 @@ class Model:
         return loss, ce, zl, self._backward(params, cache)
 
     def eval_loss(self, params: np.ndarray, windows: np.ndarray, batch: int | None = None) -> np.ndarray:
-        """Per-window mean cross-entropy (B,) fp32, forward only, nothing cached. Every op is
-        row-independent, so a window's value does not depend on `batch` (windows per forward)."""
+        """Per-window mean cross-entropy (B,) fp32, forward only, nothing cached. In bf16 every op is
+        row-independent, so a window's value does not depend on `batch` (windows per forward); in
+        int8 the activation scales are per tensor (CONTRACT.md §6.9), so it does: callers that must
+        reproduce a value keep the batching (the trainer evaluates each source as one batch)."""
         self._check_params(params)
         inputs, targets, B = self._split(windows)
         T = self.cfg.seq_len

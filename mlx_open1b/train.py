@@ -87,6 +87,17 @@ class TreeFold:
         return acc
 
 
+def scalar_sqrt_of(ops):
+    """The contract's host-side fp32 square root of a backend (cpu_ref keeps it in its optim module)."""
+    return getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
+
+
+def norm_from_partials(partials, ops) -> float:
+    """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
+    ops.global_norm of the whole gradient (CONTRACT.md §7)."""
+    return float(scalar_sqrt_of(ops)(ops.treefold(np.ascontiguousarray(np.concatenate(partials), np.float32))))
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything the next step depends on (all of it in the checkpoint and the hashes)."""
@@ -98,6 +109,7 @@ class TrainState:
     m: np.ndarray                # (P,) f32
     v: np.ndarray                # (P,) f32
     stream: dict                 # data-stream position at the step boundary
+    gnmr: object = None          # GNMRState when the run has a GNMR controller (CONTRACT.md §13)
 
 
 class Trainer:
@@ -149,7 +161,8 @@ class Trainer:
             P = self.model_cfg.n_params()
             params = init_params(self.model_cfg, self.tcfg.seed)
             stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len)
-            self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state())
+            self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
+                                    self.gnmr.fresh() if self.gnmr else None)
             self._checkpoint()
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
         self._probes = None
@@ -171,7 +184,11 @@ class Trainer:
         self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision)
         self.layout = ParamLayout(self.model_cfg)
         self.shapes = self.model_cfg.param_shapes()
-        self.timing = {"hash": 0.0, "steps": 0.0, "n": 0}   # seconds spent hashing / in compute_step
+        self.timing = {"hash": 0.0, "steps": 0.0, "n": 0, "gnmr": 0.0}   # seconds hashing / in compute_step / GNMR
+        self.gnmr = None
+        if self.cfg.gnmr is not None:
+            from .gnmr import Controller
+            self.gnmr = Controller(self.cfg.gnmr, self.model_cfg, self.tcfg.total_tokens)
 
     # ------------------------------------------------------------------ state and hashes
     def _tensors(self, buf: np.ndarray, dtype: str):
@@ -197,12 +214,17 @@ class Trainer:
                     ("skip_left", np.array([st.skip_left], np.int64), "i64")])
         return self._hash("opt_state", items)
 
+    def gnmr_hash(self, g) -> str:
+        return self._hash("gnmr", g.hash_items())
+
     def _checkpoint(self) -> pathlib.Path:
         st = self.state
         meta = {"step": st.step, "consumed": st.consumed, "adam_t": st.adam_t, "skip_left": st.skip_left,
                 "stream": st.stream, "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION,
                 "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis,
                 "params_hash": self.param_hash(st.params), "opt_hash": self.opt_hash(st)}
+        if st.gnmr is not None:
+            meta["gnmr"], meta["gnmr_hash"] = st.gnmr.to_json(), self.gnmr_hash(st.gnmr)
         tensors = {"params": (st.params, "bf16"), "m": (st.m, "f32"), "v": (st.v, "f32")}
         return save_checkpoint(self.dir, st.step, tensors, meta)
 
@@ -220,7 +242,38 @@ class Trainer:
                         *(np.array(tensors[k][0], copy=True) for k in ("params", "m", "v")), meta["stream"])
         if self.param_hash(st.params) != meta["params_hash"] or self.opt_hash(st) != meta["opt_hash"]:
             raise TrainError(f"{path}: tensors do not match the hashes recorded in its meta.json", exit_code=2)
+        if self.gnmr is not None:
+            from .gnmr import GNMRError, GNMRState
+            if "gnmr" not in meta:
+                raise TrainError(f"{path}: meta.json has no GNMR controller state, but the run configures gnmr",
+                                 exit_code=2)
+            try:
+                st.gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
+            except GNMRError as e:
+                raise TrainError(f"{path}: {e}", exit_code=2) from None
+            if self.gnmr_hash(st.gnmr) != meta.get("gnmr_hash"):
+                raise TrainError(f"{path}: the GNMR state does not match gnmr_hash in its meta.json", exit_code=2)
         return st
+
+    # ------------------------------------------------------------------ GNMR (CONTRACT.md §13)
+    def _gnmr_begin(self) -> None:
+        """The step's recovered units: the active set chosen after the previous step."""
+        if self.gnmr is not None:
+            self.model.set_paths(self.gnmr.paths(self.state.gnmr))
+
+    def _gnmr_end(self, partials: dict, consumed_after: int, record: dict) -> None:
+        """Update the controller from the step's per-tensor norm partials ({name: sumsq blocks});
+        the record lists the units recovered in this step and those chosen for the next."""
+        if self.gnmr is None:
+            return
+        t0 = time.perf_counter()
+        st, names = self.state, self.gnmr.names
+        used = st.gnmr.active
+        st.gnmr, scores = self.gnmr.update(st.gnmr, self.gnmr.unit_norms(partials, self.ops), consumed_after)
+        record["gnmr"] = {"active": [names[b] for b in used], "next": [names[b] for b in st.gnmr.active],
+                          "max_risk": float(np.max(scores["risk"])) if len(names) else 0.0}
+        self.timing["gnmr"] += time.perf_counter() - t0
+        record["hashes"]["gnmr"] = self.gnmr_hash(st.gnmr)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict:
@@ -248,6 +301,7 @@ class Trainer:
         w0 = self.stream.windows_emitted
         windows = self.stream.next_windows(M * mb)
         batch_hash = self._hash("batch", [("windows", windows, "u32")])
+        self._gnmr_begin()
         fold, losses, ces, zls = TreeFold(ops.add_inplace), [], [], []
         for i in range(M):
             loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
@@ -263,7 +317,8 @@ class Trainer:
             raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
                              f"The last checkpoint is intact; inspect the data or lower the learning rate.")
         grad_hash = self._hash("grads", list(self._tensors(grads, "f32")))
-        norm = ops.global_norm([a for _, a, _ in self._tensors(grads, "f32")])
+        partials = {name: ops.sumsq_blocks(a) for name, a, _ in self._tensors(grads, "f32")}
+        norm = norm_from_partials(list(partials.values()), ops)      # = ops.global_norm (§7)
         spike = not (norm <= self.tcfg.spike_threshold)
         skipped = st.skip_left > 0
         clipped = False
@@ -290,6 +345,7 @@ class Trainer:
                   "spike": spike, "microbatches": M,
                   "hashes": {"batch": batch_hash, "grads": grad_hash, "params": self.param_hash(st.params),
                              "opt_state": self.opt_hash(st)}}
+        self._gnmr_end(partials, st.consumed, record)
         return record
 
     def heldout_ce(self) -> dict:

@@ -385,3 +385,20 @@ def test_cli_nproc(tmp_path, default_corpus):
     r3 = cli("--out", str(tmp_path / "three"), "--nproc", "3")      # the tiny preset has 2 microbatches per step
     assert r3.returncode == 2 and "--nproc 3" in r3.stderr and "valid worker counts are 1-2" in r3.stderr
     assert not (tmp_path / "three").exists()
+
+
+def test_gnmr_run_same_ledger_at_2_workers(tmp_path, corpus, worker_script):
+    """The GNMR controller (CONTRACT.md §13) decides from the owners' norm partials on every worker:
+    the same decisions and ledger as one process."""
+    from mlx_open1b.gnmr import GNMRConfig
+    cfg = dataclasses.replace(dist_cfg(), precision="int8",
+                              gnmr=GNMRConfig(alpha=1.02, alpha_init=1.02, warm=0.0, beta=1.02, max_o=2, lock=2,
+                                              window=2))
+    single = tmp_path / "single"
+    Trainer(single, cfg, corpus).train(4)
+    recs = [json.loads(line) for line in ledger(single).splitlines()]
+    assert any(r["gnmr"]["active"] for r in recs)
+    run = tmp_path / "w2"
+    r = torchrun(2, worker_script, _args(run, cfg, corpus, steps=4))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert tree(run) == tree(single)

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..train import TreeFold
+from ..train import TreeFold, norm_from_partials, scalar_sqrt_of  # noqa: F401  (re-exported)
 from .sharding import Shard
 
 
@@ -70,17 +70,6 @@ def owner_fold(parts: Iterable[tuple[int, int, np.ndarray]], M: int, add_inplace
     for _, level, a in parts:
         fold.push(a, level)
     return fold.result()
-
-
-def scalar_sqrt_of(ops):
-    """The contract's host-side fp32 square root of a backend (cpu_ref keeps it in its optim module)."""
-    return getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
-
-
-def norm_from_partials(partials: Sequence[np.ndarray], ops) -> float:
-    """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
-    ops.global_norm of the whole gradient (CONTRACT.md §7)."""
-    return float(scalar_sqrt_of(ops)(ops.treefold(np.ascontiguousarray(np.concatenate(partials), np.float32))))
 
 
 def route(parts: Sequence[np.ndarray], shards: Sequence[Shard]) -> tuple[np.ndarray, list[int]]:

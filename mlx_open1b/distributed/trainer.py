@@ -137,9 +137,6 @@ class DistributedTrainer(Trainer):
             if cfg is None or corpus_dir is None:
                 raise TrainError("a new run needs a config and a prepared corpus", exit_code=2)
             cfg = cfg.check()
-            if getattr(cfg, "gnmr", None) is not None:
-                raise TrainError("config gnmr: the GNMR controller does not run distributed yet; train this "
-                                 "configuration in one process (without --nproc / torchrun)", exit_code=2)
             get_backend(backend)                     # importable and available on this worker
             manifest = Manifest.load(corpus_dir)
             fp = manifest_fingerprint(manifest)
@@ -203,7 +200,8 @@ class DistributedTrainer(Trainer):
         P = self.model_cfg.n_params()
         st = self.state if rank == 0 else None
         meta = comm.broadcast_object(None if st is None else
-                                     {k: getattr(st, k) for k in ("step", "consumed", "adam_t", "skip_left", "stream")})
+                                     {**{k: getattr(st, k) for k in ("step", "consumed", "adam_t", "skip_left", "stream")},
+                                      "gnmr": None if st.gnmr is None else st.gnmr.to_json()})
         params = st.params if rank == 0 else np.empty(P, np.uint16)
         comm.broadcast(params)
         m = np.empty(self.own.size, np.float32)
@@ -217,8 +215,12 @@ class DistributedTrainer(Trainer):
         elif self.own.size:
             comm.recv(m, 0)
             comm.recv(v, 0)
+        gnmr = None
+        if meta["gnmr"] is not None:
+            from ..gnmr import GNMRState
+            gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
         self.state = TrainState(meta["step"], meta["consumed"], meta["adam_t"], meta["skip_left"], params, m, v,
-                                meta["stream"])
+                                meta["stream"], gnmr)
         if rank != 0:
             self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=meta["stream"])
         self.last_checkpoint = meta["step"]
@@ -286,6 +288,7 @@ class DistributedTrainer(Trainer):
         windows = self.stream.next_windows(M * mb)
         batch_hash = self._hash("batch", [("windows", windows, "u32")])
         lo, hi = microbatch_range(M, comm.world, comm.rank)
+        self._gnmr_begin()
         t0 = time.perf_counter()
         parts, scalars = [], {}
         for start, level in dyadic_blocks(lo, hi):
@@ -304,12 +307,14 @@ class DistributedTrainer(Trainer):
         owned_g = [(n, s, d, a) for n, s, d, a in self._owned(grads, True)]
         digests = self._digests([(n, a.reshape(s), "f32") for n, s, _, a in owned_g])
         sumsq = [ops.sumsq_blocks(a) for _, _, _, a in owned_g]
-        gathered = comm.all_gather_object({"scalars": scalars, "grads": digests, "sumsq": sumsq})
-        allsc, alld, partials = {}, {}, []
+        gathered = comm.all_gather_object({"scalars": scalars, "grads": digests, "sumsq": sumsq,
+                                           "names": [n for n, _, _, _ in owned_g]})
+        allsc, alld, partials, named = {}, {}, [], {}
         for g in gathered:                       # rank order = canonical tensor order of the partials
             allsc.update(g["scalars"])
             alld.update(g["grads"])
             partials.extend(g["sumsq"])
+            named.update(zip(g["names"], g["sumsq"]))
         rM = reciprocal(M)
         loss, ce, zl = (float(np.float32(ops.treefold(np.array([allsc[i][k] for i in range(M)], np.float32)))
                               * np.float32(rM)) for k in range(3))
@@ -346,10 +351,12 @@ class DistributedTrainer(Trainer):
         st.stream = self.stream.state()
         params_hash, opt_hash = self._state_hashes()
         self.timing["comm"] = comm.seconds
-        return {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
-                "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
-                "spike": spike, "microbatches": M,
-                "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
+        record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
+                  "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
+                  "spike": spike, "microbatches": M,
+                  "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
+        self._gnmr_end(named, st.consumed, record)       # every worker: the same inputs, the same decisions
+        return record
 
     def _last_checkpoint(self) -> str:
         later = " or, if rank 0 finished writing it, the next" if self._in_checkpoint and self.comm.rank else ""

@@ -1,0 +1,144 @@
+"""GNMR in training (CONTRACT.md §13): the controller's decisions are part of the ledger, identical
+across backends, across resume from a checkpoint taken mid-lock, across worker counts; an injected
+gradient spike moves its unit to the recovery path on the next step; audit replays the decisions."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from mlx_open1b.audit import audit, run_hash
+from mlx_open1b.config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from mlx_open1b.gnmr import GNMRConfig
+from mlx_open1b.train import TrainError, Trainer
+
+from data_helpers import make_corpus
+
+MICRO = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                    ffn_hidden=48, seq_len=16, window=8, global_every=2)
+# sensitive thresholds so that the controller acts within a few steps of a tiny run
+SENSITIVE = GNMRConfig(alpha=1.02, alpha_init=1.02, warm=0.0, beta=1.02, max_o=2, lock=3, window=2)
+
+
+def gnmr_cfg(gnmr=SENSITIVE, **train):
+    t = dict(seed=7, microbatch_seqs=2, phases=((0, 2),), total_tokens=4000, peak_lr=1e-2, warmup_tokens=64,
+             checkpoint_every=2, eval_every=0, eval_windows=2)
+    t.update(train)
+    return RunConfig(MICRO, TrainConfig(**t), "micro", precision="int8", gnmr=gnmr)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gnmr") / "corpus"
+    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    return d
+
+
+def records(run):
+    return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+
+
+def test_records_carry_decisions_and_recovery_changes_the_program(tmp_path, corpus):
+    Trainer(tmp_path / "g", gnmr_cfg(), corpus).train(8)
+    recs = records(tmp_path / "g")
+    assert all("gnmr" in r and "gnmr" in r["hashes"] for r in recs)
+    assert recs[0]["gnmr"]["active"] == []                        # nothing recovered in step 0
+    for a, b in zip(recs, recs[1:]):
+        assert b["gnmr"]["active"] == a["gnmr"]["next"]           # chosen after t, applied at t + 1
+    used = [r["gnmr"]["active"] for r in recs]
+    assert any(used) and all(len(u) <= 2 for u in used)
+    # the same run without the controller: identical until the first recovered step, then not
+    Trainer(tmp_path / "plain", gnmr_cfg(gnmr=None), corpus).train(8)
+    plain = records(tmp_path / "plain")
+    first = next(i for i, u in enumerate(used) if u)
+    for i in range(first):
+        assert recs[i]["hashes"]["grads"] == plain[i]["hashes"]["grads"]
+    assert recs[first]["hashes"]["grads"] != plain[first]["hashes"]["grads"]
+    assert "gnmr" not in plain[0]
+
+
+def test_resume_mid_lock_gives_the_same_ledger(tmp_path, corpus):
+    cfg = gnmr_cfg()
+    full = tmp_path / "full"
+    Trainer(full, cfg, corpus).train(10)
+    metas = {int(p.name.split("-")[1]): json.loads((p / "meta.json").read_text())
+             for p in full.glob("ckpt-*")}
+    mid = [s for s, m in sorted(metas.items()) if 0 < s < 10 and any(m["gnmr"]["locks"])]
+    assert mid, "no checkpoint was taken while a unit was locked; retune SENSITIVE"
+    part = tmp_path / "part"
+    Trainer(part, cfg, corpus).train(mid[0])
+    Trainer(part, resume=True).train(10)
+    assert (part / "ledger.jsonl").read_bytes() == (full / "ledger.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("backend", ["metal", "cuda"])
+def test_gnmr_ledger_parity_across_backends(tmp_path, corpus, backend):
+    cfg = gnmr_cfg()
+    Trainer(tmp_path / "cpu", cfg, corpus).train(3)
+    Trainer(tmp_path / backend, cfg, corpus, backend=backend).train(3)
+    a = (tmp_path / "cpu" / "ledger.jsonl").read_bytes()
+    assert any(r["gnmr"]["active"] for r in records(tmp_path / "cpu"))
+    assert a == (tmp_path / backend / "ledger.jsonl").read_bytes()
+
+
+def test_injected_spike_moves_its_unit_to_recovery_next_step(tmp_path, corpus):
+    """Multiply layer 1's wo gradient by 50 in step 5 only (a hook on the model): the controller
+    selects layers.1.wo for step 6."""
+    cfg = gnmr_cfg(gnmr=GNMRConfig(alpha=3.0, alpha_init=3.0, warm=0.0, beta=3.0, max_o=1, lock=2, window=3))
+    tr = Trainer(tmp_path / "spike", cfg, corpus)
+    lo = tr.layout["layers.1.wo"]
+    inner = tr.model.loss_and_grad
+
+    def spiked(params, windows):
+        loss, ce, zl, g = inner(params, windows)
+        if tr.state.step == 5:
+            g[lo.offset:lo.offset + lo.size] *= np.float32(50)
+        return loss, ce, zl, g
+
+    tr.model.loss_and_grad = spiked
+    tr.train(7)
+    recs = records(tmp_path / "spike")
+    assert recs[4]["gnmr"]["next"] == []
+    assert recs[5]["gnmr"]["next"] == ["layers.1.wo"] and recs[6]["gnmr"]["active"] == ["layers.1.wo"]
+
+
+def test_audit_replays_and_checks_the_decisions(tmp_path, corpus):
+    run = tmp_path / "run"
+    h = Trainer(run, gnmr_cfg(), corpus).train(6)
+    att = audit(run, 2, 5)
+    assert att["verdict"] == "certified" and att["run_hash"] == h
+    assert run_hash(run)["run_hash"] == h
+    # a checkpoint whose controller state was altered is refused on load
+    meta_f = run / "ckpt-00000004" / "meta.json"
+    meta = json.loads(meta_f.read_text())
+    meta["gnmr"]["locks"][0] += 1
+    from mlx_open1b.checkpoint import _meta_hash
+    meta["meta_hash"] = _meta_hash(meta)            # a consistent forgery of meta.json itself
+    meta_f.write_text(json.dumps(meta))
+    with pytest.raises(TrainError, match="gnmr"):
+        Trainer(run, readonly=True, at_step=4)
+
+
+def test_block_mode_switches_whole_layers(tmp_path, corpus):
+    cfg = gnmr_cfg(gnmr=dataclasses.replace(SENSITIVE, mode="block", max_o=1))
+    Trainer(tmp_path / "b", cfg, corpus).train(6)
+    used = [r["gnmr"]["active"] for r in records(tmp_path / "b")]
+    assert any(used) and all(set(u) <= {"layers.0", "layers.1"} and len(u) <= 1 for u in used)
+
+
+def test_bad_gnmr_configs(tmp_path, corpus):
+    with pytest.raises(ConfigError, match="precision"):
+        dataclasses.replace(gnmr_cfg(), precision="bf16").check()
+    with pytest.raises(ConfigError, match="max_o"):
+        gnmr_cfg(gnmr=GNMRConfig(max_o=-1)).check()
+    from click.testing import CliRunner
+
+    from mlx_open1b.cli.main import cli
+    r = CliRunner().invoke(cli, ["train", "--steps", "1", "--out", str(tmp_path / "x"), "--data", str(corpus),
+                                 "--precision", "int8", "--gnmr", "alpha=3,gamma=1"])
+    assert r.exit_code == 2 and "unknown key 'gamma'" in r.output
+    r = CliRunner().invoke(cli, ["train", "--steps", "1", "--out", str(tmp_path / "y"), "--data", str(corpus),
+                                 "--gnmr", ""])
+    assert r.exit_code == 2 and "precision" in r.output
