@@ -1,11 +1,15 @@
 """Throughput of the exact int8 GEMM (cpu_ref.gemm_i8) against the bf16 contract GEMM
-(cpu_ref.linear_forward) and numpy float32 matmul, on the same threads.
+(cpu_ref.linear_forward) and numpy float32 matmul, on the same threads; then the whole linear
+layer (forward + backward: quantization, Hadamard rotations, both gradient GEMMs) int8 (§6.9)
+against bf16 (§6.1) at the tiny and small presets' shapes and a larger one.
 
-    python benchmarks/int8_bench.py [--threads N]
-GOPS = 2·N·K·M / time (multiply and add counted as two operations)."""
+    python benchmarks/int8_bench.py [--threads N] [--reps R]
+GOPS = 2·N·K·M / time per GEMM (multiply and add counted as two operations; a layer's forward
+and backward are three GEMMs). Times are medians of R calls, int8 and bf16 alternated."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -24,9 +28,29 @@ def best(fn, reps=5):
     return min(t)
 
 
+def medians(fns, reps):
+    """Median time of each function, calls interleaved so that all see the same load."""
+    for f in fns:
+        f()
+    t = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            t[i].append(time.perf_counter() - t0)
+    return [statistics.median(x) for x in t]
+
+
+# (name, N tokens, K in, M out): the four quantized GEMMs of a block (fused QKV, wo, gate_up, down)
+LAYERS = [("tiny qkv", 512, 128, 256), ("tiny wo", 512, 128, 128), ("tiny gate_up", 512, 128, 704),
+          ("tiny down", 512, 352, 128), ("small qkv", 1024, 256, 384), ("small wo", 1024, 256, 256),
+          ("small gate_up", 1024, 256, 1408), ("small down", 1024, 704, 256), ("big", 4096, 512, 1408)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     if args.threads:
         cpu_ref.set_num_threads(args.threads)
@@ -46,6 +70,24 @@ def main():
         t_np = best(lambda: xf @ wf.T)
         print(f"{N}x{K}x{M}: int8 GEMM {ops / t_i8 / 1e9:7.1f} GOPS | int8 layer fwd (quantize+GEMM+dequant) "
               f"{ops / t_q / 1e9:7.1f} | bf16 contract GEMM {ops / t_bf / 1e9:7.1f} | numpy f32 {ops / t_np / 1e9:7.1f}")
+    print("linear layer forward + backward (median ms; GOPS over its three GEMMs):")
+    tot = {}
+    for name, N, K, M in LAYERS:
+        x = f32_to_bf16(rng.standard_normal((N, K)).astype(np.float32))
+        w = f32_to_bf16((rng.standard_normal((M, K)) * 0.02).astype(np.float32))
+        dy = f32_to_bf16((rng.standard_normal((N, M)) * 1e-3).astype(np.float32))
+        ti, tb = medians([lambda: (cpu_ref.qlinear_forward(x, w), cpu_ref.qlinear_backward(dy, x, w)),
+                          lambda: (cpu_ref.linear_forward(x, w), cpu_ref.linear_backward(dy, x, w))], args.reps)
+        ops = 6.0 * N * K * M
+        preset = name.split()[0]
+        if preset != "big":
+            s = tot.setdefault(preset, [0.0, 0.0])
+            s[0] += ti
+            s[1] += tb
+        print(f"  {name:14s} {N:5d}x{K:4d}x{M:5d}: int8 {1e3 * ti:8.3f} ({ops / ti / 1e9:5.0f} GOPS)  "
+              f"bf16 {1e3 * tb:8.3f} ({ops / tb / 1e9:5.0f} GOPS)  bf16/int8 {tb / ti:5.2f}x")
+    for preset, (ti, tb) in tot.items():
+        print(f"  {preset} block's four layers: int8 {1e3 * ti:.3f} ms, bf16 {1e3 * tb:.3f} ms, bf16/int8 {tb / ti:.2f}x")
 
 
 if __name__ == "__main__":

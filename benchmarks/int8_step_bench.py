@@ -2,7 +2,10 @@
 forward + backward, C reference) with precision bf16 and int8, alternated so that both see the
 same machine load; medians over repetitions, and where the time goes by op.
 
-    python benchmarks/int8_step_bench.py --preset small --reps 7 --threads 2 [--no-ops]
+    python benchmarks/int8_step_bench.py --preset small --reps 7 --threads 2 [--no-ops] [--pool-ab]
+
+--pool-ab also runs both precisions with the C reference's thread pool off (threads started on
+every parallel call, as before the pool), alternated with the pooled runs.
 
 The op breakdown wraps every cpu_ref function the model calls with a timer (a second pass, so
 that the ratios above are measured without the wrappers)."""
@@ -16,6 +19,7 @@ import types
 import numpy as np
 
 from mlx_open1b import cpu_ref
+from mlx_open1b.cpu_ref import _lib
 from mlx_open1b.config import preset
 from mlx_open1b.model import Model, init_params
 
@@ -46,6 +50,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-ops", action="store_true")
+    ap.add_argument("--pool-ab", action="store_true", help="also time both precisions with the thread pool off")
     a = ap.parse_args()
     cpu_ref.set_num_threads(a.threads)
     cfg = preset(a.preset)
@@ -54,23 +59,32 @@ def main():
     rng = np.random.default_rng(0)
     win = rng.integers(0, m.vocab_size, (t.microbatch_seqs, m.seq_len + 1)).astype(np.uint32)
     models = {p: Model(m, precision=p) for p in ("bf16", "int8")}
-    times = {p: [] for p in models}
+    set_pool = getattr(_lib.lib, "o1b_set_thread_pool", None)
+    pools = (1, 0) if a.pool_ab and set_pool is not None else (1,)
+    runs = [(p, pool) for pool in pools for p in models]
+    times = {r: [] for r in runs}
     for mod in models.values():
         mod.loss_and_grad(params, win)                        # warm-up
     for _ in range(a.reps):
-        for p, mod in models.items():
+        for p, pool in runs:
+            if set_pool is not None:
+                set_pool(pool)
             t0 = time.perf_counter()
-            mod.loss_and_grad(params, win)
-            times[p].append(time.perf_counter() - t0)
-    ratios = [b / i for b, i in zip(times["bf16"], times["int8"])]
+            models[p].loss_and_grad(params, win)
+            times[(p, pool)].append(time.perf_counter() - t0)
+    if set_pool is not None:
+        set_pool(1)
     N = t.microbatch_seqs * m.seq_len
     print(f"preset {a.preset}: N {N}, d {m.d_model}, F {m.ffn_hidden}, layers {m.n_layers}, "
           f"threads {cpu_ref.get_num_threads()}, {a.reps} reps (microbatch forward+backward)")
-    for p in models:
-        print(f"  {p:5s} median {1e3 * statistics.median(times[p]):8.1f} ms   "
-              f"min {1e3 * min(times[p]):8.1f} ms")
-    print(f"  speed int8/bf16: median of per-rep ratios {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    for pool in pools:
+        tag = "" if len(pools) == 1 else (" pool on " if pool else " pool off")
+        for p in models:
+            ts = times[(p, pool)]
+            print(f"  {p:5s}{tag} median {1e3 * statistics.median(ts):8.1f} ms   min {1e3 * min(ts):8.1f} ms")
+        ratios = [b / i for b, i in zip(times[("bf16", pool)], times[("int8", pool)])]
+        print(f"  speed int8/bf16{tag}: median of per-rep ratios {statistics.median(ratios):.3f} "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
     if a.no_ops:
         return
     for p in models:

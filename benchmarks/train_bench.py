@@ -2,6 +2,10 @@
 same preset, windows and threads; hashing as a share of step time; audit replay vs training.
 
     python benchmarks/train_bench.py --preset tiny --steps 20 --threads 2 --data runs/data-default
+    python benchmarks/train_bench.py --preset small --precision bf16,int8 --only-ours --rounds 3
+
+--precision bf16,int8 trains the same preset, windows and threads once per precision (in rounds,
+alternated, so that both see the same machine load) and prints their step times side by side.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (open1b data prepare --default)")
+    ap.add_argument("--precision", default="", help="bf16, int8, or both comma-separated (default: the preset's)")
+    ap.add_argument("--only-ours", action="store_true", help="skip the PyTorch baselines and the audit replay")
+    ap.add_argument("--rounds", type=int, default=1, help="repetitions of each precision's run (alternated)")
     a = ap.parse_args()
-
-    import torch
 
     from mlx_open1b import cpu_ref
     from mlx_open1b.audit import audit
@@ -32,25 +37,52 @@ def main() -> None:
     from mlx_open1b.train import Trainer
 
     cpu_ref.set_num_threads(a.threads)
-    torch.set_num_threads(a.threads)
-    cfg = preset(a.preset)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0, checkpoint_every=10 ** 9))
-    t, m = cfg.train, cfg.model
+    base = preset(a.preset)
+    base = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_every=0, checkpoint_every=10 ** 9))
+    precisions = [p for p in a.precision.split(",") if p] or [base.precision]
+    t, m = base.train, base.model
     M, tokens = t.tokens_per_step(m, 0)
-    with tempfile.TemporaryDirectory() as d:
-        run = pathlib.Path(d) / "run"
-        tr = Trainer(run, cfg, a.data)
-        tr.step()                                   # warm-up step (allocations, thread start)
-        tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
-        t0 = time.perf_counter()
-        tr.train(1 + a.steps)
-        ours = a.steps * tokens / (time.perf_counter() - t0)
-        hash_share = tr.timing["hash"] / tr.timing["steps"]
-        step_s = tr.timing["steps"] / tr.timing["n"]
-        t0 = time.perf_counter()
-        att = audit(run, 1, a.steps)
-        replay = (a.steps + 1) * tokens / (time.perf_counter() - t0)     # replays from checkpoint 0
-        assert att["verdict"] == "certified", att
+
+    def train_once(precision, with_audit):
+        cfg = dataclasses.replace(base, precision=precision)
+        with tempfile.TemporaryDirectory() as d:
+            run = pathlib.Path(d) / "run"
+            tr = Trainer(run, cfg, a.data)
+            tr.step()                                   # warm-up step (allocations, thread start)
+            tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
+            t0 = time.perf_counter()
+            tr.train(1 + a.steps)
+            ours = a.steps * tokens / (time.perf_counter() - t0)
+            hash_share = tr.timing["hash"] / tr.timing["steps"]
+            step_s = tr.timing["steps"] / tr.timing["n"]
+            replay = None
+            if with_audit:
+                t0 = time.perf_counter()
+                att = audit(run, 1, a.steps)
+                replay = (a.steps + 1) * tokens / (time.perf_counter() - t0)     # replays from checkpoint 0
+                assert att["verdict"] == "certified", att
+        return ours, step_s, hash_share, replay
+
+    if len(precisions) > 1 or a.only_ours:
+        steps = {p: [] for p in precisions}
+        for _ in range(a.rounds):
+            for p in precisions:
+                steps[p].append(train_once(p, False)[1])
+        print(f"preset {a.preset}, {m.n_params():,} params, {tokens} tokens/step ({M} microbatches), "
+              f"{a.threads} threads, {a.steps} steps x {a.rounds} rounds")
+        for p in precisions:
+            med = sorted(steps[p])[len(steps[p]) // 2]
+            print(f"  {p:5s} step {1e3 * med:8.1f} ms (median of rounds; each round's mean: "
+                  + ", ".join(f"{1e3 * s:.1f}" for s in steps[p]) + ")")
+        if "bf16" in steps and "int8" in steps:
+            r = sorted(b / i for b, i in zip(steps["bf16"], steps["int8"]))
+            print(f"  speed int8/bf16: {r[len(r) // 2]:.3f} (per round: " + ", ".join(f"{x:.3f}" for x in r) + ")")
+        return
+
+    import torch
+    torch.set_num_threads(a.threads)
+    cfg = dataclasses.replace(base, precision=precisions[0])
+    ours, step_s, hash_share, replay = train_once(precisions[0], True)
 
     results = {}
     for name, kw in (("torch float32", {}), ("torch bf16 autocast", {"autocast_bf16": True})):
@@ -62,7 +94,7 @@ def main() -> None:
         res = tt.train_steps(batches, a.steps, t.peak_lr, microbatches=M)
         results[name] = res.tokens_per_s
 
-    print(f"preset {a.preset}, {m.n_params():,} params, {tokens} tokens/step, {a.threads} threads, {a.steps} steps")
+    print(f"preset {a.preset} ({cfg.precision}), {m.n_params():,} params, {tokens} tokens/step, {a.threads} threads, {a.steps} steps")
     print(f"  reproducible (cpu_ref)   {ours:10,.0f} tok/s   step {step_s * 1e3:7.1f} ms   hashing {100 * hash_share:.2f}% of step")
     for name, v in results.items():
         print(f"  {name:24s} {v:10,.0f} tok/s   ratio torch/ours {v / ours:5.2f}")

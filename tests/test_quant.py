@@ -14,7 +14,7 @@ from mlx_open1b.spec import quant as S
 from mlx_open1b.spec.arith import bf16_to_f32, f32_to_bf16
 
 LEVELS = list(range(cpu_ref.simd_level() + 1))
-CONFIGS = [(lvl, th) for lvl in LEVELS for th in (1, 2)]
+CONFIGS = [(lvl, th) for lvl in LEVELS for th in (1, 2)] + [(LEVELS[-1], 3)]   # 3: uneven split
 
 
 def rand_i8(rng, shape):
@@ -83,6 +83,80 @@ def test_layer_matches_spec(N, K, M):
     rng = np.random.default_rng(N + K + M)
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
     check_layer(x, w, dy, f"{N}x{K}x{M}")
+
+
+@pytest.mark.parametrize("N,K,M", [(17, 5, 33), (129, 37, 257), (1, 300, 1), (200, 3, 70),
+                                   (33, 129, 16), (48, 64, 96)])
+def test_layer_shapes_with_tails(N, K, M):
+    """Edges of every blocking in the VNNI path (16/32 lanes, 4-byte groups, 8- and 16-row tiles,
+    128-row Hadamard blocks, 32-column panels) and of the thread split."""
+    rng = np.random.default_rng(10 * N + K + M)
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
+    check_layer(x, w, dy, f"tails {N}x{K}x{M}")
+
+
+@pytest.mark.parametrize("e_x,e_w,e_dy", [(-60, -70, -50), (-118, -12, -100), (-17, -2, -122),
+                                          (-15, -10, -116), (-126, 0, -127)])
+def test_layer_near_the_flush_threshold(e_x, e_w, e_dy):
+    """Magnitudes where products and butterfly sums land around 2^-126: subnormal results of
+    the dequantization chains and of the fp32 rotations must flush exactly as the contract
+    does (the VNNI path relies on FTZ|DAZ there), and subnormal inputs count as zeros. Chosen
+    so that y (the first two), dx (the third: s_G just above the flush) and dW (the fourth)
+    have many outputs below 2^-123 beside flushed ones; the last has everything flushed."""
+    rng = np.random.default_rng(abs(e_x * e_w * e_dy) + 1)
+    N, K, M = 150, 70, 140
+    def mk(shape, e):
+        v = rng.standard_normal(shape) * np.exp2(rng.integers(-3, 4, shape) + float(e))
+        return f32_to_bf16(v.astype(np.float32))
+    x, w, dy = mk((N, K), e_x), mk((M, K), e_w), mk((N, M), e_dy)
+    check_layer(x, w, dy, f"flush {e_x}/{e_w}/{e_dy}")
+
+
+def test_vnni_lane_helpers_selftest():
+    """The VNNI path's lane-wise product (hardware product under FTZ, scalar o1b_mul where it
+    lands on exactly 2^-126) and level(), against the scalar contract on operands crafted to
+    straddle the flush boundary (cpu_ref/src/quant_vnni.c, o1b_q_vnni_selftest)."""
+    import ctypes
+    from mlx_open1b.cpu_ref import _lib
+    if not cpu_ref.gemm_i8_has_vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    f = _lib.lib.o1b_q_vnni_selftest
+    f.restype, f.argtypes = ctypes.c_int64, [ctypes.c_uint64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    boundary = ctypes.c_int64()
+    assert f(7, 20000, ctypes.byref(boundary)) == 0
+    assert boundary.value > 1000           # the scalar path really ran
+
+
+def test_concurrent_calls_from_threads():
+    """Kernels called from several Python threads at once (ctypes releases the GIL): one call
+    holds the C reference's thread pool and scratch block, the others start their own threads
+    and allocate their own memory. Same bits as one call at a time."""
+    import threading
+    rng = np.random.default_rng(11)
+    N, K, M = 260, 96, 200
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
+    want_y = cpu_ref.qlinear_forward(x, w)
+    want_dx, want_dw = cpu_ref.qlinear_backward(dy, x, w)
+    want_l = cpu_ref.linear_forward(x, w)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(20):
+                assert_bits_equal(cpu_ref.qlinear_forward(x, w), want_y, "y")
+                dx, dw = cpu_ref.qlinear_backward(dy, x, w)
+                assert_bits_equal(dx, want_dx, "dx")
+                assert_bits_equal(dw, want_dw, "dw")
+                assert_bits_equal(cpu_ref.linear_forward(x, w), want_l, "bf16 y")
+        except AssertionError as e:        # pragma: no cover - reported below
+            errors.append(e)
+    with settings(threads=2):
+        ts = [threading.Thread(target=work) for _ in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert not errors, errors[0]
 
 
 def test_quantizers_match_spec():

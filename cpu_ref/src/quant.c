@@ -9,6 +9,10 @@
  *                unnormalized fp32 butterflies; the 1/QB enters the dequantization as one mul).
  * Integer sums are exact, so neither the thread count, the SIMD level nor any tiling changes a
  * bit; every fp32 value is produced by the contract's primitive operations in a written order.
+ *
+ * This file is the portable code (and the public entry points). Where the CPU has AVX-512 VNNI
+ * (and the SIMD level is not capped below 2), the layer and the int8 GEMM run in quant_vnni.c
+ * instead: the same values in fewer passes; tests/test_quant.py holds both to the numpy spec.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,43 +22,18 @@
 #pragma GCC optimize("no-trapping-math")  /* lets the selects below if-convert; no value changes */
 #endif
 #include "contract.h"
+#include "quant.h"
 #include "runtime.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define O1B_Q_X86 1
-#endif
-
-#define QMAX 127
-#define QB 128                          /* Hadamard block along the contraction dimension */
-#define QB_LOG2 7
-#define QW_COEF 0x1.6b7612p-3f          /* 2/sqrt(127) rounded to nearest fp32 */
-#define INV_QB 0x1p-7f                  /* 1/QB */
-#define Q_MAX_P (1 << 17)               /* contraction length bound: 2^17 * 127^2 < 2^31 */
 
 /* int32 -> fp32, IEEE round to nearest even (C's conversion in the default rounding mode);
  * never subnormal. Exact for |i| <= 2^24. */
 static inline float o1b_i2f_rne(int32_t i) { return (float)i; }
-
-static inline int is_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7F800000u; }
-
-/* Round to nearest integer, ties to even, then clamp to [-127, 127]. t is finite or NaN is
- * excluded by the callers (scale NaN rows/tensors never reach here). */
-static inline int8_t rne_clamp(float t) {
-    if (t >= 127.0f) return 127;
-    if (t <= -127.0f) return -127;
-    /* |t| < 127 < 2^22: adding and subtracting 1.5*2^23 rounds to an integer, ties to even. */
-    float r = (t + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC;
-    return (int8_t)(int)r;
-}
 
 /* ------------------------------------------------------------------ branch-free helpers */
 /* The loops below are written as selects on bit patterns so the compiler vectorizes them; each
  * gives exactly the contract primitive's result. o1b_mul differs from a flushed IEEE product
  * only when |a*b| rounds to exactly 2^-126 (the exact product decides there): such a case sets
  * `bad`, and the caller recomputes its range with the scalar primitives. */
-static inline uint32_t qbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
-static inline float qfrom(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 static inline float qflush(float x) {
     uint32_t u = qbits(x);
     return qfrom((u & 0x7F800000u) == 0 ? (u & 0x80000000u) : u);
@@ -76,18 +55,12 @@ static inline int8_t qrne(float t) {
 }
 
 /* ------------------------------------------------------------------ scales and quantization */
-/* s from a row/tensor's statistics; returns 0 (zero scale), 1 (finite), 2 (NaN) */
-static inline int scale_kind(float s) {
-    if (s != s) return 2;
-    return s == 0.0f ? 0 : 1;
-}
 
 typedef struct { int64_t M, K; const bf16 *w; int8_t *q; float *s; uint8_t *clip; } qw_args;
 
 #define QW_R 8   /* rows summed side by side (each row's sum stays k-ascending) */
 static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
     const qw_args *a = (const qw_args *)ctx;
-    float kf = o1b_i2f((int32_t)a->K);
     int64_t K = a->K;
     for (int64_t j0 = lo; j0 < hi; j0 += QW_R) {
         int nr = hi - j0 < QW_R ? (int)(hi - j0) : QW_R;
@@ -108,7 +81,7 @@ static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
         for (int r = 0; r < nr; r++) {
             int64_t j = j0 + r;
             const bf16 *row = a->w + j * K;
-            float s = is_finite(S[r]) ? o1b_mul(o1b_div(S[r], kf), QW_COEF) : o1b_nan();
+            float s = weight_scale(S[r], K);
             int8_t *q = a->q + j * K;
             uint8_t *c = a->clip ? a->clip + j * K : NULL;
             int kind = scale_kind(s);
@@ -152,10 +125,6 @@ O1B_API void o1b_quant_weight_rows(int64_t M, int64_t K, const bf16 *w, int8_t *
     quant_weight_rows(M, K, w, q, s, NULL);
 }
 
-static float tensor_scale(float amax) {
-    if (amax != amax) return o1b_nan();
-    return o1b_div(amax, 127.0f);        /* +0 if amax is 0 or the quotient flushes */
-}
 
 /* Per-tensor absmax, split into chunks (a max is exact in any order). Sources: flushed fp32
  * (kind 0), bf16 (kind 1, flushed on widening), int32 (kind 2, exact in fp32). Computed on the
@@ -305,7 +274,6 @@ static void rotate_rows_i32(int32_t *n, int64_t R, int64_t C) {
     rot_args a = {NULL, n, C, nt};
     o1b_parallel_for(R / QB * nt, 1, rot_blocks, &a);
 }
-static int64_t pad_qb(int64_t n) { return (n + QB - 1) / QB * QB; }
 
 /* Public: rotate a (R, C) fp32 matrix along its rows in place, R a multiple of QB (values are
  * flushed first). */
@@ -318,8 +286,7 @@ O1B_API void o1b_hadamard_rows_i32(int64_t R, int64_t C, int32_t *n) { rotate_ro
 
 /* ------------------------------------------------------------------ int8 GEMM (exact int32) */
 /* C[i,j] = sum_p A[i*P + p] * B[j*P + p], int32 (NT form: both operands contiguous along p). */
-typedef struct { int64_t I, J, P; const int8_t *A, *B; int32_t *C; int64_t P4; const uint8_t *Au;
-                 const int8_t *Bp; const int32_t *colsum; } i8_args;
+typedef struct { int64_t I, J, P; const int8_t *A, *B; int32_t *C; } i8_args;
 
 static void i8_rows_portable(void *ctx, int64_t lo, int64_t hi) {
     const i8_args *g = (const i8_args *)ctx;
@@ -334,115 +301,16 @@ static void i8_rows_portable(void *ctx, int64_t lo, int64_t hi) {
     }
 }
 
-#if defined(O1B_Q_X86)
-#define O1B_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#define MR 8
-/* Packed: Au (I rounded to MR, P4) u8 = a + 128 (padding 128, i.e. a zero);
- * Bp: for each panel of 32 columns, for each group of 4 p: 32 columns x 4 bytes (padding 0).
- * sum (a + 128) b = sum a b + 128 sum b, so acc = dot - 128 colsum[j] (exact mod 2^32). */
-static O1B_VNNI void i8_rows_vnni(void *ctx, int64_t lo, int64_t hi) {
-    const i8_args *g = (const i8_args *)ctx;
-    int64_t P4 = g->P4, np = (g->J + 31) / 32;
-    for (int64_t jp = 0; jp < np; jp++) {
-        const int8_t *bp = g->Bp + jp * 32 * P4;
-        int64_t j0 = jp * 32, nj = g->J - j0 < 32 ? g->J - j0 : 32;
-        __m512i cs0 = _mm512_loadu_si512(g->colsum + j0), cs1 = _mm512_loadu_si512(g->colsum + j0 + 16);
-        cs0 = _mm512_slli_epi32(cs0, 7); cs1 = _mm512_slli_epi32(cs1, 7);
-        for (int64_t ib = lo; ib < hi; ib++) {
-            int64_t i0 = ib * MR;
-            const uint8_t *ap = g->Au + i0 * P4;
-            __m512i c[MR][2];
-            for (int r = 0; r < MR; r++) { c[r][0] = _mm512_setzero_si512(); c[r][1] = _mm512_setzero_si512(); }
-            for (int64_t p = 0; p < P4; p += 4) {
-                __m512i b0 = _mm512_loadu_si512(bp + p * 32), b1 = _mm512_loadu_si512(bp + p * 32 + 64);
-                for (int r = 0; r < MR; r++) {
-                    int32_t a4; memcpy(&a4, ap + r * P4 + p, 4);
-                    __m512i av = _mm512_set1_epi32(a4);
-                    c[r][0] = _mm512_dpbusd_epi32(c[r][0], av, b0);
-                    c[r][1] = _mm512_dpbusd_epi32(c[r][1], av, b1);
-                }
-            }
-            for (int r = 0; r < MR && i0 + r < g->I; r++) {
-                int32_t *dst = g->C + (i0 + r) * g->J + j0;
-                __m512i v0 = _mm512_sub_epi32(c[r][0], cs0), v1 = _mm512_sub_epi32(c[r][1], cs1);
-                __mmask16 m0 = nj >= 16 ? 0xFFFF : (__mmask16)((1u << nj) - 1);
-                __mmask16 m1 = nj >= 32 ? 0xFFFF : nj <= 16 ? 0 : (__mmask16)((1u << (nj - 16)) - 1);
-                _mm512_mask_storeu_epi32(dst, m0, v0);
-                _mm512_mask_storeu_epi32(dst + 16, m1, v1);
-            }
-        }
-    }
-}
-static int has_vnni(void) {
-    __builtin_cpu_init();
-    return o1b_simd_level() >= 2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-}
-typedef struct { int64_t I, J, P, P4; const int8_t *A, *B; uint8_t *Au; int8_t *Bp; int32_t *cs; } pk_args;
-/* Tasks [0, Ip/MR): MR rows of Au; then one 32-column panel of Bp (with its column sums) each. */
-static void pack_range(void *ctx, int64_t lo, int64_t hi) {
-    const pk_args *g = (const pk_args *)ctx;
-    int64_t P = g->P, P4 = g->P4, na = (g->I + MR - 1) / MR;
-    for (int64_t t = lo; t < hi; t++) {
-        if (t < na) {
-            for (int64_t i = t * MR; i < t * MR + MR; i++) {
-                uint8_t *d = g->Au + i * P4;
-                if (i < g->I) {
-                    const int8_t *s = g->A + i * P;
-                    for (int64_t p = 0; p < P; p++) d[p] = (uint8_t)((uint8_t)s[p] ^ 0x80u);
-                    for (int64_t p = P; p < P4; p++) d[p] = 128;
-                } else memset(d, 128, (size_t)P4);
-            }
-        } else {
-            int64_t jp = t - na;
-            int8_t *dst = g->Bp + jp * 32 * P4;
-            memset(dst, 0, (size_t)(32 * P4));
-            for (int64_t jl = 0; jl < 32; jl++) {
-                int64_t j = jp * 32 + jl;
-                if (j >= g->J) { g->cs[j] = 0; continue; }
-                const int8_t *b = g->B + j * P;
-                int32_t s = 0;
-                int64_t p = 0;
-                for (; p + 4 <= P; p += 4) memcpy(dst + p * 32 + jl * 4, b + p, 4);
-                for (; p < P; p++) dst[(p / 4) * 128 + jl * 4 + (p % 4)] = b[p];
-                for (p = 0; p < P; p++) s += b[p];
-                g->cs[j] = s;
-            }
-        }
-    }
-}
-static int gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C) {
-    int64_t P4 = (P + 3) / 4 * 4, Ip = (I + MR - 1) / MR * MR, Jp = (J + 31) / 32 * 32;
-    uint8_t *Au = (uint8_t *)malloc((size_t)(Ip * P4 > 0 ? Ip * P4 : 1));
-    int8_t *Bp = (int8_t *)malloc((size_t)(Jp * P4 > 0 ? Jp * P4 : 1));
-    int32_t *cs = (int32_t *)calloc((size_t)Jp, sizeof(int32_t));
-    if (!Au || !Bp || !cs) { free(Au); free(Bp); free(cs); return 0; }
-    pk_args pa = {I, J, P, P4, A, B, Au, Bp, cs};
-    o1b_parallel_for(Ip / MR + Jp / 32, 1, pack_range, &pa);
-    i8_args g = {I, J, P, A, B, C, P4, Au, Bp, cs};
-    o1b_parallel_for(Ip / MR, 1 + (1 << 18) / ((J * P4 * MR) > 0 ? J * P4 * MR : 1) , i8_rows_vnni, &g);
-    free(Au); free(Bp); free(cs);
-    return 1;
-}
-#endif
-
 static void gemm_i8(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C) {
-#if defined(O1B_Q_X86)
-    if (has_vnni() && gemm_i8_vnni(I, J, P, A, B, C)) return;
-#endif
-    i8_args g = {I, J, P, A, B, C, 0, NULL, NULL, NULL};
+    if (o1b_gemm_i8_vnni(I, J, P, A, B, C)) return;      /* quant_vnni.c, when the CPU has it */
+    i8_args g = {I, J, P, A, B, C};
     int64_t per = J * (P > 0 ? P : 1);
     o1b_parallel_for(I, 1 + (1 << 18) / (per > 0 ? per : 1), i8_rows_portable, &g);
 }
 O1B_API void o1b_gemm_i8(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C) {
     gemm_i8(I, J, P, A, B, C);
 }
-O1B_API int o1b_gemm_i8_has_vnni(void) {
-#if defined(O1B_Q_X86)
-    return has_vnni();
-#else
-    return 0;
-#endif
-}
+O1B_API int o1b_gemm_i8_has_vnni(void) { return o1b_q_vnni_available(); }
 
 /* (R,C) -> (C,R), split over the destination rows. */
 typedef struct { const int8_t *src; int64_t R, C; int8_t *dst; } tr_args;
@@ -515,6 +383,7 @@ static void dequant(int64_t I, int64_t J, const int32_t *acc, float *y, int nc, 
 
 /* ------------------------------------------------------------------ the quantized linear layer */
 O1B_API int o1b_qlinear_forward(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y) {
+    if (o1b_qlinear_forward_vnni(N, K, M, x, w, y)) return 0;   /* quant_vnni.c: the same bits */
     int8_t *qx = (int8_t *)malloc((size_t)(N * K > 0 ? N * K : 1));
     int8_t *qw = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
     float *sw = (float *)malloc((size_t)(M > 0 ? M : 1) * sizeof(float));
@@ -564,6 +433,7 @@ static void w32_range(void *ctx, int64_t lo, int64_t hi) {
 /* dx (N, K) and dW (M, K); either may be NULL. */
 O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
                                  const bf16 *w, float *dx, float *dw) {
+    if (o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw)) return 0;   /* the same bits */
     int rc = -1;
     int64_t Mp = pad_qb(M), Np = pad_qb(N);
     int8_t *qw = NULL, *qx = NULL, *qa = NULL, *qb = NULL, *ta = NULL, *tb = NULL;

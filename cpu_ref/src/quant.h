@@ -1,0 +1,57 @@
+/* quant.h — what quant.c (the portable int8 layer and the public entry points) and quant_vnni.c
+ * (its AVX-512 VNNI fast path) share: the §6.9 constants and the scalar helpers that define
+ * every value both compute. */
+#ifndef O1B_QUANT_H
+#define O1B_QUANT_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "contract.h"
+
+#define QMAX 127
+#define QB 128                          /* Hadamard block along the contraction dimension */
+#define QB_LOG2 7
+#define QW_COEF 0x1.6b7612p-3f          /* 2/sqrt(127) rounded to nearest fp32 */
+#define INV_QB 0x1p-7f                  /* 1/QB */
+#define Q_MAX_P (1 << 17)               /* contraction length bound: 2^17 * 127^2 < 2^31 */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define O1B_Q_X86 1
+#endif
+
+static inline int is_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7F800000u; }
+
+/* Round to nearest integer, ties to even, then clamp to [-127, 127] (o1b_level). t is finite:
+ * NaN scales never reach the quantizers. */
+static inline int8_t rne_clamp(float t) { return o1b_level(t); }
+
+static inline uint32_t qbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float qfrom(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+/* s from a row/tensor's statistics: 0 (zero scale), 1 (finite, nonzero), 2 (NaN) */
+static inline int scale_kind(float s) {
+    if (s != s) return 2;
+    return s == 0.0f ? 0 : 1;
+}
+/* The per-tensor scale from an absmax (NaN when the tensor is not finite). */
+static inline float tensor_scale(float amax) {
+    if (amax != amax) return o1b_nan();
+    return o1b_div(amax, 127.0f);        /* +0 if amax is 0 or the quotient flushes */
+}
+/* The weight row scale from the row's sum of |w| (k ascending). */
+static inline float weight_scale(float S, int64_t K) {
+    return is_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int32_t)K)), QW_COEF) : o1b_nan();
+}
+static inline int64_t pad_qb(int64_t n) { return (n + QB - 1) / QB * QB; }
+
+/* The AVX-512 VNNI path (quant_vnni.c). Each returns 1 when it computed the result and 0 when
+ * it did not (no such CPU or SIMD level capped below 2, not built for x86-64, or out of memory):
+ * then the caller runs the portable code, which gives the same bits. */
+int o1b_q_vnni_available(void);
+int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y);
+int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
+                              const bf16 *w, float *dx, float *dw);
+int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C);
+
+#endif
