@@ -14,8 +14,9 @@ _qtf = declare("o1b_quant_tensor_f32", c_i64, ptr, ptr, ptr, restype=ctypes.c_in
 _gemm = declare("o1b_gemm_i8", c_i64, c_i64, c_i64, ptr, ptr, ptr)
 _vnni = declare("o1b_gemm_i8_has_vnni", restype=ctypes.c_int)
 _had = declare("o1b_hadamard_rows", c_i64, c_i64, ptr)
-_fwd = declare("o1b_qlinear_forward", c_i64, c_i64, c_i64, ptr, ptr, ptr, restype=ctypes.c_int)
-_bwd = declare("o1b_qlinear_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int)
+_fwd = declare("o1b_qlinear_forward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ctypes.c_int, restype=ctypes.c_int)
+_bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
+               restype=ctypes.c_int)
 
 QMAX, QB, Q_MAX_P = opargs.QMAX, opargs.QB, opargs.Q_MAX_P
 
@@ -65,19 +66,23 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
     return f
 
 
-def qlinear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization."""
+def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7: the
+    simulated int4 path, levels -7 ... 7)."""
     N, K, M = opargs.qlinear_forward(x, w)
+    qmax = opargs.qmax(qmax)
     y = np.empty((N, M), np.float32)
-    _ok(_fwd(N, K, M, p(x), p(w), p(y)))
+    _ok(_fwd(N, K, M, p(x), p(w), p(y), qmax))
     return y
 
 
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                     need_dw: bool = True):
-    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard)."""
+                     need_dw: bool = True, qmax: int = QMAX):
+    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
+    qmax = 7: the simulated int4 path, all four operands on levels -7 ... 7)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
+    qmax = opargs.qmax(qmax)
     dx = np.empty((N, K), np.float32) if need_dx else None
     dw = np.empty((M, K), np.float32) if need_dw else None
-    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw)))
+    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax))
     return dx, dw

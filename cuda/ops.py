@@ -414,7 +414,8 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 
 
 # ------------------------------------------------------------------ int8 quantized linear (§6.9)
-QMAX, QB, Q_MAX_P = opargs.QMAX, opargs.QB, opargs.Q_MAX_P
+# qmax 7 is the simulated int4 path: the kernels that depend on the level bound take it as an argument.
+QMAX, QMAX4, QB, Q_MAX_P = opargs.QMAX, opargs.QMAX4, opargs.QB, opargs.Q_MAX_P
 Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per absmax partial (no result depends on it)
 _NO_F32 = np.zeros(1, np.float32)
 _NO_U8 = np.zeros(1, np.uint8)
@@ -424,27 +425,29 @@ def _pad_qb(n: int) -> int:
     return (n + QB - 1) // QB * QB
 
 
-def _q_weight(M: int, K: int, dw_, clip: bool):
-    """Device q (M, K) int8, s (M,) fp32 and, if asked, clip (M, K) uint8 (1 clipped, 2 NaN row)."""
+def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):
+    """Device q (M, K) int8 in [-qmax, qmax], s (M,) fp32 and, if asked, clip (M, K) uint8
+    (1 clipped, 2 NaN row)."""
     q = _empty((M, K), np.int8)
     s = _empty((max(M, 1),), np.float32)
     inv = _empty((max(M, 1),), np.float32)
     c = _empty((M, K), np.uint8) if clip else _dev(_NO_U8)
-    _launch1d("quant.cu", "o1b_q_weight_scales", M, i64(M), i64(K), dw_, s, inv)
-    _launch1d("quant.cu", "o1b_q_weight_levels", M * K, i64(M), i64(K), dw_, s, inv, q, c, i32(int(clip)))
+    _launch1d("quant.cu", "o1b_q_weight_scales", M, i64(M), i64(K), dw_, s, inv, i32(qmax))
+    _launch1d("quant.cu", "o1b_q_weight_levels", M * K, i64(M), i64(K), dw_, s, inv, q, c, i32(int(clip)),
+              i32(qmax))
     return q, s, c
 
 
-def _q_tensor(n: int, src, is_f32: bool, q):
-    """Quantize n elements of a device array (bf16 or fp32) into device q (int8); returns the device
-    scale array sc (sc[0] = s, sc[1] = div(1, s) where used)."""
+def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX):
+    """Quantize n elements of a device array (bf16 or fp32) into device q (int8, levels in
+    [-qmax, qmax]); returns the device scale array sc (sc[0] = s, sc[1] = div(1, s) where used)."""
     xb, xf = (_dev(_NO_GAIN), src) if is_f32 else (src, _dev(_NO_F32))
     nc = (n + Q_CHUNK - 1) // Q_CHUNK
     part = _empty((max(nc, 1),), np.uint32)
     sc = _empty((2,), np.float32)
     _launch1d("quant.cu", "o1b_q_absmax_chunks", nc, i64(n), xb, xf, i32(int(is_f32)), part)
-    _launch1d("quant.cu", "o1b_q_tensor_scale", 1, i64(nc), part, sc)
-    _launch1d("quant.cu", "o1b_q_tensor_levels", n, i64(n), xb, xf, i32(int(is_f32)), sc, q)
+    _launch1d("quant.cu", "o1b_q_tensor_scale", 1, i64(nc), part, sc, i32(qmax))
+    _launch1d("quant.cu", "o1b_q_tensor_levels", n, i64(n), xb, xf, i32(int(is_f32)), sc, q, i32(qmax))
     return sc
 
 
@@ -456,7 +459,7 @@ def _gemm_i8(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p):
     return c
 
 
-def _rotated_levels(q, R: int, Rp: int, C: int):
+def _rotated_levels(q, R: int, Rp: int, C: int, qmax: int = QMAX):
     """Integer q (R, C) padded with zero rows to Rp, rotated in int32, converted by i2f, quantized:
     device q' (Rp, C) int8 and its scale array."""
     n = _empty((Rp, C), np.int32)
@@ -465,7 +468,7 @@ def _rotated_levels(q, R: int, Rp: int, C: int):
     f = _empty((Rp, C), np.float32)
     _launch1d("quant.cu", "o1b_q_i2f", Rp * C, i64(Rp * C), n, f)
     out = _empty((Rp, C), np.int8)
-    return out, _q_tensor(Rp * C, f, True, out)
+    return out, _q_tensor(Rp * C, f, True, out, qmax)
 
 
 def quant_weight_rows(w: np.ndarray):
@@ -504,12 +507,14 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
     return _host(d)
 
 
-def qlinear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization."""
+def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7: the
+    simulated int4 path, levels -7 ... 7)."""
     N, K, M = opargs.qlinear_forward(x, w)
+    qmax = opargs.qmax(qmax)
     qx = _empty((N, K), np.int8)
-    scx = _q_tensor(N * K, _dev(x), False, qx)
-    qw, sw, _ = _q_weight(M, K, _dev(w), False)
+    scx = _q_tensor(N * K, _dev(x), False, qx, qmax)
+    qw, sw, _ = _q_weight(M, K, _dev(w), False, qmax)
     acc = _gemm_i8(N, M, K, qx, K, 1, qw, K, 1)
     y = _empty((N, M), np.float32)
     _launch1d("quant.cu", "o1b_qlinear_y", N * M, i64(N), i64(M), acc, scx, sw, y)
@@ -517,12 +522,14 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                     need_dw: bool = True):
-    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard)."""
+                     need_dw: bool = True, qmax: int = QMAX):
+    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
+    qmax = 7: the simulated int4 path, all four operands on levels -7 ... 7)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
+    qmax = opargs.qmax(qmax)
     Mp, Np = _pad_qb(M), _pad_qb(N)
     ddy = _dev(dy)
-    qw, sw, clip = _q_weight(M, K, _dev(w), True)
+    qw, sw, clip = _q_weight(M, K, _dev(w), True, qmax)
     dx = dw = None
     if need_dx:
         # G^T (Mp, N): mul(dy[n, m], s_w[m]), zero rows m >= M, rotated along m, quantized
@@ -530,21 +537,21 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         _launch1d("quant.cu", "o1b_qlinear_g", Mp * N, i64(N), i64(M), i64(Mp), ddy, sw, g)
         _launch1d("quant.cu", "o1b_hadamard_f32", (Mp // QB) * N, i64(Mp), i64(N), g)
         qg = _empty((Mp, N), np.int8)
-        scg = _q_tensor(Mp * N, g, True, qg)
-        qr, scr = _rotated_levels(qw, M, Mp, K)                      # (Mp, K)
+        scg = _q_tensor(Mp * N, g, True, qg, qmax)
+        qr, scr = _rotated_levels(qw, M, Mp, K, qmax)                # (Mp, K)
         # acc[n, k] = sum over m' of qg[m', n] qr[m', k]
         acc = _gemm_i8(N, K, Mp, qg, 1, N, qr, 1, K)
         dx = _empty((N, K), np.float32)
         _launch1d("quant.cu", "o1b_qlinear_dx", N * K, i64(N * K), acc, scg, scr, dx)
     if need_dw:
         qx = _empty((N, K), np.int8)
-        scx = _q_tensor(N * K, _dev(x), False, qx)
+        scx = _q_tensor(N * K, _dev(x), False, qx, qmax)
         d = _empty((Np, M), np.float32)                              # dy widened, zero rows n >= N
         _launch1d("quant.cu", "o1b_qlinear_d", Np * M, i64(N), i64(Np), i64(M), ddy, d)
         _launch1d("quant.cu", "o1b_hadamard_f32", (Np // QB) * M, i64(Np), i64(M), d)
         qd = _empty((Np, M), np.int8)
-        scd = _q_tensor(Np * M, d, True, qd)
-        qX, scX = _rotated_levels(qx, N, Np, K)                      # (Np, K)
+        scd = _q_tensor(Np * M, d, True, qd, qmax)
+        qX, scX = _rotated_levels(qx, N, Np, K, qmax)                # (Np, K)
         # acc[m, k] = sum over n' of qd[n', m] qX[n', k]
         acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
         dw = _empty((M, K), np.float32)

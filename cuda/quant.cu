@@ -1,9 +1,12 @@
-/* quant.cu — the int8 quantized linear layer (CONTRACT.md §6.9, .contract_parts/int8.md).
+/* quant.cu — the int8 quantized linear layer (CONTRACT.md §6.9, .contract_parts/int8.md) and its
+ * simulated int4 path (qmax = QMAX4 = 7, coefficient QW_COEF4; the kernels that depend on the level
+ * bound take it as their argument qmax, 127 or 7, checked by the host).
  *
  *   weights:    per output row j: S = sum from +0 over k ascending of |w[j,k]|,
- *               s_w[j] = mul(div(S, i2f(K)), QW_COEF) (NaN if S is not finite)
- *   tensors:    s = div(absmax, 127) (NaN if any element is inf/NaN; a max is exact in any order)
- *   quantize:   q = level(mul(v, div(1, s))) = clamp(rne(.), -127, 127); q = 0 where s is +0 or NaN
+ *               s_w[j] = mul(div(S, i2f(K)), coef) (NaN if S is not finite), coef = QW_COEF for
+ *               qmax 127, QW_COEF4 for qmax 7
+ *   tensors:    s = div(absmax, qmax) (NaN if any element is inf/NaN; a max is exact in any order)
+ *   quantize:   q = level(mul(v, div(1, s))) = clamp(rne(.), -qmax, qmax); q = 0 where s is +0 or NaN
  *   int8 GEMM:  acc[i,j] = sum_p A(i,p) B(j,p) in int32 (exact: P <= 2^17, so |acc| < 2^31)
  *   Hadamard:   in-place butterflies along rows, blocks of QB = 128 rows, stages h = 1, 2, ..., 64
  *               (fp32 add/sub, or exact int32)
@@ -15,8 +18,10 @@
 #include "contract.cuh"
 
 #define QMAX 127
+#define QMAX4 7                   /* the simulated int4 path: levels -7 ... 7 in int8 containers */
 #define QB 128                    /* Hadamard block along the contraction dimension */
 #define QW_COEF 0x1.6b7612p-3f    /* 2/sqrt(127) rounded to nearest fp32 */
+#define QW_COEF4 0x1.83091ep-1f   /* 2/sqrt(7) rounded to nearest fp32 */
 #define INV_QB 0x1p-7f            /* 1/QB, exact */
 #define Q_CHUNK 4096              /* elements per absmax partial (no result depends on it) */
 #define Q_BAD 0xFFFFFFFFu         /* absmax partial of a chunk holding an inf or NaN */
@@ -25,32 +30,37 @@ typedef signed char i8;
 
 __device__ __forceinline__ bool o1b_q_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7F800000u; }
 
-/* level(t) for a finite t: clamp to [-127, 127], then round to nearest, ties to even, by the
- * magic constant (|t| < 127 < 2^22). */
-__device__ __forceinline__ i8 o1b_level(float t) {
-    if (t >= 127.0f) return (i8)127;
-    if (t <= -127.0f) return (i8)-127;
+/* The level bound qmax (QMAX or QMAX4) as fp32, and the weight step coefficient it selects. */
+__device__ __forceinline__ float o1b_q_maxf(int qmax) { return qmax == QMAX4 ? 7.0f : 127.0f; }
+__device__ __forceinline__ float o1b_q_coef(int qmax) { return qmax == QMAX4 ? QW_COEF4 : QW_COEF; }
+
+/* level(t) for a finite t: clamp to [-qmax, qmax], then round to nearest, ties to even, by the
+ * magic constant (|t| < qmax <= 127 < 2^22). */
+__device__ __forceinline__ i8 o1b_level(float t, int qmax) {
+    float qf = o1b_q_maxf(qmax);
+    if (t >= qf) return (i8)qmax;
+    if (t <= -qf) return (i8)-qmax;
     float r = o1b_sub(o1b_add(t, O1B_ROUND_MAGIC), O1B_ROUND_MAGIC);
     return (i8)__float2int_rz(r);
 }
 
 /* ------------------------------------------------------------------ weight step sizes */
 /* s[j] (stored) per row; inv[j] = div(1, s_w[j]) where the row is finite (unused otherwise). */
-extern "C" __global__ void o1b_q_weight_scales(i64 M, i64 K, const bf16 *w, float *s, float *inv) {
+extern "C" __global__ void o1b_q_weight_scales(i64 M, i64 K, const bf16 *w, float *s, float *inv, int qmax) {
     i64 j = o1b_gid();
     if (j >= M) return;
     const bf16 *row = w + j * K;
     float S = 0.0f;
     for (i64 k = 0; k < K; k++) S = o1b_add(S, o1b_from_bits(o1b_abs_bits(o1b_bf16_to_f32(row[k]))));
-    float sj = o1b_q_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int)K)), QW_COEF) : o1b_nan();
+    float sj = o1b_q_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int)K)), o1b_q_coef(qmax)) : o1b_nan();
     bool finite_nonzero = !o1b_isnan(sj) && sj != 0.0f;
     inv[j] = finite_nonzero ? o1b_div(1.0f, sj) : 0.0f;
     s[j] = o1b_store(sj);
 }
 
-/* q[j,k] and (if has_clip) clip[j,k]: 1 where |t| > 127, 2 on every element of a NaN-scale row. */
+/* q[j,k] and (if has_clip) clip[j,k]: 1 where |t| > qmax, 2 on every element of a NaN-scale row. */
 extern "C" __global__ void o1b_q_weight_levels(i64 M, i64 K, const bf16 *w, const float *s, const float *inv,
-                                               i8 *q, unsigned char *clip, int has_clip) {
+                                               i8 *q, unsigned char *clip, int has_clip, int qmax) {
     i64 i = o1b_gid();
     if (i >= M * K) return;
     i64 j = i / K;
@@ -61,8 +71,8 @@ extern "C" __global__ void o1b_q_weight_levels(i64 M, i64 K, const bf16 *w, cons
         return;
     }
     float t = o1b_mul(o1b_bf16_to_f32(w[i]), inv[j]);
-    q[i] = o1b_level(t);
-    if (has_clip) clip[i] = o1b_abs_bits(t) > o1b_bits(127.0f) ? 1 : 0;
+    q[i] = o1b_level(t, qmax);
+    if (has_clip) clip[i] = o1b_abs_bits(t) > o1b_bits(o1b_q_maxf(qmax)) ? 1 : 0;
 }
 
 /* ------------------------------------------------------------------ per-tensor quantization */
@@ -85,22 +95,23 @@ extern "C" __global__ void o1b_q_absmax_chunks(i64 n, const bf16 *xb, const floa
     part[c] = m;
 }
 
-/* sc[0] = s (stored), sc[1] = div(1, s) where s is finite and nonzero (else 0); one thread. */
-extern "C" __global__ void o1b_q_tensor_scale(i64 nparts, const u32 *part, float *sc) {
+/* sc[0] = s = div(absmax, qmax) (stored), sc[1] = div(1, s) where s is finite and nonzero (else 0);
+ * one thread. */
+extern "C" __global__ void o1b_q_tensor_scale(i64 nparts, const u32 *part, float *sc, int qmax) {
     if (o1b_gid() != 0) return;
     u32 m = 0u;
     for (i64 c = 0; c < nparts; c++) m = part[c] > m ? part[c] : m;
-    float s = m == Q_BAD ? o1b_nan() : o1b_div(o1b_from_bits(m), 127.0f);
+    float s = m == Q_BAD ? o1b_nan() : o1b_div(o1b_from_bits(m), o1b_q_maxf(qmax));
     sc[1] = (!o1b_isnan(s) && s != 0.0f) ? o1b_div(1.0f, s) : 0.0f;
     sc[0] = o1b_store(s);
 }
 
 extern "C" __global__ void o1b_q_tensor_levels(i64 n, const bf16 *xb, const float *xf, int is_f32,
-                                               const float *sc, i8 *q) {
+                                               const float *sc, i8 *q, int qmax) {
     i64 i = o1b_gid();
     if (i >= n) return;
     float s = sc[0];
-    q[i] = (o1b_isnan(s) || s == 0.0f) ? (i8)0 : o1b_level(o1b_mul(o1b_q_value(xb, xf, is_f32, i), sc[1]));
+    q[i] = (o1b_isnan(s) || s == 0.0f) ? (i8)0 : o1b_level(o1b_mul(o1b_q_value(xb, xf, is_f32, i), sc[1]), qmax);
 }
 
 /* ------------------------------------------------------------------ int8 GEMM */
@@ -137,7 +148,7 @@ extern "C" __global__ void o1b_hadamard_f32(i64 R, i64 C, float *f) {
     for (int i = 0; i < QB; i++) base[i * C] = o1b_store(v[i]);
 }
 
-/* The same in int32 (|values| <= 127 * QB: exact). */
+/* The same in int32 (|values| <= qmax * QB <= 127 * QB: exact). */
 extern "C" __global__ void o1b_hadamard_i32(i64 R, i64 C, int *n) {
     i64 t = o1b_gid();
     if (t >= (R / QB) * C) return;

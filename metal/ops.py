@@ -412,10 +412,11 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 
 
 # ---------------------------------------------------------------------------------------------
-# §6.9 the int8 quantized linear layer (W8A8, Hadamard-rotated straight-through backward)
+# §6.9 the int8 quantized linear layer (W8A8, Hadamard-rotated straight-through backward) and its
+# simulated int4 path (qmax = 7: the same kernels with the template argument QMAX = 7)
 # ---------------------------------------------------------------------------------------------
 I8, I32, U8 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)
-QMAX, QB, Q_MAX_P = opargs.QMAX, opargs.QB, opargs.Q_MAX_P
+QMAX, QMAX4, QB, Q_MAX_P = opargs.QMAX, opargs.QMAX4, opargs.QB, opargs.Q_MAX_P
 QUANT_BLOCK = 4096          # elements per thread of the absmax's first pass (any split is exact)
 
 
@@ -423,26 +424,29 @@ def _pad_qb(n: int) -> int:
     return (n + QB - 1) // QB * QB
 
 
-def _quant_f32(v: np.ndarray):
-    """v (any shape) fp32 -> q (same shape) int8, s (1,) fp32: the per-tensor quantization."""
+def _quant_f32(v: np.ndarray, qmax: int = QMAX):
+    """v (any shape) fp32 -> q (same shape) int8 in [-qmax, qmax], s (1,) fp32: the per-tensor
+    quantization."""
     n = v.size
     flat = v.reshape(-1)
     nb = (n + QUANT_BLOCK - 1) // QUANT_BLOCK
     (part,) = _run("quant_absmax", [flat, _i64(n, QUANT_BLOCK)], [((nb,), F32)], (nb, 1, 1), (64, 1, 1),
-                   template=[("SCALE", 0)])
+                   template=[("SCALE", 0), ("QMAX", qmax)])
     (s,) = _run("quant_absmax", [part, _i64(nb, max(nb, 1))], [((1,), F32)], (1, 1, 1), (1, 1, 1),
-                template=[("SCALE", 1)])
+                template=[("SCALE", 1), ("QMAX", qmax)])
     q, _ = _run("quant_apply", [flat, s, _i64(1)], [((n,), I8), ((n,), U8)], (n, 1, 1),
-                template=[("PER_ROW", 0)])
+                template=[("PER_ROW", 0), ("QMAX", qmax)])
     return q.reshape(v.shape), s
 
 
-def _quant_w(w: np.ndarray, M: int, K: int):
-    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32, clip (M, K) uint8 (1 clipped, 2 NaN row)."""
-    (s,) = _run("qw_scale", [w.reshape(-1), _i64(K)], [((M,), F32)], (M, 1, 1), (64, 1, 1))
+def _quant_w(w: np.ndarray, M: int, K: int, qmax: int = QMAX):
+    """w (M, K) bf16 -> q (M, K) int8 in [-qmax, qmax], s (M,) fp32, clip (M, K) uint8 (1 clipped,
+    2 NaN row)."""
+    (s,) = _run("qw_scale", [w.reshape(-1), _i64(K)], [((M,), F32)], (M, 1, 1), (64, 1, 1),
+                template=[("QMAX", qmax)])
     wf = bf16_to_f32(w.reshape(-1))
     q, clip = _run("quant_apply", [wf, s, _i64(K)], [((M * K,), I8), ((M * K,), U8)], (M * K, 1, 1),
-                   template=[("PER_ROW", 1)])
+                   template=[("PER_ROW", 1), ("QMAX", qmax)])
     return q.reshape(M, K), s, clip.reshape(M, K)
 
 
@@ -498,33 +502,37 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
     return _rotate("hadamard", f, R, C)
 
 
-def qlinear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization."""
+def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7: the
+    simulated int4 path, levels -7 ... 7)."""
     N, K, M = opargs.qlinear_forward(x, w)
-    qx, sx = _quant_f32(bf16_to_f32(x))
-    qw, sw, _ = _quant_w(w, M, K)
+    qmax = opargs.qmax(qmax)
+    qx, sx = _quant_f32(bf16_to_f32(x), qmax)
+    qw, sw, _ = _quant_w(w, M, K, qmax)
     acc = _gemm_i8(N, M, K, qx, K, 1, qw, K, 1)
     return _dequant(0, acc, sx, cs=sw)
 
 
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                     need_dw: bool = True):
-    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard)."""
+                     need_dw: bool = True, qmax: int = QMAX):
+    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
+    qmax = 7: the simulated int4 path, all four operands on levels -7 ... 7)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
-    qw, sw, clip = _quant_w(w, M, K)
+    qmax = opargs.qmax(qmax)
+    qw, sw, clip = _quant_w(w, M, K, qmax)
     dx = dw = None
     if need_dx:
         Mp = _pad_qb(M)
         (g,) = _run("qgrad_scale", [dy.reshape(-1), sw, _i64(M, N)], [((M, N), F32)], (N, M, 1), (32, 8, 1))
-        qg, sg = _quant_f32(_rotate("hadamard", g, M, N))             # (Mp, N)
-        qr, sr = _quant_f32(_rotate("hadamard_i8", qw, M, K))         # (Mp, K)
+        qg, sg = _quant_f32(_rotate("hadamard", g, M, N), qmax)             # (Mp, N)
+        qr, sr = _quant_f32(_rotate("hadamard_i8", qw, M, K), qmax)         # (Mp, K)
         acc = _gemm_i8(N, K, Mp, qg, 1, N, qr, 1, K)
         dx = _dequant(1, acc, np.concatenate([sg, sr]))
     if need_dw:
         Np = _pad_qb(N)
-        qx, sx = _quant_f32(bf16_to_f32(x))
-        qd, sd = _quant_f32(_rotate("hadamard", bf16_to_f32(dy), N, M))     # (Np, M)
-        qX, sX = _quant_f32(_rotate("hadamard_i8", qx, N, K))               # (Np, K)
+        qx, sx = _quant_f32(bf16_to_f32(x), qmax)
+        qd, sd = _quant_f32(_rotate("hadamard", bf16_to_f32(dy), N, M), qmax)     # (Np, M)
+        qX, sX = _quant_f32(_rotate("hadamard_i8", qx, N, K), qmax)               # (Np, K)
         acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
         dw = _dequant(2, acc, np.concatenate([sd, sX, sx]), clip=clip)
     return dx, dw

@@ -366,6 +366,10 @@ I8 = np.dtype(np.int8)
 #: Contraction lengths (after padding to a multiple of QB) are at most Q_MAX_P, so that
 #: |sum of products| <= Q_MAX_P * 127^2 < 2^31 and int32 accumulation is exact.
 QMAX, QB, Q_MAX_P = 127, 128, 1 << 17
+#: The simulated int4 path (CONTRACT.md §6.9, §9): levels -7 ... 7 in int8 containers.
+QMAX4 = 7
+#: The level bounds a quantized op accepts as its qmax: int8 and the simulated int4 path.
+QMAX_CHOICES = (QMAX, QMAX4)
 
 
 def _qlen(name: str, n: int, pad: bool) -> None:
@@ -373,6 +377,16 @@ def _qlen(name: str, n: int, pad: bool) -> None:
     if p > Q_MAX_P:
         raise ValueError(f"{name}: contraction length {n} (padded {p}) exceeds {Q_MAX_P} "
                          "(int32 accumulation of int8 products would no longer be exact)")
+
+
+def qmax(value) -> int:
+    """The level bound of a quantized op: 127 (int8, the default) or 7 (the simulated int4 path,
+    CONTRACT.md §6.9) -> the same as an int; anything else (bool, float, other integers) is a
+    ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or int(value) not in QMAX_CHOICES:
+        raise ValueError(f"qmax: expected {QMAX} (int8) or {QMAX4} (the simulated int4 path), got {value!r}")
+    return int(value)
 
 
 def quant_weight_rows(w: np.ndarray) -> tuple[int, int]:

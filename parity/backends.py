@@ -2,11 +2,15 @@
 itself available), and the `spec` pseudo-backend (mlx_open1b/spec behind cpu_ref's API).
 
 A backend is any object with cpu_ref's op functions (numpy in, numpy-convertible out).
-`register(name, obj)` adds one (tests plant a faulty backend this way).
+`register(name, obj)` adds one (tests plant a faulty backend this way). A few parity ops are
+variants of an API function called with a fixed keyword argument (VARIANTS: the simulated int4
+path is the qlinear functions with qmax=7); `resolve` finds them by the function's signature.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Any
 
 from ..contract import CONTRACT_VERSION
@@ -101,10 +105,35 @@ def available() -> list[str]:
     return [n for n, ok, _ in status() if ok and n != "spec"]
 
 
+#: parity op -> (the backend function it calls, the keyword arguments it adds). A backend has the
+#: op when it has a function of the op's own name, or the base function with a parameter of every
+#: keyword's name (read from its signature); otherwise the op is missing there (reported, not compared).
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "qlinear4_forward": ("qlinear_forward", {"qmax": 7}),      # the simulated int4 path (CONTRACT.md §6.9)
+    "qlinear4_backward": ("qlinear_backward", {"qmax": 7}),
+}
+
+
+def accepts(fn, names) -> bool:
+    """Whether fn's signature has a parameter, passable by keyword, of every one of names."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    ok = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return all(n in params and params[n].kind in ok for n in names)
+
+
 def resolve(backend: Any, op: str):
     """The backend's function for op; scalar_* may live in a submodule (cpu_ref keeps them in its
-    mathfn and optim modules)."""
+    mathfn and optim modules); a VARIANTS op is its base function with the keywords bound, where
+    that function takes them. None when the backend does not have the op."""
     fn = getattr(backend, op, None)
+    if fn is None and op in VARIANTS:
+        base, kw = VARIANTS[op]
+        f = getattr(backend, base, None)
+        if f is not None and accepts(f, kw):
+            fn = functools.partial(f, **kw)
     if fn is None and op.startswith("scalar_"):
         for sub in ("mathfn", "optim"):
             fn = fn or getattr(getattr(backend, sub, None), op, None)

@@ -577,6 +577,7 @@ def _trunc_normal(rng, i, op):
 
 # ------------------------------------------------------------------------- §6.9 int8 quantized linear
 QMAX, QB, Q_MAX_P = _sp_q.QMAX, _sp_q.QB, 1 << 17     # levels, Hadamard block, longest contraction
+QMAX4 = _sp_q.QMAX4                                   # the simulated int4 path's levels (qlinear4_* ops)
 #: contraction lengths around the Hadamard block and SIMD widths (16, 32, 64 int8 lanes)
 _Q_LEN = (1, 7, 33, 63, 65, 127, 128, 129, 130, 257, 513, 1000)
 #: lengths padded to a multiple of QB (backward's N and M): one block, just over, several
@@ -605,25 +606,27 @@ def _bf16_exact(v) -> np.ndarray:
     return (u >> U32(16)).astype(U16)
 
 
-def _tie_tensor(rng: CaseRNG, shape, bf16: bool) -> np.ndarray:
-    """A tensor whose per-tensor scale is a power of two 2^e (absmax 127 * 2^e), so that
-    mul(v, inv) is exact: half-integer levels (ties to even, +-0.5, +-126.5), exact levels and
-    the extremes +-127. bf16 bits if bf16, else fp32 values."""
+def _tie_tensor(rng: CaseRNG, shape, bf16: bool, qmax: int = QMAX) -> np.ndarray:
+    """A tensor whose per-tensor scale is a power of two 2^e (absmax qmax * 2^e), so that
+    mul(v, inv) is exact: half-integer levels (ties to even, +-0.5, +-(qmax - 0.5)), exact levels
+    and the extremes +-qmax. bf16 bits if bf16, else fp32 values."""
     n = int(np.prod(shape))
     e = rng.choice((-20, -7, 0, 3, 40))
-    k = rng.ints(n, -253, 254)                           # v = k/2 * 2^e: |k| odd -> a tie
+    k = rng.ints(n, -(2 * qmax - 1), 2 * qmax)           # v = k/2 * 2^e: |k| odd -> a tie
     v = (k.astype(np.float64) * 2.0 ** (e - 1)).astype(F32)
     if n:
-        v[rng.below(n)] = F32(rng.choice((127.0, -127.0)) * 2.0 ** e)
+        v[rng.below(n)] = F32(rng.choice((float(qmax), -float(qmax))) * 2.0 ** e)
     v = v.reshape(shape)
     return _bf16_exact(v) if bf16 else np.ascontiguousarray(v)
 
 
-def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = False) -> np.ndarray:
+def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = False,
+                        qmax: int = QMAX) -> np.ndarray:
     """Per-tensor quantization input: ties, ordinary values, the special tensors (all zero, all
-    subnormal, so tiny that absmax/127 flushes, an extreme normal), and (case index % 4 == 2,
+    subnormal, so tiny that absmax/qmax flushes, an extreme normal), and (case index % 4 == 2,
     sometimes 3) one NaN or infinity, which makes s NaN and every level 0. layer: the layer's
-    activation x, where a zero or NaN s_x zeroes or spoils all of y and dW: those are rarer."""
+    activation x, where a zero or NaN s_x zeroes or spoils all of y and dW: those are rarer.
+    qmax: the level bound (127, or 7 for the simulated int4 path) the ties and flushes aim at."""
     n = int(np.prod(shape))
     kinds = ("tie", "tie", "normal", "normal", "wide", "zero", "subnormal", "tiny", "huge")
     if layer:
@@ -631,7 +634,7 @@ def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = F
                  rng.choice(("zero", "subnormal", "tiny")))
     kind = rng.choice(kinds)
     if kind == "tie":
-        x = _tie_tensor(rng, shape, bf16)
+        x = _tie_tensor(rng, shape, bf16, qmax)
     else:
         if kind == "normal":
             x = rng.f32(shape, "normal", rng.choice((1.0, 0.02, 300.0)))
@@ -643,8 +646,8 @@ def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = F
             x = rng.f32(shape, "bits")
             x = (x.view(U32) & U32(0x807FFFFF)).view(F32) if not bf16 else \
                 (x.view(U32) & U32(0x807F0000)).view(F32)
-        elif kind == "tiny":                              # absmax ~2^-120: absmax/127 flushes to +0
-            x = rng.f32(shape, "wide", elo=-126, ehi=-120)
+        elif kind == "tiny":                              # absmax < 2^-119 (2^-124): absmax/127 (/7) flushes
+            x = rng.f32(shape, "wide", elo=-126, ehi=-120 if qmax == QMAX else -125)
         else:                                             # near the largest normal: inv still finite
             x = rng.f32(shape, "wide", elo=100, ehi=127)
         x = np.ascontiguousarray(x.reshape(shape))
@@ -659,29 +662,32 @@ def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = F
     return np.ascontiguousarray(x)
 
 
-def _tie_row(rng: CaseRNG, K: int) -> np.ndarray | None:
+def _tie_row(rng: CaseRNG, K: int, qmax: int = QMAX) -> np.ndarray | None:
     """A weight row (K a power of two >= 16) whose step size s_w is exactly 2^e, so its levels
-    t = mul(W, 1/s_w) are exact: half-integers (ties to even, up to +-126.5) and a few pieces
-    far beyond 127 (clipped). Built from tie values plus at most three bf16 pieces making
-    S = sum |W| an fp32 with mul(div(S, K), QW_COEF) == 2^e (every partial sum is exact).
-    None when no such row comes out (checked against the spec's step size)."""
+    t = mul(W, 1/s_w) are exact: half-integers (ties to even, up to +-(qmax - 0.5); with qmax 7
+    also +-7.5, clipped) and a few pieces far beyond qmax (clipped). Built from tie values plus at
+    most three bf16 pieces making S = sum |W| an fp32 with mul(div(S, K), coef) == 2^e (every
+    partial sum is exact; coef QW_COEF, or QW_COEF4 for qmax 7). None when no such row comes out
+    (checked against the spec's step size)."""
+    coef = _sp_q.COEF[qmax]
     e = rng.choice((-12, -5, 0, 4))
     target = F32(2.0 ** e)
-    q = F32(float(target) / float(_sp_q.QW_COEF))
+    q = F32(float(target) / float(coef))
     cands = [q]
     for d in (np.inf, -np.inf):
         c = q
         for _ in range(3):
             c = np.nextafter(c, F32(d))
             cands.append(c)
-    qq = next((c for c in cands if A.mul(c, _sp_q.QW_COEF) == target), None)
+    qq = next((c for c in cands if A.mul(c, coef) == target), None)
     if qq is None:
         return None
     S = float(qq) * K                                     # exact: K is a power of two
     nt = K // 8
     k = 2 * rng.ints(nt, -8, 8) + 1                       # odd: t = k/2 in [-7.5, 7.5]
     if nt >= 8:
-        k[:2] = [rng.choice((253, 251)), rng.choice((-253, -251))]   # t = +-126.5, +-125.5
+        k[:2] = [rng.choice((2 * qmax - 1, 2 * qmax - 3)),          # t = +-126.5, +-125.5 (int4: 6.5, 5.5)
+                 rng.choice((-(2 * qmax - 1), -(2 * qmax - 3)))]
     ties = k.astype(np.float64) * 2.0 ** (e - 1)
     rest = S - float(np.abs(ties).sum())
     pieces = []
@@ -696,14 +702,15 @@ def _tie_row(rng: CaseRNG, K: int) -> np.ndarray | None:
     row[nt:nt + len(pieces)] = np.array(pieces) * np.where(rng.ints(len(pieces), 0, 2) == 1, 1.0, -1.0)
     perm = np.argsort(rng.words(K), kind="stable")
     w = _bf16_exact(row[perm].astype(F32))
-    return w if _sp_q.weight_scales(w[None])[0] == target else None
+    return w if _sp_q.weight_scales(w[None], qmax)[0] == target else None
 
 
-def _weight_rows(rng: CaseRNG, M: int, K: int, i: int, nonfinite: bool = True) -> np.ndarray:
+def _weight_rows(rng: CaseRNG, M: int, K: int, i: int, nonfinite: bool = True, qmax: int = QMAX) -> np.ndarray:
     """w (M, K) bf16, row by row: ordinary rows; by case index % 4 (not 0) also zero rows,
     subnormal rows (flushed: zero rows), rows so small s_w flushes to +0, rows with outliers that
     clip, tie rows (s_w a power of two), rows whose sum overflows (NaN step), rows with one NaN or
-    infinity (NaN step; with nonfinite only), and sprinkled finite specials."""
+    infinity (NaN step; with nonfinite only), and sprinkled finite specials. qmax 7 (the simulated
+    int4 path): tie rows of its step coefficient, and outliers also just past the clip bound."""
     w = rng.bf16((M, K), rng.choice((0.02, 1.0, 0.02, 40.0)))
     if i % 4 == 0:
         return w
@@ -720,15 +727,16 @@ def _weight_rows(rng: CaseRNG, M: int, K: int, i: int, nonfinite: bool = True) -
             w[j] = rng.words(K).astype(U16) & U16(0x807F)
         elif kind == "tiny":
             w[j] = A.f32_to_bf16(rng.f32((K,), "wide", elo=-126, ehi=-123))
-        elif kind == "clip":                              # outliers beyond 127 steps (K >= 24 or so)
+        elif kind == "clip":                              # outliers beyond qmax steps (K >= 24 or so)
             n = 1 + rng.below(max(1, K // 16))
             row = np.abs(A.bf16_to_f32(w[j]).astype(np.float64))
             m = row[np.isfinite(row)].mean() if np.isfinite(row).any() else 1.0
             m = m if 0 < m < 1e30 else 1.0
-            w[j, rng.ints(n, 0, K)] = A.f32_to_bf16((rng.normal(n) * (1000.0 * m)).astype(F32))
+            f = 1000.0 if qmax == QMAX else rng.choice((12.0, 1000.0))   # int4: some around 7 steps
+            w[j, rng.ints(n, 0, K)] = A.f32_to_bf16((rng.normal(n) * (f * m)).astype(F32))
         elif kind == "tie":
             KK = 1 << (K.bit_length() - 1)                # the largest power of two <= K
-            r = _tie_row(rng, KK) if KK == K and K >= 16 else None
+            r = _tie_row(rng, KK, qmax) if KK == K and K >= 16 else None
             if r is not None:
                 w[j] = r
         elif kind == "overflow" and K >= 2:               # finite weights, their sum is inf
@@ -801,23 +809,31 @@ def _quant_tensor(rng, i, op):
     return dict(args=(x,), outputs=("q", "s"), desc=f"shape={shape} dtype={'bf16' if bf16 else 'fp32'}")
 
 
-@gen("qlinear_forward")
+def _op_qmax(op: str) -> int:
+    """The level bound of a quantized-layer op: 7 for the simulated int4 path's ops (qlinear4_*,
+    run as qlinear_* with qmax=7, parity.backends.VARIANTS), else 127."""
+    return QMAX4 if op.startswith("qlinear4_") else QMAX
+
+
+@gen("qlinear_forward", "qlinear4_forward")
 def _qlinear_forward(rng, i, op):
+    qmax = _op_qmax(op)
     N, M = rng.choice(SIZES), rng.choice(SIZES)
     K = rng.choice(_Q_LEN + (16, 64, 128, 256, 4097))      # powers of two: tie rows in w
     if i % 8 == 7 and rng.coin(0.5):                      # the longest contraction over k
         N, M, K = rng.choice((1, 2)), rng.choice((1, 3)), Q_MAX_P
-    x = _quant_tensor_input(rng, (N, K), i, True, layer=True)
-    w = _weight_rows(rng, M, K, i)
+    x = _quant_tensor_input(rng, (N, K), i, True, layer=True, qmax=qmax)
+    w = _weight_rows(rng, M, K, i, qmax=qmax)
     return dict(args=(x, w), outputs=("y",), desc=f"N={N} K={K} M={M}")
 
 
-@gen("qlinear_backward")
+@gen("qlinear_backward", "qlinear4_backward")
 def _qlinear_backward(rng, i, op):
+    qmax = _op_qmax(op)
     N, M, K = rng.choice(_Q_PADDED), rng.choice(_Q_PADDED), rng.choice(SIZES + (128, 129))
-    x = _quant_tensor_input(rng, (N, K), i, True, layer=True)
+    x = _quant_tensor_input(rng, (N, K), i, True, layer=True, qmax=qmax)
     # a NaN or infinity in w or dy makes all of dx NaN: only in some cases
-    w = _weight_rows(rng, M, K, i, nonfinite=i % 4 == 3 and rng.coin(0.5))
+    w = _weight_rows(rng, M, K, i, nonfinite=i % 4 == 3 and rng.coin(0.5), qmax=qmax)
     dy = rng.bf16((N, M), rng.choice((1.0, 1e-3, 30.0)))
     if i % 4 == 1:
         dy = rng.sprinkle(dy, 0.02, SPECIAL_BF16_FINITE)

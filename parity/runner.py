@@ -164,7 +164,8 @@ def _resolve_backends(backends) -> list[tuple[str, Any]]:
 
 
 def run_case(case: Case, bks: list[tuple[str, Any]], res: OpResult) -> dict | None:
-    """Run one case on every backend; update res; return the case's first mismatch (or None)."""
+    """Run one case on every backend that has the op; update res; return the case's first mismatch
+    (or None). When the reference or every other backend lacks the op, nothing runs."""
     outs: dict[str, Any] = {}
     present = []
     for name, b in bks:
@@ -173,17 +174,18 @@ def run_case(case: Case, bks: list[tuple[str, Any]], res: OpResult) -> dict | No
             if name not in res.missing:
                 res.missing.append(name)
             continue
-        present.append((name, b))
+        present.append((name, b, fn))
+    res.cases += 1
+    if len(present) < 2 or present[0][0] != bks[0][0]:
+        return None             # nothing to compare (the reference or every other backend lacks the op): not run
+    for name, b, fn in present:
         t0 = time.perf_counter()
         try:
             outs[name] = normalize(case.op, execute(fn, case))
         except Exception as e:   # noqa: BLE001 - a failing backend is a reported mismatch
             outs[name] = e
         res.seconds[name] = res.seconds.get(name, 0.0) + time.perf_counter() - t0
-    res.cases += 1
-    if bks[0][0] in res.missing or len(present) < 2:
-        return None             # nothing to compare with (the reference or every other backend lacks the op)
-    bks = present
+    bks = [(name, b) for name, b, _ in present]
     ref_name = bks[0][0]
     ref = outs[ref_name]
     first = None

@@ -156,7 +156,8 @@ def trunc_normal(seed, stream, index0, n, sigma=INIT_SIGMA):
 
 # ---------------------------------------------------------------- §6.9 int8 quantized linear
 # Arguments are checked by opargs as cpu_ref checks them (contraction lengths <= 2^17, int8 in
-# [-127, 127], Hadamard rows a multiple of 128), so that an invalid case fails on both sides.
+# [-127, 127], Hadamard rows a multiple of 128, qmax 127 or 7), so that an invalid case fails on
+# both sides. qmax = 7 is the simulated int4 path (the parity ops qlinear4_forward / _backward).
 def gemm_i8(a, b):
     opargs.gemm_i8(a, b)
     return _q.gemm_i8(a, b)
@@ -180,12 +181,12 @@ def quant_tensor(x):
     return q.reshape(x.shape), F32(s)
 
 
-def qlinear_forward(x, w):
+def qlinear_forward(x, w, qmax: int = opargs.QMAX):
     opargs.qlinear_forward(x, w)
-    return _q.qlinear_forward(x, w)
+    return _q.qlinear_forward(x, w, opargs.qmax(qmax))
 
 
-def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True):
+def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax: int = opargs.QMAX):
     opargs.qlinear_backward(dy, x, w)
-    dx, dw = _q.qlinear_backward(dy, x, w)
+    dx, dw = _q.qlinear_backward(dy, x, w, opargs.qmax(qmax))
     return (dx if need_dx else None), (dw if need_dw else None)

@@ -62,7 +62,7 @@ def test_config_precision():
     with pytest.raises(ConfigError, match="precision"):
         dataclasses.replace(cfg, precision="fp8").check()
     with pytest.raises(ValueError, match="precision"):
-        Model(MICRO, precision="int4")
+        Model(MICRO, precision="int2")
 
 
 def test_int8_model_deterministic_across_calls_and_threads():

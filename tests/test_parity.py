@@ -48,8 +48,14 @@ def test_every_cpu_ref_op_has_a_case_generator():
     missing = sorted(api - runtime - set(P.OPS))
     assert not missing, f"ops of the cpu_ref API without a parity case generator: {missing}"
     for op in P.OPS:
-        assert P.backends.resolve(cpu_ref, op) is not None, op
         assert P.backends.resolve(spec_backend, op) is not None, op
+        if op in P.backends.VARIANTS:   # the int4 path: cpu_ref has it once its base function takes qmax
+            base, kw = P.backends.VARIANTS[op]
+            assert base in api, op
+            has = P.backends.accepts(getattr(cpu_ref, base), kw)
+            assert (P.backends.resolve(cpu_ref, op) is not None) == has, op
+        else:
+            assert P.backends.resolve(cpu_ref, op) is not None, op
 
 
 def test_cases_are_deterministic_and_cover_specials_and_odd_shapes():
@@ -85,8 +91,82 @@ def test_gpu_backend_matches_cpu_ref_on_every_op(name):
     report = P.run(["cpu_ref", name], cases=GPU_CASES, seed=1)
     assert report.total_cases == len(P.OPS) * GPU_CASES
     assert report.ok, P.format_table(report)
-    if report.missing:      # every op it has is bit-identical; the ones it lacks are listed
-        pytest.xfail(f"{name} has no {', '.join(report.missing)} yet (not compared)")
+    own = [op for op, names in report.missing.items() if name in names]
+    if own:                 # every op it has is bit-identical; the ones it lacks are listed
+        pytest.xfail(f"{name} has no {', '.join(own)} yet (not compared)")
+    # ops cpu_ref lacks (the int4 path until its qlinear functions take qmax) are compared with the
+    # spec in test_gpu_backend_int4_path_matches_spec
+
+
+INT4_OPS = ["qlinear4_forward", "qlinear4_backward"]
+
+
+@pytest.mark.parametrize("name", GPU)
+def test_gpu_backend_int4_path_matches_spec(name):
+    """The simulated int4 path (qlinear_* with qmax=7) of metal / cuda against the numpy spec."""
+    report = P.run(["spec", name], ops=INT4_OPS, cases=12, seed=1)
+    assert report.complete and report.total_cases == 24, P.format_table(report)
+
+
+def test_int4_ops_on_backends_with_and_without_qmax():
+    """qlinear4_* run as the backend's qlinear_* with qmax=7 where that function takes qmax (read from
+    its signature); a backend whose functions do not is reported missing (and nothing runs when it is
+    the reference); one that ignores qmax is caught."""
+    class OldAPI:           # the qlinear functions without qmax (cpu_ref before the int4 path)
+        def qlinear_forward(self, x, w):
+            return spec_backend.qlinear_forward(x, w)
+
+        def qlinear_backward(self, dy, x, w, need_dx=True, need_dw=True):
+            return spec_backend.qlinear_backward(dy, x, w, need_dx, need_dw)
+
+    class IgnoresQmax:      # takes qmax but always computes int8
+        def qlinear_forward(self, x, w, qmax=127):
+            return spec_backend.qlinear_forward(x, w)
+
+    class Own:              # a function of the op's own name is used as it is
+        def qlinear4_forward(self, x, w):
+            return spec_backend.qlinear_forward(x, w, qmax=7)
+
+    old = OldAPI()
+    assert P.backends.resolve(old, "qlinear4_forward") is None and P.backends.resolve(old, "qlinear_forward")
+    fn = P.backends.resolve(spec_backend, "qlinear4_backward")
+    assert fn.func is spec_backend.qlinear_backward and fn.keywords == {"qmax": 7}
+    for ref in ("old", "spec"):
+        bks = [("old", old), ("spec", spec_backend)]
+        report = P.run(bks if ref == "old" else bks[::-1], ops=INT4_OPS + ["qlinear_forward"], cases=2)
+        assert report.ok and not report.complete
+        assert report.missing == {"qlinear4_forward": ["old"], "qlinear4_backward": ["old"]}
+        assert report.ops["qlinear4_forward"].cases == 2 and report.ops["qlinear4_forward"].seconds == {}
+        assert report.ops["qlinear_forward"].missing == []
+        assert "missing: old has no qlinear4_forward, qlinear4_backward" in P.format_table(report)
+    report = P.run([("spec", spec_backend), ("bad", IgnoresQmax()), ("own", Own())], ops=["qlinear4_forward"],
+                   cases=4)
+    r = report.ops["qlinear4_forward"]
+    assert r.mismatches >= 1 and r.first["backend"] == "bad" and r.missing == []
+
+
+def test_int4_cases_are_valid_and_cover_specials():
+    from mlx_open1b import opargs
+    from mlx_open1b.spec import quant as sq
+    sw, clip, sx, q = [], 0, [], []
+    for i in range(24):
+        dy, x, w = P.make_case("qlinear4_backward", i).args
+        opargs.qlinear_backward(dy, x, w)
+        x2, w2 = P.make_case("qlinear4_forward", i).args
+        opargs.qlinear_forward(x2, w2)
+        for xx, ww in ((x, w), (x2, w2)):
+            qw, s, c = sq.quant_weight_rows(ww, with_clip=True, qmax=7)
+            sw.append(s)
+            clip += int((c == 1).sum())
+            q.append(qw.reshape(-1))
+            sx.append(np.float32(sq.quant_tensor(xx, 7)[1]))
+    sw, sx, q = np.concatenate(sw), np.array(sx), np.concatenate(q)
+    assert np.isnan(sw).any() and (sw == 0).any() and clip > 0 and q.min() == -7 and q.max() == 7
+    pos = sw[np.isfinite(sw) & (sw > 0)]
+    assert (np.frexp(pos)[0] == 0.5).any(), "no int4 tie rows (power-of-two step)"
+    assert np.isnan(sx).any() and (sx == 0).any()
+    px = sx[np.isfinite(sx) & (sx > 0)]
+    assert (np.frexp(px)[0] == 0.5).any(), "no int4 tie tensors (power-of-two scale)"
 
 
 def test_backend_without_an_op_is_reported_missing_not_a_mismatch():

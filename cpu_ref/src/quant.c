@@ -46,22 +46,23 @@ static inline float qstore(float x) {      /* o1b_store: flush, then canonical N
 #define QMUL(r, a, b, bad) do { float r_ = (a) * (b); uint32_t u_ = qbits(r_); \
     (bad) |= (uint32_t)((u_ & 0x7FFFFFFFu) == 0x00800000u); \
     (r) = qfrom((u_ & 0x7F800000u) == 0 ? (u_ & 0x80000000u) : u_); } while (0)
-/* rne_clamp for any non-NaN t (clamping first changes nothing: 127 rounds to 127). */
-static inline int8_t qrne(float t) {
-    t = t > 127.0f ? 127.0f : t;
-    t = t < -127.0f ? -127.0f : t;
+/* rne_clamp_q for any non-NaN t (clamping first changes nothing: qm, an integer, rounds to itself). */
+static inline int8_t qrne(float t, float qm) {
+    t = t > qm ? qm : t;
+    t = t < -qm ? -qm : t;
     /* t + 1.5*2^23 has ulp 1 here, so its low bits are the rounded integer (as in rne_clamp) */
     return (int8_t)(qbits(t + O1B_ROUND_MAGIC) - 0x4B400000u);
 }
 
 /* ------------------------------------------------------------------ scales and quantization */
 
-typedef struct { int64_t M, K; const bf16 *w; int8_t *q; float *s; uint8_t *clip; } qw_args;
+typedef struct { int64_t M, K; const bf16 *w; int8_t *q; float *s; uint8_t *clip; int qmax; } qw_args;
 
 #define QW_R 8   /* rows summed side by side (each row's sum stays k-ascending) */
 static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
     const qw_args *a = (const qw_args *)ctx;
     int64_t K = a->K;
+    const float qm = (float)a->qmax;
     for (int64_t j0 = lo; j0 < hi; j0 += QW_R) {
         int nr = hi - j0 < QW_R ? (int)(hi - j0) : QW_R;
         float S[QW_R] = {0};
@@ -81,7 +82,7 @@ static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
         for (int r = 0; r < nr; r++) {
             int64_t j = j0 + r;
             const bf16 *row = a->w + j * K;
-            float s = weight_scale(S[r], K);
+            float s = weight_scale_q(S[r], K, a->qmax);
             int8_t *q = a->q + j * K;
             uint8_t *c = a->clip ? a->clip + j * K : NULL;
             int kind = scale_kind(s);
@@ -94,20 +95,20 @@ static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
                 if (c) {
                     for (int64_t k = 0; k < K; k++) {
                         float t; QMUL(t, qflush(qfrom((uint32_t)row[k] << 16)), inv, bad);
-                        q[k] = qrne(t);
-                        c[k] = (uint8_t)(fabsf(t) > 127.0f);
+                        q[k] = qrne(t, qm);
+                        c[k] = (uint8_t)(fabsf(t) > qm);
                     }
                 } else {
                     for (int64_t k = 0; k < K; k++) {
                         float t; QMUL(t, qflush(qfrom((uint32_t)row[k] << 16)), inv, bad);
-                        q[k] = qrne(t);
+                        q[k] = qrne(t, qm);
                     }
                 }
                 if (bad)
                     for (int64_t k = 0; k < K; k++) {
                         float t = o1b_mul(o1b_bf16_to_f32(row[k]), inv);
-                        q[k] = rne_clamp(t);
-                        if (c) c[k] = fabsf(t) > 127.0f;
+                        q[k] = rne_clamp_q(t, a->qmax);
+                        if (c) c[k] = fabsf(t) > qm;
                     }
             }
             a->s[j] = o1b_store(s);
@@ -117,12 +118,13 @@ static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
 
 /* w (M, K) bf16 -> q (M, K) int8, s (M) fp32; clip (M, K) optional: 1 where |t| > 127,
  * 2 on every element of a row with a NaN scale. */
-static void quant_weight_rows(int64_t M, int64_t K, const bf16 *w, int8_t *q, float *s, uint8_t *clip) {
-    qw_args a = {M, K, w, q, s, clip};
+static void quant_weight_rows(int64_t M, int64_t K, const bf16 *w, int8_t *q, float *s, uint8_t *clip,
+                              int qmax) {
+    qw_args a = {M, K, w, q, s, clip, qmax};
     o1b_parallel_for(M, 1 + (1 << 15) / (K > 0 ? K : 1), qw_rows, &a);
 }
 O1B_API void o1b_quant_weight_rows(int64_t M, int64_t K, const bf16 *w, int8_t *q, float *s) {
-    quant_weight_rows(M, K, w, q, s, NULL);
+    quant_weight_rows(M, K, w, q, s, NULL, QMAX);
 }
 
 
@@ -176,49 +178,49 @@ static float absmax_any(const void *v, int kind, int64_t n) {
 }
 
 /* q = rne_clamp(mul(v, inv)) from fp32 (kind 0, flushed), bf16 (1) or int32 (2). */
-typedef struct { const void *v; int kind; int8_t *q; float inv; } qt_args;
+typedef struct { const void *v; int kind; int8_t *q; float inv; int qmax; } qt_args;
 static void qt_range(void *ctx, int64_t lo, int64_t hi) {
     const qt_args *a = (const qt_args *)ctx;
-    float inv = a->inv;
+    float inv = a->inv, qm = (float)a->qmax;
     uint32_t bad = 0;
     if (a->kind == 0) {
         const float *v = (const float *)a->v;
-        for (int64_t i = lo; i < hi; i++) { float t; QMUL(t, v[i], inv, bad); a->q[i] = qrne(t); }
+        for (int64_t i = lo; i < hi; i++) { float t; QMUL(t, v[i], inv, bad); a->q[i] = qrne(t, qm); }
     } else if (a->kind == 1) {
         const bf16 *v = (const bf16 *)a->v;
         for (int64_t i = lo; i < hi; i++) {
-            float t; QMUL(t, qflush(qfrom((uint32_t)v[i] << 16)), inv, bad); a->q[i] = qrne(t);
+            float t; QMUL(t, qflush(qfrom((uint32_t)v[i] << 16)), inv, bad); a->q[i] = qrne(t, qm);
         }
     } else {
         const int32_t *v = (const int32_t *)a->v;
-        for (int64_t i = lo; i < hi; i++) { float t; QMUL(t, (float)v[i], inv, bad); a->q[i] = qrne(t); }
+        for (int64_t i = lo; i < hi; i++) { float t; QMUL(t, (float)v[i], inv, bad); a->q[i] = qrne(t, qm); }
     }
     if (bad)
         for (int64_t i = lo; i < hi; i++) {
             float x = a->kind == 0 ? ((const float *)a->v)[i]
                     : a->kind == 1 ? o1b_bf16_to_f32(((const bf16 *)a->v)[i])
                     : o1b_i2f(((const int32_t *)a->v)[i]);
-            a->q[i] = rne_clamp(o1b_mul(x, inv));
+            a->q[i] = rne_clamp_q(o1b_mul(x, inv), a->qmax);
         }
 }
-static float quant_tensor_any(const void *v, int kind, int64_t n, int8_t *q) {
-    float s = tensor_scale(absmax_any(v, kind, n));
+static float quant_tensor_any(const void *v, int kind, int64_t n, int8_t *q, int qmax) {
+    float s = tensor_scale_q(absmax_any(v, kind, n), qmax);
     if (scale_kind(s) != 1) { memset(q, 0, (size_t)n); return s; }
-    qt_args a = {v, kind, q, o1b_div(1.0f, s)};
+    qt_args a = {v, kind, q, o1b_div(1.0f, s), qmax};
     o1b_parallel_for(n, 1 << 14, qt_range, &a);
     return s;
 }
 /* v (n) fp32, already flushed -> q (n) int8, returns the scale. */
-static float quant_tensor_f32(const float *v, int64_t n, int8_t *q) { return quant_tensor_any(v, 0, n, q); }
+static float quant_tensor_f32(const float *v, int64_t n, int8_t *q, int qmax) { return quant_tensor_any(v, 0, n, q, qmax); }
 
 /* x (n) bf16 -> q (n) int8, *s. Returns 0 on allocation failure (none is needed now). */
-static int quant_tensor_bf16(const bf16 *x, int64_t n, int8_t *q, float *s) {
-    *s = quant_tensor_any(x, 1, n, q);
+static int quant_tensor_bf16(const bf16 *x, int64_t n, int8_t *q, float *s, int qmax) {
+    *s = quant_tensor_any(x, 1, n, q, qmax);
     return 1;
 }
 O1B_API int o1b_quant_tensor(int64_t n, const bf16 *x, int8_t *q, float *s) {
     float sc;
-    if (!quant_tensor_bf16(x, n, q, &sc)) return -1;
+    if (!quant_tensor_bf16(x, n, q, &sc, QMAX)) return -1;
     *s = o1b_store(sc);
     return 0;
 }
@@ -226,7 +228,7 @@ O1B_API int o1b_quant_tensor_f32(int64_t n, const float *v, int8_t *q, float *s)
     float *f = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
     if (!f) return -1;
     for (int64_t i = 0; i < n; i++) f[i] = o1b_load(v[i]);
-    *s = o1b_store(quant_tensor_f32(f, n, q));
+    *s = o1b_store(quant_tensor_f32(f, n, q, QMAX));
     free(f);
     return 0;
 }
@@ -382,15 +384,17 @@ static void dequant(int64_t I, int64_t J, const int32_t *acc, float *y, int nc, 
 }
 
 /* ------------------------------------------------------------------ the quantized linear layer */
-O1B_API int o1b_qlinear_forward(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y) {
-    if (o1b_qlinear_forward_vnni(N, K, M, x, w, y)) return 0;   /* quant_vnni.c: the same bits */
+/* qmax: 127 (int8), or 7 (the simulated int4 path; the VNNI fast path is int8 only). */
+O1B_API int o1b_qlinear_forward_q(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
+                                  int qmax) {
+    if (qmax == QMAX && o1b_qlinear_forward_vnni(N, K, M, x, w, y)) return 0;   /* quant_vnni.c: the same bits */
     int8_t *qx = (int8_t *)malloc((size_t)(N * K > 0 ? N * K : 1));
     int8_t *qw = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
     float *sw = (float *)malloc((size_t)(M > 0 ? M : 1) * sizeof(float));
     int32_t *acc = (int32_t *)malloc((size_t)(N * M > 0 ? N * M : 1) * sizeof(int32_t));
     float sx; int rc = -1;
-    if (!qx || !qw || !sw || !acc || !quant_tensor_bf16(x, N * K, qx, &sx)) goto out;
-    quant_weight_rows(M, K, w, qw, sw, NULL);
+    if (!qx || !qw || !sw || !acc || !quant_tensor_bf16(x, N * K, qx, &sx, qmax)) goto out;
+    quant_weight_rows(M, K, w, qw, sw, NULL, qmax);
     gemm_i8(N, M, K, qx, qw, acc);
     dequant(N, M, acc, y, 1, &sx, sw, NULL);
     rc = 0;
@@ -431,9 +435,9 @@ static void w32_range(void *ctx, int64_t lo, int64_t hi) {
 }
 
 /* dx (N, K) and dW (M, K); either may be NULL. */
-O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                                 const bf16 *w, float *dx, float *dw) {
-    if (o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw)) return 0;   /* the same bits */
+O1B_API int o1b_qlinear_backward_q(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
+                                   const bf16 *w, float *dx, float *dw, int qmax) {
+    if (qmax == QMAX && o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw)) return 0;   /* the same bits */
     int rc = -1;
     int64_t Mp = pad_qb(M), Np = pad_qb(N);
     int8_t *qw = NULL, *qx = NULL, *qa = NULL, *qb = NULL, *ta = NULL, *tb = NULL;
@@ -444,7 +448,7 @@ O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy
     sw = (float *)malloc((size_t)(M > 0 ? M : 1) * sizeof(float));
     clip = dw ? (uint8_t *)malloc((size_t)(M * K > 0 ? M * K : 1)) : NULL;
     if (!qw || !sw || (dw && !clip)) goto out;
-    quant_weight_rows(M, K, w, qw, sw, clip);
+    quant_weight_rows(M, K, w, qw, sw, clip, qmax);
     if (dx) {
         /* G (N, Mp): g = mul(dy, s_w[m]), zero padded, rotated along m. Transposed for the row
          * rotation: rotate G^T (Mp, N) along its rows. */
@@ -460,12 +464,12 @@ O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy
         o1b_parallel_for(M, 1 + (1 << 14) / (N > 0 ? N : 1), gt_range, &ga);
         memset(g + M * N, 0, (size_t)((Mp - M) * N) * sizeof(float));
         rotate_rows_f32(g, Mp, N);
-        float sg = quant_tensor_f32(g, Mp * N, qa);             /* (Mp, N) */
+        float sg = quant_tensor_f32(g, Mp * N, qa, qmax);       /* (Mp, N) */
         w32_args wa = {qw, ri};
         o1b_parallel_for(M * K, 1 << 15, w32_range, &wa);
         memset(ri + M * K, 0, (size_t)((Mp - M) * K) * sizeof(int32_t));
         rotate_rows_i32(ri, Mp, K);
-        float sr = quant_tensor_any(ri, 2, Mp * K, qb);          /* (Mp, K) */
+        float sr = quant_tensor_any(ri, 2, Mp * K, qb, qmax);    /* (Mp, K) */
         transpose_i8(qa, Mp, N, ta);                            /* (N, Mp) */
         transpose_i8(qb, Mp, K, tb);                            /* (K, Mp) */
         gemm_i8(N, K, Mp, ta, tb, acc);
@@ -485,17 +489,17 @@ O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy
         tb = (int8_t *)malloc((size_t)(Np * K > 0 ? Np * K : 1));
         acc = (int32_t *)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(int32_t));
         if (!qx || !g || !ri || !qa || !qb || !ta || !tb || !acc) goto out;
-        if (!quant_tensor_bf16(x, N * K, qx, &sx)) goto out;
+        if (!quant_tensor_bf16(x, N * K, qx, &sx, qmax)) goto out;
         widen_args wa = {dy, g};
         o1b_parallel_for(N * M, 1 << 15, widen_range, &wa);     /* (Np, M) */
         memset(g + N * M, 0, (size_t)((Np - N) * M) * sizeof(float));
         rotate_rows_f32(g, Np, M);
-        float sd = quant_tensor_f32(g, Np * M, qa);
+        float sd = quant_tensor_f32(g, Np * M, qa, qmax);
         w32_args ra = {qx, ri};
         o1b_parallel_for(N * K, 1 << 15, w32_range, &ra);
         memset(ri + N * K, 0, (size_t)((Np - N) * K) * sizeof(int32_t));
         rotate_rows_i32(ri, Np, K);
-        float sr = quant_tensor_any(ri, 2, Np * K, qb);
+        float sr = quant_tensor_any(ri, 2, Np * K, qb, qmax);
         transpose_i8(qa, Np, M, ta);                            /* (M, Np) */
         transpose_i8(qb, Np, K, tb);                            /* (K, Np) */
         gemm_i8(M, K, Np, ta, tb, acc);
@@ -507,6 +511,14 @@ out:
     free(qw); free(sw); free(clip); free(qx); free(qa); free(qb); free(ta); free(tb);
     free(g); free(ri); free(acc);
     return rc;
+}
+
+O1B_API int o1b_qlinear_forward(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y) {
+    return o1b_qlinear_forward_q(N, K, M, x, w, y, QMAX);
+}
+O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
+                                 const bf16 *w, float *dx, float *dw) {
+    return o1b_qlinear_backward_q(N, K, M, dy, x, w, dx, dw, QMAX);
 }
 
 O1B_API int o1b_quant_constants(int32_t *out) {   /* QMAX, QB, Q_MAX_P */

@@ -15,6 +15,8 @@
 #define QW_COEF 0x1.6b7612p-3f          /* 2/sqrt(127) rounded to nearest fp32 */
 #define INV_QB 0x1p-7f                  /* 1/QB */
 #define Q_MAX_P (1 << 17)               /* contraction length bound: 2^17 * 127^2 < 2^31 */
+#define QMAX4 7                         /* the simulated int4 path (levels -7 ... 7) */
+#define QW_COEF4 0x1.83091ep-1f         /* 2/sqrt(7) rounded to nearest fp32 */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define O1B_Q_X86 1
@@ -25,6 +27,15 @@ static inline int is_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7
 /* Round to nearest integer, ties to even, then clamp to [-127, 127] (o1b_level). t is finite:
  * NaN scales never reach the quantizers. */
 static inline int8_t rne_clamp(float t) { return o1b_level(t); }
+/* The same for the level bound qmax (127, or 7 on the int4 path). */
+static inline int8_t rne_clamp_q(float t, int qmax) {
+    if (qmax == QMAX) return o1b_level(t);
+    float m = (float)qmax;
+    if (t >= m) return (int8_t)qmax;
+    if (t <= -m) return (int8_t)-qmax;
+    return (int8_t)(int)((t + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC);
+}
+static inline float qw_coef(int qmax) { return qmax == QMAX4 ? QW_COEF4 : QW_COEF; }
 
 static inline uint32_t qbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float qfrom(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
@@ -35,14 +46,16 @@ static inline int scale_kind(float s) {
     return s == 0.0f ? 0 : 1;
 }
 /* The per-tensor scale from an absmax (NaN when the tensor is not finite). */
-static inline float tensor_scale(float amax) {
+static inline float tensor_scale_q(float amax, int qmax) {
     if (amax != amax) return o1b_nan();
-    return o1b_div(amax, 127.0f);        /* +0 if amax is 0 or the quotient flushes */
+    return o1b_div(amax, (float)qmax);   /* +0 if amax is 0 or the quotient flushes */
 }
+static inline float tensor_scale(float amax) { return tensor_scale_q(amax, QMAX); }
 /* The weight row scale from the row's sum of |w| (k ascending). */
-static inline float weight_scale(float S, int64_t K) {
-    return is_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int32_t)K)), QW_COEF) : o1b_nan();
+static inline float weight_scale_q(float S, int64_t K, int qmax) {
+    return is_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int32_t)K)), qw_coef(qmax)) : o1b_nan();
 }
+static inline float weight_scale(float S, int64_t K) { return weight_scale_q(S, K, QMAX); }
 static inline int64_t pad_qb(int64_t n) { return (n + QB - 1) / QB * QB; }
 
 /* The AVX-512 VNNI path (quant_vnni.c). Each returns 1 when it computed the result and 0 when

@@ -12,6 +12,9 @@ from .arith import F32, add, bf16_to_f32, div, f32, flush, from_bits, mul, store
 QMAX = 127
 QB = 128
 QW_COEF = np.float32(float.fromhex("0x1.6b7612p-3"))     # 2/sqrt(127) rounded to fp32
+QMAX4 = 7                                                  # the simulated int4 path (§6.9)
+QW_COEF4 = np.float32(float.fromhex("0x1.83091ep-1"))    # 2/sqrt(7) rounded to fp32
+COEF = {QMAX: QW_COEF, QMAX4: QW_COEF4}
 INV_QB = np.float32(2.0 ** -7)
 NAN = from_bits(np.uint32(0x7FC00000))
 
@@ -21,55 +24,55 @@ def i2f(acc) -> np.ndarray:
     return np.asarray(acc, np.int64).astype(np.int32).astype(F32)
 
 
-def rne_clamp(t) -> np.ndarray:
-    return np.clip(np.rint(f32(t)), -QMAX, QMAX).astype(np.int8)
+def rne_clamp(t, qmax=QMAX) -> np.ndarray:
+    return np.clip(np.rint(f32(t)), -qmax, qmax).astype(np.int8)
 
 
-def weight_scales(w):
+def weight_scales(w, qmax=QMAX):
     """w (M, K) bf16 -> s (M,) fp32 (NaN where the row sum is not finite)."""
     wf = bf16_to_f32(w)
     M, K = wf.shape
     S = np.zeros(M, F32)
     for k in range(K):
         S = add(S, np.abs(wf[:, k]))
-    s = mul(div(S, F32(K)), QW_COEF)
+    s = mul(div(S, F32(K)), COEF[qmax])
     return np.where(np.isfinite(S), s, NAN).astype(F32)
 
 
-def quant_weight_rows(w, with_clip=False):
+def quant_weight_rows(w, with_clip=False, qmax=QMAX):
     wf = bf16_to_f32(w)
-    s = weight_scales(w)
+    s = weight_scales(w, qmax)
     ok = np.isfinite(s) & (s != 0)
     with np.errstate(all="ignore"):
         inv = div(F32(1), np.where(ok, s, F32(1)))
         t = mul(wf, inv[:, None])
-    q = np.where(ok[:, None], rne_clamp(np.where(ok[:, None], t, 0)), 0).astype(np.int8)
+    q = np.where(ok[:, None], rne_clamp(np.where(ok[:, None], t, 0), qmax), 0).astype(np.int8)
     if not with_clip:
         return q, store(s)
-    clip = np.where(ok[:, None], (np.abs(t) > 127).astype(np.uint8), 0)
+    clip = np.where(ok[:, None], (np.abs(t) > qmax).astype(np.uint8), 0)
     clip = np.where(np.isnan(s)[:, None], 2, clip).astype(np.uint8)
     return q, store(s), clip
 
 
-def _tensor_scale(v):
+def _tensor_scale(v, qmax=QMAX):
     v = flush(f32(v))
     if v.size and not np.all(np.isfinite(v)):
         return NAN
     amax = np.abs(v).max() if v.size else F32(0)
-    return div(amax, F32(127))
+    return div(amax, F32(qmax))
 
 
-def quant_tensor_f32(v):
+def quant_tensor_f32(v, qmax=QMAX):
     v = flush(f32(v))
-    s = _tensor_scale(v)
+    s = _tensor_scale(v, qmax)
     if not (np.isfinite(s) and s != 0):
         return np.zeros(v.shape, np.int8), store(s)
     inv = div(F32(1), s)
-    return rne_clamp(mul(v, inv)), store(s)
+    return rne_clamp(mul(v, inv), qmax), store(s)
 
 
-def quant_tensor(x):
-    return quant_tensor_f32(bf16_to_f32(x))
+def quant_tensor(x, qmax=QMAX):
+    return quant_tensor_f32(bf16_to_f32(x), qmax)
 
 
 def hadamard_rows(f, integer=False):
@@ -101,37 +104,38 @@ def _pad(n):
     return (n + QB - 1) // QB * QB
 
 
-def qlinear_forward(x, w):
-    qx, sx = quant_tensor(x)
-    qw, sw = quant_weight_rows(w)
+def qlinear_forward(x, w, qmax=QMAX):
+    """§6.9 forward; qmax 7 is the simulated int4 path."""
+    qx, sx = quant_tensor(x, qmax)
+    qw, sw = quant_weight_rows(w, qmax=qmax)
     acc = gemm_i8(qx, qw)
     return store(mul(mul(i2f(acc), sx), sw[None, :]))
 
 
-def qlinear_backward(dy, x, w):
+def qlinear_backward(dy, x, w, qmax=QMAX):
     N, M = dy.shape
     K = x.shape[1]
-    qw, sw, clip = quant_weight_rows(w, with_clip=True)
+    qw, sw, clip = quant_weight_rows(w, with_clip=True, qmax=qmax)
     dyf = bf16_to_f32(dy)
     # dx: contraction over m
     Mp = _pad(M)
     g = np.zeros((Mp, N), F32)
     g[:M] = mul(dyf, sw[None, :]).T
-    qa, sg = quant_tensor_f32(hadamard_rows(g))
+    qa, sg = quant_tensor_f32(hadamard_rows(g), qmax)
     r = np.zeros((Mp, K), np.int64)
     r[:M] = qw
-    qb, sr = quant_tensor_f32(hadamard_rows(r, integer=True).astype(F32))
+    qb, sr = quant_tensor_f32(hadamard_rows(r, integer=True).astype(F32), qmax)
     acc = gemm_i8(qa.T, qb.T)
     dx = store(mul(mul(mul(i2f(acc), sg), sr), INV_QB))
     # dW: contraction over n
     Np = _pad(N)
-    qx, sx = quant_tensor(x)
+    qx, sx = quant_tensor(x, qmax)
     d = np.zeros((Np, M), F32)
     d[:N] = dyf
-    qa, sd = quant_tensor_f32(hadamard_rows(d))
+    qa, sd = quant_tensor_f32(hadamard_rows(d), qmax)
     r = np.zeros((Np, K), np.int64)
     r[:N] = qx
-    qb, sr = quant_tensor_f32(hadamard_rows(r, integer=True).astype(F32))
+    qb, sr = quant_tensor_f32(hadamard_rows(r, integer=True).astype(F32), qmax)
     acc = gemm_i8(qa.T, qb.T)
     v = store(mul(mul(mul(mul(i2f(acc), sd), sr), sx), INV_QB))
     dw = np.where(clip == 2, NAN, np.where(clip == 1, F32(0), v)).astype(F32)
