@@ -102,6 +102,9 @@ from mlx_open1b.cli.parity import parity  # noqa: E402
 cli.add_command(parity)
 
 from mlx_open1b.cli.publish import eval_, export, report  # noqa: E402
+from mlx_open1b.cli.gnmr import gnmr  # noqa: E402
+
+cli.add_command(gnmr)
 
 for _cmd in (report, export, eval_):
     cli.add_command(_cmd)

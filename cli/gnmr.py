@@ -1,0 +1,62 @@
+"""`open1b gnmr experiment`: the seed's Table 1 at our scale (mlx_open1b/gnmr_experiment.py)."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import click
+
+from mlx_open1b.config import PRESETS, ConfigError, preset
+
+
+@click.group()
+def gnmr():
+    """The GNMR precision controller (CONTRACT.md §13)."""
+
+
+@gnmr.command()
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
+@click.option("--steps", type=int, default=300, show_default=True, help="optimizer steps per arm")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/gnmr-experiment", show_default=True,
+              help="one run directory per arm, summary.json and curves.svg (arms resume if present)")
+@click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
+              help="prepared corpus (default: the embedded default corpus)")
+@click.option("--gnmr", "gnmr_spec", default="", metavar="K=V,...",
+              help="controller settings of the GNMR arm (as open1b train --gnmr; its high path is int8)")
+@click.option("--arms", default="int4,gnmr-int4-int8,int8,bf16", show_default=True,
+              help="comma-separated arms to run")
+@click.option("--eval-every", type=int, default=None, help="held-out CE every N steps (default: the preset's)")
+@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
+@click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU)")
+def experiment(preset_name, steps, out, data_dir, gnmr_spec, arms, eval_every, backend, threads):
+    """Fixed int4, GNMR int4/int8, fixed int8 and bf16 on the same tokens: held-out CE per arm, the
+    promotion ratio and the hit-maxO rate; writes OUT/summary.json and OUT/curves.svg."""
+    from mlx_open1b import cpu_ref
+    from mlx_open1b.cli.train import _default_corpus, _fail
+    from mlx_open1b.data.format import DataError
+    from mlx_open1b.gnmr import GNMRConfig, GNMRError
+    from mlx_open1b.gnmr_experiment import ARMS, run_experiment, table
+    from mlx_open1b.train import TrainError
+    cpu_ref.set_num_threads(threads)
+    chosen = [a.strip() for a in arms.split(",") if a.strip()]
+    bad = [a for a in chosen if a not in ARMS]
+    if bad or not chosen:
+        _fail(f"--arms: unknown {', '.join(bad) or '(none given)'} (arms: {', '.join(ARMS)})", 2)
+    if steps < 1:
+        _fail(f"--steps must be >= 1, got {steps}", 2)
+    try:
+        g = GNMRConfig.parse(gnmr_spec)
+        base = preset(preset_name)
+        if eval_every is not None:
+            base = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_every=eval_every))
+        data = pathlib.Path(data_dir) if data_dir else _default_corpus(pathlib.Path("runs") / "data-default")
+        summary = run_experiment(out, base, data, steps, g, arms=chosen, backend=backend,
+                                 log=lambda m: click.echo(m, err=True))
+    except (GNMRError, ConfigError, DataError, ValueError) as e:
+        _fail(str(e), 2)
+    except TrainError as e:
+        _fail(str(e), e.exit_code)
+    click.echo(table(summary))
+    click.echo(f"wrote {pathlib.Path(out) / 'summary.json'} and {pathlib.Path(out) / 'curves.svg'}", err=True)
+    sys.stdout.flush()
