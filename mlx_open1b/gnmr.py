@@ -22,10 +22,11 @@ after step t is the set of units on the recovery path in step t + 1's forward an
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from .config import _f
 from .hostmath import f32, reciprocal
 from .spec import arith
 from .spec.optim import treefold
@@ -39,10 +40,6 @@ HIGHER = {"int4": ("int8", "bf16"), "int8": ("bf16",)}
 
 class GNMRError(ValueError):
     """A GNMR configuration or state that cannot work; the message names the field."""
-
-
-def _f(default, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)

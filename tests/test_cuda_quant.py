@@ -20,7 +20,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from helpers import (SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, attention_i8_inputs, rand_bf16, rand_f32,
+from helpers import (SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, attention_i8_empty_and_bad_arguments,
+                     attention_i8_inputs, attention_i8_special_rows, attention_i8_ties_to_even,
+                     attention_vquant_is_the_per_tensor_rule, rand_bf16, rand_f32,
                      sprinkle)
 
 import mlx_open1b.cpu_ref as ref
@@ -523,40 +525,11 @@ def test_attention_forward_i8_flush_modes(ftz):
 
 
 def test_attention_forward_i8_special_rows():
-    """A +inf value row makes every query that sees it NaN (and only those); lse is §6.6's; all-zero
-    and all-tiny values (s_v = +0, or the block scale s_p flushes) give +0 outputs."""
-    rng = _rng_i8(21)
-    B, T, H, G, D, W = 1, 70, 2, 1, 4, 0
-    q, k, v = attention_i8_inputs(rng, B, T, H, G, D)
-    v[0, 40, 0, 2] = 0x7F80
-    o, lse = check_attention_i8(q, k, v, W, 0.5, "inf row")
-    assert np.isnan(o[0, 40:]).all() and not np.isnan(o[0, :40]).any()
-    assert_bits_equal(lse, ref.attention_forward(q, k, v, W, 0.5)[1], "lse is the fp32 path's")
-    v[0, 40, 0, 2] = 0
-    v[0, 5] = 0x7FC1                                          # a NaN row inside a window of 3
-    o, _ = check_attention_i8(q, k, v, 3, 0.5, "nan row, window 3")
-    assert np.isnan(o[0, 5:8]).all() and not np.isnan(o[0, :5]).any() and not np.isnan(o[0, 8:]).any()
-    for what, vv in (("zero", np.where(rng.integers(0, 2, v.shape) == 1, 0x8000, 0).astype(np.uint16)),
-                     ("subnormal", (rng.integers(0, 0x10000, v.shape) & 0x807F).astype(np.uint16)),
-                     ("tiny", f32_to_bf16((rng.uniform(-1, 1, v.shape) * 2.0 ** -118).astype(np.float32)))):
-        o, _ = check_attention_i8(q, k, vv, W, 0.5, what)
-        if what != "tiny":
-            assert not o.view(np.uint32).any(), what
+    attention_i8_special_rows(check_attention_i8, ref.attention_forward, _rng_i8(21))
 
 
 def test_attention_forward_i8_ties_to_even():
-    """q = 0: every score is 0 and every p_j = 1, so t_j = s_v[j]. Key 0's values [127, 0] give
-    s_v = 1, key 1's [62.5, 0] s_v = div(62.5, 127); query 1's block scale is s_p = div(1, 127) and
-    its weights level(127) = 127, level(62.5) = 62 (a tie, to even): o = mul(i2f(127 * 189), s_p) / 2."""
-    q = np.zeros((1, 2, 1, 2), np.uint16)
-    k = f32_to_bf16(np.ones((1, 2, 1, 2), np.float32))
-    v = f32_to_bf16(np.array([[127.0, 0.0], [62.5, 0.0]], np.float32)).reshape(1, 2, 1, 2)
-    o, lse = check_attention_i8(q, k, v, 0, 1.0, "ties")
-    f = np.float32
-    sp = f(1) / f(127)
-    assert o[0, 0, 0, 0] == f(f(127 * 127) * sp) * (f(1) / f(1))
-    assert o[0, 1, 0, 0] == f(f(127 * 189) * sp) * (f(1) / f(2))       # 62.5 -> 62, not 63
-    assert o[0, 1, 0, 1] == 0 and o.view(np.uint32)[0, 1, 0, 1] == 0
+    attention_i8_ties_to_even(check_attention_i8)
 
 
 def run_vquant(v):
@@ -569,35 +542,11 @@ def run_vquant(v):
 
 
 def test_attention_vquant_kernel_is_the_per_tensor_rule():
-    """The value-row kernel alone: each row's (q_v, s_v) is §6.9's per-tensor quantization of it."""
-    rng = _rng_i8(22)
-    B, T, G, D = 2, 9, 2, 6
-    _, _, v = attention_i8_inputs(rng, B, T, G, G, D, specials=True)
-    v[0, 0, 0] = f32_to_bf16(np.array([127.0, 0.5, -0.5, 1.5, 2.5, -126.5], np.float32))   # ties, s = 1
-    qv, sv = run_vquant(v)
-    assert qv.shape == (B, T, G, D) and qv.dtype == np.int8 and sv.shape == (B, T, G)
-    assert qv[0, 0, 0].tolist() == [127, 0, 0, 2, 2, -126]
-    for idx in np.ndindex(B, T, G):
-        want_q, want_s = spec_quant.quant_tensor(v[idx])
-        assert np.array_equal(qv[idx], want_q.reshape(D)), idx
-        assert_bits_equal(np.float32(sv[idx]), np.float32(want_s), f"s_v {idx}")
+    attention_vquant_is_the_per_tensor_rule(run_vquant, _rng_i8(22))
 
 
 def test_attention_forward_i8_empty_and_bad_arguments():
-    for shape in ((0, 5, 2, 4), (1, 0, 2, 4)):
-        q = np.zeros(shape, np.uint16)
-        kv = np.zeros(shape[:2] + (1, 4), np.uint16)
-        o, lse = cu.attention_forward_i8(q, kv, kv, 0, 0.5)
-        ro, rl = ref.attention_forward_i8(q, kv, kv, 0, 0.5)
-        assert o.shape == ro.shape and lse.shape == rl.shape and o.dtype == lse.dtype == np.float32
-    q, kv = np.zeros((1, 3, 3, 4), np.uint16), np.zeros((1, 3, 2, 4), np.uint16)
-    for args in ((q, kv, kv, 0, 0.5), (q.astype(np.float32), kv[:, :, :1], kv[:, :, :1], 0, 0.5),
-                 (q, kv[:, :, :1], kv[:, :, :1], -1, 0.5)):
-        with pytest.raises(ValueError) as e_ref:
-            ref.attention_forward_i8(*args)
-        with pytest.raises(ValueError) as e_be:
-            cu.attention_forward_i8(*args)
-        assert str(e_be.value) == str(e_ref.value)
+    attention_i8_empty_and_bad_arguments(cu.attention_forward_i8, ref.attention_forward_i8)
 
 
 # ================================================================== argument errors

@@ -42,6 +42,18 @@ static void dots(const float *x, const float *rows, int64_t n, int64_t D, float 
         for (int64_t r = 0; r < n; r++) out[r] = o1b_add(out[r], o1b_mul(x[d], rows[r * D + d]));
 }
 
+/* The scores s[j] = mul(dot(q, k_j), scale) of n consecutive keys of a block; returns their max
+ * (the written comparison, so a NaN score is passed over). */
+static float block_scores(const float *q, const float *k, int64_t n, int64_t D, float scale, float *s) {
+    dots(q, k, n, D, s);
+    float mb = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = o1b_mul(s[j], scale);
+        mb = o1b_max(mb, s[j]);
+    }
+    return mb;
+}
+
 /* ---- layout: (B, T, N, D) token-major input -> (B, N, T, D) head-major fp32 rows ---- */
 typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; } widen_args;
 
@@ -85,12 +97,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         int64_t jlo = first_key(i, W);
         for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
             int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
-            dots(q, k + j0 * D, j1 - j0 + 1, D, s);        /* s[j - j0] = dot(q_i, k_j) */
-            float mb = -INFINITY;
-            for (int64_t j = j0; j <= j1; j++) {
-                s[j - j0] = o1b_mul(s[j - j0], a->scale);
-                mb = o1b_max(mb, s[j - j0]);
-            }
+            float mb = block_scores(q, k + j0 * D, j1 - j0 + 1, D, a->scale, s);
             float m_new = o1b_max(m, mb);
             float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
             float ps = 0.0f;
@@ -192,12 +199,7 @@ static void fwd_i8_range(void *ctx, int64_t lo, int64_t hi) {
         for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
             int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
             int64_t n = j1 - j0 + 1;
-            dots(q, k + j0 * D, n, D, s);
-            float mb = -INFINITY;
-            for (int64_t jj = 0; jj < n; jj++) {
-                s[jj] = o1b_mul(s[jj], a->scale);
-                mb = o1b_max(mb, s[jj]);
-            }
+            float mb = block_scores(q, k + j0 * D, n, D, a->scale, s);
             float m_new = o1b_max(m, mb);
             float corr = o1b_exp(o1b_sub(m, m_new));
             float ps = 0.0f, tmax = 0.0f;
