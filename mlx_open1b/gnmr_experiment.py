@@ -70,7 +70,11 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
             raise ValueError(f"{run}: holds a run of another configuration; remove it or choose another --out")
         log(f"arm {arm}: steps {tr.state.step} -> {steps}")
         t0 = dict(tr.timing)
-        tr.train(steps)
+        def progress(rec, tok_s, arm=arm):
+            if (rec["step"] + 1) % 50 == 0 or rec["step"] + 1 == steps:
+                ev = f"  held-out {rec['eval']['mixture']:.4f}" if "eval" in rec else ""
+                log(f"  {arm} step {rec['step'] + 1}/{steps}  ce {rec['ce']:.4f}{ev}  {tok_s:,.0f} tok/s")
+        tr.train(steps, progress=progress)
         s = summarize_arm(run, cfg)
         n = tr.timing["n"] - t0["n"]
         if n:
@@ -97,7 +101,7 @@ def plot(curves: dict) -> str:
             b.line([e[0] for e in ev], [e[1] for e in ev], arm, COLORS.get(arm, "#888"))
             b.points([e[0] for e in ev], [e[1] for e in ev], "", COLORS.get(arm, "#888"))
     W, H = Plot.W, Plot.H
-    inner = a.svg().replace("<svg", f'<svg y="0"', 1) + b.svg().replace("<svg", f'<svg y="{H}"', 1)
+    inner = a.svg().replace("<svg", '<svg y="0"', 1) + b.svg().replace("<svg", f'<svg y="{H}"', 1)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{2 * H}" '
             f'viewBox="0 0 {W} {2 * H}">{inner}</svg>')
 
