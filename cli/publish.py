@@ -17,14 +17,19 @@ def _fail(msg: str, code: int = 2) -> None:
               help="output directory (default: RUN/report); the page is OUT/index.html")
 @click.option("--max-checkpoints", type=click.IntRange(min=2), default=64, show_default=True,
               help="weight norms from at most this many checkpoints (evenly spaced; each is read whole)")
-def report(run, out, max_checkpoints):
+@click.option("--png/--no-png", default=True, show_default=True,
+              help="also write each figure as OUT/<figure id>.png (built-in rasterizer), linked from the page")
+@click.option("--png-scale", type=click.IntRange(1, 4), default=2, show_default=True,
+              help="PNG pixels per SVG unit (the panels are 760 x 300 units)")
+def report(run, out, max_checkpoints, png, png_scale):
     """Write a self-contained HTML report of RUN: loss, gradient-norm, schedule and weight-norm
-    figures (inline SVG) and the run summary, all from the verified ledger and checkpoints."""
+    figures (inline SVG, and one PNG per figure next to the page) and the run summary, all from the
+    verified ledger and checkpoints."""
     from mlx_open1b.checkpoint import CheckpointError
     from mlx_open1b.config import ConfigError
     from mlx_open1b.report import ReportError, write_report
     try:
-        path = write_report(run, out, max_checkpoints)
+        path = write_report(run, out, max_checkpoints, png, png_scale)
     except (ReportError, CheckpointError, ConfigError) as e:
         _fail(str(e), getattr(e, "exit_code", 2))
     click.echo(f"report {path}")

@@ -23,6 +23,21 @@ Offline tasks (files shipped in mlx_open1b/data/assets/eval-*.jsonl, no network)
 (arithmetic in the default corpus's style), `facts` (encyclopedic completions), `code` (Python
 completions) — multiple choice, metrics acc and acc_norm (log-likelihood per character) — and
 `text` (held-out-style paragraphs, rolling log-likelihood: token perplexity and bits per byte).
+
+The same files as lm-eval tasks (`lm_eval_task(name)`: an inline task config, `dataset_path: json`
+on the shipped file, tasks named open1b_<name>), for the harness's own metrics:
+
+    from lm_eval import simple_evaluate
+    simple_evaluate(model=Open1BLM(run), tasks=[lm_eval_task("arith"), lm_eval_task("text")])
+
+or by name, from YAML files (`write_lm_eval_tasks(DIR)`) and the registered model name (importing
+this module registers it; the `lm_eval` command line does not import it):
+
+    simple_evaluate(model="open1b", model_args="run_dir=RUN,step=S", tasks=["open1b_arith"],
+                    task_manager=lm_eval.tasks.TaskManager(include_path=DIR))
+
+tests/test_lm_eval_integration.py runs both, offline, when lm-eval is installed
+(`pip install 'mlx-open1b[eval]'`; it is not in the test extra).
 """
 from __future__ import annotations
 
@@ -54,8 +69,12 @@ def _args(req):
 class Open1BLM(_LMBase):
     """The model program at one checkpoint of a run, as an lm-eval model."""
 
-    def __init__(self, run_dir, step: int | None = None, backend: str = "cpu_ref", batch_size: int = 8,
-                 tokenizer=None):
+    def __init__(self, run_dir, step: int | None = None, backend: str = "cpu_ref", batch_size: int | str = 8,
+                 tokenizer=None, device=None, max_batch_size=None):
+        # device, max_batch_size: what lm-eval's simple_evaluate passes every model it builds by name;
+        # unused here (the backend chooses the device; batch_size "auto" means the default)
+        if str(batch_size).startswith("auto"):
+            batch_size = 8
         if _LMBase is not object:
             super().__init__()
         from .checkpoint import CheckpointError, checkpoint_dir, list_checkpoints, load_checkpoint
@@ -246,3 +265,36 @@ def evaluate(lm: Open1BLM, tasks, limit: int | None = None) -> dict:
             res[name] = {"n": len(items), "tokens": ntok, "token_perplexity": math.exp(nll / ntok),
                          "bits_per_byte": nll / nbytes / math.log(2)}
     return res
+
+
+def lm_eval_task(name: str, cache_dir=None) -> dict:
+    """The lm-eval (>= 0.4) task config of a shipped offline task, reading the shipped jsonl file
+    through the `json` dataset builder (no network); cache_dir: where `datasets` caches it."""
+    if name not in TASKS:
+        raise EvalError(f"unknown task {name!r} (tasks: {', '.join(TASKS)})")
+    path = str(importlib.resources.files("mlx_open1b.data") / "assets" / f"eval-{name}.jsonl")
+    kw: dict = {"data_files": {"test": path}}
+    if cache_dir is not None:
+        kw["cache_dir"] = str(cache_dir)
+    cfg = {"task": f"open1b_{name}", "dataset_path": "json", "dataset_kwargs": kw, "test_split": "test",
+           "metadata": {"version": 1.0}}
+    if TASKS[name] == "multiple_choice":       # choices carry their leading space: no target delimiter
+        cfg.update(output_type="multiple_choice", doc_to_text="context", doc_to_choice="choices",
+                   doc_to_target="answer", target_delimiter="",
+                   metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}])
+    else:
+        cfg.update(output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="text",
+                   metric_list=[{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")])
+    return cfg
+
+
+def write_lm_eval_tasks(out_dir, names=None, cache_dir=None) -> list[pathlib.Path]:
+    """open1b_<name>.yaml for lm-eval's --include_path (JSON text, which YAML reads)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in names or list(TASKS):
+        path = out / f"open1b_{name}.yaml"
+        path.write_text(json.dumps(lm_eval_task(name, cache_dir), indent=2) + "\n")
+        paths.append(path)
+    return paths

@@ -3,7 +3,9 @@
 Everything is read from the run's verified artifacts: run.json (the config), the ledger (chain
 verified first; a broken ledger is an error, never a partial page) and the checkpoints (each one's
 parameter hash checked against the ledger before its weights are used). No plotting library: the
-figures are small SVG line plots written here, inline in the page (no scripts, no external files).
+figures are small SVG line plots written here, inline in the page (no scripts, no external files),
+and the same panels as PNGs next to the page (OUT/<figure id>.png, drawn by mlx_open1b.png from the
+same Plot data and geometry; each caption links its PNG).
 
 Figures (ids in the page):
   fig-loss        training CE per step, its short and long trailing means, held-out mixture CE
@@ -176,9 +178,11 @@ class Plot:
             y0, y1 = (y0 - pad if y0 < 0 or y0 - pad >= 0 else 0.0), y1 + pad
         return x0, x1, y0, y1
 
-    def svg(self) -> str:
-        W, H, L, R, T, B = self.W, self.H, self.L, self.R, self.T, self.B
-        pw, ph = W - L - R, H - T - B
+    def frame(self) -> dict:
+        """The panel's geometry, shared by svg() and png.rasterize(): plot-area origin and size, the data
+        ranges, the maps sx, sy from data to SVG units, and the tick positions."""
+        L, T = self.L, self.T
+        pw, ph = self.W - L - self.R, self.H - T - self.B
         x0, x1, y0, y1 = self._ranges()
         fy = (lambda v: math.log10(v)) if self.logy else (lambda v: v)
         Y0, Y1 = fy(y0), fy(y1)
@@ -189,6 +193,33 @@ class Plot:
         def sy(v):
             return T + ph - (fy(v) - Y0) / (Y1 - Y0) * ph
 
+        return {"L": L, "T": T, "pw": pw, "ph": ph, "x0": x0, "x1": x1, "y0": y0, "y1": y1, "sx": sx, "sy": sy,
+                "yticks": _log_ticks(y0, y1) if self.logy else _nice_ticks(y0, y1),
+                "xticks": _nice_ticks(x0, x1, 6)}
+
+    def legend(self) -> list[tuple]:
+        """[(kind "line" | "point" | "bar", label, color, dash, opacity)] of the labelled items."""
+        out = []
+        for it in self.items:
+            if it[0] == "line":
+                out.append(("line", it[3], it[4], it[7], it[6]))
+            elif it[0] == "points":
+                out.append(("point", it[3], it[4], None, 1.0))
+            elif it[0] in ("vlines", "hline"):
+                out.append(("line", it[2], it[3], it[4], 1.0))
+            elif it[0] == "bars":
+                out.append(("bar", it[3], it[4], None, it[5]))
+        return [x for x in out if x[1]]
+
+    def png(self, scale: int = 2) -> bytes:
+        """The same panel as a PNG (mlx_open1b.png: built-in rasterizer and encoder)."""
+        from .png import encode_png, rasterize
+        return encode_png(rasterize(self, scale))
+
+    def svg(self) -> str:
+        W, H = self.W, self.H
+        fr = self.frame()
+        L, T, pw, ph, sx, sy, y0 = fr["L"], fr["T"], fr["pw"], fr["ph"], fr["sx"], fr["sy"], fr["y0"]
         e = html.escape
         out = [f'<svg xmlns="http://www.w3.org/2000/svg" id="{self.id}-svg" width="{W}" height="{H}" '
                f'viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11" role="img" '
@@ -196,12 +227,11 @@ class Plot:
                f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
                f'<text x="{L}" y="18" font-size="13" font-weight="bold">{e(self.title)}</text>',
                f'<clipPath id="{self.id}-clip"><rect x="{L}" y="{T}" width="{pw}" height="{ph}"/></clipPath>']
-        yt = _log_ticks(y0, y1) if self.logy else _nice_ticks(y0, y1)
-        for t in yt:
+        for t in fr["yticks"]:
             y = sy(t)
             out.append(f'<line x1="{L}" y1="{y:.1f}" x2="{L + pw}" y2="{y:.1f}" stroke="#e6e6e6"/>')
             out.append(f'<text x="{L - 5}" y="{y + 4:.1f}" text-anchor="end">{e(_fmt(t))}</text>')
-        for t in _nice_ticks(x0, x1, 6):
+        for t in fr["xticks"]:
             x = sx(t)
             out.append(f'<line x1="{x:.1f}" y1="{T}" x2="{x:.1f}" y2="{T + ph}" stroke="#f0f0f0"/>')
             out.append(f'<text x="{x:.1f}" y="{T + ph + 15}" text-anchor="middle">{e(_fmt(t))}</text>')
@@ -209,7 +239,6 @@ class Plot:
         out.append(f'<text x="{L + pw / 2:.1f}" y="{H - 8}" text-anchor="middle">{e(self.xlabel)}</text>')
         out.append(f'<text transform="translate(14,{T + ph / 2:.1f}) rotate(-90)" text-anchor="middle">'
                    f'{e(self.ylabel)}</text>')
-        legend = []
         g = [f'<g clip-path="url(#{self.id}-clip)">']
         for it in self.items:
             kind = it[0]
@@ -222,25 +251,21 @@ class Plot:
                     d = f' stroke-dasharray="{dash}"' if dash else ""
                     g.append(f'<polyline fill="none" stroke="{color}" stroke-width="{width}" '
                              f'stroke-opacity="{op}"{d} points="{pts}"/>')
-                legend.append(("line", label, color, dash, op))
             elif kind == "points":
                 _, xs, ys, label, color, r = it
                 ok = np.isfinite(ys) & ((ys > 0) if self.logy else True)
                 for a, b in zip(xs[ok], ys[ok]):
                     g.append(f'<circle cx="{sx(a):.1f}" cy="{sy(b):.1f}" r="{r}" fill="{color}"/>')
-                legend.append(("point", label, color, None, 1.0))
             elif kind == "vlines":
                 _, xs, label, color, dash = it
                 for a in xs:
                     g.append(f'<line x1="{sx(a):.1f}" y1="{T}" x2="{sx(a):.1f}" y2="{T + ph}" stroke="{color}" '
                              f'stroke-dasharray="{dash}"/>')
-                legend.append(("line", label, color, dash, 1.0))
             elif kind == "hline":
                 _, y, label, color, dash = it
                 if not self.logy or y > 0:
                     g.append(f'<line x1="{L}" y1="{sy(y):.1f}" x2="{L + pw}" y2="{sy(y):.1f}" stroke="{color}" '
                              f'stroke-dasharray="{dash}"/>')
-                legend.append(("line", label, color, dash, 1.0))
             elif kind == "bars":
                 _, edges, hs, label, color, op = it
                 base = sy(y0) if self.logy else sy(max(y0, 0.0))
@@ -249,13 +274,10 @@ class Plot:
                         top = sy(h)
                         g.append(f'<rect x="{sx(a):.1f}" y="{top:.1f}" width="{max(0.5, sx(b) - sx(a)):.1f}" '
                                  f'height="{max(0.0, base - top):.1f}" fill="{color}" fill-opacity="{op}"/>')
-                legend.append(("bar", label, color, None, op))
         g.append("</g>")
         out += g
         lx, ly = L + pw + 12, T + 6
-        for kind, label, color, dash, op in legend:
-            if not label:
-                continue
+        for kind, label, color, dash, op in self.legend():
             if kind == "line":
                 d = f' stroke-dasharray="{dash}"' if dash else ""
                 out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 18}" y2="{ly}" stroke="{color}" stroke-width="2" '
@@ -446,8 +468,9 @@ def _gnmr_active(r: dict):
 
 
 # ------------------------------------------------------------------------------- page
-def figures(data: dict) -> list[tuple[str, str, str]]:
-    """[(id, caption, svg)] of every figure the run's data supports."""
+def figures(data: dict) -> list[tuple[str, str, Plot]]:
+    """[(id, caption, plot)] of every figure the run's data supports (plot.svg() for the page,
+    plot.png() for the PNG file)."""
     from .config import RunConfig
     recs, info = data["records"], data["info"]
     cfg = RunConfig.from_json(info["config"])
@@ -471,7 +494,7 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
             p.line(ex, [r["eval"].get(s, float("nan")) for r in evals], f"held-out {s}", PALETTE[2 + j % 7], 1, 0.7,
                    "3,2")
     figs.append(("fig-loss", "Figure 1. Training cross-entropy per step (light), its trailing means, and the "
-                 "held-out cross-entropy (mixture and per source) at each evaluation (paper Fig. 1a).", p.svg()))
+                 "held-out cross-entropy (mixture and per source) at each evaluation (paper Fig. 1a).", p))
     # Figure 2a: gradient norm
     g = np.array([r["grad_norm"] for r in recs], float)
     clip = cfg.train.clip_norm
@@ -486,7 +509,7 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
     p.points([r["step"] for r in sk], [r["grad_norm"] for r in sk], f"skipped ({len(sk)})", PALETTE[4], 3.0)
     p.vlines([r["step"] for r in recs if r["spike"]], f"spike events ({sum(r['spike'] for r in recs)})", PALETTE[1])
     figs.append(("fig-gradnorm", "Figure 2a. Pre-clip gradient norm per step and its trailing mean; the clip and "
-                 "spike thresholds, clipped and skipped steps, and the spike-protocol activations (dotted).", p.svg()))
+                 "spike thresholds, clipped and skipped steps, and the spike-protocol activations (dotted).", p))
     # Figure 2b: distribution
     warm = cfg.train.warmup_tokens
     gp = g[g > 0]
@@ -503,11 +526,11 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
                 h, _ = np.histogram(np.log10(v), edges)
                 p.bars(edges, h / len(g), f"{name} ({v.size})", PALETTE[j * 3], 0.5)
     figs.append(("fig-gradhist", "Figure 2b. Distribution of pre-clip gradient norms, warmup vs. steady state.",
-                 p.svg()))
+                 p))
     # Figure 3a, 3b: schedules
     p = Plot("fig-lr", "Learning-rate schedule", "step", "learning rate", zero=True)
     p.line(steps, [r["lr"] for r in recs], "lr", PALETTE[0], 2)
-    figs.append(("fig-lr", "Figure 3a. Learning rate of each step (token-anchored warmup and cosine).", p.svg()))
+    figs.append(("fig-lr", "Figure 3a. Learning rate of each step (token-anchored warmup and cosine).", p))
     tok = np.diff(np.concatenate([[0], [r["tokens"] for r in recs]]))
     if recs[0]["step"] != 0:
         tok[0] = tok[1] if len(tok) > 1 else tok[0]
@@ -517,7 +540,7 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
     scale = float(np.nanmax(tok) / np.nanmax(mb)) if np.isfinite(mb).any() and np.nanmax(mb) > 0 else 1.0
     p.line(steps, mb * scale, f"microbatches (× {scale:,.0f})", PALETTE[1], 1.5, 1.0, "5,3")
     figs.append(("fig-batch", "Figure 3b. Batch schedule: tokens per optimizer step and microbatches per step "
-                 "(scaled onto the same axis).", p.svg()))
+                 "(scaled onto the same axis).", p))
     # Figure 3c and 4: weight norms from checkpoints
     norms = data["norms"]
     br = _branches(cfg.model)
@@ -533,7 +556,7 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
                     xs.append(c1["step"]), ys.append(abs(math.log(w1 / w0)) * 1000 / ds)
             p.line(xs, ys, b, PALETTE[j], 1.8)
         figs.append(("fig-update", "Figure 3c. Effective relative weight-update rate |Δ log ‖W‖| per 1,000 steps by "
-                     "parameter branch (aggregated across layers), between consecutive checkpoints.", p.svg()))
+                     "parameter branch (aggregated across layers), between consecutive checkpoints.", p))
     cx = [c["step"] for c in norms]
     L = cfg.model.n_layers
     for key, title in (("wq", "query"), ("wk", "key"), ("wv", "value")):
@@ -544,17 +567,17 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
             if len(norms) == 1:
                 p.points(cx, [c["tensors"][f"layers.{l}.{key}"] for c in norms], "", shade(l, L))
         figs.append((f"fig-{key}", f"Figure 4{'abc'['wq wk wv'.split().index(key)]}. Frobenius norm of each layer's "
-                     f"{title} projection at every checkpoint; shade encodes depth (layer 0 light).", p.svg()))
+                     f"{title} projection at every checkpoint; shade encodes depth (layer 0 light).", p))
     p = Plot("fig-emb", "Embedding matrices", "step", "Frobenius norm")
     p.line(cx, [c["tensors"]["wte"] for c in norms], "input embedding (wte)", PALETTE[0], 2)
     p.line(cx, [c["tensors"]["lm_head"] for c in norms], "unembedding (lm_head)", PALETTE[1], 2)
     figs.append(("fig-emb", "Figure 4d. Frobenius norms of the input embedding and the LM head at every checkpoint.",
-                 p.svg()))
+                 p))
     # z-loss
     p = Plot("fig-zloss", "z-loss term", "step", "z-loss (mean zcoef·lse²)", logy=True)
     p.line(steps, [r.get("zloss", float("nan")) for r in recs], "per step", PALETTE[2], 1.0, 0.4)
     p.line(steps, trailing_mean([r.get("zloss", float("nan")) for r in recs], ws), f"{ws}-step mean", PALETTE[2], 2)
-    figs.append(("fig-zloss", "The z-loss term of the loss per step (the LM head's log-partition penalty).", p.svg()))
+    figs.append(("fig-zloss", "The z-loss term of the loss per step (the LM head's log-partition penalty).", p))
     # GNMR
     act = [(r["step"], _gnmr_active(r)) for r in recs]
     act = [(s, a) for s, a in act if a is not None]
@@ -564,7 +587,7 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
         if cfg.gnmr is not None:
             p.hline(cfg.gnmr.max_o, f"budget maxO = {cfg.gnmr.max_o}", "#555")
         figs.append(("fig-gnmr", "GNMR activity: number of units on the higher-precision recovery path per step.",
-                     p.svg()))
+                     p))
     # speed
     times = data["times"]
     if times:
@@ -572,7 +595,7 @@ def figures(data: dict) -> list[tuple[str, str, str]]:
         xs = sorted(s for s in times if s in tk and times[s] > 0)
         p = Plot("fig-speed", "Throughput", "step", "tokens / s")
         p.line(xs, [tk[s] / times[s] for s in xs], "tokens/s", PALETTE[5], 1.2)
-        figs.append(("fig-speed", "Training throughput per step (from the logged step times).", p.svg()))
+        figs.append(("fig-speed", "Training throughput per step (from the logged step times).", p))
     return figs
 
 
@@ -609,8 +632,8 @@ SUMMARY_ROWS = [
 ]
 
 
-def render(data: dict) -> str:
-    """The HTML page."""
+def render(data: dict, png_links: bool = False, figs=None) -> str:
+    """The HTML page; png_links: each figure's caption links its PNG (<id>.png next to the page)."""
     from .config import RunConfig
     recs, info = data["records"], data["info"]
     cfg = RunConfig.from_json(info["config"])
@@ -678,8 +701,9 @@ def render(data: dict) -> str:
         h.append(f"<p>promotion ratio (unit-steps promoted / unit-steps): {_num(ratio)}; steps with any "
                  f"promotion: {sum(1 for a in act if a)} of {len(act)}.</p>")
     h.append('<h2 id="figures">Figures</h2>')
-    for fid, caption, svg in figures(data):
-        h.append(f'<figure id="{fid}">{svg}<figcaption>{e(caption)}</figcaption></figure>')
+    for fid, caption, plot in (figures(data) if figs is None else figs):
+        link = f' <a href="{fid}.png">PNG</a>' if png_links else ""
+        h.append(f'<figure id="{fid}">{plot.svg()}<figcaption>{e(caption)}{link}</figcaption></figure>')
     if not data["times"]:
         h.append("<p>Throughput: no step times were logged for this run (the ledger holds no times; a "
                  "<code>metrics.jsonl</code> in the run directory with lines <code>{\"step\": t, \"seconds\": s}</code> "
@@ -688,12 +712,27 @@ def render(data: dict) -> str:
     return "\n".join(h) + "\n"
 
 
-def write_report(run_dir, out_dir=None, max_checkpoints: int = 64) -> pathlib.Path:
-    """Write OUT/index.html (default RUN/report/index.html) atomically; returns its path."""
+FIGURE_IDS = ("fig-loss", "fig-gradnorm", "fig-gradhist", "fig-lr", "fig-batch", "fig-update", "fig-wq", "fig-wk",
+              "fig-wv", "fig-emb", "fig-zloss", "fig-gnmr", "fig-speed")
+
+
+def write_report(run_dir, out_dir=None, max_checkpoints: int = 64, png: bool = True,
+                 png_scale: int = 2) -> pathlib.Path:
+    """Write OUT/index.html (default RUN/report/index.html) and, with png, OUT/<figure id>.png for
+    every figure (png_scale pixels per SVG unit), each file atomically, the page last; returns the
+    page's path. PNGs of figures this run no longer has (a previous report's) are removed."""
     from .fsutil import write_bytes_atomic
     data = load_run_data(run_dir, max_checkpoints)
     out = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(run_dir) / "report"
-    page = render(data)
+    figs = figures(data)
+    page = render(data, png, figs)
+    keep = set()
+    if png:
+        for fid, _, plot in figs:
+            write_bytes_atomic(out / f"{fid}.png", plot.png(png_scale))
+            keep.add(fid)
+    for fid in set(FIGURE_IDS) - keep:
+        (out / f"{fid}.png").unlink(missing_ok=True)
     path = out / "index.html"
     write_bytes_atomic(path, page.encode("utf-8"))
     return path

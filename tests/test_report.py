@@ -1,10 +1,12 @@
 """The run report (issue 9): a self-contained HTML page whose figures are all present and
-well-formed SVG, and whose summary numbers are the ledger's."""
+well-formed SVG, and whose summary numbers are the ledger's; one PNG per figure that decodes."""
 import json
 import re
 import shutil
+import struct
 import subprocess
 import xml.etree.ElementTree as ET
+import zlib
 from html.parser import HTMLParser
 
 import numpy as np
@@ -14,7 +16,8 @@ from click.testing import CliRunner
 from mlx_open1b.checkpoint import list_checkpoints, load_checkpoint
 from mlx_open1b.cli.main import cli
 from mlx_open1b.model import ParamLayout
-from mlx_open1b.report import ReportError, load_run_data, render, write_report
+from mlx_open1b.png import FONT, Canvas, encode_png, rasterize, rgb, text_mask
+from mlx_open1b.report import ReportError, Plot, figures, load_run_data, render, write_report
 from mlx_open1b.train import Trainer
 
 from data_helpers import make_corpus
@@ -65,12 +68,14 @@ class Checker(HTMLParser):
             self.cells[self.key].append(data)
 
 
-def check_page(text: str) -> Checker:
+def check_page(text: str, pngs: bool = False) -> Checker:
     c = Checker()
     c.feed(text)
     c.close()
     assert not c.errors and not c.stack, (c.errors, c.stack)
-    assert not c.external, c.external                       # self-contained
+    figs = re.findall(r'<figure id="([^"]+)">', text)
+    # self-contained: the only references are the links to the figures' own PNG files
+    assert c.external == ([f"{f}.png" for f in figs] if pngs else []), c.external
     svgs = re.findall(r"<svg\b.*?</svg>", text, re.S)
     for s in svgs:
         ET.fromstring(s)                                     # well-formed XML (SVG)
@@ -88,7 +93,7 @@ def run(tmp_path_factory):
 def test_report_has_every_figure_and_the_ledgers_numbers(run, tmp_path):
     path = write_report(run, tmp_path / "rep")
     text = path.read_text()
-    c = check_page(text)
+    c = check_page(text, pngs=True)
     for f in FIGURES:
         assert f in c.ids and f"{f}-svg" in c.ids, f
     assert "fig-gnmr" not in c.ids and "fig-speed" not in c.ids     # no GNMR records, no step times
@@ -149,6 +154,92 @@ def test_report_bad_input(run, tmp_path):
     assert res.exit_code == 1 and "does not verify" in res.output and not (tmp_path / "rep").exists()
     res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep2")])
     assert res.exit_code == 0 and (tmp_path / "rep2" / "index.html").exists()
+    assert sorted(f.stem for f in (tmp_path / "rep2").glob("*.png")) == sorted(FIGURES)
+    # --no-png: no links, and the previous report's PNGs are gone (never a page beside stale figures)
+    res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep2"), "--no-png"])
+    assert res.exit_code == 0 and not list((tmp_path / "rep2").glob("*.png"))
+    check_page((tmp_path / "rep2" / "index.html").read_text(), pngs=False)
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """A minimal PNG decoder (8-bit RGB, non-interlaced, filter type 0 rows, which is what we write):
+    every chunk's CRC checked, IHDR first, IDATs concatenated and inflated, IEND last."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, []
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert crc == zlib.crc32(kind + body), f"bad CRC in {kind}"
+        chunks.append((kind, body))
+        pos += 12 + n
+    assert pos == len(data) and chunks[0][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
+    w, h, depth, ctype, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert (depth, ctype, comp, filt, interlace) == (8, 2, 0, 0, 0)
+    raw = zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))
+    rows = np.frombuffer(raw, np.uint8).reshape(h, 1 + 3 * w)
+    assert (rows[:, 0] == 0).all()
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+def _has(img, color) -> bool:
+    return bool((img == rgb(color).astype(np.uint8)).all(-1).any())
+
+
+def test_pngs_decode_and_show_every_figure(run, tmp_path):
+    path = write_report(run, tmp_path / "rep", png_scale=2)
+    text = path.read_text()
+    figs = re.findall(r'<figure id="([^"]+)">', text)
+    assert len(figs) == len(re.findall(r"<svg\b", text)) == len(FIGURES)
+    assert sorted(f.name for f in path.parent.glob("*.png")) == sorted(f"{f}.png" for f in figs)
+    plots = {fid: p for fid, _, p in figures(load_run_data(run))}
+    for fid in figs:
+        img = decode_png((path.parent / f"{fid}.png").read_bytes())
+        p = plots[fid]
+        assert img.shape == (2 * p.H, 2 * p.W, 3)
+        packed = (img.astype(np.uint32) << np.array([16, 8, 0], np.uint32)).sum(-1)
+        assert (img[0, 0] == 255).all() and len(np.unique(packed)) > 8
+        fr = p.frame()
+        area = img[2 * fr["T"] + 2:2 * (fr["T"] + fr["ph"]) - 2, 2 * fr["L"] + 2:2 * (fr["L"] + fr["pw"]) - 2]
+        for it in p.items:           # every opaque line and marker shows its exact color in the plot area
+            shown = it[0] in ("line", "points") and (np.isfinite(it[2]) & ((it[2] > 0) if p.logy else True)).sum()
+            if it[0] == "line" and it[6] == 1.0 and shown >= 2 or it[0] == "points" and shown:
+                assert _has(area, it[4]), (fid, it[3], it[4])
+        for kind, label, color, dash, op in p.legend():
+            if op == 1.0:
+                assert _has(img[:, 2 * (fr["L"] + fr["pw"]):], color), (fid, label)    # legend swatches
+    # text is drawn: the title's glyphs, at the title's place
+    img = decode_png((path.parent / "fig-lr.png").read_bytes())
+    t = text_mask(plots["fig-lr"].title, 4)
+    top, left = 2 * 18 - t.shape[0], 2 * plots["fig-lr"].L
+    assert (img[top:top + t.shape[0], left:left + t.shape[1]].min(-1) < 128)[t].all()
+
+
+def test_png_rasterizer_units():
+    # the encoder round-trips an arbitrary image exactly
+    img = np.random.default_rng(0).integers(0, 256, (7, 5, 3)).astype(np.uint8)
+    assert (decode_png(encode_png(img)) == img).all()
+    with pytest.raises(ValueError):
+        encode_png(img[..., 0])
+    # a 3-px horizontal line: full coverage on its rows, anti-aliased edges, nothing elsewhere
+    c = Canvas(20, 10)
+    m = c.mask()
+    c.polyline(m, [(4, 5), (16, 5)], 3)
+    assert (m[4:6, 4:16] == 1).all() and 0 < m[3, 10] < 1 and m[0, 10] == 0 and m[5, 0] == m[5, 19] == 0
+    d = c.mask()
+    c.polyline(d, [(0, 5), (20, 5)], 2, dash=[4, 4])
+    assert d[5, 1] == 1 and d[5, 6] == 0 and d[5, 9] == 1
+    c.blend(m, "#d62728", clip=(0, 0, 10, 10))
+    out = c.image()
+    assert _has(out[:, :10], "#d62728") and not _has(out[:, 10:], "#d62728")
+    assert set("0123456789.-E,") <= set(FONT) and text_mask("Ab?", 2).shape == (10, 22)
+    # a Plot's PNG: every item kind, log axis, dims
+    p = Plot("fig-x", "t", "x", "y", logy=True).line([1, 2, 3], [1, 10, 100], "a", "#1f77b4", 2)
+    p.points([2], [10], "b", "#2ca02c").vlines([2.5], "c", "#9467bd").hline(5, "d", "#555")
+    p.bars([1, 2, 3], [3, 0], "e", "#ff7f0e")
+    im = rasterize(p, 1)
+    assert im.shape == (300, 760, 3) and all(_has(im, col) for col in ("#1f77b4", "#2ca02c", "#9467bd", "#555555"))
+    assert decode_png(p.png(1)).shape == (300, 760, 3)
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed here")
