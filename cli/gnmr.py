@@ -24,25 +24,29 @@ def gnmr():
               help="prepared corpus (default: the embedded default corpus)")
 @click.option("--gnmr", "gnmr_spec", default="", metavar="K=V,...",
               help="controller settings of the GNMR arm (as open1b train --gnmr; its high path is int8)")
-@click.option("--arms", default="int4,gnmr-int4-int8,int8,bf16", show_default=True,
-              help="comma-separated arms to run")
+@click.option("--low", type=click.Choice(["int4", "int6"]), default="int4", show_default=True,
+              help="low-cost precision of the fixed-low arm and the GNMR arm (§6.9's simulated paths)")
+@click.option("--arms", default=None,
+              help="comma-separated arms to run [default: all: LOW,gnmr-LOW-int8,int8,bf16]")
 @click.option("--eval-every", type=int, default=None, help="held-out CE every N steps (default: the preset's)")
 @click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
 @click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU)")
-def experiment(preset_name, steps, out, data_dir, gnmr_spec, arms, eval_every, backend, threads):
-    """Fixed int4, GNMR int4/int8, fixed int8 and bf16 on the same tokens: held-out CE per arm, the
-    promotion ratio and the hit-maxO rate; writes OUT/summary.json and OUT/curves.svg."""
+def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_every, backend, threads):
+    """Fixed low (int4 or int6), GNMR low/int8, fixed int8 and bf16 on the same tokens: held-out CE
+    per arm, the promotion ratio and the hit-maxO rate; writes OUT/summary.json and OUT/curves.svg."""
     from mlx_open1b import cpu_ref
     from mlx_open1b.cli.train import _default_corpus, _fail
     from mlx_open1b.data.format import DataError
     from mlx_open1b.gnmr import GNMRConfig, GNMRError
-    from mlx_open1b.gnmr_experiment import ARMS, run_experiment, table
+    from mlx_open1b.gnmr_experiment import arms_for, run_experiment, table
     from mlx_open1b.train import TrainError
     cpu_ref.set_num_threads(threads)
-    chosen = [a.strip() for a in arms.split(",") if a.strip()]
-    bad = [a for a in chosen if a not in ARMS]
+    all_arms = arms_for(low)
+    chosen = list(all_arms) if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
+    bad = [a for a in chosen if a not in all_arms]
     if bad or not chosen:
-        _fail(f"--arms: unknown {', '.join(bad) or '(none given)'} (arms: {', '.join(ARMS)})", 2)
+        _fail(f"--arms: unknown {', '.join(bad) or '(none given)'} (arms with --low {low}: "
+              f"{', '.join(all_arms)})", 2)
     if steps < 1:
         _fail(f"--steps must be >= 1, got {steps}", 2)
     try:
@@ -52,7 +56,7 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, arms, eval_every, b
             base = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_every=eval_every))
         data = pathlib.Path(data_dir) if data_dir else _default_corpus(pathlib.Path("runs") / "data-default")
         summary = run_experiment(out, base, data, steps, g, arms=chosen, backend=backend,
-                                 log=lambda m: click.echo(m, err=True))
+                                 log=lambda m: click.echo(m, err=True), low=low)
     except (GNMRError, ConfigError, DataError, ValueError) as e:
         _fail(str(e), 2)
     except TrainError as e:

@@ -72,7 +72,7 @@ class _Progress:
 @click.option("--resume", is_flag=True, help="continue the run in --out from its latest checkpoint")
 @click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU); never changes a bit")
 @click.option("--seed", type=int, default=None, help="override the preset's seed")
-@click.option("--precision", type=click.Choice(["int8", "bf16", "int4"]), default=None,
+@click.option("--precision", type=click.Choice(["int8", "bf16", "int6", "int4"]), default=None,
               help="linear-layer arithmetic, overriding the preset's (tiny, small: bf16; open1b: int8): int8 "
                    "quantizes the attention Q/K/V/O and FFN GEMMs (CONTRACT.md §6.9)")
 @click.option("--gnmr", "gnmr_spec", default=None, metavar="K=V,...",

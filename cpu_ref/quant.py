@@ -67,8 +67,8 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
 
 
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7: the
-    simulated int4 path, levels -7 ... 7)."""
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7 / 31:
+    the simulated int4 / int6 paths, levels -7 ... 7 / -31 ... 31)."""
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     y = np.empty((N, M), np.float32)
@@ -79,7 +79,7 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                      need_dw: bool = True, qmax: int = QMAX):
     """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
-    qmax = 7: the simulated int4 path, all four operands on levels -7 ... 7)."""
+    qmax = 7 / 31: the simulated int4 / int6 paths, all four operands on levels -qmax ... qmax)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
     dx = np.empty((N, K), np.float32) if need_dx else None

@@ -414,7 +414,8 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 
 
 # ------------------------------------------------------------------ int8 quantized linear (§6.9)
-# qmax 7 is the simulated int4 path: the kernels that depend on the level bound take it as an argument.
+# qmax 7 / 31 are the simulated int4 / int6 paths: the kernels that depend on the level bound take it
+# as an argument.
 QMAX, QMAX4, QB, Q_MAX_P = opargs.QMAX, opargs.QMAX4, opargs.QB, opargs.Q_MAX_P
 Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per absmax partial (no result depends on it)
 _NO_F32 = np.zeros(1, np.float32)
@@ -508,8 +509,8 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
 
 
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7: the
-    simulated int4 path, levels -7 ... 7)."""
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7 / 31:
+    the simulated int4 / int6 paths, levels -7 ... 7 / -31 ... 31)."""
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     qx = _empty((N, K), np.int8)
@@ -524,7 +525,7 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                      need_dw: bool = True, qmax: int = QMAX):
     """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
-    qmax = 7: the simulated int4 path, all four operands on levels -7 ... 7)."""
+    qmax = 7 / 31: the simulated int4 / int6 paths, all four operands on levels -qmax ... qmax)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
     Mp, Np = _pad_qb(M), _pad_qb(N)

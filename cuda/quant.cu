@@ -1,10 +1,11 @@
 /* quant.cu — the int8 quantized linear layer (CONTRACT.md §6.9, .contract_parts/int8.md) and its
- * simulated int4 path (qmax = QMAX4 = 7, coefficient QW_COEF4; the kernels that depend on the level
- * bound take it as their argument qmax, 127 or 7, checked by the host).
+ * simulated int4 and int6 paths (qmax = QMAX4 = 7, coefficient QW_COEF4; qmax = QMAX6 = 31,
+ * coefficient QW_COEF6; the kernels that depend on the level bound take it as their argument qmax,
+ * 127, 31 or 7, checked by the host).
  *
  *   weights:    per output row j: S = sum from +0 over k ascending of |w[j,k]|,
  *               s_w[j] = mul(div(S, i2f(K)), coef) (NaN if S is not finite), coef = QW_COEF for
- *               qmax 127, QW_COEF4 for qmax 7
+ *               qmax 127, QW_COEF6 for qmax 31, QW_COEF4 for qmax 7
  *   tensors:    s = div(absmax, qmax) (NaN if any element is inf/NaN; a max is exact in any order)
  *   quantize:   q = level(mul(v, div(1, s))) = clamp(rne(.), -qmax, qmax); q = 0 where s is +0 or NaN
  *   int8 GEMM:  acc[i,j] = sum_p A(i,p) B(j,p) in int32 (exact: P <= 2^17, so |acc| < 2^31)
@@ -19,9 +20,11 @@
 
 #define QMAX 127
 #define QMAX4 7                   /* the simulated int4 path: levels -7 ... 7 in int8 containers */
+#define QMAX6 31                  /* the simulated int6 path: levels -31 ... 31 in int8 containers */
 #define QB 128                    /* Hadamard block along the contraction dimension */
 #define QW_COEF 0x1.6b7612p-3f    /* 2/sqrt(127) rounded to nearest fp32 */
 #define QW_COEF4 0x1.83091ep-1f   /* 2/sqrt(7) rounded to nearest fp32 */
+#define QW_COEF6 0x1.6fd4e8p-2f   /* 2/sqrt(31) rounded to nearest fp32 */
 #define INV_QB 0x1p-7f            /* 1/QB, exact */
 #define Q_CHUNK 4096              /* elements per absmax partial (no result depends on it) */
 #define Q_BAD 0xFFFFFFFFu         /* absmax partial of a chunk holding an inf or NaN */
@@ -30,9 +33,11 @@ typedef signed char i8;
 
 __device__ __forceinline__ bool o1b_q_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7F800000u; }
 
-/* The level bound qmax (QMAX or QMAX4) as fp32, and the weight step coefficient it selects. */
-__device__ __forceinline__ float o1b_q_maxf(int qmax) { return qmax == QMAX4 ? 7.0f : 127.0f; }
-__device__ __forceinline__ float o1b_q_coef(int qmax) { return qmax == QMAX4 ? QW_COEF4 : QW_COEF; }
+/* The level bound qmax (QMAX, QMAX6 or QMAX4) as fp32, and the weight step coefficient it selects. */
+__device__ __forceinline__ float o1b_q_maxf(int qmax) { return qmax == QMAX4 ? 7.0f : qmax == QMAX6 ? 31.0f : 127.0f; }
+__device__ __forceinline__ float o1b_q_coef(int qmax) {
+    return qmax == QMAX4 ? QW_COEF4 : qmax == QMAX6 ? QW_COEF6 : QW_COEF;
+}
 
 /* level(t) for a finite t: clamp to [-qmax, qmax], then round to nearest, ties to even, by the
  * magic constant (|t| < qmax <= 127 < 2^22). */

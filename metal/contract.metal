@@ -29,6 +29,7 @@ using namespace metal;
 #define O1B_NORM_BLOCK 4096  // contract constant NORM_BLOCK (§7)
 #define O1B_QMAX 127         // contract constant QMAX: int8 levels -127 ... 127 (§6.9)
 #define O1B_QMAX4 7          // contract constant QMAX4: the simulated int4 path's levels -7 ... 7 (§6.9)
+#define O1B_QMAX6 31         // contract constant QMAX6: the simulated int6 path's levels -31 ... 31 (§6.9)
 
 inline uint o1b_bits(float x) { return as_type<uint>(x); }
 inline float o1b_from_bits(uint u) { return as_type<float>(u); }
@@ -229,13 +230,15 @@ inline float o1b_sigmoid(float x) { return o1b_div(1.0f, o1b_add(1.0f, o1b_exp(o
 inline float o1b_silu(float x) { return o1b_mul(x, o1b_sigmoid(x)); }
 
 // ---- §6.9 the quantized linear layer's level bound and weight step coefficient ----
-// qmax is O1B_QMAX (int8) or O1B_QMAX4 (the simulated int4 path); the kernels take it as the
+// qmax is O1B_QMAX (int8), O1B_QMAX6 or O1B_QMAX4 (the simulated int6 / int4 paths); the kernels take it as the
 // template argument QMAX and reject any other value at compile time.
 inline float o1b_qmax_f(int qmax) {                  // qmax as fp32 (exact)
-    return qmax == O1B_QMAX4 ? O1B_F(0x40E00000u) /* 7 */ : O1B_F(0x42FE0000u) /* 127 */;
+    return qmax == O1B_QMAX4 ? O1B_F(0x40E00000u) /* 7 */
+         : qmax == O1B_QMAX6 ? O1B_F(0x41F80000u) /* 31 */ : O1B_F(0x42FE0000u) /* 127 */;
 }
-inline float o1b_qw_coef(int qmax) {                 // QW_COEF4 = 2/sqrt(7), QW_COEF = 2/sqrt(127)
-    return qmax == O1B_QMAX4 ? O1B_F(0x3F41848Fu) /* 0x1.83091ep-1 */ : O1B_F(0x3E35BB09u) /* 0x1.6b7612p-3 */;
+inline float o1b_qw_coef(int qmax) {  // QW_COEF4 = 2/sqrt(7), QW_COEF6 = 2/sqrt(31), QW_COEF = 2/sqrt(127)
+    return qmax == O1B_QMAX4 ? O1B_F(0x3F41848Fu) /* 0x1.83091ep-1 */
+         : qmax == O1B_QMAX6 ? O1B_F(0x3EB7EA74u) /* 0x1.6fd4e8p-2 */ : O1B_F(0x3E35BB09u) /* 0x1.6b7612p-3 */;
 }
 
 // ---- §5 Philox4x32-10 ----

@@ -413,7 +413,7 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 
 # ---------------------------------------------------------------------------------------------
 # §6.9 the int8 quantized linear layer (W8A8, Hadamard-rotated straight-through backward) and its
-# simulated int4 path (qmax = 7: the same kernels with the template argument QMAX = 7)
+# simulated int4 / int6 paths (qmax = 7 / 31: the same kernels with the template argument QMAX)
 # ---------------------------------------------------------------------------------------------
 I8, I32, U8 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)
 QMAX, QMAX4, QB, Q_MAX_P = opargs.QMAX, opargs.QMAX4, opargs.QB, opargs.Q_MAX_P
@@ -503,8 +503,8 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
 
 
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7: the
-    simulated int4 path, levels -7 ... 7)."""
+    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7 / 31:
+    the simulated int4 / int6 paths, levels -7 ... 7 / -31 ... 31)."""
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     qx, sx = _quant_f32(bf16_to_f32(x), qmax)
@@ -516,7 +516,7 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                      need_dw: bool = True, qmax: int = QMAX):
     """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
-    qmax = 7: the simulated int4 path, all four operands on levels -7 ... 7)."""
+    qmax = 7 / 31: the simulated int4 / int6 paths, all four operands on levels -qmax ... qmax)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
     qw, sw, clip = _quant_w(w, M, K, qmax)

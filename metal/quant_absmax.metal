@@ -3,9 +3,10 @@
 // and writes NaN if any of them is ±inf or NaN, else their largest |x| (a max is exact in any
 // order; |x| of a finite value compared as its bits). With SCALE (template int) = 1 it writes
 // s = div(a, QMAX) instead (NaN stays NaN; +0 when a = 0 or the quotient flushes). QMAX (template
-// int) = 127 (int8) or 7 (the simulated int4 path); the first pass does not use it.
+// int) = 127 (int8), 31 or 7 (the simulated int6 / int4 paths); the first pass does not use it.
 // prm (int64) = n, B. Grid (blocks).
-static_assert(QMAX == O1B_QMAX || QMAX == O1B_QMAX4, "QMAX must be 127 (int8) or 7 (int4)");
+static_assert(QMAX == O1B_QMAX || QMAX == O1B_QMAX6 || QMAX == O1B_QMAX4,
+              "QMAX must be 127 (int8), 31 (int6) or 7 (int4)");
 long b = (long)thread_position_in_grid.x;
 long n = prm[0], B = prm[1];
 long end = (b + 1) * B < n ? (b + 1) * B : n;

@@ -151,7 +151,7 @@ def steps_for_tokens(train: TrainConfig, model: ModelConfig, budget: int) -> int
     return steps
 
 
-PRECISIONS = ("bf16", "int8", "int4")
+PRECISIONS = ("bf16", "int8", "int6", "int4")
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ class RunConfig:
     train: TrainConfig = _f(TrainConfig(), "the recipe")
     preset: str = _f("tiny", "the preset this configuration started from")
     precision: str = _f("bf16", "linear-layer arithmetic of the attention Q/K/V/O and FFN GEMMs: bf16 "
-                                "(CONTRACT.md §6.1), int8 (W8A8 quantized, §6.9) or int4 (§6.9's simulated int4 "
-                                "path, GNMR's low-cost stress path)")
+                                "(CONTRACT.md §6.1), int8 (W8A8 quantized, §6.9), int6 or int4 (§6.9's simulated "
+                                "int6 / int4 paths, GNMR's low-cost stress paths)")
     gnmr: object = _f(None, "GNMR precision controller (mlx_open1b.gnmr.GNMRConfig; CONTRACT.md §13), or None")
 
     def check(self) -> "RunConfig":

@@ -35,7 +35,7 @@ F32 = np.float32
 OPS = ("qkv", "wo", "gate_up", "down")
 UNIT_TENSORS = {"qkv": ("wq", "wk", "wv"), "wo": ("wo",), "gate_up": ("w_gate_up",), "down": ("w_down",)}
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate_up", "w_down")
-HIGHER = {"int4": ("int8", "bf16"), "int8": ("bf16",)}
+HIGHER = {"int4": ("int8", "bf16"), "int6": ("int8", "bf16"), "int8": ("bf16",)}
 
 
 class GNMRError(ValueError):
@@ -53,12 +53,12 @@ class GNMRConfig:
     window: int = _f(10, "Δ-GNMR queue length δ")
     mode: str = _f("op", "unit granularity: op (each quantized GEMM) or block (each layer)")
     eps: float = _f(1e-8, "ε of the ratios")
-    high: str = _f("bf16", "the recovery path (bf16, or int8 when the run's precision is int4)")
+    high: str = _f("bf16", "the recovery path (bf16, or int8 when the run's precision is int4 or int6)")
 
     def check(self, precision: str) -> "GNMRConfig":
         if precision not in HIGHER:
             raise GNMRError(f"gnmr: the run's precision {precision!r} has no cheaper path to recover from "
-                            f"(GNMR needs precision int8 or int4)")
+                            f"(GNMR needs precision int8, int6 or int4)")
         if self.high not in HIGHER[precision]:
             raise GNMRError(f"gnmr.high: {self.high!r} is not a recovery path for precision {precision} "
                             f"(choose {' or '.join(HIGHER[precision])})")

@@ -1,6 +1,6 @@
 """The GNMR experiment (issue 8, the shape of the seed's Table 1 at our scale): one preset trained on the
-same tokens with a fixed low-cost path (int4), GNMR low-cost/recovery (int4 → int8), fixed int8 and
-bf16; per arm the held-out mixture CE, the final training CE, GNMR's promotion ratio (recovered
+same tokens with a fixed low-cost path (int4, or int6 with low="int6"), GNMR low-cost/recovery
+(int4 → int8, or int6 → int8), fixed int8 and bf16; per arm the held-out mixture CE, the final training CE, GNMR's promotion ratio (recovered
 unit-steps / all unit-steps) and hit-maxO rate (steps whose active set is full), and a plot.
 
 Each arm is an ordinary run directory under OUT (resumed if it exists), so every arm is itself
@@ -18,18 +18,30 @@ from .fsutil import write_json_atomic
 from .gnmr import GNMRConfig, units
 from .train import Trainer
 
-ARMS = ("int4", "gnmr-int4-int8", "int8", "bf16")
-COLORS = {"int4": "#d62728", "gnmr-int4-int8": "#2ca02c", "int8": "#1f77b4", "bf16": "#222222"}
+#: the low-cost precisions of the fixed-low and GNMR arms (CONTRACT.md §6.9's simulated paths)
+LOWS = ("int4", "int6")
 
 
-def arm_config(base: RunConfig, arm: str, gnmr: GNMRConfig) -> RunConfig:
-    if arm == "int4":
-        return dataclasses.replace(base, precision="int4", gnmr=None)
-    if arm == "gnmr-int4-int8":
-        return dataclasses.replace(base, precision="int4", gnmr=dataclasses.replace(gnmr, high="int8"))
+def arms_for(low: str = "int4") -> tuple[str, ...]:
+    """The experiment's arms with low-cost precision `low`: fixed low, GNMR low -> int8, int8, bf16."""
+    if low not in LOWS:
+        raise ValueError(f"low: expected one of {', '.join(LOWS)}, got {low!r}")
+    return (low, f"gnmr-{low}-int8", "int8", "bf16")
+
+
+ARMS = arms_for("int4")
+COLORS = {"int4": "#d62728", "gnmr-int4-int8": "#2ca02c", "int6": "#ff7f0e", "gnmr-int6-int8": "#9467bd",
+          "int8": "#1f77b4", "bf16": "#222222"}
+
+
+def arm_config(base: RunConfig, arm: str, gnmr: GNMRConfig, low: str = "int4") -> RunConfig:
+    if arm == low and arm in LOWS:
+        return dataclasses.replace(base, precision=low, gnmr=None)
+    if arm == f"gnmr-{low}-int8" and low in LOWS:
+        return dataclasses.replace(base, precision=low, gnmr=dataclasses.replace(gnmr, high="int8"))
     if arm in ("int8", "bf16"):
         return dataclasses.replace(base, precision=arm, gnmr=None)
-    raise ValueError(f"unknown arm {arm!r} (arms: {', '.join(ARMS)})")
+    raise ValueError(f"unknown arm {arm!r} (arms: {', '.join(arms_for(low))})")
 
 
 def _records(run: pathlib.Path) -> list[dict]:
@@ -55,14 +67,17 @@ def summarize_arm(run: pathlib.Path, cfg: RunConfig) -> dict:
     return out
 
 
-def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRConfig, arms=ARMS,
-                   backend: str = "cpu_ref", log=print) -> dict:
-    """Train (or resume) every arm to `steps` steps; write summary.json and curves.svg; return the summary."""
+def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRConfig, arms=None,
+                   backend: str = "cpu_ref", log=print, low: str = "int4") -> dict:
+    """Train (or resume) every arm (default: all of arms_for(low)) to `steps` steps; write
+    summary.json and curves.svg; return the summary."""
+    arms = arms_for(low) if arms is None else arms
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary, curves = {"steps": steps, "preset": base.preset, "gnmr": dataclasses.asdict(gnmr), "arms": {}}, {}
+    summary, curves = {"steps": steps, "preset": base.preset, "low": low, "gnmr": dataclasses.asdict(gnmr),
+                       "arms": {}}, {}
     for arm in arms:
-        cfg = arm_config(base, arm, gnmr).check()
+        cfg = arm_config(base, arm, gnmr, low).check()
         run = out / arm
         resume = (run / "run.json").exists()
         tr = Trainer(run, None if resume else cfg, corpus_dir, backend=backend, resume=resume)

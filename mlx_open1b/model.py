@@ -187,8 +187,8 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16"):
         cfg.check()
-        if precision not in ("bf16", "int8", "int4"):
-            raise ValueError(f"precision: expected 'bf16', 'int8' or 'int4', got {precision!r}")
+        if precision not in ("bf16", "int8", "int6", "int4"):
+            raise ValueError(f"precision: expected 'bf16', 'int8', 'int6' or 'int4', got {precision!r}")
         self.cfg, self.ops, self.precision = cfg, ops, precision
         # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands;
         # per unit (layer, op) overridable by a controller (GNMR) through set_paths
@@ -196,9 +196,11 @@ class Model:
         if hasattr(ops, "qlinear_forward") and hasattr(ops, "attention_forward_i8"):
             self._impl["int8"] = (ops.qlinear_forward, ops.qlinear_backward, ops.attention_forward_i8)
             if "qmax" in inspect.signature(ops.qlinear_forward).parameters:
-                # the simulated int4 path (§6.9, QMAX4 = 7): GNMR's low-cost stress path; attention keeps §6.10
-                self._impl["int4"] = (functools.partial(ops.qlinear_forward, qmax=7),
-                                      functools.partial(ops.qlinear_backward, qmax=7), ops.attention_forward_i8)
+                # the simulated int4 / int6 paths (§6.9, QMAX4 = 7, QMAX6 = 31): GNMR's low-cost stress
+                # paths; attention keeps §6.10
+                for name, qm in (("int4", 7), ("int6", 31)):
+                    self._impl[name] = (functools.partial(ops.qlinear_forward, qmax=qm),
+                                        functools.partial(ops.qlinear_backward, qmax=qm), ops.attention_forward_i8)
         if precision not in self._impl:
             raise ValueError(f"precision {precision!r}: backend {getattr(ops, 'NAME', ops)} has no such path")
         self.paths: dict[tuple[int, str], str] = {}

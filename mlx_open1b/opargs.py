@@ -368,8 +368,10 @@ I8 = np.dtype(np.int8)
 QMAX, QB, Q_MAX_P = 127, 128, 1 << 17
 #: The simulated int4 path (CONTRACT.md §6.9, §9): levels -7 ... 7 in int8 containers.
 QMAX4 = 7
-#: The level bounds a quantized op accepts as its qmax: int8 and the simulated int4 path.
-QMAX_CHOICES = (QMAX, QMAX4)
+#: The simulated int6 path (CONTRACT.md §6.9, §9): levels -31 ... 31 in int8 containers.
+QMAX6 = 31
+#: The level bounds a quantized op accepts as its qmax: int8 and the simulated int6 and int4 paths.
+QMAX_CHOICES = (QMAX, QMAX6, QMAX4)
 
 
 def _qlen(name: str, n: int, pad: bool) -> None:
@@ -380,12 +382,13 @@ def _qlen(name: str, n: int, pad: bool) -> None:
 
 
 def qmax(value) -> int:
-    """The level bound of a quantized op: 127 (int8, the default) or 7 (the simulated int4 path,
-    CONTRACT.md §6.9) -> the same as an int; anything else (bool, float, other integers) is a
-    ValueError."""
+    """The level bound of a quantized op: 127 (int8, the default), 31 (the simulated int6 path) or
+    7 (the simulated int4 path, CONTRACT.md §6.9) -> the same as an int; anything else (bool,
+    float, other integers) is a ValueError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
             or int(value) not in QMAX_CHOICES:
-        raise ValueError(f"qmax: expected {QMAX} (int8) or {QMAX4} (the simulated int4 path), got {value!r}")
+        raise ValueError(f"qmax: expected {QMAX} (int8), {QMAX6} (the simulated int6 path) or {QMAX4} "
+                         f"(the simulated int4 path), got {value!r}")
     return int(value)
 
 

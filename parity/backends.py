@@ -4,7 +4,8 @@ itself available), and the `spec` pseudo-backend (mlx_open1b/spec behind cpu_ref
 A backend is any object with cpu_ref's op functions (numpy in, numpy-convertible out).
 `register(name, obj)` adds one (tests plant a faulty backend this way). A few parity ops are
 variants of an API function called with a fixed keyword argument (VARIANTS: the simulated int4
-path is the qlinear functions with qmax=7); `resolve` finds them by the function's signature.
+and int6 paths are the qlinear functions with qmax=7 and qmax=31); `resolve` finds them by the
+function's signature.
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def available() -> list[str]:
 VARIANTS: dict[str, tuple[str, dict]] = {
     "qlinear4_forward": ("qlinear_forward", {"qmax": 7}),      # the simulated int4 path (CONTRACT.md §6.9)
     "qlinear4_backward": ("qlinear_backward", {"qmax": 7}),
+    "qlinear6_forward": ("qlinear_forward", {"qmax": 31}),     # the simulated int6 path (CONTRACT.md §6.9)
+    "qlinear6_backward": ("qlinear_backward", {"qmax": 31}),
 }
 
 

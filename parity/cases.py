@@ -578,6 +578,9 @@ def _trunc_normal(rng, i, op):
 # ------------------------------------------------------------------------- §6.9 int8 quantized linear
 QMAX, QB, Q_MAX_P = _sp_q.QMAX, _sp_q.QB, 1 << 17     # levels, Hadamard block, longest contraction
 QMAX4 = _sp_q.QMAX4                                   # the simulated int4 path's levels (qlinear4_* ops)
+QMAX6 = _sp_q.QMAX6                                   # the simulated int6 path's levels (qlinear6_* ops)
+#: the largest exponent of a "tiny" quantization input: absmax < 2^(e+1), so div(absmax, qmax) flushes
+_TINY_EHI = {QMAX: -120, QMAX6: -123, QMAX4: -125}
 #: contraction lengths around the Hadamard block and SIMD widths (16, 32, 64 int8 lanes)
 _Q_LEN = (1, 7, 33, 63, 65, 127, 128, 129, 130, 257, 513, 1000)
 #: lengths padded to a multiple of QB (backward's N and M): one block, just over, several
@@ -626,7 +629,8 @@ def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = F
     subnormal, so tiny that absmax/qmax flushes, an extreme normal), and (case index % 4 == 2,
     sometimes 3) one NaN or infinity, which makes s NaN and every level 0. layer: the layer's
     activation x, where a zero or NaN s_x zeroes or spoils all of y and dW: those are rarer.
-    qmax: the level bound (127, or 7 for the simulated int4 path) the ties and flushes aim at."""
+    qmax: the level bound (127, or 31 / 7 for the simulated int6 / int4 paths) the ties and flushes
+    aim at."""
     n = int(np.prod(shape))
     kinds = ("tie", "tie", "normal", "normal", "wide", "zero", "subnormal", "tiny", "huge")
     if layer:
@@ -646,8 +650,8 @@ def _quant_tensor_input(rng: CaseRNG, shape, i: int, bf16: bool, layer: bool = F
             x = rng.f32(shape, "bits")
             x = (x.view(U32) & U32(0x807FFFFF)).view(F32) if not bf16 else \
                 (x.view(U32) & U32(0x807F0000)).view(F32)
-        elif kind == "tiny":                              # absmax < 2^-119 (2^-124): absmax/127 (/7) flushes
-            x = rng.f32(shape, "wide", elo=-126, ehi=-120 if qmax == QMAX else -125)
+        elif kind == "tiny":                              # absmax < 2^-119 (2^-122, 2^-124): absmax/127 (/31, /7) flushes
+            x = rng.f32(shape, "wide", elo=-126, ehi=_TINY_EHI[qmax])
         else:                                             # near the largest normal: inv still finite
             x = rng.f32(shape, "wide", elo=100, ehi=127)
         x = np.ascontiguousarray(x.reshape(shape))
@@ -667,7 +671,7 @@ def _tie_row(rng: CaseRNG, K: int, qmax: int = QMAX) -> np.ndarray | None:
     t = mul(W, 1/s_w) are exact: half-integers (ties to even, up to +-(qmax - 0.5); with qmax 7
     also +-7.5, clipped) and a few pieces far beyond qmax (clipped). Built from tie values plus at
     most three bf16 pieces making S = sum |W| an fp32 with mul(div(S, K), coef) == 2^e (every
-    partial sum is exact; coef QW_COEF, or QW_COEF4 for qmax 7). None when no such row comes out
+    partial sum is exact; coef QW_COEF, or QW_COEF6 / QW_COEF4 for qmax 31 / 7). None when no such row comes out
     (checked against the spec's step size)."""
     coef = _sp_q.COEF[qmax]
     e = rng.choice((-12, -5, 0, 4))
@@ -686,7 +690,7 @@ def _tie_row(rng: CaseRNG, K: int, qmax: int = QMAX) -> np.ndarray | None:
     nt = K // 8
     k = 2 * rng.ints(nt, -8, 8) + 1                       # odd: t = k/2 in [-7.5, 7.5]
     if nt >= 8:
-        k[:2] = [rng.choice((2 * qmax - 1, 2 * qmax - 3)),          # t = +-126.5, +-125.5 (int4: 6.5, 5.5)
+        k[:2] = [rng.choice((2 * qmax - 1, 2 * qmax - 3)),          # t = +-126.5, +-125.5 (int6: 30.5, 29.5; int4: 6.5, 5.5)
                  rng.choice((-(2 * qmax - 1), -(2 * qmax - 3)))]
     ties = k.astype(np.float64) * 2.0 ** (e - 1)
     rest = S - float(np.abs(ties).sum())
@@ -709,8 +713,9 @@ def _weight_rows(rng: CaseRNG, M: int, K: int, i: int, nonfinite: bool = True, q
     """w (M, K) bf16, row by row: ordinary rows; by case index % 4 (not 0) also zero rows,
     subnormal rows (flushed: zero rows), rows so small s_w flushes to +0, rows with outliers that
     clip, tie rows (s_w a power of two), rows whose sum overflows (NaN step), rows with one NaN or
-    infinity (NaN step; with nonfinite only), and sprinkled finite specials. qmax 7 (the simulated
-    int4 path): tie rows of its step coefficient, and outliers also just past the clip bound."""
+    infinity (NaN step; with nonfinite only), and sprinkled finite specials. qmax 7 or 31 (the
+    simulated int4 / int6 paths): tie rows of its step coefficient, and outliers also just past the
+    clip bound."""
     w = rng.bf16((M, K), rng.choice((0.02, 1.0, 0.02, 40.0)))
     if i % 4 == 0:
         return w
@@ -732,7 +737,7 @@ def _weight_rows(rng: CaseRNG, M: int, K: int, i: int, nonfinite: bool = True, q
             row = np.abs(A.bf16_to_f32(w[j]).astype(np.float64))
             m = row[np.isfinite(row)].mean() if np.isfinite(row).any() else 1.0
             m = m if 0 < m < 1e30 else 1.0
-            f = 1000.0 if qmax == QMAX else rng.choice((12.0, 1000.0))   # int4: some around 7 steps
+            f = 1000.0 if qmax == QMAX else rng.choice((12.0, 1000.0))   # int4 / int6: some near the clip bound
             w[j, rng.ints(n, 0, K)] = A.f32_to_bf16((rng.normal(n) * (f * m)).astype(F32))
         elif kind == "tie":
             KK = 1 << (K.bit_length() - 1)                # the largest power of two <= K
@@ -811,11 +816,12 @@ def _quant_tensor(rng, i, op):
 
 def _op_qmax(op: str) -> int:
     """The level bound of a quantized-layer op: 7 for the simulated int4 path's ops (qlinear4_*,
-    run as qlinear_* with qmax=7, parity.backends.VARIANTS), else 127."""
-    return QMAX4 if op.startswith("qlinear4_") else QMAX
+    run as qlinear_* with qmax=7, parity.backends.VARIANTS), 31 for the int6 path's (qlinear6_*),
+    else 127."""
+    return QMAX4 if op.startswith("qlinear4_") else QMAX6 if op.startswith("qlinear6_") else QMAX
 
 
-@gen("qlinear_forward", "qlinear4_forward")
+@gen("qlinear_forward", "qlinear4_forward", "qlinear6_forward")
 def _qlinear_forward(rng, i, op):
     qmax = _op_qmax(op)
     N, M = rng.choice(SIZES), rng.choice(SIZES)
@@ -827,7 +833,7 @@ def _qlinear_forward(rng, i, op):
     return dict(args=(x, w), outputs=("y",), desc=f"N={N} K={K} M={M}")
 
 
-@gen("qlinear_backward", "qlinear4_backward")
+@gen("qlinear_backward", "qlinear4_backward", "qlinear6_backward")
 def _qlinear_backward(rng, i, op):
     qmax = _op_qmax(op)
     N, M, K = rng.choice(_Q_PADDED), rng.choice(_Q_PADDED), rng.choice(SIZES + (128, 129))

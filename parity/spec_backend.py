@@ -156,8 +156,9 @@ def trunc_normal(seed, stream, index0, n, sigma=INIT_SIGMA):
 
 # ---------------------------------------------------------------- §6.9 int8 quantized linear
 # Arguments are checked by opargs as cpu_ref checks them (contraction lengths <= 2^17, int8 in
-# [-127, 127], Hadamard rows a multiple of 128, qmax 127 or 7), so that an invalid case fails on
-# both sides. qmax = 7 is the simulated int4 path (the parity ops qlinear4_forward / _backward).
+# [-127, 127], Hadamard rows a multiple of 128, qmax 127, 31 or 7), so that an invalid case fails
+# on both sides. qmax = 7 / 31 are the simulated int4 / int6 paths (the parity ops
+# qlinear4_forward / _backward, qlinear6_forward / _backward).
 def gemm_i8(a, b):
     opargs.gemm_i8(a, b)
     return _q.gemm_i8(a, b)

@@ -8,7 +8,7 @@ absmax chunks), with NaN/inf rows and tensors, zero rows, subnormals (inputs and
 clipped weights and rounding ties; plus the nvcc compile check of quant.cu for sm_80 and sm_90.
 The int8 attention forward (§6.10, cuda/attention.cu: the value-row quantization kernel and the
 int8 block product) is compared with the numpy spec and the C reference the same way. The simulated
-int4 path (qmax=7: the same kernels with their qmax argument 7) is compared with the numpy spec (and
+int4 and int6 paths (qmax=7 / 31: the same kernels with their qmax argument) are compared with the numpy spec (and
 the C reference once its qlinear functions take qmax).
 """
 from __future__ import annotations
@@ -306,25 +306,31 @@ def test_layer_outliers_and_large_values():
     check_layer(x, w, bf(widen(dy) * np.float32(1e-36)), "tiny gradients")
 
 
-# ================================================================== the simulated int4 path (qmax = 7)
-QMAX4 = 7
+# ================================================== the simulated int4 / int6 paths (qmax = 7 / 31)
+QMAX4, QMAX6 = 7, 31
+LOW_QMAX = pytest.mark.parametrize("qmax", [QMAX4, QMAX6], ids=["int4", "int6"])
+#: per level bound: an activation magnitude whose div(a, qmax) is a normal while div(a, 127) flushes
+#: (the next lower power of two flushes at qmax as well)
+TINY_E = {QMAX4: -123, QMAX6: -121}
 #: whether cpu_ref's qlinear functions take qmax yet (then the int4 path is compared with it as well)
 CPU_REF_INT4 = all("qmax" in inspect.signature(f).parameters for f in (ref.qlinear_forward, ref.qlinear_backward))
 
 
-def check_layer4(x, w, dy, what):
-    """The int4 path (qmax=7) equals the numpy spec (and cpu_ref where it takes qmax) bit for bit."""
-    y = cu.qlinear_forward(x, w, qmax=QMAX4)
-    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, QMAX4), f"{what} y (int4)")
-    dx, dw = cu.qlinear_backward(dy, x, w, qmax=QMAX4)
-    sdx, sdw = spec_quant.qlinear_backward(dy, x, w, QMAX4)
-    assert_bits_equal(dx, sdx, f"{what} dx (int4)")
-    assert_bits_equal(dw, sdw, f"{what} dw (int4)")
+def check_layer4(x, w, dy, what, qmax=QMAX4):
+    """The int4 / int6 path (qmax=7 / 31) equals the numpy spec (and cpu_ref where it takes qmax)
+    bit for bit."""
+    what = f"{what} (qmax {qmax})"
+    y = cu.qlinear_forward(x, w, qmax=qmax)
+    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, qmax), f"{what} y")
+    dx, dw = cu.qlinear_backward(dy, x, w, qmax=qmax)
+    sdx, sdw = spec_quant.qlinear_backward(dy, x, w, qmax)
+    assert_bits_equal(dx, sdx, f"{what} dx")
+    assert_bits_equal(dw, sdw, f"{what} dw")
     if CPU_REF_INT4:
-        assert_bits_equal(y, ref.qlinear_forward(x, w, qmax=QMAX4), f"{what} y (int4, cpu_ref)")
-        rdx, rdw = ref.qlinear_backward(dy, x, w, qmax=QMAX4)
-        assert_bits_equal(dx, rdx, f"{what} dx (int4, cpu_ref)")
-        assert_bits_equal(dw, rdw, f"{what} dw (int4, cpu_ref)")
+        assert_bits_equal(y, ref.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
+        rdx, rdw = ref.qlinear_backward(dy, x, w, qmax=qmax)
+        assert_bits_equal(dx, rdx, f"{what} dx, cpu_ref")
+        assert_bits_equal(dw, rdw, f"{what} dw, cpu_ref")
     return y, dx, dw
 
 
@@ -353,34 +359,39 @@ def test_int4_signatures():
         assert sig == want, name
 
 
+@LOW_QMAX
 @pytest.mark.parametrize("N,K,M", [(1, 1, 1), (5, 3, 7), (37, 45, 29), (130, 70, 129), (129, 200, 3),
                                    (3, 129, 257), (20, 0, 5)])
-def test_int4_layer(N, K, M):
+def test_int4_layer(N, K, M, qmax):
     rng = rng_for(f"layer4{N},{K},{M}")
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
-    y, dx, dw = check_layer4(x, w, dy, f"{N}x{K}x{M}")
+    y, dx, dw = check_layer4(x, w, dy, f"{N}x{K}x{M}", qmax)
     if N * K * M > 1000:                        # not the int8 layer
         assert not np.array_equal(y, cu.qlinear_forward(x, w))
         assert not np.array_equal(dx, cu.qlinear_backward(dy, x, w)[0])
+    if qmax == QMAX6 and N * K * M > 1000:      # nor the int4 path
+        assert not np.array_equal(y, cu.qlinear_forward(x, w, qmax=QMAX4))
 
 
-def test_int4_need_flags_and_positional_arguments():
+@LOW_QMAX
+def test_int4_need_flags_and_positional_arguments(qmax):
     rng = rng_for("flags4")
     x, w, dy = rand_bf16(rng, (9, 11)), rand_bf16(rng, (13, 11), 0.02), rand_bf16(rng, (9, 13), 1e-3)
-    sdx, sdw = spec_quant.qlinear_backward(dy, x, w, QMAX4)
-    dx, dw = cu.qlinear_backward(dy, x, w, True, False, QMAX4)
+    sdx, sdw = spec_quant.qlinear_backward(dy, x, w, qmax)
+    dx, dw = cu.qlinear_backward(dy, x, w, True, False, qmax)
     assert dw is None
     assert_bits_equal(dx, sdx, "dx only")
-    dx, dw = cu.qlinear_backward(dy, x, w, need_dx=False, qmax=QMAX4)
+    dx, dw = cu.qlinear_backward(dy, x, w, need_dx=False, qmax=qmax)
     assert dx is None
     assert_bits_equal(dw, sdw, "dw only")
-    assert cu.qlinear_backward(dy, x, w, False, False, QMAX4) == (None, None)
-    assert_bits_equal(cu.qlinear_forward(x, w, QMAX4), spec_quant.qlinear_forward(x, w, QMAX4), "positional")
+    assert cu.qlinear_backward(dy, x, w, False, False, qmax) == (None, None)
+    assert_bits_equal(cu.qlinear_forward(x, w, qmax), spec_quant.qlinear_forward(x, w, qmax), "positional")
     assert_bits_equal(cu.qlinear_forward(x, w, np.int32(127)), cu.qlinear_forward(x, w), "qmax 127 is int8")
 
 
+@LOW_QMAX
 @pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
-def test_int4_special_values_in_the_layer(ftz):
+def test_int4_special_values_in_the_layer(ftz, qmax):
     import contextlib
     ctx = contextlib.ExitStack()
     if ftz is not None:
@@ -392,13 +403,14 @@ def test_int4_special_values_in_the_layer(ftz):
         x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
         w[10] = 0                                   # zero row: y column 0
         w[11, 5] = 0x7FC1                           # NaN in a weight row: y column NaN, dW row NaN
-        w[12, 0] = bf(0.2)                          # clipped at int4 (about 10 steps), not at int8
+        w[12, 0] = bf(0.2 if qmax == QMAX4 else 0.35)   # clipped at int4 (int6): about 10 (50) steps; not at int8
         w[13] = 0x0080                              # flushed step size: a zero row
-        w[14] = bf(np.full(K, 2.0 ** -122))         # s_w = 2^-122 QW_COEF4: a normal step size
+        w[14] = bf(np.full(K, 2.0 ** -122))         # s_w = 2^-122 QW_COEF4 (6): a normal step size
         w[15, :3] = 0x7F7F                          # the row sum overflows: NaN step
         x[3, 3] = 0x0001                            # subnormal input: flushed
         dy[5, 6] = 0x8001
-        y, dx, dw = check_layer4(x, w, dy, "specials")
+        check = lambda x, w, dy, what: check_layer4(x, w, dy, what, qmax)
+        y, dx, dw = check(x, w, dy, "specials")
         assert np.all(y[:, 10] == 0) and np.all(np.isnan(y[:, 11])) and not np.isnan(y[:, 12]).any()
         assert np.all(y[:, 13] == 0) and np.all(np.isnan(y[:, 15]))
         assert np.all(np.isnan(dw[11])) and dw[12, 0].view(np.uint32) == 0 and np.all(np.isnan(dx))
@@ -406,65 +418,68 @@ def test_int4_special_values_in_the_layer(ftz):
         w[11, 5] = 0
         w[15] = 0
         x[7, 7] = 0x7F80                            # inf activation: the tensor scale is NaN
-        y, dx, dw = check_layer4(x, w, dy, "inf x")
+        y, dx, dw = check(x, w, dy, "inf x")
         assert np.all(np.isnan(y)) and np.all(np.isnan(dw[:10])) and not np.isnan(dx).any()
         dy[0, 0] = 0xFF80                           # inf gradient: both gradients NaN
-        y, dx, dw = check_layer4(x, w, dy, "inf dy")
+        y, dx, dw = check(x, w, dy, "inf dy")
         assert np.all(np.isnan(dx)) and np.all(np.isnan(dw[16:]))
-        y, dx, dw = check_layer4(np.zeros((N, K), np.uint16), w * 0, dy * 0, "zeros")
+        y, dx, dw = check(np.zeros((N, K), np.uint16), w * 0, dy * 0, "zeros")
         assert y.view(np.uint32).max() == 0 and dx.view(np.uint32).max() == 0 and dw.view(np.uint32).max() == 0
         xs = sprinkle(rng, rand_bf16(rng, (N, K)), SPECIAL_BF16, 0.01)
         ws = sprinkle(rng, rand_bf16(rng, (M, K), 0.02), SPECIAL_BF16, 0.001)
-        check_layer4(xs, ws, rand_bf16(rng, (N, M), 1e-3), "sprinkled")
-        tx = bf(np.where(rng.integers(0, 2, (N, K)) == 1, 1.0, -1.0) * 2.0 ** -123)   # s_x: / 7 normal, / 127 flushed
-        check_layer4(tx, rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3), "tiny activations")
+        check(xs, ws, rand_bf16(rng, (N, M), 1e-3), "sprinkled")
+        tx = bf(np.where(rng.integers(0, 2, (N, K)) == 1, 1.0, -1.0) * 2.0 ** TINY_E[qmax])   # s_x: / qmax normal, / 127 flushed
+        check(tx, rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3), "tiny activations")
 
 
-def test_int4_quantizers_levels_within_7():
-    """The quantizer kernels with qmax 7: every level in [-7, 7], both ends reached, ties to even,
-    clip flags at |t| > 7, the spec's levels and scales; qmax 127 gives other levels."""
+@LOW_QMAX
+def test_int4_quantizers_levels_within_7(qmax):
+    """The quantizer kernels with qmax 7 (31): every level in [-7, 7] ([-31, 31]), both ends reached,
+    ties to even, clip flags at |t| > qmax, the spec's levels and scales; qmax 127 gives other levels."""
     rng = rng_for("levels4")
     M, K = 71, 301
     w = rand_bf16(rng, (M, K), 0.02)
     w[3] = 0                                    # zero row
     w[5, 7] = 0x7F80                            # NaN step
-    w[8, 0] = bf(0.3)                           # about 15 steps at int4: clipped; not at int8
+    w[8, 0] = bf(0.3)                           # about 15 (50) steps at int4 (int6): clipped; not at int8
+    w[8, 1] = bf(-0.3)                          # the same, negative: both ends of the levels
     w[9] = 0x0080                               # flushed step size
-    w[13] = bf(np.where(np.arange(K) % 2, 1.0, -1.0))   # constant magnitude: t = ±1/QW_COEF4 = ±1.32...
-    q, s, clip = quant_w(w, QMAX4)
-    wq, ws, wclip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=QMAX4)
+    w[13] = bf(np.where(np.arange(K) % 2, 1.0, -1.0))   # constant magnitude: t = ±1/QW_COEF4 = ±1.32... (int6: ±2.78...)
+    q, s, clip = quant_w(w, qmax)
+    wq, ws, wclip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=qmax)
     assert np.array_equal(q, wq) and np.array_equal(clip, wclip)
     assert_bits_equal(s, ws, "s_w")
-    assert q.min() == -7 and q.max() == 7 and clip[8, 0] == 1 and (clip[5] == 2).all() and not q[5].any()
-    assert s[3] == 0 and s[9] == 0 and (np.abs(q[13]) == 1).all()
+    assert q.min() == -qmax and q.max() == qmax and clip[8, 0] == 1 and (clip[5] == 2).all() and not q[5].any()
+    assert s[3] == 0 and s[9] == 0 and (np.abs(q[13]) == {QMAX4: 1, QMAX6: 3}[qmax]).all()
     q8, s8, clip8 = quant_w(w, 127)
-    assert clip8[8, 0] == 0 and np.abs(q8.astype(np.int64)).max() > 7 and not np.array_equal(s, s8)
+    assert clip8[8, 0] == 0 and np.abs(q8.astype(np.int64)).max() > qmax and not np.array_equal(s, s8)
     assert (clip.astype(np.int64) == 1).sum() > (clip8.astype(np.int64) == 1).sum()
     big = rand_bf16(rng, (3 * 4096 + 17,))          # several absmax chunks
+    h, e = qmax - 0.5, TINY_E[qmax]                 # the largest tie below the clamp; a tiny absmax
     cases = [(rng.standard_normal(1000) * 3).astype(np.float32), big, rand_bf16(rng, (33, 65)),
-             np.array([7.0, 0.5, 1.5, 2.5, -0.5, -2.5, 6.5, -6.5, 3.5, -1.5, 5.5, -4.5, -0.0], np.float32),
-             np.array([2.0 ** -123, -(2.0 ** -124), 2.0 ** -126], np.float32),   # / 7 normal (/ 127 flushes)
-             np.array([2.0 ** -124, 0.0], np.float32),                           # / 7 flushes
+             np.array([qmax, 0.5, 1.5, 2.5, -0.5, -2.5, h, -h, 3.5, -1.5, 5.5, -4.5, -0.0], np.float32),
+             np.array([2.0 ** e, -(2.0 ** (e - 1)), 2.0 ** -126], np.float32),    # / qmax normal (/ 127 flushes)
+             np.array([2.0 ** (e - 1), 0.0], np.float32),                         # / qmax flushes
              np.array([1.0, np.nan], np.float32), sprinkle(rng, rand_bf16(rng, (40,)), SPECIAL_BF16[[0, 1, 6, 7, 8]])]
     for i, v in enumerate(cases):
-        qt, st = quant_t(v, QMAX4)
-        wq, ws = (spec_quant.quant_tensor_f32 if v.dtype == np.float32 else spec_quant.quant_tensor)(v, QMAX4)
+        qt, st = quant_t(v, qmax)
+        wq, ws = (spec_quant.quant_tensor_f32 if v.dtype == np.float32 else spec_quant.quant_tensor)(v, qmax)
         assert np.array_equal(qt, wq.reshape(v.shape)), i
         assert_bits_equal(st, np.float32(ws), f"s case {i}")
-        assert np.abs(qt.astype(np.int64)).max() <= 7, i
-    qt, st = quant_t(cases[3], QMAX4)
-    assert st == 1.0 and qt.tolist() == [7, 0, 2, 2, 0, -2, 6, -6, 4, -2, 6, -4, 0]
-    assert quant_t(cases[4], QMAX4)[1] > 0 and quant_t(cases[4], 127)[1] == 0 and quant_t(cases[5], QMAX4)[1] == 0
-    assert np.float32(quant_t(cases[6], QMAX4)[1]).view(np.uint32) == 0x7FC00000
-    q0 = quant_t(cases[0], QMAX4)[0]
-    assert np.abs(q0.astype(np.int64)).max() == 7 and np.abs(quant_t(cases[0], 127)[0].astype(np.int64)).max() == 127
+        assert np.abs(qt.astype(np.int64)).max() <= qmax, i
+    qt, st = quant_t(cases[3], qmax)
+    assert st == 1.0 and qt.tolist() == [qmax, 0, 2, 2, 0, -2, qmax - 1, 1 - qmax, 4, -2, 6, -4, 0]
+    assert quant_t(cases[4], qmax)[1] > 0 and quant_t(cases[4], 127)[1] == 0 and quant_t(cases[5], qmax)[1] == 0
+    assert np.float32(quant_t(cases[6], qmax)[1]).view(np.uint32) == 0x7FC00000
+    q0 = quant_t(cases[0], qmax)[0]
+    assert np.abs(q0.astype(np.int64)).max() == qmax and np.abs(quant_t(cases[0], 127)[0].astype(np.int64)).max() == 127
 
 
-@pytest.mark.parametrize("bad", [8, 0, -7, 255, 7.0, True, "7", None])
+@pytest.mark.parametrize("bad", [8, 0, -7, 32, 255, 7.0, True, "7", None])
 def test_qmax_validated(bad):
     from mlx_open1b.parity import spec_backend
     x, w, dy = np.zeros((4, 8), np.uint16), np.zeros((3, 8), np.uint16), np.zeros((4, 3), np.uint16)
-    msg = f"qmax: expected 127 (int8) or 7 (the simulated int4 path), got {bad!r}"
+    msg = f"qmax: expected 127 (int8), 31 (the simulated int6 path) or 7 (the simulated int4 path), got {bad!r}"
     for mod in (cu, spec_backend):
         with pytest.raises(ValueError) as e1:
             mod.qlinear_forward(x, w, qmax=bad)

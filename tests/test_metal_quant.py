@@ -2,8 +2,8 @@
 bit for bit: the quantizers (per-row weight step sizes, per-tensor scales), the exact int8 GEMM,
 the Walsh-Hadamard rotation and the layer's forward and backward; and the int8 attention forward
 (§6.10: value-row quantization kernel, int8 block product) against the numpy spec and the C reference;
-and the simulated int4 path (qmax=7: the same kernels with the template argument QMAX = 7) against
-the numpy spec (and the C reference once its qlinear functions take qmax).
+and the simulated int4 and int6 paths (qmax=7 / 31: the same kernels with the template argument
+QMAX = 7 / 31) against the numpy spec (and the C reference once its qlinear functions take qmax).
 
 Where Metal is available the kernels run through mx.fast.metal_kernel, elsewhere in the emulator.
 Shapes are odd (not multiples of QB, of the absmax block or of any threadgroup), inputs include
@@ -184,14 +184,14 @@ def test_quant_tensor_f32():
         assert_same_q(M.quant_tensor(v), C.quant_tensor(v), f"quant_tensor f32 {v.ravel()[:3]}")
 
 
-@pytest.mark.parametrize("qmax", [127, 7])
+@pytest.mark.parametrize("qmax", [127, 31, 7])
 def test_quant_apply_levels_and_clip_flags(qmax):
-    """The rounding kernel itself (template QMAX: int8, or the simulated int4 path): per-row scales
-    of powers of two (inv exact), values at ties, at the clamp (127 or 7), past it, overflowing to
-    inf; a NaN-scale row and a zero-scale row."""
+    """The rounding kernel itself (template QMAX: int8, or the simulated int6 / int4 paths): per-row
+    scales of powers of two (inv exact), values at ties, at the clamp (127, 31 or 7), past it,
+    overflowing to inf; a NaN-scale row and a zero-scale row."""
     v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.5, -127.5, 127.0, 128.0, 3e38, -3e38,
                   0.49999997, -2.5000002, 6.5, -6.5, 7.0, -7.0, 7.5, -7.5, 8.0, 6.4999995, 7.0000005,
-                  3.5, 4.5, 5.5], np.float32)
+                  3.5, 4.5, 5.5, 30.5, -30.5, 31.0, 31.5, -31.5, 32.0, 31.000002], np.float32)
     K = v.size
     s = np.array([1.0, 0.5, 2.0 ** -100, np.nan, 0.0], np.float32)
     vv = np.tile(v, s.size)
@@ -361,148 +361,166 @@ def test_attention_forward_i8_empty_and_bad_arguments():
     attention_i8_empty_and_bad_arguments(M.attention_forward_i8, C.attention_forward_i8)
 
 
-# ------------------------------------------------------------------ the simulated int4 path (qmax = 7)
-QMAX4 = 7
+# ------------------------------------------------------ the simulated int4 / int6 paths (qmax = 7 / 31)
+QMAX4, QMAX6 = 7, 31
+LOW_QMAX = pytest.mark.parametrize("qmax", [QMAX4, QMAX6], ids=["int4", "int6"])
 #: whether cpu_ref's qlinear functions take qmax yet (then the int4 path is compared with it as well)
 CPU_REF_INT4 = all("qmax" in inspect.signature(f).parameters for f in (C.qlinear_forward, C.qlinear_backward))
+#: per level bound: an activation magnitude whose div(a, qmax) is a normal while div(a, 127) flushes
+#: (the next lower power of two flushes at qmax as well)
+TINY_E = {QMAX4: -123, QMAX6: -121}
 
 
-def check_layer4(x, w, dy, what):
-    """The int4 path (qmax=7) equals the numpy spec (and cpu_ref where it takes qmax) bit for bit."""
-    y = M.qlinear_forward(x, w, qmax=QMAX4)
-    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, QMAX4), f"{what} y (int4)")
-    dx, dw = M.qlinear_backward(dy, x, w, qmax=QMAX4)
-    want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, QMAX4)
-    assert_bits_equal(dx, want_dx, f"{what} dx (int4)")
-    assert_bits_equal(dw, want_dw, f"{what} dw (int4)")
+def check_layer4(x, w, dy, what, qmax=QMAX4):
+    """The int4 / int6 path (qmax=7 / 31) equals the numpy spec (and cpu_ref where it takes qmax)
+    bit for bit."""
+    what = f"{what} (qmax {qmax})"
+    y = M.qlinear_forward(x, w, qmax=qmax)
+    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, qmax), f"{what} y")
+    dx, dw = M.qlinear_backward(dy, x, w, qmax=qmax)
+    want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, qmax)
+    assert_bits_equal(dx, want_dx, f"{what} dx")
+    assert_bits_equal(dw, want_dw, f"{what} dw")
     if CPU_REF_INT4:
-        assert_bits_equal(y, C.qlinear_forward(x, w, qmax=QMAX4), f"{what} y (int4, cpu_ref)")
-        ref_dx, ref_dw = C.qlinear_backward(dy, x, w, qmax=QMAX4)
-        assert_bits_equal(dx, ref_dx, f"{what} dx (int4, cpu_ref)")
-        assert_bits_equal(dw, ref_dw, f"{what} dw (int4, cpu_ref)")
+        assert_bits_equal(y, C.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
+        ref_dx, ref_dw = C.qlinear_backward(dy, x, w, qmax=qmax)
+        assert_bits_equal(dx, ref_dx, f"{what} dx, cpu_ref")
+        assert_bits_equal(dw, ref_dw, f"{what} dw, cpu_ref")
     return y, dx, dw
 
 
+@LOW_QMAX
 @pytest.mark.parametrize("N,K,M_", [(1, 1, 1), (5, 3, 7), (130, 70, 129), (300, 257, 200), (129, 33, 128)])
-def test_int4_layer_matches_spec(N, K, M_):
+def test_int4_layer_matches_spec(N, K, M_, qmax):
     rng = rng_for(30, N, K, M_)
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M_, K), 0.02), rand_bf16(rng, (N, M_), 1e-3)
-    y, dx, dw = check_layer4(x, w, dy, f"{N}x{K}x{M_}")
+    y, dx, dw = check_layer4(x, w, dy, f"{N}x{K}x{M_}", qmax)
     if N * K * M_ > 1000:                       # not the int8 layer
         assert not np.array_equal(y, M.qlinear_forward(x, w))
         assert not np.array_equal(dw, M.qlinear_backward(dy, x, w)[1])
+    if qmax == QMAX6 and N * K * M_ > 1000:     # nor the int4 path
+        assert not np.array_equal(y, M.qlinear_forward(x, w, qmax=QMAX4))
 
 
-def test_int4_need_flags_and_positional_arguments():
+@LOW_QMAX
+def test_int4_need_flags_and_positional_arguments(qmax):
     rng = rng_for(31)
     x, w, dy = rand_bf16(rng, (17, 11)), rand_bf16(rng, (13, 11), 0.02), rand_bf16(rng, (17, 13), 1e-3)
-    want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, QMAX4)
-    dx, dw = M.qlinear_backward(dy, x, w, False, True, QMAX4)
+    want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, qmax)
+    dx, dw = M.qlinear_backward(dy, x, w, False, True, qmax)
     assert dx is None
     assert_bits_equal(dw, want_dw, "dw only")
-    dx, dw = M.qlinear_backward(dy, x, w, need_dw=False, qmax=QMAX4)
+    dx, dw = M.qlinear_backward(dy, x, w, need_dw=False, qmax=qmax)
     assert dw is None
     assert_bits_equal(dx, want_dx, "dx only")
-    assert_bits_equal(M.qlinear_forward(x, w, QMAX4), spec_quant.qlinear_forward(x, w, QMAX4), "positional qmax")
+    assert_bits_equal(M.qlinear_forward(x, w, qmax), spec_quant.qlinear_forward(x, w, qmax), "positional qmax")
     assert_bits_equal(M.qlinear_forward(x, w, np.int64(127)), M.qlinear_forward(x, w), "qmax 127 is int8")
 
 
-def test_int4_special_values_in_the_layer():
+@LOW_QMAX
+def test_int4_special_values_in_the_layer(qmax):
     rng = rng_for(32)
     N, K, M_ = 140, 96, 150
     x, w, dy = rand_bf16(rng, (N, K)), special_weights(rng, M_, K), rand_bf16(rng, (N, M_), 1e-3)
     x[3, 3] = 0x0001                            # subnormal input: flushed
     x[4, :7] = 0x8001
     dy[5, :9] = 0x0001
-    w[15] = f32_to_bf16(np.full(K, 2.0 ** -122, np.float32))   # s_w = 2^-122 QW_COEF4: not flushed
-    y, dx, dw = check_layer4(x, w, dy, "specials")
+    w[15] = f32_to_bf16(np.full(K, 2.0 ** -122, np.float32))   # s_w = 2^-122 QW_COEF4 (6): not flushed
+    check = lambda x, w, dy, what: check_layer4(x, w, dy, what, qmax)
+    y, dx, dw = check(x, w, dy, "specials")
     assert np.all(y[:, 3] == 0) and np.all(np.isnan(y[:, 5])) and np.all(np.isnan(dw[6])) and np.all(np.isnan(dx))
     assert dw[8, 0] == 0 and dw[8, 0].view(np.uint32) == 0 and (dw[14, :5].view(np.uint32) == 0).all()
     for r in (5, 6, 7, 9):                      # without the non-finite rows
         w[r] = 0
-    y, dx, dw = check_layer4(x, w, dy, "finite weights")
+    y, dx, dw = check(x, w, dy, "finite weights")
     assert not np.isnan(dx).any()
     x[7, 7] = 0x7F80                            # inf activation: the tensor scale is NaN
-    y, dx, dw = check_layer4(x, w, dy, "inf x")
+    y, dx, dw = check(x, w, dy, "inf x")
     assert np.all(np.isnan(y)) and not np.isnan(dx).any()
     dy[0, 0] = 0xFF80                           # inf gradient: both gradients NaN
-    check_layer4(x, w, dy, "inf dy")
+    check(x, w, dy, "inf dy")
     x[7, 7] = 0
     dy[0, 0] = 0x7FC1                           # NaN gradient
-    check_layer4(x, w, dy, "nan dy")
-    y, dx, dw = check_layer4(np.zeros((N, K), np.uint16), w * 0, dy * 0, "zeros")
+    check(x, w, dy, "nan dy")
+    y, dx, dw = check(np.zeros((N, K), np.uint16), w * 0, dy * 0, "zeros")
     assert y.view(np.uint32).max() == 0 and dx.view(np.uint32).max() == 0 and dw.view(np.uint32).max() == 0
     big = rand_bf16(rng, (N, K), 1e30)          # large activations, tiny gradients near flushing
     tiny = rand_bf16(rng, (N, M_), 1e-36)
-    check_layer4(big, w, tiny, "big x, tiny dy")
-    check_layer4(x, rand_bf16(rng, (M_, K), 1e-37), dy, "tiny weights")
-    # absmax 2^-123: div(a, 127) flushes, div(a, 7) does not
-    tx = f32_to_bf16((np.sign(rng.standard_normal((N, K))) * 2.0 ** -123).astype(np.float32))
-    check_layer4(tx, w, dy, "tiny activations")
-    assert M._quant_f32(M.bf16_to_f32(tx), QMAX4)[1][0] > 0 and M._quant_f32(M.bf16_to_f32(tx))[1][0] == 0
+    check(big, w, tiny, "big x, tiny dy")
+    check(x, rand_bf16(rng, (M_, K), 1e-37), dy, "tiny weights")
+    # absmax 2^-123 (int6: 2^-121): div(a, 127) flushes, div(a, qmax) does not
+    tx = f32_to_bf16((np.sign(rng.standard_normal((N, K))) * 2.0 ** TINY_E[qmax]).astype(np.float32))
+    check(tx, w, dy, "tiny activations")
+    assert M._quant_f32(M.bf16_to_f32(tx), qmax)[1][0] > 0 and M._quant_f32(M.bf16_to_f32(tx))[1][0] == 0
 
 
-def test_int4_clipping():
+@LOW_QMAX
+def test_int4_clipping(qmax):
     """A weight 10x its row's mean magnitude: t ~ 12 steps at int4 (clipped: level 7, dW +0), ~50
-    at int8 (not clipped)."""
+    at int8 (not clipped); int6: 30x, t ~ 50 steps (clipped: level 31), ~100 at int8."""
     rng = rng_for(33)
     N, K, M_ = 131, 96, 140
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M_, K), 0.02), rand_bf16(rng, (N, M_), 1e-3)
+    out = {QMAX4: 0.1, QMAX6: 0.3}[qmax]
     w[:20] = f32_to_bf16(np.float32(0.01))
-    w[:20, 0] = f32_to_bf16(np.float32(0.1))
-    w[:20, 1] = f32_to_bf16(np.float32(-0.1))
+    w[:20, 0] = f32_to_bf16(np.float32(out))
+    w[:20, 1] = f32_to_bf16(np.float32(-out))
     w[30] = 0
     w[30, 0] = f32_to_bf16(np.float32(-9.0))    # a single nonzero: clipped at both
-    q4, s4, clip4 = M._quant_w(w, M_, K, QMAX4)
-    want_q, want_s, want_clip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=QMAX4)
+    q4, s4, clip4 = M._quant_w(w, M_, K, qmax)
+    want_q, want_s, want_clip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=qmax)
     assert np.array_equal(q4, want_q) and np.array_equal(clip4, want_clip)
-    assert_bits_equal(s4, want_s, "s_w int4")
+    assert_bits_equal(s4, want_s, f"s_w qmax {qmax}")
     q8, _, clip8 = M._quant_w(w, M_, K)
-    assert (clip4[:20, :2] == 1).all() and (q4[:20, 0] == 7).all() and (q4[:20, 1] == -7).all()
+    assert (clip4[:20, :2] == 1).all() and (q4[:20, 0] == qmax).all() and (q4[:20, 1] == -qmax).all()
     assert not clip8[:20].any() and (np.abs(q8[:20, :2].astype(np.int64)) < 127).all()
     assert clip4.sum() > clip8.sum() > 0
-    _, _, dw = check_layer4(x, w, dy, "clipping")
+    _, _, dw = check_layer4(x, w, dy, "clipping", qmax)
     assert (dw[:20, :2].view(np.uint32) == 0).all() and dw[30, 0].view(np.uint32) == 0
     dw8 = M.qlinear_backward(dy, x, w)[1]
     assert (dw8[:20, :2] != 0).all()
 
 
-def test_int4_levels_within_7():
-    """The quantizer kernels with QMAX = 7: every level in [-7, 7], both ends reached, the spec's
-    levels and scales (weight rows: QW_COEF4; tensors: div(absmax, 7)); int8 differs."""
+@LOW_QMAX
+def test_int4_levels_within_7(qmax):
+    """The quantizer kernels with QMAX = 7 (31): every level in [-7, 7] ([-31, 31]), both ends
+    reached, the spec's levels and scales (weight rows: QW_COEF4 (QW_COEF6); tensors:
+    div(absmax, qmax)); int8 differs."""
     rng = rng_for(34)
     M_, K = 67, 301
     w = special_weights(rng, M_, K)
-    q, s, clip = M._quant_w(w, M_, K, QMAX4)
-    want_q, want_s, want_clip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=QMAX4)
+    q, s, clip = M._quant_w(w, M_, K, qmax)
+    want_q, want_s, want_clip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=qmax)
     assert np.array_equal(q, want_q) and np.array_equal(clip, want_clip)
     assert_bits_equal(s, want_s, "s_w")
-    assert q.min() == -7 and q.max() == 7 and clip[8, 0] == 1 and (clip[5] == 2).all()
+    assert q.min() == -qmax and q.max() == qmax and clip[8, 0] == 1 and (clip[5] == 2).all()
     q8, s8, _ = M._quant_w(w, M_, K)
     assert np.abs(q8.astype(np.int64)).max() == 127 and not np.array_equal(s, s8)
     v = (rng.standard_normal(10000) * 3).astype(np.float32)
     v[0], v[9999] = 1e-40, -40.0                # a flushed subnormal; the max in the last block
     for vv in (v, sprinkle(rng, rand_f32(rng, (50, 7), 1e-30), SPECIAL_F32[[0, 1, 5, 6, 7, 8, 9, 12, 13]], 0.2),
                np.array([np.inf, 1.0], np.float32), np.array([2.0 ** -124, 2.0 ** -126], np.float32)):
-        qt, st = M._quant_f32(vv, QMAX4)
-        want_q, want_s = spec_quant.quant_tensor_f32(vv, QMAX4)
+        qt, st = M._quant_f32(vv, qmax)
+        want_q, want_s = spec_quant.quant_tensor_f32(vv, qmax)
         assert np.array_equal(qt, want_q.reshape(vv.shape)), vv.ravel()[:3]
         assert_bits_equal(st[0], np.float32(want_s), "s")
-        assert np.abs(qt.astype(np.int64)).max(initial=0) <= 7
-    qt, st = M._quant_f32(v, QMAX4)
-    assert qt.min() == -7 and st[0] == np.float32(40.0) / np.float32(7)
+        assert np.abs(qt.astype(np.int64)).max(initial=0) <= qmax
+    qt, st = M._quant_f32(v, qmax)
+    assert qt.min() == -qmax and st[0] == np.float32(40.0) / np.float32(qmax)
     assert np.abs(M._quant_f32(v)[0].astype(np.int64)).max() == 127
-    t = np.array([7.0, 0.5, 1.5, 2.5, -0.5, -2.5, 6.5, -6.5, 3.5, -1.5, 5.5, -4.5], np.float32)
-    qt, st = M._quant_f32(t, QMAX4)               # s = 1 exactly: ties to even
-    assert st[0] == 1.0 and qt.tolist() == [7, 0, 2, 2, 0, -2, 6, -6, 4, -2, 6, -4]
-    tv = np.array([2.0 ** -123, -(2.0 ** -124)], np.float32)
-    qt, st = M._quant_f32(tv, QMAX4)                # div(2^-123, 7) is a normal: not flushed, unlike / 127
-    assert st[0] > 0 and qt[0] == 7 and qt.tolist() == spec_quant.quant_tensor_f32(tv, QMAX4)[0].tolist()
-    assert M._quant_f32(np.array([2.0 ** -123], np.float32))[1][0] == 0
-    assert M._quant_f32(np.array([2.0 ** -124], np.float32), QMAX4)[1][0] == 0     # div(2^-124, 7) flushes
+    h = qmax - 0.5                              # the largest tie below the clamp: to qmax - 1 (even)
+    t = np.array([qmax, 0.5, 1.5, 2.5, -0.5, -2.5, h, -h, 3.5, -1.5, 5.5, -4.5], np.float32)
+    qt, st = M._quant_f32(t, qmax)               # s = 1 exactly: ties to even
+    assert st[0] == 1.0 and qt.tolist() == [qmax, 0, 2, 2, 0, -2, qmax - 1, 1 - qmax, 4, -2, 6, -4]
+    e = TINY_E[qmax]
+    tv = np.array([2.0 ** e, -(2.0 ** (e - 1))], np.float32)
+    qt, st = M._quant_f32(tv, qmax)             # div(2^e, qmax) is a normal: not flushed, unlike / 127
+    assert st[0] > 0 and qt[0] == qmax and qt.tolist() == spec_quant.quant_tensor_f32(tv, qmax)[0].tolist()
+    assert M._quant_f32(np.array([2.0 ** e], np.float32))[1][0] == 0
+    assert M._quant_f32(np.array([2.0 ** (e - 1)], np.float32), qmax)[1][0] == 0     # div(2^(e-1), qmax) flushes
 
 
-@pytest.mark.parametrize("bad", [8, 0, -7, 255, 7.0, True, "7", None])
+@pytest.mark.parametrize("bad", [8, 0, -7, 32, 255, 7.0, True, "7", None])
 def test_qmax_validated(bad):
     from mlx_open1b.parity import spec_backend
     x, w, dy = np.zeros((4, 8), np.uint16), np.zeros((3, 8), np.uint16), np.zeros((4, 3), np.uint16)
@@ -511,7 +529,7 @@ def test_qmax_validated(bad):
             mod.qlinear_forward(x, w, qmax=bad)
         with pytest.raises(ValueError, match="qmax: expected 127") as e2:
             mod.qlinear_backward(dy, x, w, qmax=bad)
-        msg = f"qmax: expected 127 (int8) or 7 (the simulated int4 path), got {bad!r}"
+        msg = f"qmax: expected 127 (int8), 31 (the simulated int6 path) or 7 (the simulated int4 path), got {bad!r}"
         assert str(e1.value) == str(e2.value) == msg
 
 

@@ -49,7 +49,7 @@ def test_every_cpu_ref_op_has_a_case_generator():
     assert not missing, f"ops of the cpu_ref API without a parity case generator: {missing}"
     for op in P.OPS:
         assert P.backends.resolve(spec_backend, op) is not None, op
-        if op in P.backends.VARIANTS:   # the int4 path: cpu_ref has it once its base function takes qmax
+        if op in P.backends.VARIANTS:   # the int4/int6 paths: cpu_ref has them once its base function takes qmax
             base, kw = P.backends.VARIANTS[op]
             assert base in api, op
             has = P.backends.accepts(getattr(cpu_ref, base), kw)
@@ -94,18 +94,20 @@ def test_gpu_backend_matches_cpu_ref_on_every_op(name):
     own = [op for op, names in report.missing.items() if name in names]
     if own:                 # every op it has is bit-identical; the ones it lacks are listed
         pytest.xfail(f"{name} has no {', '.join(own)} yet (not compared)")
-    # ops cpu_ref lacks (the int4 path until its qlinear functions take qmax) are compared with the
-    # spec in test_gpu_backend_int4_path_matches_spec
+    # ops cpu_ref lacks (the int4 / int6 paths until its qlinear functions take qmax) are compared
+    # with the spec in test_gpu_backend_int4_path_matches_spec
 
 
 INT4_OPS = ["qlinear4_forward", "qlinear4_backward"]
+INT6_OPS = ["qlinear6_forward", "qlinear6_backward"]
 
 
 @pytest.mark.parametrize("name", GPU)
 def test_gpu_backend_int4_path_matches_spec(name):
-    """The simulated int4 path (qlinear_* with qmax=7) of metal / cuda against the numpy spec."""
-    report = P.run(["spec", name], ops=INT4_OPS, cases=12, seed=1)
-    assert report.complete and report.total_cases == 24, P.format_table(report)
+    """The simulated int4 and int6 paths (qlinear_* with qmax=7 / 31) of metal / cuda against the
+    numpy spec."""
+    report = P.run(["spec", name], ops=INT4_OPS + INT6_OPS, cases=12, seed=1)
+    assert report.complete and report.total_cases == 48, P.format_table(report)
 
 
 def test_int4_ops_on_backends_with_and_without_qmax():
@@ -131,6 +133,9 @@ def test_int4_ops_on_backends_with_and_without_qmax():
     assert P.backends.resolve(old, "qlinear4_forward") is None and P.backends.resolve(old, "qlinear_forward")
     fn = P.backends.resolve(spec_backend, "qlinear4_backward")
     assert fn.func is spec_backend.qlinear_backward and fn.keywords == {"qmax": 7}
+    fn = P.backends.resolve(spec_backend, "qlinear6_forward")
+    assert fn.func is spec_backend.qlinear_forward and fn.keywords == {"qmax": 31}
+    assert P.backends.resolve(old, "qlinear6_backward") is None
     for ref in ("old", "spec"):
         bks = [("old", old), ("spec", spec_backend)]
         report = P.run(bks if ref == "old" else bks[::-1], ops=INT4_OPS + ["qlinear_forward"], cases=2)
@@ -145,28 +150,29 @@ def test_int4_ops_on_backends_with_and_without_qmax():
     assert r.mismatches >= 1 and r.first["backend"] == "bad" and r.missing == []
 
 
-def test_int4_cases_are_valid_and_cover_specials():
+@pytest.mark.parametrize("bits,qmax", [(4, 7), (6, 31)], ids=["int4", "int6"])
+def test_int4_cases_are_valid_and_cover_specials(bits, qmax):
     from mlx_open1b import opargs
     from mlx_open1b.spec import quant as sq
     sw, clip, sx, q = [], 0, [], []
     for i in range(24):
-        dy, x, w = P.make_case("qlinear4_backward", i).args
+        dy, x, w = P.make_case(f"qlinear{bits}_backward", i).args
         opargs.qlinear_backward(dy, x, w)
-        x2, w2 = P.make_case("qlinear4_forward", i).args
+        x2, w2 = P.make_case(f"qlinear{bits}_forward", i).args
         opargs.qlinear_forward(x2, w2)
         for xx, ww in ((x, w), (x2, w2)):
-            qw, s, c = sq.quant_weight_rows(ww, with_clip=True, qmax=7)
+            qw, s, c = sq.quant_weight_rows(ww, with_clip=True, qmax=qmax)
             sw.append(s)
             clip += int((c == 1).sum())
             q.append(qw.reshape(-1))
-            sx.append(np.float32(sq.quant_tensor(xx, 7)[1]))
+            sx.append(np.float32(sq.quant_tensor(xx, qmax)[1]))
     sw, sx, q = np.concatenate(sw), np.array(sx), np.concatenate(q)
-    assert np.isnan(sw).any() and (sw == 0).any() and clip > 0 and q.min() == -7 and q.max() == 7
+    assert np.isnan(sw).any() and (sw == 0).any() and clip > 0 and q.min() == -qmax and q.max() == qmax
     pos = sw[np.isfinite(sw) & (sw > 0)]
-    assert (np.frexp(pos)[0] == 0.5).any(), "no int4 tie rows (power-of-two step)"
+    assert (np.frexp(pos)[0] == 0.5).any(), f"no int{bits} tie rows (power-of-two step)"
     assert np.isnan(sx).any() and (sx == 0).any()
     px = sx[np.isfinite(sx) & (sx > 0)]
-    assert (np.frexp(px)[0] == 0.5).any(), "no int4 tie tensors (power-of-two scale)"
+    assert (np.frexp(px)[0] == 0.5).any(), f"no int{bits} tie tensors (power-of-two scale)"
 
 
 def test_backend_without_an_op_is_reported_missing_not_a_mismatch():

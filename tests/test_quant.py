@@ -338,24 +338,25 @@ def test_bad_inputs():
         cpu_ref.gemm_i8(np.zeros((2, 2), np.int16), np.zeros((2, 2), np.int8))
 
 
-# ------------------------------------------------------------------ the simulated int4 path (qmax = 7)
+# ------------------------------------------------------ the simulated int4 / int6 paths (qmax = 7 / 31)
+@pytest.mark.parametrize("qmax", [7, 31], ids=["int4", "int6"])
 @pytest.mark.parametrize("N,K,M", [(5, 3, 7), (130, 70, 129), (257, 96, 200)])
-def test_int4_layer_matches_spec(N, K, M):
-    """cpu_ref with qmax = 7 equals the spec bit for bit, with special values sprinkled in, at
-    every SIMD level and thread count (the VNNI fast path is int8 only: int4 runs the portable
-    quantizers with whatever GEMM the level has)."""
+def test_int4_layer_matches_spec(N, K, M, qmax):
+    """cpu_ref with qmax = 7 (int4) or 31 (int6) equals the spec bit for bit, with special values
+    sprinkled in, at every SIMD level and thread count (the VNNI fast path is int8 only: int4 and
+    int6 run the portable quantizers with whatever GEMM the level has)."""
     rng = np.random.default_rng(7 * N + K)
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
     w[0] = 0
-    w[1, 1] = f32_to_bf16(np.float32(1.0))         # clipped at int4 (|t| > 7)
+    w[1, 1] = f32_to_bf16(np.float32(1.0))         # clipped at int4 and int6 (|t| ~ 170 steps of int6)
     x = sprinkle(rng, x, SPECIAL_BF16[[0, 1, 6, 7, 8]], 0.01)       # zeros and subnormals only
-    want = (S.qlinear_forward(x, w, 7),) + S.qlinear_backward(dy, x, w, 7)
+    want = (S.qlinear_forward(x, w, qmax),) + S.qlinear_backward(dy, x, w, qmax)
     for lvl in (0, 1, 2):
         for th in (1, 3):
             with settings(simd=lvl, threads=th):
-                got = (cpu_ref.qlinear_forward(x, w, qmax=7),) + cpu_ref.qlinear_backward(dy, x, w, qmax=7)
+                got = (cpu_ref.qlinear_forward(x, w, qmax=qmax),) + cpu_ref.qlinear_backward(dy, x, w, qmax=qmax)
             for name, a, b in zip(("y", "dx", "dw"), got, want):
-                assert_bits_equal(a, b, f"int4 {name} simd {lvl} threads {th}")
+                assert_bits_equal(a, b, f"qmax {qmax} {name} simd {lvl} threads {th}")
     if K >= 32:
         assert got[2][1, 1] == 0                   # the clipped weight passes no gradient
     y8 = cpu_ref.qlinear_forward(x, w)

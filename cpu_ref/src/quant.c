@@ -384,7 +384,8 @@ static void dequant(int64_t I, int64_t J, const int32_t *acc, float *y, int nc, 
 }
 
 /* ------------------------------------------------------------------ the quantized linear layer */
-/* qmax: 127 (int8), or 7 (the simulated int4 path; the VNNI fast path is int8 only). */
+/* qmax: 127 (int8), 31 (the simulated int6 path) or 7 (the simulated int4 path); the VNNI fast
+ * path is int8 only. */
 O1B_API int o1b_qlinear_forward_q(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
                                   int qmax) {
     if (qmax == QMAX && o1b_qlinear_forward_vnni(N, K, M, x, w, y)) return 0;   /* quant_vnni.c: the same bits */

@@ -17,6 +17,8 @@
 #define Q_MAX_P (1 << 17)               /* contraction length bound: 2^17 * 127^2 < 2^31 */
 #define QMAX4 7                         /* the simulated int4 path (levels -7 ... 7) */
 #define QW_COEF4 0x1.83091ep-1f         /* 2/sqrt(7) rounded to nearest fp32 */
+#define QMAX6 31                        /* the simulated int6 path (levels -31 ... 31) */
+#define QW_COEF6 0x1.6fd4e8p-2f         /* 2/sqrt(31) rounded to nearest fp32 */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define O1B_Q_X86 1
@@ -27,7 +29,7 @@ static inline int is_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7
 /* Round to nearest integer, ties to even, then clamp to [-127, 127] (o1b_level). t is finite:
  * NaN scales never reach the quantizers. */
 static inline int8_t rne_clamp(float t) { return o1b_level(t); }
-/* The same for the level bound qmax (127, or 7 on the int4 path). */
+/* The same for the level bound qmax (127, or 7 / 31 on the int4 / int6 paths). */
 static inline int8_t rne_clamp_q(float t, int qmax) {
     if (qmax == QMAX) return o1b_level(t);
     float m = (float)qmax;
@@ -35,7 +37,9 @@ static inline int8_t rne_clamp_q(float t, int qmax) {
     if (t <= -m) return (int8_t)-qmax;
     return (int8_t)(int)((t + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC);
 }
-static inline float qw_coef(int qmax) { return qmax == QMAX4 ? QW_COEF4 : QW_COEF; }
+static inline float qw_coef(int qmax) {
+    return qmax == QMAX4 ? QW_COEF4 : qmax == QMAX6 ? QW_COEF6 : QW_COEF;
+}
 
 static inline uint32_t qbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float qfrom(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }

@@ -14,7 +14,9 @@ QB = 128
 QW_COEF = np.float32(float.fromhex("0x1.6b7612p-3"))     # 2/sqrt(127) rounded to fp32
 QMAX4 = 7                                                  # the simulated int4 path (§6.9)
 QW_COEF4 = np.float32(float.fromhex("0x1.83091ep-1"))    # 2/sqrt(7) rounded to fp32
-COEF = {QMAX: QW_COEF, QMAX4: QW_COEF4}
+QMAX6 = 31                                                 # the simulated int6 path (§6.9)
+QW_COEF6 = np.float32(float.fromhex("0x1.6fd4e8p-2"))    # 2/sqrt(31) rounded to fp32
+COEF = {QMAX: QW_COEF, QMAX4: QW_COEF4, QMAX6: QW_COEF6}
 INV_QB = np.float32(2.0 ** -7)
 NAN = from_bits(np.uint32(0x7FC00000))
 
@@ -105,7 +107,7 @@ def _pad(n):
 
 
 def qlinear_forward(x, w, qmax=QMAX):
-    """§6.9 forward; qmax 7 is the simulated int4 path."""
+    """§6.9 forward; qmax 7 is the simulated int4 path, 31 the simulated int6 path."""
     qx, sx = quant_tensor(x, qmax)
     qw, sw = quant_weight_rows(w, qmax=qmax)
     acc = gemm_i8(qx, qw)
