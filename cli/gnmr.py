@@ -29,9 +29,12 @@ def gnmr():
 @click.option("--arms", default=None,
               help="comma-separated arms to run [default: all: LOW,gnmr-LOW-int8,int8,bf16]")
 @click.option("--eval-every", type=int, default=None, help="held-out CE every N steps (default: the preset's)")
+@click.option("--spike-skip", type=int, default=None,
+              help="updates skipped after a gradient-norm spike (default: the preset's, 5; 0 turns the spike "
+                   "protocol off, so that low-precision arms are not frozen by repeated spikes)")
 @click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
 @click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU)")
-def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_every, backend, threads):
+def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_every, spike_skip, backend, threads):
     """Fixed low (int4 or int6), GNMR low/int8, fixed int8 and bf16 on the same tokens: held-out CE
     per arm, the promotion ratio and the hit-maxO rate; writes OUT/summary.json and OUT/curves.svg."""
     from mlx_open1b import cpu_ref
@@ -54,6 +57,10 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_eve
         base = preset(preset_name)
         if eval_every is not None:
             base = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_every=eval_every))
+        if spike_skip is not None:
+            if spike_skip < 0:
+                _fail(f"--spike-skip must be >= 0, got {spike_skip}", 2)
+            base = dataclasses.replace(base, train=dataclasses.replace(base.train, spike_skip=spike_skip))
         data = pathlib.Path(data_dir) if data_dir else _default_corpus(pathlib.Path("runs") / "data-default")
         summary = run_experiment(out, base, data, steps, g, arms=chosen, backend=backend,
                                  log=lambda m: click.echo(m, err=True), low=low)
