@@ -163,12 +163,16 @@ class RunConfig:
                                 "(CONTRACT.md §6.1), int8 (W8A8 quantized, §6.9), int6 or int4 (§6.9's simulated "
                                 "int6 / int4 paths, GNMR's low-cost stress paths)")
     gnmr: object = _f(None, "GNMR precision controller (mlx_open1b.gnmr.GNMRConfig; CONTRACT.md §13), or None")
+    attention_pv: str = _f("int8", "attention forward of the quantized precisions: int8 (the P·V product in "
+                                   "int8, CONTRACT.md §6.10) or fp32 (§6.6: int8 runs started before §6.10)")
 
     def check(self) -> "RunConfig":
         self.model.check()
         self.train.check(self.model)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.attention_pv not in ("int8", "fp32"):
+            raise ConfigError(f"attention_pv must be int8 or fp32, got {self.attention_pv!r}")
         if self.gnmr is not None:
             from .gnmr import GNMRConfig, GNMRError
             if not isinstance(self.gnmr, GNMRConfig):
@@ -183,6 +187,10 @@ class RunConfig:
         d = dataclasses.asdict(self)
         if self.gnmr is None:
             del d["gnmr"]        # runs without a controller keep their pre-GNMR genesis
+        if self.precision == "bf16" or self.attention_pv == "fp32":
+            # bf16 runs have no quantized attention; int8 runs from before §6.10 wrote no such key:
+            # both keep their genesis (a missing key reads back as fp32 for the quantized precisions)
+            del d["attention_pv"]
         return d
 
     @classmethod
@@ -194,9 +202,16 @@ class RunConfig:
             gnmr = None
             if d.get("gnmr") is not None:
                 from .gnmr import GNMRConfig
+                missing = sorted(f.name for f in dataclasses.fields(GNMRConfig) if f.name not in d["gnmr"])
+                if missing:
+                    raise ConfigError(f"config gnmr: missing {', '.join(missing)} (a run's controller settings are "
+                                      f"written in full)")
                 gnmr = GNMRConfig(**d["gnmr"])
+            precision = d.get("precision", "bf16")
+            # int8 configs written before §6.10 have no attention_pv: their attention forward was §6.6
+            attention_pv = d.get("attention_pv", "int8" if precision == "bf16" else "fp32")
             return cls(model=m, train=TrainConfig(**t), preset=d.get("preset", "custom"),
-                       precision=d.get("precision", "bf16"), gnmr=gnmr)
+                       precision=precision, gnmr=gnmr, attention_pv=attention_pv)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"config: malformed ({e})") from None
 

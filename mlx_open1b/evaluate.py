@@ -118,7 +118,8 @@ class Open1BLM(_LMBase):
         self.tok, self.step, self.backend, self.batch_size = tokenizer, step, backend, max(1, int(batch_size))
         self.run_dir = run
         self.params = np.array(tensors["params"][0], copy=True)
-        self.model = Model(self.cfg.model, self.ops, precision=self.cfg.precision)
+        self.model = Model(self.cfg.model, self.ops, precision=self.cfg.precision,
+                           attention_pv=self.cfg.attention_pv)
         self.T = self.cfg.model.seq_len
         self.eot = tokenizer.eot_id
 

@@ -64,11 +64,14 @@ class GNMRConfig:
                             f"(choose {' or '.join(HIGHER[precision])})")
         if self.mode not in ("op", "block"):
             raise GNMRError(f"gnmr.mode: expected op or block, got {self.mode!r}")
+        def real(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
         for name in ("alpha", "alpha_init", "beta", "eps"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and np.isfinite(f32(v)) and f32(v) > 0):
-                raise GNMRError(f"gnmr.{name}: expected a positive finite number, got {v!r}")
-        if not 0 <= self.warm <= 1:
+            # positive, finite and normal in fp32 (a subnormal would be flushed to +0 by the contract's add)
+            if not (real(v) and v > 0 and np.isfinite(f32(v)) and f32(v) >= 2.0 ** -126):
+                raise GNMRError(f"gnmr.{name}: expected a positive finite number (a normal fp32), got {v!r}")
+        if not (real(self.warm) and 0 <= self.warm <= 1):
             raise GNMRError(f"gnmr.warm: expected a fraction in [0, 1], got {self.warm!r}")
         for name, lo in (("max_o", 0), ("lock", 0), ("window", 1)):
             v = getattr(self, name)
@@ -80,7 +83,8 @@ class GNMRConfig:
     def parse(cls, text: str) -> "GNMRConfig":
         """From the CLI form `alpha=3,beta=2,maxO=2,lock=5,window=10,mode=op` (any subset)."""
         names = {f.name: f for f in dataclasses.fields(cls)}
-        alias = {"maxo": "max_o", "max_o": "max_o", "alpha_init": "alpha_init", "t_lock": "lock"}
+        alias = {"maxo": "max_o", "max_o": "max_o", "alpha_init": "alpha_init", "alpha-init": "alpha_init",
+                 "t_lock": "lock"}
         kw = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in part:
@@ -89,11 +93,13 @@ class GNMRConfig:
             k = alias.get(k.lower(), k.lower())
             if k not in names:
                 raise GNMRError(f"--gnmr: unknown key {k!r} (keys: {', '.join(names)})")
+            if k in kw:
+                raise GNMRError(f"--gnmr: {k} given twice")
             typ = type(names[k].default)
             try:
                 kw[k] = v if typ is str else typ(v)
             except ValueError:
-                raise GNMRError(f"--gnmr: {k}={v!r} is not a {typ.__name__}") from None
+                raise GNMRError(f"--gnmr: {k}={v!r} is not {'an integer' if typ is int else 'a number'}") from None
         return cls(**kw)
 
 
@@ -138,11 +144,15 @@ class GNMRState:
             st = cls(int(d["t"]), np.array(d["mean"], np.uint32).view(F32),
                      np.array(d["queue"], np.uint32).reshape(n_units, window).view(F32), int(d["filled"]),
                      np.array(d["locks"], np.int64), tuple(int(i) for i in d["active"]))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise GNMRError(f"gnmr state: malformed ({type(e).__name__}: {e})") from None
         if st.mean.shape != (n_units,) or st.locks.shape != (n_units,) or not 0 <= st.filled <= window \
                 or any(not 0 <= i < n_units for i in st.active):
             raise GNMRError(f"gnmr state: shapes do not match {n_units} units and window {window}")
+        if st.t < 0 or st.filled != min(st.t, window) or list(st.active) != sorted(set(st.active)) \
+                or (st.locks < 0).any():
+            raise GNMRError(f"gnmr state: inconsistent (t {st.t}, filled {st.filled}, active {list(st.active)}, "
+                            f"locks {st.locks.tolist()})")
         return st
 
     def hash_items(self):

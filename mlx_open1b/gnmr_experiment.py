@@ -48,8 +48,10 @@ def _records(run: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines() if line.strip()]
 
 
-def summarize_arm(run: pathlib.Path, cfg: RunConfig) -> dict:
-    recs = _records(run)
+def summarize_arm(run: pathlib.Path, cfg: RunConfig, steps: int | None = None) -> dict:
+    """The arm's numbers over its first `steps` records (all when None): arms resumed past the
+    experiment's length are compared over the same steps."""
+    recs = _records(run)[:steps]
     evals = [(r["step"], r["eval"]["mixture"]) for r in recs if "eval" in r]
     tail = max(1, len(recs) // 10)
     out = {"steps": len(recs), "tokens": recs[-1]["tokens"] if recs else 0,
@@ -74,10 +76,12 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
     arms = arms_for(low) if arms is None else arms
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary, curves = {"steps": steps, "preset": base.preset, "low": low, "gnmr": dataclasses.asdict(gnmr),
-                       "arms": {}}, {}
+    cfgs = {arm: arm_config(base, arm, gnmr, low).check() for arm in arms}   # every arm valid before any trains
+    used = next((c.gnmr for c in cfgs.values() if c.gnmr is not None), None)
+    summary, curves = {"steps": steps, "preset": base.preset, "low": low,
+                       "gnmr": dataclasses.asdict(used) if used is not None else None, "arms": {}}, {}
     for arm in arms:
-        cfg = arm_config(base, arm, gnmr, low).check()
+        cfg = cfgs[arm]
         run = out / arm
         resume = (run / "run.json").exists()
         tr = Trainer(run, None if resume else cfg, corpus_dir, backend=backend, resume=resume)
@@ -90,14 +94,14 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
                 ev = f"  held-out {rec['eval']['mixture']:.4f}" if "eval" in rec else ""
                 log(f"  {arm} step {rec['step'] + 1}/{steps}  ce {rec['ce']:.4f}{ev}  {tok_s:,.0f} tok/s")
         tr.train(steps, progress=progress)
-        s = summarize_arm(run, cfg)
+        s = summarize_arm(run, cfg, steps)
         n = tr.timing["n"] - t0["n"]
         if n:
             s["step_seconds"] = (tr.timing["steps"] - t0["steps"]) / n
             if cfg.gnmr is not None:
                 s["controller_fraction"] = (tr.timing["gnmr"] - t0["gnmr"]) / (tr.timing["steps"] - t0["steps"])
         summary["arms"][arm] = s
-        recs = _records(run)
+        recs = _records(run)[:steps]
         curves[arm] = ([r["step"] for r in recs], [r["ce"] for r in recs],
                        [(r["step"], r["eval"]["mixture"]) for r in recs if "eval" in r])
     write_json_atomic(out / "summary.json", summary)

@@ -185,7 +185,7 @@ class Model:
     """The model program on one backend. forward/backward work on one microbatch of windows
     (B, seq_len + 1) uint32; params is the flat bf16 buffer (n_params,) uint16."""
 
-    def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16"):
+    def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16", attention_pv: str = "int8"):
         cfg.check()
         if precision not in ("bf16", "int8", "int6", "int4"):
             raise ValueError(f"precision: expected 'bf16', 'int8', 'int6' or 'int4', got {precision!r}")
@@ -193,8 +193,12 @@ class Model:
         # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands;
         # per unit (layer, op) overridable by a controller (GNMR) through set_paths
         self._impl = {"bf16": (ops.linear_forward, ops.linear_backward, ops.attention_forward)}
+        if attention_pv not in ("int8", "fp32"):
+            raise ValueError(f"attention_pv: expected 'int8' (CONTRACT.md §6.10) or 'fp32' (§6.6), got {attention_pv!r}")
         if hasattr(ops, "qlinear_forward") and hasattr(ops, "attention_forward_i8"):
-            self._impl["int8"] = (ops.qlinear_forward, ops.qlinear_backward, ops.attention_forward_i8)
+            # the quantized paths' attention forward: §6.10's int8 P·V, or §6.6 for runs started before it
+            attn_q = ops.attention_forward_i8 if attention_pv == "int8" else ops.attention_forward
+            self._impl["int8"] = (ops.qlinear_forward, ops.qlinear_backward, attn_q)
             if "qmax" in inspect.signature(ops.qlinear_forward).parameters:
                 # the simulated int4 / int6 paths (§6.9, QMAX4 = 7, QMAX6 = 31): GNMR's low-cost stress
                 # paths; attention keeps §6.10

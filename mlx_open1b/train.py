@@ -24,7 +24,7 @@ import numpy as np
 
 from . import __version__, hashing
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .contract import CONTRACT_VERSION
 from .data.format import Manifest
 from .data.stream import Stream, heldout_windows, manifest_fingerprint
@@ -127,7 +127,10 @@ class Trainer:
             if info.get("contract_version") != CONTRACT_VERSION:
                 raise TrainError(f"{run_file}: written under contract v{info.get('contract_version')}, "
                                  f"this is v{CONTRACT_VERSION}; it cannot be continued bit for bit", exit_code=2)
-            self.cfg = RunConfig.from_json(info["config"]).check()
+            try:
+                self.cfg = RunConfig.from_json(info["config"]).check()
+            except ConfigError as e:
+                raise TrainError(f"{run_file}: {e}", exit_code=2) from None
             corpus_dir = info["corpus_dir"]
         else:
             if run_file.exists():
@@ -181,7 +184,7 @@ class Trainer:
 
     def _build_model(self) -> None:
         from .model import Model, ParamLayout
-        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision)
+        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision, attention_pv=self.cfg.attention_pv)
         self.layout = ParamLayout(self.model_cfg)
         self.shapes = self.model_cfg.param_shapes()
         self.timing = {"hash": 0.0, "steps": 0.0, "n": 0, "gnmr": 0.0}   # seconds hashing / in compute_step / GNMR
@@ -267,6 +270,7 @@ class Trainer:
         if self.gnmr is None:
             return
         t0 = time.perf_counter()
+        self.model.set_paths(None)       # recovered units apply to the step's forward/backward only (§13)
         st, names = self.state, self.gnmr.names
         used = st.gnmr.active
         st.gnmr, scores = self.gnmr.update(st.gnmr, self.gnmr.unit_norms(partials, self.ops), consumed_after)

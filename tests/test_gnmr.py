@@ -160,7 +160,7 @@ def test_config_parse_and_errors():
     assert (gc.alpha, gc.beta, gc.max_o, gc.lock, gc.window, gc.mode) == (2.5, 1.5, 3, 4, 6, "block")
     with pytest.raises(GNMRError, match="unknown key"):
         GNMRConfig.parse("gamma=1")
-    with pytest.raises(GNMRError, match="not a int"):
+    with pytest.raises(GNMRError, match="not an integer"):
         GNMRConfig.parse("maxO=two")
     with pytest.raises(GNMRError, match="precision"):
         GNMRConfig().check("bf16")

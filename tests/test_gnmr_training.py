@@ -142,3 +142,57 @@ def test_bad_gnmr_configs(tmp_path, corpus):
     r = CliRunner().invoke(cli, ["train", "--steps", "1", "--out", str(tmp_path / "y"), "--data", str(corpus),
                                  "--gnmr", ""])
     assert r.exit_code == 2 and "precision" in r.output
+
+
+def test_heldout_eval_runs_at_the_base_precision(tmp_path, corpus):
+    """The recovered units apply to the step's forward and backward only: the record's held-out CE
+    equals a fresh model's (no recovered units) on the checkpointed parameters."""
+    cfg = gnmr_cfg(eval_every=2, eval_windows=2)
+    Trainer(tmp_path / "r", cfg, corpus).train(6)
+    recs = records(tmp_path / "r")
+    t = next(r for r in recs if "eval" in r and r["gnmr"]["active"])      # a recovered step with an eval
+    tr = Trainer(tmp_path / "r", readonly=True, at_step=t["step"] + 1)
+    assert tr.state.step == t["step"] + 1
+    assert tr.heldout_ce() == t["eval"]
+
+
+def test_state_and_config_validation(tmp_path, corpus):
+    from mlx_open1b.gnmr import GNMRError, GNMRState
+    st = GNMRState.fresh(4, 3).to_json()
+    for bad in ({"active": [2, 1]}, {"active": [1, 1]}, {"t": 2, "filled": 1}, {"mean": [-1, 0, 0, 0]},
+                {"locks": [-1, 0, 0, 0]}):
+        with pytest.raises(GNMRError, match="gnmr state"):
+            GNMRState.from_json({**st, **bad}, 4, 3)
+    for bad in (dict(eps=1e-40), dict(alpha=True), dict(warm="0.1")):
+        with pytest.raises(GNMRError):
+            GNMRConfig(**bad).check("int8")
+    with pytest.raises(GNMRError, match="twice"):
+        GNMRConfig.parse("alpha=2,alpha=3")
+    j = gnmr_cfg().to_json()
+    del j["gnmr"]["beta"]
+    with pytest.raises(ConfigError, match="missing beta"):
+        RunConfig.from_json(j)
+
+
+def test_int8_configs_from_before_the_int8_attention_keep_theirs(tmp_path, corpus):
+    """An int8 run.json written before CONTRACT §6.10 has no attention_pv: it resumes with the §6.6
+    attention forward it was trained with (the same program as recovering every attention unit)."""
+    from mlx_open1b.model import Model, init_params
+    cfg = dataclasses.replace(gnmr_cfg(gnmr=None), precision="int8")
+    j = cfg.to_json()
+    assert j["attention_pv"] == "int8"
+    del j["attention_pv"]
+    old = RunConfig.from_json(j)
+    assert old.attention_pv == "fp32" and old.to_json() == j          # the old run's genesis is unchanged
+    old_run = tmp_path / "old"
+    Trainer(old_run, old, corpus).train(2)
+    assert Trainer(old_run, resume=True).model._impl["int8"][2].__name__ == "attention_forward"
+    params = init_params(MICRO, 1)
+    win = np.random.default_rng(0).integers(0, MICRO.vocab_size, (2, MICRO.seq_len + 1)).astype(np.uint32)
+    a = Model(MICRO, precision="int8", attention_pv="fp32").loss_and_grad(params, win)
+    m = Model(MICRO, precision="int8")
+    m.set_paths({(l, "attn"): "bf16" for l in range(MICRO.n_layers)})
+    b = m.loss_and_grad(params, win)
+    assert a[:3] == b[:3] and (a[3].view(np.uint32) == b[3].view(np.uint32)).all()
+    c = Model(MICRO, precision="int8").loss_and_grad(params, win)
+    assert (c[3].view(np.uint32) != a[3].view(np.uint32)).any()
