@@ -39,6 +39,18 @@ __device__ __forceinline__ float dot_f32_bf16(const float *a, const bf16 *b, i64
     return acc;
 }
 
+/* s[j - j0] = mul(dot(q_i, k_j), scale) for the keys j0..j1 of a block (key j's row at
+ * k + (row0 + j*G)*D); returns their max (the written comparison: a NaN score is passed over). */
+__device__ __forceinline__ float block_scores(const bf16 *qi, const bf16 *k, i64 row0, i64 G, i64 D, i64 j0, i64 j1,
+                                              float sc, float *s) {
+    float mb = o1b_neg(o1b_inf());
+    for (i64 j = j0; j <= j1; j++) {
+        s[j - j0] = o1b_mul(dot_bf16(qi, k + (row0 + j * G) * D, D), sc);
+        mb = o1b_max(mb, s[j - j0]);
+    }
+    return mb;
+}
+
 /* pv: scratch (B*H*T, D). One thread per r = (b*H + h)*T + i. */
 extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64 D, i64 W, float scale,
                                                  const bf16 *q, const bf16 *k, const bf16 *v,
@@ -56,11 +68,7 @@ extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64
     for (i64 kb = jlo / ATTN_BLOCK; kb <= i / ATTN_BLOCK; kb++) {
         i64 j0 = kb * ATTN_BLOCK > jlo ? kb * ATTN_BLOCK : jlo;
         i64 j1 = kb * ATTN_BLOCK + ATTN_BLOCK - 1 < i ? kb * ATTN_BLOCK + ATTN_BLOCK - 1 : i;
-        float mb = o1b_neg(o1b_inf());
-        for (i64 j = j0; j <= j1; j++) {
-            s[j - j0] = o1b_mul(dot_bf16(qi, k + ((b * T + j) * G + g) * D, D), sc);
-            mb = o1b_max(mb, s[j - j0]);
-        }
+        float mb = block_scores(qi, k, (b * T) * G + g, G, D, j0, j1, sc, s);
         float m_new = o1b_max(m, mb);
         float corr = o1b_exp(o1b_sub(m, m_new));          /* exp(-inf) = +0 on the first block */
         float ps = 0.0f;
@@ -78,14 +86,6 @@ extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64
     float inv = o1b_div(1.0f, l);
     for (i64 d = 0; d < D; d++) acc[d] = o1b_store(o1b_mul(acc[d], inv));
     lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
-}
-
-/* level(x) of §6.9 for a finite x: clamp to [-127, 127], then round to nearest, ties to even, by the
- * magic constant (|x| < 127 < 2^22). */
-__device__ __forceinline__ int o1b_attn_level(float x) {
-    if (x >= 127.0f) return 127;
-    if (x <= -127.0f) return -127;
-    return (int)__float2int_rz(o1b_sub(o1b_add(x, O1B_ROUND_MAGIC), O1B_ROUND_MAGIC));
 }
 
 /* §6.10 value rows: one thread per key row r = (b*T + j)*G + g of v (n = B*T*G rows of D values).
@@ -106,7 +106,7 @@ extern "C" __global__ void o1b_attention_vquant(i64 n, i64 D, const bf16 *v, sig
     bool ok = !bad && o1b_abs_bits(s) != 0u;
     float inv = ok ? o1b_div(1.0f, s) : 0.0f;
     for (i64 d = 0; d < D; d++)
-        qv[r * D + d] = (signed char)(ok ? o1b_attn_level(o1b_mul(o1b_bf16_to_f32(row[d]), inv)) : 0);
+        qv[r * D + d] = (signed char)(ok ? o1b_level(o1b_mul(o1b_bf16_to_f32(row[d]), inv), 127) : 0);
     sv[r] = o1b_store(s);
 }
 
@@ -132,11 +132,7 @@ extern "C" __global__ void o1b_attention_forward_i8(i64 B, i64 T, i64 H, i64 G, 
     for (i64 kb = jlo / ATTN_BLOCK; kb <= i / ATTN_BLOCK; kb++) {
         i64 j0 = kb * ATTN_BLOCK > jlo ? kb * ATTN_BLOCK : jlo;
         i64 j1 = kb * ATTN_BLOCK + ATTN_BLOCK - 1 < i ? kb * ATTN_BLOCK + ATTN_BLOCK - 1 : i;
-        float mb = o1b_neg(o1b_inf());
-        for (i64 j = j0; j <= j1; j++) {
-            t[j - j0] = o1b_mul(dot_bf16(qi, k + ((b * T + j) * G + g) * D, D), sc);
-            mb = o1b_max(mb, t[j - j0]);
-        }
+        float mb = block_scores(qi, k, (b * T) * G + g, G, D, j0, j1, sc, t);
         float m_new = o1b_max(m, mb);
         float corr = o1b_exp(o1b_sub(m, m_new));          /* exp(-inf) = +0 on the first block */
         float ps = 0.0f, a = 0.0f;
@@ -153,7 +149,7 @@ extern "C" __global__ void o1b_attention_forward_i8(i64 B, i64 T, i64 H, i64 G, 
         bool zero = o1b_abs_bits(sp) == 0u;
         if (!bad && !zero) {
             float inv = o1b_div(1.0f, sp);
-            for (i64 j = j0; j <= j1; j++) qp[j - j0] = (signed char)o1b_attn_level(o1b_mul(t[j - j0], inv));
+            for (i64 j = j0; j <= j1; j++) qp[j - j0] = o1b_level(o1b_mul(t[j - j0], inv), 127);
         }
         l = o1b_add(o1b_mul(l, corr), ps);
         for (i64 d = 0; d < D; d++) {

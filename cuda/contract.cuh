@@ -65,6 +65,15 @@ __device__ __forceinline__ float o1b_add(float a, float b) { return o1b_flush(__
 __device__ __forceinline__ float o1b_sub(float a, float b) { return o1b_flush(__fsub_rn(a, b)); }
 __device__ __forceinline__ float o1b_neg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
 
+/* level(t) of §6.9 for a finite t: clamp to [-qmax, qmax] (127; 31 or 7 on the simulated int6 / int4
+ * paths), then round to nearest, ties to even, by the magic constant (|t| < qmax <= 127 < 2^22). */
+__device__ __forceinline__ signed char o1b_level(float t, int qmax) {
+    float qf = __int2float_rn(qmax);                            /* exact */
+    if (t >= qf) return (signed char)qmax;
+    if (t <= -qf) return (signed char)-qmax;
+    return (signed char)__float2int_rz(o1b_sub(o1b_add(t, O1B_ROUND_MAGIC), O1B_ROUND_MAGIC));
+}
+
 /* r = the hardware result of a*b (or a/b). If |r| < 2^-126 (zero, or a subnormal with FTZ off) the
  * exact value is below 2^-126 too: the zero of r's sign. If |r| == 2^-126 the exact value may lie
  * just below it (IEEE and FTZ-after-rounding round it up; FTZ-before-rounding gives 0, which the

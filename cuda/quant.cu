@@ -39,16 +39,6 @@ __device__ __forceinline__ float o1b_q_coef(int qmax) {
     return qmax == QMAX4 ? QW_COEF4 : qmax == QMAX6 ? QW_COEF6 : QW_COEF;
 }
 
-/* level(t) for a finite t: clamp to [-qmax, qmax], then round to nearest, ties to even, by the
- * magic constant (|t| < qmax <= 127 < 2^22). */
-__device__ __forceinline__ i8 o1b_level(float t, int qmax) {
-    float qf = o1b_q_maxf(qmax);
-    if (t >= qf) return (i8)qmax;
-    if (t <= -qf) return (i8)-qmax;
-    float r = o1b_sub(o1b_add(t, O1B_ROUND_MAGIC), O1B_ROUND_MAGIC);
-    return (i8)__float2int_rz(r);
-}
-
 /* ------------------------------------------------------------------ weight step sizes */
 /* s[j] (stored) per row; inv[j] = div(1, s_w[j]) where the row is finite (unused otherwise). */
 extern "C" __global__ void o1b_q_weight_scales(i64 M, i64 K, const bf16 *w, float *s, float *inv, int qmax) {

@@ -45,10 +45,7 @@ for (long kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
     bool zero = (o1b_bits(sp) & 0x7FFFFFFFu) == 0u;
     if (!bad && !zero) {
         float inv = o1b_div(1.0f, sp);
-        for (long j = j0; j <= j1; j++) {
-            float x = o1b_mul(t[j - j0], inv);  // >= +0, at most about 127
-            qp[j - j0] = x >= 127.0f ? 127 : (int)o1b_sub(o1b_add(x, O1B_MAGIC), O1B_MAGIC);
-        }
+        for (long j = j0; j <= j1; j++) qp[j - j0] = o1b_level(o1b_mul(t[j - j0], inv), O1B_QMAX);  // in 0 ... 127
     }
     l = o1b_add(o1b_mul(l, corr), ps);
     for (int d = 0; d < D; d++) {

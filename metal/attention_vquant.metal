@@ -18,13 +18,7 @@ float s = bad ? o1b_nan() : o1b_div(o1b_from_bits(m), O1B_F(0x42FE0000u) /* 127 
 bool ok = !bad && (o1b_bits(s) & 0x7FFFFFFFu) != 0u;
 float inv = ok ? o1b_div(1.0f, s) : 0.0f;
 for (long d = 0; d < D; d++) {
-    int lv = 0;
-    if (ok) {
-        float t = o1b_mul(o1b_bf16_to_f32(v[r * D + d]), inv);   // finite: |t| <= about 127
-        if (t >= 127.0f) lv = 127;
-        else if (t <= -127.0f) lv = -127;
-        else lv = (int)o1b_sub(o1b_add(t, O1B_MAGIC), O1B_MAGIC);
-    }
-    qv[r * D + d] = lv;
+    // finite: |t| <= about 127
+    qv[r * D + d] = ok ? o1b_level(o1b_mul(o1b_bf16_to_f32(v[r * D + d]), inv), O1B_QMAX) : 0;
 }
 sv[r] = o1b_store(s);

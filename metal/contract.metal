@@ -240,6 +240,13 @@ inline float o1b_qw_coef(int qmax) {  // QW_COEF4 = 2/sqrt(7), QW_COEF6 = 2/sqrt
     return qmax == O1B_QMAX4 ? O1B_F(0x3F41848Fu) /* 0x1.83091ep-1 */
          : qmax == O1B_QMAX6 ? O1B_F(0x3EB7EA74u) /* 0x1.6fd4e8p-2 */ : O1B_F(0x3E35BB09u) /* 0x1.6b7612p-3 */;
 }
+// level(t) for a finite t: clamp to [-qmax, qmax], then round to nearest, ties to even (sub(add(t, MAGIC), MAGIC))
+inline int o1b_level(float t, int qmax) {
+    float qf = o1b_qmax_f(qmax);
+    if (t >= qf) return qmax;
+    if (t <= -qf) return -qmax;
+    return (int)o1b_sub(o1b_add(t, O1B_MAGIC), O1B_MAGIC);
+}
 
 // ---- §5 Philox4x32-10 ----
 struct o1b_block { uint w0, w1, w2, w3; };

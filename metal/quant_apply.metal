@@ -16,9 +16,7 @@ if (o1b_isnan(sc)) {
     cl = 2;
 } else if ((o1b_bits(sc) & 0x7FFFFFFFu) != 0u) {
     float t = o1b_mul(o1b_load(v[i]), o1b_div(1.0f, sc));
-    if (t >= qf) lv = QMAX;
-    else if (t <= -qf) lv = -QMAX;
-    else lv = (int)o1b_sub(o1b_add(t, O1B_MAGIC), O1B_MAGIC);
+    lv = o1b_level(t, QMAX);
     cl = (o1b_bits(t) & 0x7FFFFFFFu) > o1b_bits(qf) ? 1 : 0;   // |t| > QMAX (t is never NaN here)
 }
 q[i] = lv;

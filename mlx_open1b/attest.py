@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint import META_FILE, checkpoint_dir, list_checkpoints
 from .fsutil import write_bytes_atomic, write_json_atomic
-from .ledger import LedgerError, canonical, canonical_dumps, verify_chain
+from .ledger import LedgerError, canonical, canonical_dumps, read_records, verify_chain
 
 ATT_KIND = "open1b-attestation/1"
 PLAN_KIND = "open1b-audit-plan/1"
@@ -99,8 +99,7 @@ def load_run(run_dir) -> RunView:
         final = verify_chain(run / LEDGER_FILE, genesis)
     except LedgerError as e:
         raise AttestError(f"the run's ledger does not verify: {e}", exit_code=1) from None
-    with open(run / LEDGER_FILE) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_records(run / LEDGER_FILE)
     if not records:
         raise AttestError(f"{run / LEDGER_FILE}: the ledger is empty: nothing to audit")
     for i, r in enumerate(records):

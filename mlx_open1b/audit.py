@@ -18,7 +18,7 @@ from .attest import environment, seal
 from .checkpoint import list_checkpoints, load_checkpoint
 from .contract import CONTRACT_VERSION
 from .fsutil import write_json_atomic
-from .ledger import LedgerError, verify_chain
+from .ledger import LedgerError, read_records, verify_chain
 from .train import LEDGER_FILE, RUN_FILE, TrainError, Trainer
 
 COMPARED = (("batch", ("hashes", "batch")), ("grads", ("hashes", "grads")), ("params", ("hashes", "params")),
@@ -69,8 +69,7 @@ def run_hash(run_dir) -> dict:
 
 
 def _records(run: pathlib.Path) -> list[dict]:
-    with open(run / LEDGER_FILE) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_records(run / LEDGER_FILE)
 
 
 def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str = "anonymous",

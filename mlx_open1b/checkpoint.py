@@ -442,6 +442,19 @@ def list_checkpoints(run_dir) -> list[tuple[int, pathlib.Path]]:
     return sorted(out)
 
 
+def select_checkpoint(run_dir, step: int | None = None, error=CheckpointError) -> int:
+    """`step` if the run has a checkpoint of it, the latest checkpoint's step when step is None;
+    otherwise `error` naming the run and the checkpoints it has."""
+    have = [s for s, _ in list_checkpoints(run_dir)]
+    if step is None:
+        if not have:
+            raise error(f"{run_dir}: no checkpoints")
+        return have[-1]
+    if step not in have:
+        raise error(f"{run_dir}: no checkpoint of step {step} (checkpoints: {have})")
+    return step
+
+
 def latest_checkpoint(run_dir, at_or_before: int | None = None, verify: bool = False,
                       **load_kw) -> tuple[int, pathlib.Path] | None:
     """The newest checkpoint (with step <= at_or_before if given), or None. verify=True skips,

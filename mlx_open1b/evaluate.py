@@ -77,7 +77,7 @@ class Open1BLM(_LMBase):
             batch_size = 8
         if _LMBase is not object:
             super().__init__()
-        from .checkpoint import CheckpointError, checkpoint_dir, list_checkpoints, load_checkpoint
+        from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, select_checkpoint
         from .config import RunConfig
         from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
         from .model import Model
@@ -87,13 +87,7 @@ class Open1BLM(_LMBase):
             raise EvalError(f"{run}: not a run directory (no {RUN_FILE})")
         info = json.loads((run / RUN_FILE).read_text())
         self.cfg = RunConfig.from_json(info["config"])
-        have = [s for s, _ in list_checkpoints(run)]
-        if step is None:
-            if not have:
-                raise EvalError(f"{run}: no checkpoints")
-            step = have[-1]
-        if step not in have:
-            raise EvalError(f"{run}: no checkpoint of step {step} (checkpoints: {have})")
+        step = select_checkpoint(run, step, EvalError)
         try:
             tensors, meta = load_checkpoint(checkpoint_dir(run, step))
         except CheckpointError as e:

@@ -44,8 +44,8 @@ import tempfile
 import numpy as np
 
 from . import __version__
-from .checkpoint import (CheckpointError, checkpoint_dir, list_checkpoints, load_checkpoint, read_safetensors,
-                         write_safetensors)
+from .checkpoint import (CheckpointError, checkpoint_dir, load_checkpoint, read_safetensors,
+                         select_checkpoint, write_safetensors)
 from .config import ModelConfig, RunConfig
 
 FORMAT = "open1b-export/1"
@@ -138,13 +138,7 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
         raise ExportError(f"{run}: not a run directory (no {RUN_FILE})")
     info = json.loads(rf.read_text())
     cfg = RunConfig.from_json(info["config"]).model
-    have = [s for s, _ in list_checkpoints(run)]
-    if step is None:
-        if not have:
-            raise ExportError(f"{run}: no checkpoints")
-        step = have[-1]
-    if step not in have:
-        raise ExportError(f"{run}: no checkpoint of step {step} (checkpoints: {have})")
+    step = select_checkpoint(run, step, ExportError)
     out = pathlib.Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out}: exists and is not empty; choose a new --out")

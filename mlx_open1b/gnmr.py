@@ -123,14 +123,17 @@ class GNMRState:
     t: int                       # updates so far
     mean: np.ndarray             # (U,) f32 running means A
     queue: np.ndarray            # (U, window) f32, oldest first; the first `filled` columns valid
-    filled: int                  # values in each queue (the same for every unit)
     locks: np.ndarray            # (U,) int64
     active: tuple = ()           # unit indices on the recovery path in the next step
 
+    @property
+    def filled(self) -> int:
+        """Values in each queue (the same for every unit): one per update, at most the window."""
+        return min(self.t, self.queue.shape[1])
+
     @classmethod
     def fresh(cls, n_units: int, window: int) -> "GNMRState":
-        return cls(0, np.zeros(n_units, F32), np.zeros((n_units, window), F32), 0,
-                   np.zeros(n_units, np.int64), ())
+        return cls(0, np.zeros(n_units, F32), np.zeros((n_units, window), F32), np.zeros(n_units, np.int64), ())
 
     def to_json(self) -> dict:
         """Exact: fp32 values as their bit patterns."""
@@ -142,16 +145,15 @@ class GNMRState:
     def from_json(cls, d: dict, n_units: int, window: int) -> "GNMRState":
         try:
             st = cls(int(d["t"]), np.array(d["mean"], np.uint32).view(F32),
-                     np.array(d["queue"], np.uint32).reshape(n_units, window).view(F32), int(d["filled"]),
+                     np.array(d["queue"], np.uint32).reshape(n_units, window).view(F32),
                      np.array(d["locks"], np.int64), tuple(int(i) for i in d["active"]))
+            filled = int(d["filled"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise GNMRError(f"gnmr state: malformed ({type(e).__name__}: {e})") from None
-        if st.mean.shape != (n_units,) or st.locks.shape != (n_units,) or not 0 <= st.filled <= window \
-                or any(not 0 <= i < n_units for i in st.active):
+        if st.mean.shape != (n_units,) or st.locks.shape != (n_units,) or any(not 0 <= i < n_units for i in st.active):
             raise GNMRError(f"gnmr state: shapes do not match {n_units} units and window {window}")
-        if st.t < 0 or st.filled != min(st.t, window) or list(st.active) != sorted(set(st.active)) \
-                or (st.locks < 0).any():
-            raise GNMRError(f"gnmr state: inconsistent (t {st.t}, filled {st.filled}, active {list(st.active)}, "
+        if st.t < 0 or filled != st.filled or list(st.active) != sorted(set(st.active)) or (st.locks < 0).any():
+            raise GNMRError(f"gnmr state: inconsistent (t {st.t}, filled {filled}, active {list(st.active)}, "
                             f"locks {st.locks.tolist()})")
         return st
 
@@ -225,7 +227,7 @@ class Controller:
                 locks[b] = cfg.lock if not (risk[b] <= 1) else max(locks[b] - 1, 0)
             else:
                 locks[b] = 0
-        new = GNMRState(t, mean.astype(F32), queue.astype(F32), min(st.filled + 1, cfg.window), locks, active)
+        new = GNMRState(t, mean.astype(F32), queue.astype(F32), locks, active)
         return new, {"gnmr": g, "dgnmr": dg.astype(F32), "risk": risk.astype(F32)}
 
     def paths(self, st: GNMRState) -> dict[tuple[int, str], str]:

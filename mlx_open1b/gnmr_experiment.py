@@ -8,7 +8,6 @@ ledgered and auditable."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from .config import RunConfig
 from .fsutil import write_json_atomic
 from .gnmr import GNMRConfig, units
+from .ledger import read_records
 from .train import Trainer
 
 #: the low-cost precisions of the fixed-low and GNMR arms (CONTRACT.md §6.9's simulated paths)
@@ -45,7 +45,7 @@ def arm_config(base: RunConfig, arm: str, gnmr: GNMRConfig, low: str = "int4") -
 
 
 def _records(run: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines() if line.strip()]
+    return read_records(run / "ledger.jsonl")
 
 
 def summarize_arm(run: pathlib.Path, cfg: RunConfig, steps: int | None = None) -> dict:

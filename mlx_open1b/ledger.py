@@ -169,6 +169,12 @@ def verify_chain(path, genesis: str) -> str:
     return recs[-1]["hash"] if recs else genesis
 
 
+def read_records(path) -> list[dict]:
+    """The ledger's records in file order (not verified: see verify_chain)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def run_hash(path) -> str:
     """The hash of the ledger's last complete record (not verified: see verify_chain)."""
     path = pathlib.Path(path)

@@ -302,7 +302,7 @@ def shade(i: int, n: int, dark=(8, 48, 107), light=(158, 202, 225)) -> str:
 # ------------------------------------------------------------------------------- data
 def load_run_data(run_dir, max_checkpoints: int = 64) -> dict:
     """run.json, the verified ledger records, step times if logged, and per-checkpoint weight norms."""
-    from .ledger import LedgerError, verify_chain
+    from .ledger import LedgerError, read_records, verify_chain
     from .train import LEDGER_FILE, RUN_FILE
     run = pathlib.Path(run_dir)
     rf = run / RUN_FILE
@@ -317,8 +317,7 @@ def load_run_data(run_dir, max_checkpoints: int = 64) -> dict:
         run_hash = verify_chain(run / LEDGER_FILE, info["genesis"])
     except LedgerError as e:
         raise ReportError(f"the run's ledger does not verify, no report is written: {e}", exit_code=1) from None
-    with open(run / LEDGER_FILE) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_records(run / LEDGER_FILE)
     if not records:
         raise ReportError(f"{run / LEDGER_FILE}: the ledger is empty: nothing to report")
     times = _step_times(run, records)

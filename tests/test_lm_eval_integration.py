@@ -22,20 +22,10 @@ import numpy as np  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from mlx_open1b.evaluate import Open1BLM, evaluate, load_task, lm_eval_task, write_lm_eval_tasks  # noqa: E402
-from mlx_open1b.train import Trainer  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory, default_corpus):
-    run = tmp_path_factory.mktemp("lmeval") / "run"
-    m = ModelConfig(vocab_size=8192, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=48,
-                    seq_len=32, window=8, global_every=2)
-    t = TrainConfig(seed=1, microbatch_seqs=2, phases=((0, 1),), total_tokens=4000, warmup_tokens=64,
-                    checkpoint_every=2, eval_every=0, eval_windows=2)
-    Trainer(run, RunConfig(m, t, "evaltiny"), default_corpus, log=lambda m: None).train(4)
-    return Open1BLM(run, batch_size=3)
+from test_evaluate import lm  # noqa: E402,F401  (the same small trained run and adapter)
 
 
 def test_simple_evaluate_gives_the_adapters_numbers(lm, tmp_path):

@@ -73,41 +73,81 @@ static void to_head_major(const bf16 *h, const float *f, int64_t B, int64_t T, i
     o1b_parallel_for(B * N * T, 1 + 4096 / (D > 0 ? D : 1), widen_range, &a);
 }
 
-/* ---- forward ---- */
+/* ---- forward (§6.6; with qv set, the int8 block product of §6.10) ---- */
 typedef struct {
     int64_t T, H, G, D, W; float scale;
-    const float *q, *k, *v;    /* (B,H,T,D), (B,G,T,D), (B,G,T,D) head-major, widened */
+    const float *q, *k, *v;    /* (B,H,T,D), (B,G,T,D), (B,G,T,D) head-major, widened (v unused with qv) */
+    const int8_t *qv;          /* NULL, or (B,G,T,D) quantized value rows (§6.10) */
+    const float *sv;           /* with qv: (B,G,T) their step sizes */
     float *o, *lse;            /* (B,T,H,D), (B,H,T) */
     atomic_int failed;
 } fwd_args;
 
+/* §6.10's block product: pv[d] from the weights t[jj] = mul(p_j, s_v[j]) of n keys (their max
+ * tmax, or nonfinite when one is NaN) and the keys' quantized value rows qv (n, D). */
+static void block_pv_i8(const float *t, int64_t n, float tmax, int nonfinite, const int8_t *qv, int64_t D,
+                        int8_t *qp, int32_t *iacc, float *pv) {
+    float sp = o1b_div(tmax, 127.0f);
+    if (nonfinite) {
+        for (int64_t d = 0; d < D; d++) pv[d] = o1b_nan();
+        return;
+    }
+    if (sp == 0.0f) {
+        for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
+        return;
+    }
+    float inv = o1b_div(1.0f, sp);
+    for (int64_t jj = 0; jj < n; jj++) qp[jj] = o1b_level(o1b_mul(t[jj], inv));
+    for (int64_t d = 0; d < D; d++) iacc[d] = 0;
+    for (int64_t jj = 0; jj < n; jj++) {      /* exact integer sum: any order */
+        const int8_t *vj = qv + jj * D;
+        int32_t w = qp[jj];
+        for (int64_t d = 0; d < D; d++) iacc[d] += w * (int32_t)vj[d];
+    }
+    for (int64_t d = 0; d < D; d++) pv[d] = o1b_mul(o1b_i2f(iacc[d]), sp);
+}
+
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     fwd_args *a = (fwd_args *)ctx;
     const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
-    float *acc = malloc(2 * (size_t)(D > 0 ? D : 1) * sizeof(float));
+    const size_t Dn = (size_t)(D > 0 ? D : 1);
+    float *acc = malloc(2 * Dn * sizeof(float) + Dn * sizeof(int32_t));
     if (!acc) { atomic_store(&a->failed, 1); return; }
     float *pv = acc + D;
-    float s[O1B_ATTN_BK];
+    int32_t *iacc = (int32_t *)(pv + D);
+    float s[O1B_ATTN_BK], t[O1B_ATTN_BK];
+    int8_t qp[O1B_ATTN_BK];
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         const float *q = a->q + r * D;
         const float *k = a->k + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
+        const int8_t *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
+        const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
         float m = -INFINITY, l = 0.0f;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         int64_t jlo = first_key(i, W);
         for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
             int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
-            float mb = block_scores(q, k + j0 * D, j1 - j0 + 1, D, a->scale, s);
+            int64_t n = j1 - j0 + 1;
+            float mb = block_scores(q, k + j0 * D, n, D, a->scale, s);
             float m_new = o1b_max(m, mb);
             float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
-            float ps = 0.0f;
+            float ps = 0.0f, tmax = 0.0f;
+            int nonfinite = 0;
             for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
-            for (int64_t j = j0; j <= j1; j++) {
-                float p = o1b_exp(o1b_sub(s[j - j0], m_new));
+            for (int64_t jj = 0; jj < n; jj++) {
+                float p = o1b_exp(o1b_sub(s[jj], m_new));
                 ps = o1b_add(ps, p);
-                const float *vj = v + j * D;
-                for (int64_t d = 0; d < D; d++) pv[d] = o1b_add(pv[d], o1b_mul(p, vj[d]));
+                if (qv) {
+                    t[jj] = o1b_mul(p, sv[j0 + jj]);             /* >= +0 or NaN */
+                    if (t[jj] != t[jj]) nonfinite = 1;
+                    else tmax = o1b_max(tmax, t[jj]);
+                } else {
+                    const float *vj = v + (j0 + jj) * D;
+                    for (int64_t d = 0; d < D; d++) pv[d] = o1b_add(pv[d], o1b_mul(p, vj[d]));
+                }
             }
+            if (qv) block_pv_i8(t, n, tmax, nonfinite, qv + j0 * D, D, qp, iacc, pv);
             l = o1b_add(o1b_mul(l, corr), ps);
             for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pv[d]);
             m = m_new;
@@ -137,7 +177,7 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
     to_head_major(q, NULL, B, T, H, D, qh);
     to_head_major(k, NULL, B, T, G, D, kh);
     to_head_major(v, NULL, B, T, G, D, vh);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, o, lse, 0};
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, NULL, NULL, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
@@ -169,76 +209,6 @@ static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
     }
 }
 
-typedef struct {
-    int64_t T, H, G, D, W; float scale;
-    const float *q, *k;        /* (B,H,T,D), (B,G,T,D) head-major, widened */
-    const int8_t *qv;          /* (B,G,T,D) quantized value rows */
-    const float *sv;           /* (B,G,T) their step sizes */
-    float *o, *lse;            /* (B,T,H,D), (B,H,T) */
-    atomic_int failed;
-} fwd_i8_args;
-
-static void fwd_i8_range(void *ctx, int64_t lo, int64_t hi) {
-    fwd_i8_args *a = (fwd_i8_args *)ctx;
-    const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
-    float *acc = malloc(2 * (size_t)(D > 0 ? D : 1) * sizeof(float) + (size_t)(D > 0 ? D : 1) * sizeof(int32_t));
-    if (!acc) { atomic_store(&a->failed, 1); return; }
-    float *pv = acc + D;
-    int32_t *iacc = (int32_t *)(pv + D);
-    float s[O1B_ATTN_BK], t[O1B_ATTN_BK];
-    int8_t qp[O1B_ATTN_BK];
-    for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
-        int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
-        const float *q = a->q + r * D;
-        const float *k = a->k + (b * a->G + g) * T * D;
-        const int8_t *qv = a->qv + (b * a->G + g) * T * D;
-        const float *sv = a->sv + (b * a->G + g) * T;
-        float m = -INFINITY, l = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        int64_t jlo = first_key(i, W);
-        for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
-            int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
-            int64_t n = j1 - j0 + 1;
-            float mb = block_scores(q, k + j0 * D, n, D, a->scale, s);
-            float m_new = o1b_max(m, mb);
-            float corr = o1b_exp(o1b_sub(m, m_new));
-            float ps = 0.0f, tmax = 0.0f;
-            int nonfinite = 0;
-            for (int64_t jj = 0; jj < n; jj++) {
-                float p = o1b_exp(o1b_sub(s[jj], m_new));
-                ps = o1b_add(ps, p);
-                t[jj] = o1b_mul(p, sv[j0 + jj]);                 /* >= +0 or NaN */
-                if (t[jj] != t[jj]) nonfinite = 1;
-                else tmax = o1b_max(tmax, t[jj]);
-            }
-            float sp = o1b_div(tmax, 127.0f);
-            if (nonfinite) {
-                for (int64_t d = 0; d < D; d++) pv[d] = o1b_nan();
-            } else if (sp == 0.0f) {
-                for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
-            } else {
-                float inv = o1b_div(1.0f, sp);
-                for (int64_t jj = 0; jj < n; jj++) qp[jj] = o1b_level(o1b_mul(t[jj], inv));
-                for (int64_t d = 0; d < D; d++) iacc[d] = 0;
-                for (int64_t jj = 0; jj < n; jj++) {      /* exact integer sum: any order */
-                    const int8_t *vj = qv + (j0 + jj) * D;
-                    int32_t w = qp[jj];
-                    for (int64_t d = 0; d < D; d++) iacc[d] += w * (int32_t)vj[d];
-                }
-                for (int64_t d = 0; d < D; d++) pv[d] = o1b_mul(o1b_i2f(iacc[d]), sp);
-            }
-            l = o1b_add(o1b_mul(l, corr), ps);
-            for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pv[d]);
-            m = m_new;
-        }
-        float inv = o1b_div(1.0f, l);
-        float *o = a->o + ((b * T + i) * H + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = o1b_store(o1b_mul(acc[d], inv));
-        a->lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
-    }
-    free(acc);
-}
-
 /* As o1b_attention_forward, with each block's P·V product in int8 (§6.10). 0, or -1 when out of memory. */
 O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G, int64_t D, int64_t W,
                                      float scale, const bf16 *q, const bf16 *k, const bf16 *v,
@@ -253,8 +223,8 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
     to_head_major(k, NULL, B, T, G, D, kh);
     vquant_args va = {v, qv, sv, T, G, D};
     o1b_parallel_for(B * G * T, 1 + 4096 / (D > 0 ? D : 1), vquant_range, &va);
-    fwd_i8_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, qv, sv, o, lse, 0};
-    o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_i8_range, &a);
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, NULL, qv, sv, o, lse, 0};
+    o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
 }

@@ -110,12 +110,15 @@ static inline float o1b_sqrt_int(float x) {
 /* ---- software transcendentals (§4). Taylor coefficients 1/k!, 2/(2k+1), rounded to fp32. ---- */
 #define O1B_ROUND_MAGIC 0x1.8p23f   /* t + 1.5*2^23 - 1.5*2^23 rounds t to an integer (|t| < 2^22) */
 
-/* level(t) of CONTRACT.md §6.9 for a finite t: nearest integer, ties to even, clamped to ±127. */
-static inline int8_t o1b_level(float t) {
-    if (t >= 127.0f) return 127;
-    if (t <= -127.0f) return -127;
+/* level(t) of CONTRACT.md §6.9 for a finite t: nearest integer, ties to even, clamped to ±qmax
+ * (127; 31 or 7 on the simulated int6 / int4 paths). */
+static inline int8_t o1b_level_q(float t, int qmax) {
+    float m = (float)qmax;
+    if (t >= m) return (int8_t)qmax;
+    if (t <= -m) return (int8_t)-qmax;
     return (int8_t)(int)((t + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC);
 }
+static inline int8_t o1b_level(float t) { return o1b_level_q(t, 127); }
 
 static inline float o1b_exp(float x) {
     if (x != x) return o1b_nan();

@@ -46,11 +46,11 @@ static inline float qstore(float x) {      /* o1b_store: flush, then canonical N
 #define QMUL(r, a, b, bad) do { float r_ = (a) * (b); uint32_t u_ = qbits(r_); \
     (bad) |= (uint32_t)((u_ & 0x7FFFFFFFu) == 0x00800000u); \
     (r) = qfrom((u_ & 0x7F800000u) == 0 ? (u_ & 0x80000000u) : u_); } while (0)
-/* rne_clamp_q for any non-NaN t (clamping first changes nothing: qm, an integer, rounds to itself). */
+/* o1b_level_q for any non-NaN t (clamping first changes nothing: qm, an integer, rounds to itself). */
 static inline int8_t qrne(float t, float qm) {
     t = t > qm ? qm : t;
     t = t < -qm ? -qm : t;
-    /* t + 1.5*2^23 has ulp 1 here, so its low bits are the rounded integer (as in rne_clamp) */
+    /* t + 1.5*2^23 has ulp 1 here, so its low bits are the rounded integer (as in o1b_level_q) */
     return (int8_t)(qbits(t + O1B_ROUND_MAGIC) - 0x4B400000u);
 }
 
@@ -107,7 +107,7 @@ static void qw_rows(void *ctx, int64_t lo, int64_t hi) {
                 if (bad)
                     for (int64_t k = 0; k < K; k++) {
                         float t = o1b_mul(o1b_bf16_to_f32(row[k]), inv);
-                        q[k] = rne_clamp_q(t, a->qmax);
+                        q[k] = o1b_level_q(t, a->qmax);
                         if (c) c[k] = fabsf(t) > qm;
                     }
             }
@@ -177,7 +177,7 @@ static float absmax_any(const void *v, int kind, int64_t n) {
     return b ? o1b_nan() : qfrom(m);
 }
 
-/* q = rne_clamp(mul(v, inv)) from fp32 (kind 0, flushed), bf16 (1) or int32 (2). */
+/* q = level(mul(v, inv)) from fp32 (kind 0, flushed), bf16 (1) or int32 (2). */
 typedef struct { const void *v; int kind; int8_t *q; float inv; int qmax; } qt_args;
 static void qt_range(void *ctx, int64_t lo, int64_t hi) {
     const qt_args *a = (const qt_args *)ctx;
@@ -200,7 +200,7 @@ static void qt_range(void *ctx, int64_t lo, int64_t hi) {
             float x = a->kind == 0 ? ((const float *)a->v)[i]
                     : a->kind == 1 ? o1b_bf16_to_f32(((const bf16 *)a->v)[i])
                     : o1b_i2f(((const int32_t *)a->v)[i]);
-            a->q[i] = rne_clamp_q(o1b_mul(x, inv), a->qmax);
+            a->q[i] = o1b_level_q(o1b_mul(x, inv), a->qmax);
         }
 }
 static float quant_tensor_any(const void *v, int kind, int64_t n, int8_t *q, int qmax) {

@@ -26,17 +26,6 @@
 
 static inline int is_finite(float x) { return (o1b_bits(x) & 0x7F800000u) != 0x7F800000u; }
 
-/* Round to nearest integer, ties to even, then clamp to [-127, 127] (o1b_level). t is finite:
- * NaN scales never reach the quantizers. */
-static inline int8_t rne_clamp(float t) { return o1b_level(t); }
-/* The same for the level bound qmax (127, or 7 / 31 on the int4 / int6 paths). */
-static inline int8_t rne_clamp_q(float t, int qmax) {
-    if (qmax == QMAX) return o1b_level(t);
-    float m = (float)qmax;
-    if (t >= m) return (int8_t)qmax;
-    if (t <= -m) return (int8_t)-qmax;
-    return (int8_t)(int)((t + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC);
-}
 static inline float qw_coef(int qmax) {
     return qmax == QMAX4 ? QW_COEF4 : qmax == QMAX6 ? QW_COEF6 : QW_COEF;
 }
