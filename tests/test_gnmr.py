@@ -81,9 +81,14 @@ def test_matches_the_transcription(seed):
     for t, (st, sc, a, g, dg, r, locks) in enumerate(out):
         assert st.active == a, f"step {t}: active {st.active} vs transcription {a}"
         assert st.locks.tolist() == locks, f"step {t}: locks"
-        np.testing.assert_allclose(sc["gnmr"], g, rtol=2e-6, err_msg=f"step {t} GNMR")
-        np.testing.assert_allclose(sc["dgnmr"], dg, rtol=5e-6, err_msg=f"step {t} Δ-GNMR")
-        np.testing.assert_allclose(sc["risk"], r, rtol=5e-6, err_msg=f"step {t} risk")
+        # Tolerances against the float64 transcription (u = 2^-24): the fp32 running mean
+        # A_t = A + (n - A)·r_t is a convex update, so its relative error obeys e_t <= (1 - 1/t) e_{t-1}
+        # + 3u, i.e. e_t <= 1.5 (t + 1) u <= 5.5e-6 at t = 60; GNMR = n/(A + eps) adds 2u. The queue
+        # mean of Δ-GNMR averages such values (tree fold of <= 5 terms, one multiply: 5u), and the
+        # ratio and the threshold divisions add 2u more, so both stay below 1.2e-5 (2.5e-5 bound).
+        np.testing.assert_allclose(sc["gnmr"], g, rtol=1e-5, err_msg=f"step {t} GNMR")
+        np.testing.assert_allclose(sc["dgnmr"], dg, rtol=2.5e-5, err_msg=f"step {t} Δ-GNMR")
+        np.testing.assert_allclose(sc["risk"], r, rtol=2.5e-5, err_msg=f"step {t} risk")
         assert len(st.active) <= 2
         n_active += len(st.active)
     assert n_active > 0                 # the spikes really trigger recovery
