@@ -17,3 +17,18 @@ from .attention import attention_forward, attention_forward_i8, attention_backwa
 from .xent import xent_forward, xent_backward, XENT_CHUNK
 from .quant import (gemm_i8, gemm_i8_has_vnni, hadamard_rows, qlinear_backward, qlinear_forward,
                     quant_tensor, quant_weight_rows)
+
+from ..arrays import functional_ops as _functional_ops
+
+ARRAY_KIND = "numpy"     # cpu_ref's arrays live in host memory
+add, scale, adamw = _functional_ops(add_inplace, scale_inplace, adamw_step)
+
+
+def to_device(a):
+    """The backend's array for host data: for cpu_ref the numpy array itself."""
+    return a
+
+
+def to_host(a):
+    """A numpy array (cpu_ref's arrays already are)."""
+    return a

@@ -42,7 +42,12 @@ def declare(name: str, *argtypes, restype=None):
 
 def p(a: np.ndarray | None):
     """The data pointer of a checked array (None -> NULL)."""
-    return None if a is None else a.ctypes.data
+    if a is None:
+        return None
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"cpu_ref works on numpy arrays, got {type(a).__module__}.{type(a).__name__} "
+                         "(move it with mlx_open1b.arrays.to_host)")
+    return a.ctypes.data
 
 
 set_num_threads_c = declare("o1b_set_num_threads", c_int)

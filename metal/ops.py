@@ -2,9 +2,11 @@
 
 The same function names, signatures, argument checks (mlx_open1b.opargs, as cpu_ref) and return types as
 `mlx_open1b.cpu_ref`, so the model program and the trainer run with `ops=mlx_open1b.metal.ops`.
-Arrays are numpy (bf16 held as uint16) on both sides; inside, each op launches its kernels through
-`runtime.kernel(...)`: mx.fast.metal_kernel on a Mac, the emulator elsewhere — the same grid sizes,
-output shapes and template arguments either way. Host code only checks arguments, allocates,
+Every op takes and returns numpy arrays or mx.arrays (bf16 held as uint16): given any mx.array it
+returns mx.arrays (on a Mac they stay on the GPU, lazily evaluated; `to_device` makes them), given
+numpy only it returns numpy. Inside, each op launches its kernels through `runtime.kernel(...)`:
+mx.fast.metal_kernel on a Mac, the emulator elsewhere (which copies mx.arrays to the host and back)
+— the same grid sizes, output shapes and template arguments either way. Host code only checks arguments, allocates,
 and moves data (bucketing positions for the embedding backward, assembling chunk rows); every
 fp32 value comes out of a kernel.
 """
@@ -15,12 +17,13 @@ from typing import Sequence
 import numpy as np
 
 from ..contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
-from .. import opargs
+from .. import arrays, opargs
 from ..opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 from .runtime import available  # noqa: F401  (re-exported)
 
 NAME = "metal"
+ARRAY_KIND = arrays.MLX     # the backend's device arrays (to_device); numpy in -> numpy out as well
 I64 = np.dtype(np.int64)
 U32 = np.dtype(np.uint32)
 MAX_GRID = 2 ** 31 - 1
@@ -72,9 +75,19 @@ def contract_version() -> int:
     return CONTRACT_VERSION
 
 
-def _nz(a: np.ndarray) -> np.ndarray:
+def to_device(a):
+    """The backend's array (mx.array) holding the values of a numpy array (an mx.array as is)."""
+    return a if arrays.kind(a) == arrays.MLX else arrays.from_host(np.asarray(a), arrays.MLX)
+
+
+def to_host(a):
+    """A numpy array with the values of a (evaluates a lazy mx.array)."""
+    return arrays.to_host(a)
+
+
+def _nz(a):
     """Kernels never read an empty input; give them one element so every buffer exists."""
-    return a if a.size else np.zeros(1, a.dtype)
+    return a if a.size else np.zeros(1, arrays.dtype(a))
 
 
 def _i64(*v) -> np.ndarray:
@@ -90,14 +103,22 @@ def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=Non
     """Launch metal/<name>.metal; outputs = [(shape, dtype)]; returns the output arrays."""
     if any(int(g) > MAX_GRID for g in grid):
         raise ValueError(f"{name}: grid {tuple(grid)} exceeds {MAX_GRID} threads in one dimension")
+    device = arrays.any_device(inputs) is not None      # any mx.array in -> mx.arrays out
     if any(int(g) == 0 for g in grid):
-        return [np.zeros(shape, dt) for shape, dt in outputs]
+        outs = [np.zeros(shape, dt) for shape, dt in outputs]
+        return [to_device(o) for o in outs] if device else outs
     in_names, out_names = KERNELS[name]
     k = runtime.kernel(name, in_names, out_names)
-    outs = k(inputs=[_nz(np.ascontiguousarray(a)) for a in inputs],
-             output_shapes=[shape for shape, _ in outputs], output_dtypes=[dt for _, dt in outputs],
-             grid=tuple(int(g) for g in grid), threadgroup=threadgroup, template=template)
-    return [np.asarray(o).reshape(shape) for o, (shape, _) in zip(outs, outputs)]
+    if k.real:      # mx.fast.metal_kernel: mx.arrays in; out stay lazy on the GPU in device mode
+        ins = [_nz(a) if arrays.kind(a) == arrays.MLX else _nz(np.ascontiguousarray(a)) for a in inputs]
+    else:           # the emulator reads host memory (its copy stands for the GPU reading the buffer)
+        ins = [_nz(np.ascontiguousarray(np.asarray(a))) for a in inputs]
+    outs = k(inputs=ins, output_shapes=[shape for shape, _ in outputs], output_dtypes=[dt for _, dt in outputs],
+             grid=tuple(int(g) for g in grid), threadgroup=threadgroup, template=template, keep=device)
+    outs = [o.reshape(shape) for o, (shape, _) in zip(outs, outputs)]
+    if device and not k.real:
+        outs = [to_device(o) for o in outs]
+    return outs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,18 +145,30 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
     return y.reshape(x.shape)
 
 
-def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
-    """a += b elementwise (a is the lower-index operand of a fold)."""
-    n = opargs.add_inplace(a, b)
+def add(a, b):
+    """a + b elementwise (a is the lower-index operand of a fold), as a new array."""
+    n = opargs.add_inplace(a, b, inplace=False)
     (out,) = _run("add", [a.reshape(-1), b.reshape(-1)], [((n,), F32)], (n, 1, 1))
-    a.reshape(-1)[...] = out
+    return out.reshape(a.shape)
+
+
+def scale(a, s: float):
+    """a * s elementwise (s rounded to float32 first), as a new array."""
+    n = opargs.scale_inplace(a, inplace=False)
+    (out,) = _run("scale", [a.reshape(-1), _f32(s)], [((n,), F32)], (n, 1, 1))
+    return out.reshape(a.shape)
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
+    """a += b elementwise on numpy arrays (mx.arrays cannot be written in place: use add)."""
+    opargs.add_inplace(a, b)
+    a.reshape(-1)[...] = arrays.to_host(add(a, b)).reshape(-1)
 
 
 def scale_inplace(a: np.ndarray, s: float) -> None:
-    """a *= s elementwise, s rounded to float32 first."""
-    n = opargs.scale_inplace(a)
-    (out,) = _run("scale", [a.reshape(-1), _f32(s)], [((n,), F32)], (n, 1, 1))
-    a.reshape(-1)[...] = out
+    """a *= s elementwise on numpy arrays, s rounded to float32 first (mx.arrays: use scale)."""
+    opargs.scale_inplace(a)
+    a.reshape(-1)[...] = arrays.to_host(scale(a, s)).reshape(-1)
 
 
 def _scalar(op: int, a: float, b: float = 0.0) -> float:
@@ -187,7 +220,9 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
     """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
     N, V, C = opargs.embedding_backward(tokens, dout, V)
-    # the stable counting sort of positions by token (data movement only)
+    # the stable counting sort of positions by token (data movement only, on the host; the
+    # index arrays go back to the device with the launch)
+    tokens = arrays.to_host(tokens)
     start = np.zeros(V + 1, I64)
     start[1:] = np.cumsum(np.bincount(tokens, minlength=V))
     pos = np.argsort(tokens, kind="stable").astype(I64)
@@ -318,7 +353,7 @@ def _forward_chunked(h, w, targets, zcoef, chunk):
 def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
     N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
     dh = None
-    dw = np.empty((V, C), F32)
+    dw = arrays.FlatBuffer(V * C, F32, arrays.any_device([h, w, targets, lse, dloss]) or arrays.NUMPY)
     for v0, L in _chunks(V, chunk):
         z = _gemm(N, L, C, h, 0, C, 1, w, v0 * C, 1, C)            # logits, as in the forward
         (dz,) = _run("xent_backward_dz", [z, targets, lse, dloss, _f32(zc), _i64(v0, L)], [((N, L), BF16)],
@@ -326,8 +361,8 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
         # dh[n, c] (+)= sum over j ascending of dz[n, j] w[v0 + j, c]: one accumulator across chunks
         dh = _gemm(N, C, L, dz, 0, L, 1, w, v0 * C, C, 1, C0=dh)
         # dw[v0 + j, c] = sum over n ascending of dz[n, j] h[n, c]
-        dw[v0:v0 + L] = _gemm(L, C, N, dz, 0, 1, L, h, 0, C, 1)
-    return dh, dw
+        dw.write(v0 * C, _gemm(L, C, N, dz, 0, 1, L, h, 0, C, 1))
+    return dh, dw.result().reshape(V, C)
 
 
 def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
@@ -348,13 +383,21 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float,
                beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                step: int) -> None:
-    """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
-    n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
+    """One AdamW step in place on numpy bf16 params p_ with fp32 moments m, v; `step` is 1-based
+    (mx.arrays: use adamw)."""
+    opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)     # also: writable
+    outs = adamw(p_, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    for dst, src in zip((p_, m, v), outs):
+        dst[...] = arrays.to_host(src)
+
+
+def adamw(p_, g, m, v, *, lr: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
+          weight_decay: float = 0.0, step: int):
+    """adamw_step as new arrays: -> (p, m, v) after the step (the inputs are not changed)."""
+    n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step, inplace=False)
     sc = _f32(*scalars)
     p2, m2, v2 = _run("adamw", [p_, g, m, v, sc], [((n,), BF16), ((n,), F32), ((n,), F32)], (n, 1, 1))
-    p_[...] = p2
-    m[...] = m2
-    v[...] = v2
+    return p2, m2, v2
 
 
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
@@ -374,7 +417,7 @@ def treefold(values: np.ndarray) -> float:
 def global_norm(tensors: Sequence[np.ndarray]) -> float:
     """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
     parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
-    return scalar_sqrt(treefold(np.concatenate(parts)))
+    return scalar_sqrt(treefold(arrays.concat(parts)))
 
 
 def clip_coef(norm: float, max_norm: float) -> float:
@@ -497,8 +540,9 @@ def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def hadamard_rows(f: np.ndarray) -> np.ndarray:
     """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
-    f = np.array(f, np.float32, copy=True, order="C")
-    R, C = opargs.hadamard_rows(f)
+    if arrays.kind(f) != arrays.MLX:
+        f = np.array(f, np.float32, copy=True, order="C")
+    R, C = opargs.hadamard_rows(f, inplace=False)
     return _rotate("hadamard", f, R, C)
 
 
@@ -527,12 +571,12 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         qg, sg = _quant_f32(_rotate("hadamard", g, M, N), qmax)             # (Mp, N)
         qr, sr = _quant_f32(_rotate("hadamard_i8", qw, M, K), qmax)         # (Mp, K)
         acc = _gemm_i8(N, K, Mp, qg, 1, N, qr, 1, K)
-        dx = _dequant(1, acc, np.concatenate([sg, sr]))
+        dx = _dequant(1, acc, arrays.concat([sg, sr]))
     if need_dw:
         Np = _pad_qb(N)
         qx, sx = _quant_f32(bf16_to_f32(x), qmax)
         qd, sd = _quant_f32(_rotate("hadamard", bf16_to_f32(dy), N, M), qmax)     # (Np, M)
         qX, sX = _quant_f32(_rotate("hadamard_i8", qx, N, K), qmax)               # (Np, K)
         acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
-        dw = _dequant(2, acc, np.concatenate([sd, sX, sx]), clip=clip)
+        dw = _dequant(2, acc, arrays.concat([sd, sX, sx]), clip=clip)
     return dx, dw

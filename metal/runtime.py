@@ -5,7 +5,9 @@ object `mx.fast.metal_kernel` returns (inputs, output_shapes, output_dtypes, gri
 template, init_value). Where Metal is available (`mx.metal.is_available()`) it *is* that object,
 built with `ensure_row_contiguous=True` and `compile_options={"math_mode": "safe"}`; elsewhere it
 runs the same source text in the emulator (`mlx_open1b.metal.emu`), through the same call.
-Either way a call takes numpy arrays or mx.arrays and returns numpy arrays (bf16 as uint16).
+Either way a call takes numpy arrays or mx.arrays and returns numpy arrays (bf16 as uint16), or
+with keep=True what the runtime made: lazy mx.arrays on Metal (the caller's graph evaluates them),
+numpy arrays from the emulator.
 
 Kernels are built once and reused: `get_kernel` caches them by name, input and output names,
 and the SHA-256 of header and source.
@@ -99,7 +101,7 @@ class MetalKernel:
                                          race_check=race_check)
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
-                 init_value=None, verbose=False, stream=None):
+                 init_value=None, verbose=False, stream=None, keep=False):
         if not self.real:
             return self._kernel(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                 grid=grid, threadgroup=threadgroup, template=template,
@@ -116,6 +118,8 @@ class MetalKernel:
         if stream is not None:
             kw["stream"] = stream
         outs = self._kernel(**kw)
+        if keep:
+            return list(outs)
         mx.eval(outs)
         return [np.array(o) for o in outs]
 

@@ -17,6 +17,12 @@ fused with cross-entropy and z-loss. No biases.
 Every parameter lives in one contiguous bf16 buffer in the canonical order of
 `ModelConfig.param_shapes()`; the gradient is one fp32 buffer with the same layout.
 
+Array kinds (mlx_open1b.arrays): the program works in the kind of the parameter buffer it is
+given — numpy, or the backend's device arrays (`ops.to_device`: mx.array for metal, cupy for
+cuda). With device params every activation, cache entry and gradient stays on the device; only
+token ids go up and the per-row losses' sums come down. Host-side steps are data movement only
+(slices, reshapes, joins), so the kind never changes a bit.
+
 Choices that decide bits (everything else is the ops' own contract):
 - wq, wk, wv are adjacent in the buffer, so they are used as one ((H+2G)·D, d) matrix: one GEMM
   forward (each output element is the same dot product as with three GEMMs) and one GEMM
@@ -49,7 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import cpu_ref
+from . import arrays, cpu_ref
 from .config import ModelConfig
 from .contract import STREAM_INIT
 from .hostmath import f32, reciprocal
@@ -107,8 +113,9 @@ class ParamLayout:
         return lo, v.offset + v.size
 
 
-def views(buf: np.ndarray, layout: ParamLayout) -> dict[str, np.ndarray]:
-    """name -> reshaped view into buf (the bf16 params, or an fp32 gradient or moment buffer)."""
+def views(buf, layout: ParamLayout) -> dict:
+    """name -> reshaped view into buf (the bf16 params, or an fp32 gradient or moment buffer; for
+    mx.arrays the slices are lazy copies)."""
     _check_flat("buf", buf, None, layout.n_params)
     return {t.name: buf[t.offset:t.offset + t.size].reshape(t.shape) for t in layout}
 
@@ -130,13 +137,13 @@ def init_params(cfg: ModelConfig, seed: int, ops=cpu_ref) -> np.ndarray:
 
 
 def _check_flat(name: str, a, dtype, n: int) -> None:
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{name}: expected a numpy array, got {type(a).__name__}")
-    if dtype is not None and a.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (bf16 is held as uint16), got {a.dtype}")
-    if a.shape != (n,):
+    if not arrays.is_array(a):
+        raise ValueError(f"{name}: expected an array (numpy, mx.array or cupy), got {type(a).__name__}")
+    if dtype is not None and arrays.dtype(a) != dtype:
+        raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (bf16 is held as uint16), got {arrays.dtype(a)}")
+    if tuple(a.shape) != (n,):
         raise ValueError(f"{name}: expected shape ({n},) (the flat parameter buffer), got {a.shape}")
-    if not a.flags.c_contiguous:
+    if not arrays.c_contiguous(a):
         raise ValueError(f"{name}: must be C-contiguous")
 
 
@@ -218,6 +225,19 @@ class Model:
         self.windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
         # fp32 scalar multiply with the contract's flush (cpu_ref keeps it in its mathfn module)
         self._scalar_mul = getattr(ops, "scalar_mul", None) or ops.mathfn.scalar_mul
+        self._kind = arrays.NUMPY        # the kind of the params of the current call (_put)
+        self._tables = {arrays.NUMPY: (self.rope_cos, self.rope_sin)}
+
+    def _put(self, a: np.ndarray):
+        """Host data (token ids, dloss) in the kind of the current call's params."""
+        return a if self._kind == arrays.NUMPY else self.ops.to_device(a)
+
+    def _rope(self):
+        """The RoPE tables in the current kind (moved to the device once)."""
+        t = self._tables.get(self._kind)
+        if t is None:
+            t = self._tables[self._kind] = (self._put(self.rope_cos), self._put(self.rope_sin))
+        return t
 
     UNIT_OPS = ("qkv", "wo", "gate_up", "down", "attn")
 
@@ -248,6 +268,7 @@ class Model:
         z-term (Python floats holding fp32 values), and the cache for backward."""
         self._check_params(params)
         inputs, targets, B = self._split(windows)
+        inputs, targets = self._put(inputs), self._put(targets)
         cache = Cache(B, self.cfg.seq_len, inputs, targets)
         loss_n, lse_n, ce_n = self._forward(params, inputs, targets, B, cache)
         return (*self._means(loss_n, lse_n, ce_n), cache)
@@ -281,14 +302,15 @@ class Model:
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
             rows = slice(b0 * T, (b0 + nb) * T)
-            _, _, ce_n = self._forward(params, inputs[rows], targets[rows], nb, None)
-            for i, ce_w in enumerate(ce_n.reshape(nb, T)):
-                out[b0 + i] = self._scalar_mul(self.ops.treefold(ce_w), r)
+            _, _, ce_n = self._forward(params, self._put(inputs[rows]), self._put(targets[rows]), nb, None)
+            for i in range(nb):
+                out[b0 + i] = self._scalar_mul(self.ops.treefold(ce_n[i * T:(i + 1) * T]), r)
         return out
 
     # ---- input checks
     def _check_params(self, params) -> None:
         _check_flat("params", params, np.uint16, self.n_params)
+        self._kind = arrays.kind(params)
 
     def _split(self, windows):
         """windows (B, T+1) uint32 -> inputs (N,) int32, targets (N,) int32, B."""
@@ -314,7 +336,8 @@ class Model:
         """Microbatch means: mul(treefold(rows), 1/N). The z-term rows are recomputed on the host
         exactly as xent defines them, zl = mul(zcoef, mul(lse, lse)) (for logging)."""
         ops, r = self.ops, reciprocal(loss_n.size)
-        zl_n = arith.mul(np.float32(self.zcoef), arith.mul(lse_n, lse_n))
+        lse_h = arrays.to_host(lse_n)
+        zl_n = arith.mul(np.float32(self.zcoef), arith.mul(lse_h, lse_h))
         return tuple(float(self._scalar_mul(ops.treefold(x), r)) for x in (loss_n, ce_n, zl_n))
 
     def _forward(self, params, inputs, targets, B, cache: Cache | None):
@@ -344,29 +367,28 @@ class Model:
         T, H, G, D = cfg.seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         lo, hi = self.layout.qkv_range(l)
         w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
+        cos_t, sin_t = self._rope()
         # attention: h_mid = h + wo(attn(rope(qknorm(q)), rope(qknorm(k)), v))
         a, rstd_attn = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)   # (N, d)
         a_b = ops.f32_to_bf16(a)
         qkv = self._linear_forward(l, "qkv", a_b, w_qkv)                             # (N, (H+2G)D)
-        q_pre = np.ascontiguousarray(qkv[:, :H * D]).reshape(N * H, D)
-        k_pre = np.ascontiguousarray(qkv[:, H * D:(H + G) * D]).reshape(N * G, D)
-        v = np.ascontiguousarray(qkv[:, (H + G) * D:]).reshape(B, T, G, D)
+        q_pre = arrays.contiguous(qkv[:, :H * D]).reshape(N * H, D)
+        k_pre = arrays.contiguous(qkv[:, H * D:(H + G) * D]).reshape(N * G, D)
+        v = arrays.contiguous(qkv[:, (H + G) * D:]).reshape(B, T, G, D)
         qn, rstd_q = ops.rmsnorm_forward(q_pre, None, eps)                # QK-norm, gain-free
         kn, rstd_k = ops.rmsnorm_forward(k_pre, None, eps)
-        q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(B, T, H, D), self.rope_cos, self.rope_sin))
-        k_b = ops.f32_to_bf16(ops.rope_forward(kn.reshape(B, T, G, D), self.rope_cos, self.rope_sin))
+        q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(B, T, H, D), cos_t, sin_t))
+        k_b = ops.f32_to_bf16(ops.rope_forward(kn.reshape(B, T, G, D), cos_t, sin_t))
         v_b = ops.f32_to_bf16(v)
         o, lse = self._path(l, "attn")[2](q_b, k_b, v_b, self.windows[l], self.attn_scale)  # (B,T,H,D), (B,H,T)
         o_b = ops.f32_to_bf16(o.reshape(N, H * D))
-        h_mid = h.copy()
-        ops.add_inplace(h_mid, self._linear_forward(l, "wo", o_b, w[p + "wo"]))     # (N, d)
+        h_mid = ops.add(h, self._linear_forward(l, "wo", o_b, w[p + "wo"]))        # (N, d)
         # SwiGLU: h_out = h_mid + w_down(silu(gate) * up)
         f, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
         f_b = ops.f32_to_bf16(f)
         gu = self._linear_forward(l, "gate_up", f_b, w[p + "w_gate_up"])                 # (N, 2F)
         s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
-        h_out = h_mid.copy()
-        ops.add_inplace(h_out, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
+        h_out = ops.add(h_mid, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
         if lc is not None:
             lc.update(h_in=h, rstd_attn=rstd_attn, a_b=a_b, q_pre=q_pre, rstd_q=rstd_q, k_pre=k_pre,
                       rstd_k=rstd_k, q_b=q_b, k_b=k_b, v_b=v_b, o=o, lse=lse, o_b=o_b, h_mid=h_mid,
@@ -377,20 +399,19 @@ class Model:
     def _backward(self, params, c: Cache) -> np.ndarray:
         ops, cfg = self.ops, self.cfg
         w = views(params, self.layout)
-        grads = np.empty(self.n_params, np.float32)   # every element is written below
-        dw = views(grads, self.layout)
+        grads = _Grads(self.layout, self._kind)    # every element is written below, exactly once
         N = c.B * c.T
-        dloss = np.full(N, reciprocal(N), np.float32)                   # d(mean)/d(loss row)
-        dhn, dw["lm_head"][...] = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef,
-                                                    c.lse, dloss)        # (N, d), (V, d)
-        dh, dw["final_norm"][...] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
+        dloss = self._put(np.full(N, reciprocal(N), np.float32))       # d(mean)/d(loss row)
+        dhn, grads["lm_head"] = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef,
+                                                  c.lse, dloss)          # (N, d), (V, d)
+        dh, grads["final_norm"] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
         for l in reversed(range(cfg.n_layers)):
-            dh = self._block_backward(l, params, w, grads, dw, dh, c.layers[l], c.B)
-        dx0, dw["emb_norm"][...] = ops.rmsnorm_backward(dh, c.x0, w["emb_norm"], c.rstd_emb)  # (N, d)
-        dw["wte"][...] = ops.embedding_backward(c.inputs, dx0, cfg.vocab_size)               # (V, d)
-        return grads
+            dh = self._block_backward(l, params, w, grads, dh, c.layers[l], c.B)
+        dx0, grads["emb_norm"] = ops.rmsnorm_backward(dh, c.x0, w["emb_norm"], c.rstd_emb)  # (N, d)
+        grads["wte"] = ops.embedding_backward(c.inputs, dx0, cfg.vocab_size)               # (V, d)
+        return grads.result()
 
-    def _block_backward(self, l, params, w, grads, dw, dh, lc: LayerCache, B):
+    def _block_backward(self, l, params, w, dw, dh, lc: LayerCache, B):
         """dh (N, d) = dL/d(block output) -> dL/d(block input); writes the block's gradients."""
         ops, cfg, bf16 = self.ops, self.cfg, self.ops.f32_to_bf16
         p = f"layers.{l}."
@@ -398,23 +419,38 @@ class Model:
         T, H, G, D = cfg.seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         lo, hi = self.layout.qkv_range(l)
         w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
+        cos_t, sin_t = self._rope()
         # SwiGLU branch: h_out = h_mid + w_down(s)
-        ds, dw[p + "w_down"][...] = self._linear_backward(l, "down", bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
+        ds, dw[p + "w_down"] = self._linear_backward(l, "down", bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
         dgu = ops.swiglu_backward(ds, lc.gu)                                                 # (N, 2F)
-        df, dw[p + "w_gate_up"][...] = self._linear_backward(l, "gate_up", bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
-        dh_mid, dw[p + "ffn_norm"][...] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
-        ops.add_inplace(dh, dh_mid)            # dh = dL/dh_mid: running gradient + branch
+        df, dw[p + "w_gate_up"] = self._linear_backward(l, "gate_up", bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
+        dh_mid, dw[p + "ffn_norm"] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
+        dh = arrays.add_into(ops, dh, dh_mid)        # dh = dL/dh_mid: running gradient + branch
         # attention branch: h_mid = h_in + wo(o)
-        do, dw[p + "wo"][...] = self._linear_backward(l, "wo", bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
+        do, dw[p + "wo"] = self._linear_backward(l, "wo", bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
         dq_r, dk_r, dv = ops.attention_backward(do.reshape(B, T, H, D), lc.q_b, lc.k_b, lc.v_b, lc.o,
                                                 lc.lse, self.windows[l], self.attn_scale)
-        dqn = ops.rope_backward(dq_r, self.rope_cos, self.rope_sin).reshape(N * H, D)
-        dkn = ops.rope_backward(dk_r, self.rope_cos, self.rope_sin).reshape(N * G, D)
+        dqn = ops.rope_backward(dq_r, cos_t, sin_t).reshape(N * H, D)
+        dkn = ops.rope_backward(dk_r, cos_t, sin_t).reshape(N * G, D)
         dq, _ = ops.rmsnorm_backward(dqn, lc.q_pre, None, lc.rstd_q)     # (N*H, D)
         dk, _ = ops.rmsnorm_backward(dkn, lc.k_pre, None, lc.rstd_k)     # (N*G, D)
-        dqkv = np.concatenate([dq.reshape(N, H * D), dk.reshape(N, G * D), dv.reshape(N, G * D)], axis=1)
+        dqkv = arrays.concat([dq.reshape(N, H * D), dk.reshape(N, G * D), dv.reshape(N, G * D)], axis=1)
         da, dw_qkv = self._linear_backward(l, "qkv", bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
-        grads[lo:hi] = dw_qkv.reshape(-1)
-        dh_in, dw[p + "attn_norm"][...] = ops.rmsnorm_backward(da, lc.h_in, w[p + "attn_norm"], lc.rstd_attn)
-        ops.add_inplace(dh, dh_in)             # dh = dL/dh_in
-        return dh
+        dw.write(lo, dw_qkv)                   # wq, wk, wv: one range of the buffer
+        dh_in, dw[p + "attn_norm"] = ops.rmsnorm_backward(da, lc.h_in, w[p + "attn_norm"], lc.rstd_attn)
+        return arrays.add_into(ops, dh, dh_in)       # dh = dL/dh_in
+
+
+class _Grads(arrays.FlatBuffer):
+    """The fp32 gradient buffer in the parameter layout, written tensor by tensor (grads[name] =
+    array of the tensor's shape) or by range (write(offset, array))."""
+
+    def __init__(self, layout: ParamLayout, k: str):
+        super().__init__(layout.n_params, np.float32, k)
+        self.layout = layout
+
+    def __setitem__(self, name: str, value) -> None:
+        t = self.layout[name]
+        if tuple(value.shape) != t.shape:
+            raise AssertionError(f"gradient of {name}: shape {tuple(value.shape)}, expected {t.shape}")
+        self.write(t.offset, value)

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import arrays
 from .contract import NORM_BLOCK
 from .hostmath import adamw_scalars
 
@@ -27,12 +28,13 @@ FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sq
 # ------------------------------------------------------------------ argument primitives
 def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int | None = None) -> np.ndarray:
     """Validate one array argument; shape entries of None match any size."""
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{name}: expected a numpy array, got {type(a).__name__}")
-    if a.dtype != dtype:
+    if not arrays.is_array(a):
+        raise ValueError(f"{name}: expected an array (numpy, mx.array or cupy), got {type(a).__name__}")
+    got = arrays.dtype(a)
+    if got != dtype:
         hint = " (bf16 is held as uint16)" if dtype == BF16 else ""
-        raise ValueError(f"{name}: expected dtype {dtype}{hint}, got {a.dtype}")
-    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected dtype {dtype}{hint}, got {got}")
+    if not arrays.c_contiguous(a):
         raise ValueError(f"{name}: must be C-contiguous (use np.ascontiguousarray)")
     if ndim is None and shape is not None:
         ndim = len(shape)
@@ -47,7 +49,10 @@ def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int |
 
 
 def writable(name: str, a: np.ndarray) -> np.ndarray:
-    if not a.flags.writeable:
+    if arrays.kind(a) == arrays.MLX:
+        raise ValueError(f"{name}: an mx.array cannot be updated in place; use the functional op "
+                         "(add, scale, adamw), which returns new arrays")
+    if arrays.kind(a) == arrays.NUMPY and not a.flags.writeable:
         raise ValueError(f"{name}: array is read-only but is updated in place")
     return a
 
@@ -69,10 +74,11 @@ def tokens(tokens: np.ndarray, V: int) -> np.ndarray:
     """int32 token ids (N,), each in [0, V)."""
     check("tokens", tokens, I32, ndim=1)
     if tokens.size:
-        bad = np.flatnonzero((tokens < 0) | (tokens >= V))
+        t = arrays.to_host(tokens)          # a few bytes per row; device ids are checked on the host
+        bad = np.flatnonzero((t < 0) | (t >= V))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"tokens: token id {int(tokens[i])} at index {i} is outside [0, {V})")
+            raise ValueError(f"tokens: token id {int(t[i])} at index {i} is outside [0, {V})")
     return tokens
 
 
@@ -140,16 +146,20 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
     return check("x", x, BF16)
 
 
-def add_inplace(a: np.ndarray, b: np.ndarray) -> int:
-    """-> the element count of a (updated in place, b of the same shape)."""
-    check("a", writable("a", a), F32)
+def _w(name: str, a, inplace: bool):
+    return writable(name, a) if inplace else a
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray, inplace: bool = True) -> int:
+    """-> the element count of a (updated in place unless inplace=False, b of the same shape)."""
+    check("a", _w("a", a, inplace), F32)
     check("b", b, F32, shape=a.shape)
     return a.size
 
 
-def scale_inplace(a: np.ndarray) -> int:
-    """-> the element count of a (updated in place)."""
-    check("a", writable("a", a), F32)
+def scale_inplace(a: np.ndarray, inplace: bool = True) -> int:
+    """-> the element count of a (updated in place unless inplace=False)."""
+    check("a", _w("a", a, inplace), F32)
     return a.size
 
 
@@ -289,10 +299,11 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
         if size == 0:
             raise ValueError(f"{name}: must be at least 1, got shape h {h.shape}, w {w.shape}")
     check("targets", targets, I32, shape=(N,))
-    bad = np.flatnonzero((targets < 0) | (targets >= V))
+    t = arrays.to_host(targets)
+    bad = np.flatnonzero((t < 0) | (t >= V))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"targets: entry {i} is {int(targets[i])}, outside [0, {V}) "
+        raise ValueError(f"targets: entry {i} is {int(t[i])}, outside [0, {V}) "
                          f"({bad.size} out of range)")
     try:
         with np.errstate(over="ignore"):          # 1e39 -> inf, rejected below
@@ -319,14 +330,16 @@ ADAMW_SCALARS = ("lr", "b1", "b2", "omb1", "omb2", "eps", "decay", "bc1", "bc2")
 
 
 def adamw(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, lr: float, beta1: float,
-          beta2: float, eps: float, weight_decay: float, step: int) -> tuple[int, list[float]]:
-    """p (n,) bf16 and m, v (n,) fp32 writable, g (n,) fp32, hyperparameters finite >= 0, betas < 1
-    -> (n, the nine float32 kernel scalars in ADAMW_SCALARS order, from hostmath.adamw_scalars)."""
-    check("p", writable("p", p), BF16, ndim=1)
+          beta2: float, eps: float, weight_decay: float, step: int,
+          inplace: bool = True) -> tuple[int, list[float]]:
+    """p (n,) bf16 and m, v (n,) fp32 (writable unless inplace=False), g (n,) fp32, hyperparameters
+    finite >= 0, betas < 1 -> (n, the nine float32 kernel scalars in ADAMW_SCALARS order, from
+    hostmath.adamw_scalars)."""
+    check("p", _w("p", p, inplace), BF16, ndim=1)
     n = p.size
     check("g", g, F32, shape=(n,))
-    check("m", writable("m", m), F32, shape=(n,))
-    check("v", writable("v", v), F32, shape=(n,))
+    check("m", _w("m", m, inplace), F32, shape=(n,))
+    check("v", _w("v", v, inplace), F32, shape=(n,))
     for name, val in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
         _nonneg(name, val)
     if not (beta1 < 1 and beta2 < 1):
@@ -418,9 +431,9 @@ def gemm_i8(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int]:
     return I, b.shape[0], P
 
 
-def hadamard_rows(f: np.ndarray) -> tuple[int, int]:
-    """f (R, C) fp32, R a multiple of QB (rotated in place) -> (R, C)."""
-    check("f", writable("f", f), F32, ndim=2)
+def hadamard_rows(f: np.ndarray, inplace: bool = True) -> tuple[int, int]:
+    """f (R, C) fp32, R a multiple of QB (rotated in place unless inplace=False) -> (R, C)."""
+    check("f", _w("f", f, inplace), F32, ndim=2)
     if f.shape[0] % QB:
         raise ValueError(f"f: {f.shape[0]} rows is not a multiple of the Hadamard block {QB}")
     return f.shape

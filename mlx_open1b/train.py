@@ -8,12 +8,15 @@ stream (CONTRACT.md §7, §10):
   3. the pre-clip global norm; the spike protocol; clipping at clip_norm;
   4. AdamW with the token-anchored learning rate (weight decay on linear layers and the LM head);
   5. a ledger record with the batch, gradient, parameter and optimizer-state hashes.
-Checkpoints hold everything the next step needs (params, moments, Adam step, stream position,
+The state lives in the backend's arrays (`ops.to_device`: mx.array on metal, cupy on cuda, numpy
+on cpu_ref); each step moves to the host only what it hashes (the gradient, the parameters and
+moments) and a few scalars. Checkpoints hold everything the next step needs (params, moments, Adam step, stream position,
 spike state, consumed tokens), so a resumed run writes exactly the ledger of an uninterrupted one.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -22,7 +25,7 @@ import time
 
 import numpy as np
 
-from . import __version__, hashing
+from . import __version__, arrays, hashing
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .contract import CONTRACT_VERSION
@@ -66,24 +69,28 @@ def get_backend(name: str):
 
 class TreeFold:
     """The binary-carry fold of CONTRACT.md §7 over arrays, lower index on the left; `add` is the
-    backend's elementwise contract add (in place on its first argument)."""
+    backend's elementwise contract add: in place on its first argument (returning None, like
+    ops.add_inplace) or returning the sum (like arrays.add_into)."""
 
-    def __init__(self, add_inplace):
-        self.add, self.stack = add_inplace, []
+    def __init__(self, add):
+        self.add, self.stack = add, []
+
+    def _add(self, lower, v):
+        r = self.add(lower, v)
+        return lower if r is None else r
 
     def push(self, v: np.ndarray, level: int = 0) -> None:
         """Push the next value in index order; a value at level L stands for an aligned block of
         2^L leaves already folded by this same tree (CONTRACT.md §7), e.g. a worker's partial."""
         while self.stack and self.stack[-1][0] == level:
             _, lower = self.stack.pop()
-            self.add(lower, v)
-            v, level = lower, level + 1
+            v, level = self._add(lower, v), level + 1
         self.stack.append((level, v))
 
     def result(self) -> np.ndarray:
         acc = self.stack[0][1]
         for _, v in self.stack[1:]:
-            self.add(acc, v)
+            acc = self._add(acc, v)
         return acc
 
 
@@ -95,7 +102,10 @@ def scalar_sqrt_of(ops):
 def norm_from_partials(partials, ops) -> float:
     """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
     ops.global_norm of the whole gradient (CONTRACT.md §7)."""
-    return float(scalar_sqrt_of(ops)(ops.treefold(np.ascontiguousarray(np.concatenate(partials), np.float32))))
+    joined = arrays.concat(partials)
+    if arrays.kind(joined) == arrays.NUMPY:
+        joined = np.ascontiguousarray(joined, np.float32)
+    return float(scalar_sqrt_of(ops)(ops.treefold(joined)))
 
 
 @dataclasses.dataclass
@@ -113,6 +123,9 @@ class TrainState:
 
 
 class Trainer:
+    #: keep params and moments in the backend's device arrays (the distributed trainer keeps host arrays)
+    device_state = True
+
     def __init__(self, run_dir, cfg: RunConfig | None = None, corpus_dir=None, backend: str = "cpu_ref",
                  resume: bool = False, log=None, readonly: bool = False, at_step: int | None = None):
         self.dir = pathlib.Path(run_dir)
@@ -167,6 +180,9 @@ class Trainer:
             self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
                                     self.gnmr.fresh() if self.gnmr else None)
             self._checkpoint()
+        if self.device_state:
+            st = self.state
+            st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
         self._probes = None
 
@@ -194,7 +210,8 @@ class Trainer:
             self.gnmr = Controller(self.cfg.gnmr, self.model_cfg, self.tcfg.total_tokens)
 
     # ------------------------------------------------------------------ state and hashes
-    def _tensors(self, buf: np.ndarray, dtype: str):
+    def _tensors(self, buf, dtype: str):
+        """(name, the tensor's slice of the flat buffer, dtype) in canonical order (any kind)."""
         offs = 0
         for name, shape, _ in self.shapes:
             n = int(np.prod(shape))
@@ -208,11 +225,11 @@ class Trainer:
         return h
 
     def param_hash(self, params) -> str:
-        return self._hash("params", list(self._tensors(params, "bf16")))
+        return self._hash("params", list(self._tensors(arrays.to_host(params), "bf16")))
 
     def opt_hash(self, st: TrainState) -> str:
-        items = ([("m." + n, a, d) for n, a, d in self._tensors(st.m, "f32")]
-                 + [("v." + n, a, d) for n, a, d in self._tensors(st.v, "f32")]
+        items = ([("m." + n, a, d) for n, a, d in self._tensors(arrays.to_host(st.m), "f32")]
+                 + [("v." + n, a, d) for n, a, d in self._tensors(arrays.to_host(st.v), "f32")]
                  + [("adam_t", np.array([st.adam_t], np.int64), "i64"),
                     ("skip_left", np.array([st.skip_left], np.int64), "i64")])
         return self._hash("opt_state", items)
@@ -228,7 +245,8 @@ class Trainer:
                 "params_hash": self.param_hash(st.params), "opt_hash": self.opt_hash(st)}
         if st.gnmr is not None:
             meta["gnmr"], meta["gnmr_hash"] = st.gnmr.to_json(), self.gnmr_hash(st.gnmr)
-        tensors = {"params": (st.params, "bf16"), "m": (st.m, "f32"), "v": (st.v, "f32")}
+        tensors = {"params": (arrays.to_host(st.params), "bf16"), "m": (arrays.to_host(st.m), "f32"),
+                   "v": (arrays.to_host(st.v), "f32")}
         return save_checkpoint(self.dir, st.step, tensors, meta)
 
     def _load_latest(self, at_or_before: int | None = None) -> TrainState:
@@ -306,13 +324,12 @@ class Trainer:
         windows = self.stream.next_windows(M * mb)
         batch_hash = self._hash("batch", [("windows", windows, "u32")])
         self._gnmr_begin()
-        fold, losses, ces, zls = TreeFold(ops.add_inplace), [], [], []
+        fold, losses, ces, zls = TreeFold(functools.partial(arrays.add_into, ops)), [], [], []
         for i in range(M):
             loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
             losses.append(loss), ces.append(ce), zls.append(zl)
             fold.push(g)
-        grads = fold.result()
-        ops.scale_inplace(grads, reciprocal(M))
+        grads = arrays.scale_into(ops, fold.result(), reciprocal(M))
         rM = reciprocal(M)
         loss = float(np.float32(ops.treefold(np.array(losses, np.float32))) * np.float32(rM))
         ce = float(np.float32(ops.treefold(np.array(ces, np.float32))) * np.float32(rM))
@@ -320,8 +337,8 @@ class Trainer:
         if not math.isfinite(loss):
             raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
                              f"The last checkpoint is intact; inspect the data or lower the learning rate.")
-        grad_hash = self._hash("grads", list(self._tensors(grads, "f32")))
-        partials = {name: ops.sumsq_blocks(a) for name, a, _ in self._tensors(grads, "f32")}
+        grad_hash = self._hash("grads", list(self._tensors(arrays.to_host(grads), "f32")))
+        partials = self._norm_partials(grads)
         norm = norm_from_partials(list(partials.values()), ops)      # = ops.global_norm (§7)
         spike = not (norm <= self.tcfg.spike_threshold)
         skipped = st.skip_left > 0
@@ -330,15 +347,10 @@ class Trainer:
         if not skipped and math.isfinite(norm):
             coef = ops.clip_coef(norm, self.tcfg.clip_norm)
             if coef < 1.0:
-                ops.scale_inplace(grads, coef)
+                grads = arrays.scale_into(ops, grads, coef)
                 clipped = True
             st.adam_t += 1
-            for (name, shape, decayed), (_, p, _), (_, g, _), (_, m, _), (_, v, _) in zip(
-                    self.shapes, self._tensors(st.params, "bf16"), self._tensors(grads, "f32"),
-                    self._tensors(st.m, "f32"), self._tensors(st.v, "f32")):
-                ops.adamw_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), lr=lr,
-                               beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
-                               weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
+            self._adamw(st, grads, lr)
         elif not math.isfinite(norm):
             raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
         st.skip_left = self.tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
@@ -351,6 +363,41 @@ class Trainer:
                              "opt_state": self.opt_hash(st)}}
         self._gnmr_end(partials, st.consumed, record)
         return record
+
+    def _norm_partials(self, grads) -> dict:
+        """{tensor name: its §7 sum-of-squares block partials (host fp32)}; from device arrays the
+        partials come to the host in one transfer."""
+        parts = {name: self.ops.sumsq_blocks(a) for name, a, _ in self._tensors(grads, "f32")}
+        if arrays.kind(grads) == arrays.NUMPY:
+            return parts
+        flat = arrays.to_host(arrays.concat(list(parts.values())))
+        out, at = {}, 0
+        for name, a in parts.items():
+            out[name], at = flat[at:at + a.size], at + a.size
+        return out
+
+    def _adamw(self, st: TrainState, grads, lr: float) -> None:
+        """AdamW on every tensor (weight decay on the decayed ones): in place on numpy buffers; on
+        device arrays each tensor's new slices are joined into new buffers."""
+        ops, numpy_state = self.ops, arrays.kind(st.params) == arrays.NUMPY
+        if not numpy_state:
+            k = arrays.kind(st.params)
+            new = [arrays.FlatBuffer(st.params.size, np.uint16, k), arrays.FlatBuffer(st.m.size, np.float32, k),
+                   arrays.FlatBuffer(st.v.size, np.float32, k)]
+        offs = 0
+        for (name, shape, decayed), (_, p, _), (_, g, _), (_, m, _), (_, v, _) in zip(
+                self.shapes, self._tensors(st.params, "bf16"), self._tensors(grads, "f32"),
+                self._tensors(st.m, "f32"), self._tensors(st.v, "f32")):
+            kw = dict(lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
+                      weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
+            if numpy_state:
+                ops.adamw_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), **kw)
+            else:
+                for buf, a in zip(new, ops.adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), **kw)):
+                    buf.write(offs, a)
+            offs += p.size
+        if not numpy_state:
+            st.params, st.m, st.v = (b.result() for b in new)
 
     def heldout_ce(self) -> dict:
         """Held-out CE per source (the first eval_windows probe windows) and the mixture CE

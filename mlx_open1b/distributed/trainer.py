@@ -73,6 +73,8 @@ class DistributedTrainer(Trainer):
     """A Trainer whose steps run on all workers of `comm`; every worker constructs one with the
     same arguments (rank 0 opens or creates the run directory)."""
 
+    device_state = False      # the state is host (numpy) arrays: the collectives move numpy buffers
+
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
                  backend: str = "cpu_ref", resume: bool = False, log=None):
         self.comm = comm

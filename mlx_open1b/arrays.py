@@ -1,0 +1,219 @@
+"""The array kinds the backends work on, and the data movement the model program needs on them.
+
+Three kinds: numpy arrays (the C reference, and every backend when called with numpy), mx.array
+(the Metal backend's device arrays; on Apple silicon in unified memory) and cupy arrays (the CUDA
+backend's). bf16 is held as uint16 in every kind. Every function here only moves or reshapes
+data — none computes a value — so which kind holds an array never changes a bit.
+
+The rule the backends follow: an op returns the kind it was given (any device array among its
+array arguments -> device arrays out; numpy only -> numpy out). The model program works in the
+kind of the parameter buffer it is handed, and the trainer keeps its state in the backend's
+kind (`ops.to_device`), moving to the host only what it hashes, checkpoints or prints.
+(The last section, add_into and scale_into, applies a backend's own contract op, in place where
+the kind allows it.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+NUMPY, MLX, CUPY = "numpy", "mlx", "cupy"
+
+
+def kind(a) -> str | None:
+    """'numpy', 'mlx', 'cupy', or None for anything that is not an array of these."""
+    if isinstance(a, np.ndarray):
+        return NUMPY
+    t = type(a)
+    mod = t.__module__ or ""
+    if mod == "mlx.core" and t.__name__ == "array":
+        return MLX
+    if mod.startswith("cupy") and hasattr(a, "__cuda_array_interface__"):
+        return CUPY
+    return None
+
+
+def is_array(a) -> bool:
+    return kind(a) is not None
+
+
+def is_device(a) -> bool:
+    """An array of a device kind (mx.array or cupy), not numpy."""
+    k = kind(a)
+    return k is not None and k != NUMPY
+
+
+def any_device(values) -> str | None:
+    """The device kind among values (arrays, or sequences of arrays one level deep), or None."""
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            for u in v:
+                k = kind(u)
+                if k is not None and k != NUMPY:
+                    return k
+            continue
+        k = kind(v)
+        if k is not None and k != NUMPY:
+            return k
+    return None
+
+
+def dtype(a) -> np.dtype:
+    """The numpy dtype of an array of any kind (mx's dtypes mapped by name)."""
+    if kind(a) == MLX:
+        name = str(a.dtype).rsplit(".", 1)[-1]
+        try:
+            return np.dtype(name)
+        except TypeError:
+            raise ValueError(f"mx.array of dtype {name} has no numpy equivalent "
+                             "(bf16 is held as uint16 in this project)") from None
+    return np.dtype(a.dtype)
+
+
+def c_contiguous(a) -> bool:
+    """numpy and cupy report it; mx arrays are made row-contiguous by the Metal binding
+    (ensure_row_contiguous) and by the emulator's host copy, so they always pass."""
+    if kind(a) == MLX:
+        return True
+    return bool(a.flags.c_contiguous)
+
+
+def to_host(a):
+    """A numpy array with the values of a (a itself when it is numpy; None stays None)."""
+    k = kind(a)
+    if a is None or k == NUMPY:
+        return a
+    if k == MLX:
+        return np.array(a)
+    if k == CUPY:
+        return a.get()
+    raise ValueError(f"expected an array, got {type(a).__name__}")
+
+
+def from_host(a: np.ndarray, to: str):
+    """The numpy array a as an array of kind `to`."""
+    if to == NUMPY:
+        return a
+    if to == MLX:
+        import mlx.core as mx
+        return mx.array(np.ascontiguousarray(a))
+    if to == CUPY:
+        import cupy
+        return cupy.asarray(a)
+    raise ValueError(f"unknown array kind {to!r}")
+
+
+def module(k: str):
+    """The array namespace of kind k: numpy, mlx.core or cupy."""
+    if k == NUMPY:
+        return np
+    if k == MLX:
+        import mlx.core as mx
+        return mx
+    if k == CUPY:
+        import cupy
+        return cupy
+    raise ValueError(f"unknown array kind {k!r}")
+
+
+def contiguous(a):
+    """a in row-major order (numpy and cupy copy when needed; mx arrays are lazy and the kernels
+    receive them row-contiguous)."""
+    k = kind(a)
+    if k == MLX:
+        return a
+    return module(k).ascontiguousarray(a)
+
+
+def concat(arrays, axis: int = 0):
+    """The arrays joined along axis, in the kind of the first (all must share it)."""
+    arrays = list(arrays)
+    k = kind(arrays[0])
+    if any(kind(a) != k for a in arrays):
+        raise ValueError(f"concat: arrays of mixed kinds {sorted({str(kind(a)) for a in arrays})}")
+    return module(k).concatenate(arrays, axis=axis)
+
+
+def copy(a):
+    if kind(a) == MLX:
+        import mlx.core as mx
+        return mx.array(a)
+    return a.copy()
+
+
+def full(k: str, shape, value, dt):
+    """An array of kind k filled with value (a numpy value converted exactly)."""
+    return from_host(np.full(shape, value, dt), k) if k != NUMPY else np.full(shape, value, dt)
+
+
+class FlatBuffer:
+    """A flat buffer assembled from pieces written at offsets (every element exactly once):
+    written in place for numpy, joined in offset order for the device kinds (mx arrays cannot be
+    written through views)."""
+
+    def __init__(self, n: int, dt, k: str):
+        self.n, self.dt, self.kind = int(n), np.dtype(dt), k
+        self.buf = np.empty(self.n, self.dt) if k == NUMPY else None
+        self.pieces: list = []
+
+    def write(self, offset: int, values) -> None:
+        flat = values.reshape(-1)
+        if self.buf is not None:
+            self.buf[offset:offset + flat.size] = flat
+        else:
+            self.pieces.append((int(offset), flat))
+
+    def result(self):
+        if self.buf is not None:
+            return self.buf
+        self.pieces.sort(key=lambda p: p[0])
+        at = 0
+        for off, flat in self.pieces:
+            if off != at:
+                raise AssertionError(f"FlatBuffer: element {at} is {'written twice' if off < at else 'never written'}")
+            at += int(flat.size)
+        if at != self.n:
+            raise AssertionError(f"FlatBuffer: {self.n - at} elements at the end were never written")
+        return concat([p for _, p in self.pieces])
+
+
+def functional_ops(add_inplace, scale_inplace, adamw_step):
+    """add(a, b), scale(a, s) and adamw(p, g, m, v, **kw) returning new arrays, built from a
+    backend's in-place ops on copies (for kinds that can be written in place: numpy, cupy). The
+    same kernels run on the same values, so the bits are those of the in-place ops."""
+    def add(a, b):
+        """a + b elementwise (a is the lower-index operand of a fold), as a new array."""
+        out = copy(a)
+        add_inplace(out, b)
+        return out
+
+    def scale(a, s: float):
+        """a * s elementwise (s rounded to float32 first), as a new array."""
+        out = copy(a)
+        scale_inplace(out, s)
+        return out
+
+    def adamw(p, g, m, v, **kw):
+        """adamw_step on copies of p, m, v -> (p, m, v) after the step."""
+        p2, m2, v2 = copy(p), copy(m), copy(v)
+        adamw_step(p2, g, m2, v2, **kw)
+        return p2, m2, v2
+
+    return add, scale, adamw
+
+
+# ------------------------------------------- a backend's update ops, in place where the kind allows
+def add_into(ops, a, b):
+    """a + b by the backend's contract add (a on the left): a numpy `a` is updated in place and
+    returned; device arrays get a new array (mx.arrays cannot be written in place)."""
+    if kind(a) == NUMPY:
+        ops.add_inplace(a, b)
+        return a
+    return ops.add(a, b)
+
+
+def scale_into(ops, a, s: float):
+    """a * s by the backend's contract multiply (s rounded to float32), in place for numpy."""
+    if kind(a) == NUMPY:
+        ops.scale_inplace(a, s)
+        return a
+    return ops.scale(a, s)

@@ -1,0 +1,147 @@
+"""The backends' device arrays end to end (issue 5: the metal backend works on mx.array, the cuda
+backend on cupy arrays): ops return the kind they are given, the model program keeps every
+activation and gradient on the device, the trainer keeps its state there, and the bits are those
+of the numpy path and the C reference.
+
+Here the Metal kernels run in the emulator, but the arrays are real mx.arrays (mlx[cpu]), so the
+program's handling of mx.arrays — lazy slices, no in-place writes, joins — is what runs on a Mac.
+"""
+from __future__ import annotations
+
+import collections
+import sys
+
+import numpy as np
+import pytest
+
+from mlx_open1b import arrays, cpu_ref
+from mlx_open1b.config import ModelConfig
+from mlx_open1b.model import Model, init_params
+
+from helpers import assert_bits_equal, rand_bf16, rand_f32
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]')")
+from mlx_open1b.metal import ops as metal  # noqa: E402
+
+CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                  ffn_hidden=48, seq_len=16, window=8)
+
+
+def windows(seed=0, B=2):
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, (B, CFG.seq_len + 1)).astype(np.uint32)
+
+
+def test_kinds():
+    a = np.zeros(3, np.float32)
+    assert arrays.kind(a) == "numpy" and arrays.kind(mx.array(a)) == "mlx" and arrays.kind([a]) is None
+    assert arrays.any_device([a, (a, mx.array(a))]) == "mlx" and arrays.any_device([a, 1.0]) is None
+    assert arrays.dtype(mx.array(np.zeros(2, np.uint16))) == np.uint16
+    with pytest.raises(ValueError, match="bfloat16 has no numpy equivalent"):
+        arrays.dtype(mx.zeros(2, mx.bfloat16))
+    with pytest.raises(ValueError, match="mixed kinds"):
+        arrays.concat([a, mx.array(a)])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
+def test_model_on_mx_arrays_matches_cpu_ref(precision):
+    """loss_and_grad and eval_loss on mx.array params: mx.arrays out, the C reference's bits."""
+    p, w = init_params(CFG, 1), windows()
+    ref = Model(CFG, cpu_ref, precision=precision)
+    loss, ce, zl, g = ref.loss_and_grad(p, w)
+    m = Model(CFG, metal, precision=precision)
+    loss2, ce2, zl2, cache = m.forward(metal.to_device(p), w)
+    assert (loss2, ce2, zl2) == (loss, ce, zl)
+    for lc in cache.layers:              # every cached activation stayed an mx.array
+        bad = [k for k, v in vars(lc).items() if arrays.kind(v) != "mlx"]
+        assert not bad, f"cache entries not on the device: {bad}"
+    g2 = m.backward(metal.to_device(p), cache)
+    assert arrays.kind(g2) == "mlx"
+    assert_bits_equal(arrays.to_host(g2), g, f"{precision} gradient, mx.array vs cpu_ref")
+    assert_bits_equal(m.eval_loss(metal.to_device(p), windows(1, 3)), ref.eval_loss(p, windows(1, 3)), "eval_loss")
+    # numpy in -> numpy out on the same backend, same bits
+    g3 = m.loss_and_grad(p, w)[3]
+    assert isinstance(g3, np.ndarray)
+    assert_bits_equal(g3, g, "numpy params on metal")
+
+
+def test_only_token_sized_data_leaves_the_device():
+    """During a forward and backward on mx.arrays, what crosses to the host (outside the
+    emulator's own reads of kernel inputs) is token ids and per-row values: O(N) elements, never
+    an activation or a gradient (N·d and more). Counted at arrays.to_host, the one door."""
+    calls = collections.Counter()
+    sizes = []
+    real = arrays.to_host
+
+    def counting(a):
+        if arrays.is_device(a):
+            f = sys._getframe(1)
+            calls[f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_code.co_name}"] += 1
+            sizes.append(int(a.size))
+        return real(a)
+
+    p, w = metal.to_device(init_params(CFG, 1)), windows(B=3)
+    m = Model(CFG, metal)
+    arrays.to_host = counting
+    try:
+        m.loss_and_grad(p, w)
+    finally:
+        arrays.to_host = real
+    N = 3 * CFG.seq_len
+    assert max(sizes) <= N, f"an array of {max(sizes)} elements came to the host ({dict(calls)})"
+    assert set(calls) <= {"opargs.py:tokens", "opargs.py:xent_forward", "opargs.py:xent_backward",
+                          "ops.py:embedding_backward", "model.py:_means"}, dict(calls)
+
+
+def test_functional_ops_and_in_place_errors():
+    rng = np.random.default_rng(3)
+    a, b = rand_f32(rng, (5, 7)), rand_f32(rng, (5, 7))
+    ma, mb = metal.to_device(a), metal.to_device(b)
+    ref = a.copy()
+    cpu_ref.add_inplace(ref, b)
+    assert_bits_equal(arrays.to_host(metal.add(ma, mb)), ref, "add")
+    assert_bits_equal(metal.add(a, b), cpu_ref.add(a, b), "add on numpy")
+    assert_bits_equal(arrays.to_host(metal.scale(ma, 0.3)), cpu_ref.scale(a, 0.3), "scale")
+    assert_bits_equal(arrays.to_host(ma), a, "add/scale left their input alone")
+    with pytest.raises(ValueError, match="cannot be updated in place; use the functional op"):
+        metal.add_inplace(ma, mb)
+    with pytest.raises(ValueError, match="cannot be updated in place"):
+        metal.scale_inplace(ma, 2.0)
+    n = 300
+    p, g = rand_bf16(rng, (n,)), rand_f32(rng, (n,), 0.1)
+    m0, v0 = rand_f32(rng, (n,), 0.01), np.abs(rand_f32(rng, (n,), 0.001))
+    kw = dict(lr=1e-3, weight_decay=0.1, step=3)
+    want = cpu_ref.adamw(p, g, m0, v0, **kw)
+    got = metal.adamw(*(metal.to_device(x) for x in (p, g, m0, v0)), **kw)
+    for x, y, what in zip(got, want, ("p", "m", "v")):
+        assert arrays.kind(x) == "mlx"
+        assert_bits_equal(arrays.to_host(x), y, f"adamw {what}")
+    with pytest.raises(ValueError, match="cannot be updated in place"):
+        metal.adamw_step(*(metal.to_device(x) for x in (p, g, m0, v0)), **kw)
+    with pytest.raises(ValueError, match="cpu_ref works on numpy arrays"):
+        cpu_ref.linear_forward(metal.to_device(rand_bf16(rng, (2, 4))), metal.to_device(rand_bf16(rng, (3, 4))))
+
+
+def test_trainer_state_stays_on_the_device(tmp_path):
+    """A metal run keeps params and moments as mx.arrays between steps, writes the cpu_ref run's
+    ledger and checkpoints byte for byte, and resumes from them."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_train import micro_cfg
+    from data_helpers import make_corpus
+    from mlx_open1b.train import Trainer
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    cfg = micro_cfg(spike_threshold=0.5)        # spikes, skips and clipping all happen
+    Trainer(tmp_path / "ref", cfg, corpus).train(4)
+    tr = Trainer(tmp_path / "mx", cfg, corpus, backend="metal")
+    tr.train(3)
+    assert {arrays.kind(a) for a in (tr.state.params, tr.state.m, tr.state.v)} == {"mlx"}
+    tr2 = Trainer(tmp_path / "mx", resume=True, backend="metal")
+    assert arrays.kind(tr2.state.params) == "mlx"
+    tr2.train(4)
+    ref, got = (tmp_path / "ref" / "ledger.jsonl").read_bytes(), (tmp_path / "mx" / "ledger.jsonl").read_bytes()
+    assert got == ref
+    cks = sorted((tmp_path / "ref").glob("ckpt-*"))
+    assert len(cks) == 3
+    for ck in cks:
+        for f in sorted(ck.iterdir()):
+            assert (tmp_path / "mx" / ck.name / f.name).read_bytes() == f.read_bytes(), f"{ck.name}/{f.name}"
