@@ -1,24 +1,35 @@
 """The CUDA backend: every contract op through the kernels of cuda/*.cu.
 
-Same function names, signatures, argument checks and return types as mlx_open1b.cpu_ref (numpy in,
-numpy out; bf16 held as uint16), so the model program and the trainer run with
-`ops=mlx_open1b.cuda.ops`. Arguments are checked with the C reference's checks (mlx_open1b.opargs)
-before any kernel launch. On a machine with CuPy and a GPU the arrays are moved with cupy.asarray
-and back with cupy.asnumpy and the kernels run through cupy.RawModule; elsewhere the same kernel
-sources and the same launch code run on the CPU emulator (cuda/emu). `available()` says which.
+Same function names, signatures, argument checks and return types as mlx_open1b.cpu_ref (bf16 held
+as uint16), so the model program and the trainer run with `ops=mlx_open1b.cuda.ops`. Arguments are
+checked with the C reference's checks (mlx_open1b.opargs) before any kernel launch. On a machine
+with CuPy and a GPU the kernels run through cupy.RawModule; elsewhere the same kernel sources and
+the same launch code run on the CPU emulator (cuda/emu), on numpy memory. `available()` says which.
+
+Every op returns the kind of arrays it was given (mlx_open1b.arrays): given any cupy array among
+its array arguments (lists of arrays included) it works on the device and returns cupy arrays —
+nothing goes through the host but token ids (range-checked by opargs, bucketed for the embedding
+backward), the smallest level of gemm_i8's operands (opargs' check) and the scalar results
+(treefold, global_norm, clip_coef, scalar_*), which are Python floats. Given numpy only, the
+inputs are copied to the device and the outputs back (cupy.asarray / .get()), numpy out as before.
+`to_device` makes cupy arrays (numpy ones where emulated). The kernels never see the difference, so
+the bits are the same either way.
 """
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Sequence
 
 import numpy as np
 
 from ..contract import CONTRACT_VERSION, INIT_SIGMA
-from .. import opargs
+from .. import arrays, opargs
 from ..opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 
 NAME = "cuda"
+ARRAY_KIND = arrays.CUPY   # the backend's device arrays (to_device); numpy in -> numpy out as well
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
 GEMM_TILE = 16       # linear.cu's TILE
 NORM_BLOCK = 4096    # CONTRACT.md §9 (reduce.cu)
@@ -37,8 +48,20 @@ def contract_version() -> int:
     return CONTRACT_VERSION
 
 
+def to_device(a):
+    """The backend's array holding the values of a: cupy on a GPU (a cupy array as is), the numpy
+    array itself where the kernels are emulated."""
+    return _dev(a)
+
+
+def to_host(a):
+    """A numpy array with the values of a (a itself when it is numpy)."""
+    return arrays.to_host(a)
+
+
 # ------------------------------------------------------------------ device arrays and launches
 def _xp():
+    """The array module of the memory the kernels run on: cupy on a GPU, numpy when emulated."""
     if runtime.real_cuda():
         import cupy
         return cupy
@@ -46,19 +69,38 @@ def _xp():
 
 
 def _dev(a):
-    """A checked numpy input on the device (the array itself when emulated)."""
-    return _xp().asarray(a) if runtime.real_cuda() else a
+    """An input array in the kernels' memory: a itself when it already is there (a cupy array on a
+    GPU, any numpy array when emulated), else a device copy."""
+    return _xp().asarray(a)
 
 
 def _empty(shape, dtype):
     return _xp().empty(shape, dtype)
 
 
-def _host(a) -> np.ndarray:
-    if a is None or isinstance(a, np.ndarray):
+_mode = threading.local()      # .device: the running op was given a device (cupy) array
+
+
+def _host(a):
+    """An op's result as returned: as is in device mode, else a numpy array (a copy from the GPU;
+    itself where emulated)."""
+    if a is None or getattr(_mode, "device", False):
         return a
-    import cupy
-    return cupy.asnumpy(a)
+    return arrays.to_host(a)
+
+
+def _returns_given_kind(op):
+    """Wrap a public op: device mode (results stay on the device) while it runs iff any of its
+    array arguments, or the arrays in a list or tuple argument, is a device array."""
+    @functools.wraps(op)
+    def wrapper(*args, **kwargs):
+        old = getattr(_mode, "device", False)
+        _mode.device = arrays.any_device(args + tuple(kwargs.values())) is not None
+        try:
+            return op(*args, **kwargs)
+        finally:
+            _mode.device = old
+    return wrapper
 
 
 def _launch1d(file: str, kernel: str, n: int, *args) -> None:
@@ -106,8 +148,10 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
 
 
 def _inplace_back(a: np.ndarray, d) -> None:
+    """Write the device copy d of an in-place argument back into a (nothing when d is a: a cupy
+    array, or numpy where emulated)."""
     if d is not a:
-        a[...] = _host(d)
+        a[...] = arrays.to_host(d)
 
 
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
@@ -130,7 +174,7 @@ def _scalar(op: int, a: float, b: float = 0.0) -> float:
     x, y = np.array([a], np.float32), np.array([b], np.float32)
     out = _empty((1,), np.float32)
     _launch1d("mathfn.cu", "o1b_binary", 1, i32(op), i64(1), _dev(x), _dev(y), out)
-    return float(_host(out)[0])
+    return float(arrays.to_host(out)[0])
 
 
 scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = opargs.scalar_functions(_scalar)
@@ -172,7 +216,9 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
     """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
     N, V, C = opargs.embedding_backward(tokens, dout, V)
-    # the stable counting sort of positions by token, on the host (data movement only)
+    # the stable counting sort of positions by token, on the host (data movement only; the index
+    # arrays go to the device with the launch)
+    tokens = arrays.to_host(tokens)
     start = np.zeros(V + 1, np.int64)
     np.cumsum(np.bincount(tokens, minlength=V), out=start[1:])
     pos = np.argsort(tokens, kind="stable").astype(np.int64)
@@ -279,20 +325,20 @@ def treefold(values: np.ndarray) -> float:
     n = opargs.treefold(values)
     out = _empty((1,), np.float32)
     _launch1d("reduce.cu", "o1b_treefold", 1, i64(n), _dev(values if values.size else np.zeros(1, F32)), out)
-    return float(np.float32(_host(out)[0]))
+    return float(np.float32(arrays.to_host(out)[0]))
 
 
 def global_norm(tensors: Sequence[np.ndarray]) -> float:
     """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
     parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
-    return scalar_sqrt(treefold(np.concatenate(parts)))
+    return scalar_sqrt(treefold(arrays.concat(parts)))
 
 
 def clip_coef(norm: float, max_norm: float) -> float:
     """div(max_norm, add(norm, 1e-6)) in float32; the caller scales only when it is < 1."""
     out = _empty((1,), np.float32)
     _launch1d("reduce.cu", "o1b_clip_coef", 1, f32(norm), f32(max_norm), out)
-    return float(_host(out)[0])
+    return float(arrays.to_host(out)[0])
 
 
 # ------------------------------------------------------------------ random (§5)
@@ -501,7 +547,8 @@ def gemm_i8_has_vnni() -> bool:
 
 def hadamard_rows(f: np.ndarray) -> np.ndarray:
     """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
-    f = np.array(f, np.float32, copy=True, order="C")
+    xp = arrays.module(arrays.kind(f)) if arrays.is_device(f) else np
+    f = xp.array(f, np.float32, copy=True, order="C")
     R, C = opargs.hadamard_rows(f)
     d = _dev(f)
     _launch1d("quant.cu", "o1b_hadamard_f32", (R // QB) * C, i64(R), i64(C), d)
@@ -565,7 +612,7 @@ def to_torch(x):
     """A torch tensor sharing x's memory: by DLPack for a cupy array, torch.from_numpy for numpy
     (bf16 stays uint16)."""
     import torch
-    if isinstance(x, np.ndarray):
+    if arrays.kind(x) == arrays.NUMPY:
         return torch.from_numpy(x)
     return torch.utils.dlpack.from_dlpack(x)
 
@@ -576,3 +623,18 @@ def from_torch(t):
         return t.numpy()
     import cupy
     return cupy.from_dlpack(t)
+
+
+# ------------------------------------------------------------------ kinds in, kinds out
+# Every public op returns the kind it was given (module docstring).
+_NOT_OPS = {"available", "contract_version", "to_device", "to_host", "gemm_i8_has_vnni", "to_torch",
+            "from_torch"}
+for _name, _fn in list(globals().items()):
+    if callable(_fn) and not isinstance(_fn, type) and not _name.startswith("_") and _name not in _NOT_OPS \
+            and getattr(_fn, "__module__", None) == __name__:
+        globals()[_name] = _returns_given_kind(_fn)
+del _name, _fn
+
+# add(a, b), scale(a, s), adamw(p, g, m, v, **kw) -> new arrays: the in-place ops above on copies of
+# the kind given (cupy and numpy arrays are both written in place), so the same bits
+add, scale, adamw = arrays.functional_ops(add_inplace, scale_inplace, adamw_step)

@@ -343,6 +343,7 @@ class Model:
     def _forward(self, params, inputs, targets, B, cache: Cache | None):
         """-> loss_n, lse_n, ce_n (N,) fp32; fills cache when one is given."""
         ops, cfg, eps = self.ops, self.cfg, self.eps
+        self._kind = arrays.kind(params)
         w = views(params, self.layout)
         x0 = ops.embedding_forward(inputs, w["wte"])                    # (N, d)
         h, rstd_emb = ops.rmsnorm_forward(x0, w["emb_norm"], eps)      # (N, d), (N,)
@@ -396,8 +397,9 @@ class Model:
         return h_out
 
     # ---- backward
-    def _backward(self, params, c: Cache) -> np.ndarray:
+    def _backward(self, params, c: Cache):
         ops, cfg = self.ops, self.cfg
+        self._kind = arrays.kind(params)
         w = views(params, self.layout)
         grads = _Grads(self.layout, self._kind)    # every element is written below, exactly once
         N = c.B * c.T

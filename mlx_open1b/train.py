@@ -338,7 +338,7 @@ class Trainer:
             raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
                              f"The last checkpoint is intact; inspect the data or lower the learning rate.")
         grad_hash = self._hash("grads", list(self._tensors(arrays.to_host(grads), "f32")))
-        partials = self._norm_partials(grads)
+        partials = self._norm_partials((name, a) for name, a, _ in self._tensors(grads, "f32"))
         norm = norm_from_partials(list(partials.values()), ops)      # = ops.global_norm (§7)
         spike = not (norm <= self.tcfg.spike_threshold)
         skipped = st.skip_left > 0
@@ -364,11 +364,11 @@ class Trainer:
         self._gnmr_end(partials, st.consumed, record)
         return record
 
-    def _norm_partials(self, grads) -> dict:
-        """{tensor name: its §7 sum-of-squares block partials (host fp32)}; from device arrays the
-        partials come to the host in one transfer."""
-        parts = {name: self.ops.sumsq_blocks(a) for name, a, _ in self._tensors(grads, "f32")}
-        if arrays.kind(grads) == arrays.NUMPY:
+    def _norm_partials(self, tensors) -> dict:
+        """{name: the §7 sum-of-squares block partials (host fp32)} of (name, array) pairs; from
+        device arrays the partials come to the host in one transfer."""
+        parts = {name: self.ops.sumsq_blocks(a) for name, a in tensors}
+        if not parts or not arrays.is_device(next(iter(parts.values()))):
             return parts
         flat = arrays.to_host(arrays.concat(list(parts.values())))
         out, at = {}, 0

@@ -305,6 +305,23 @@ def _scale_inplace(rng, i, op):
     return dict(args=(a, s), outputs=("a",), inplace=(0,), desc=f"shape={shape} s={s!r}")
 
 
+def _functional(case: dict, outputs: tuple) -> dict:
+    """An in-place op's case as its functional form's (add, scale, adamw: the result is returned)."""
+    case = dict(case, outputs=outputs)
+    del case["inplace"]
+    return case
+
+
+@gen("add")
+def _add(rng, i, op):
+    return _functional(_add_inplace(rng, i, op), ("out",))
+
+
+@gen("scale")
+def _scale(rng, i, op):
+    return _functional(_scale_inplace(rng, i, op), ("out",))
+
+
 @gen("scalar_add", "scalar_sub", "scalar_mul", "scalar_div")
 def _scalar(rng, i, op):
     n = rng.choice([1, 7, 33, 65])
@@ -522,6 +539,11 @@ def _adamw(rng, i, op):
               weight_decay=rng.choice([0.0, 0.1]), step=rng.choice([1, 2, 3, 10, 1000, 100000]))
     return dict(args=(p, g, m, v), kwargs=kw, outputs=("p", "m", "v"), inplace=(0, 2, 3),
                 desc=f"n={n} " + " ".join(f"{k}={v}" for k, v in kw.items()))
+
+
+@gen("adamw")
+def _adamw_functional(rng, i, op):
+    return _functional(_adamw(rng, i, op), ("p", "m", "v"))
 
 
 @gen("sumsq_blocks")

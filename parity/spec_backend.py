@@ -191,3 +191,8 @@ def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax:
     opargs.qlinear_backward(dy, x, w)
     dx, dw = _q.qlinear_backward(dy, x, w, opargs.qmax(qmax))
     return (dx if need_dx else None), (dw if need_dw else None)
+
+
+# the functional forms the model program and trainer use on device arrays (same arithmetic)
+from ..arrays import functional_ops as _functional_ops  # noqa: E402
+add, scale, adamw = _functional_ops(add_inplace, scale_inplace, adamw_step)

@@ -53,7 +53,7 @@ cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
 if cfg is not None and os.environ.get("O1B_TEST_SEED"):        # a worker started with another config
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(os.environ["O1B_TEST_SEED"])))
 worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.get("resume", False),
-            timeout=a.get("timeout", 60.0))
+            timeout=a.get("timeout", 60.0), backend=a.get("backend", "cpu_ref"))
 """
 
 
@@ -64,9 +64,9 @@ def worker_script(tmp_path_factory):
     return f
 
 
-def _args(run, cfg=None, corpus=None, steps=4, resume=False, timeout=60.0):
+def _args(run, cfg=None, corpus=None, steps=4, resume=False, timeout=60.0, backend="cpu_ref"):
     return json.dumps({"run": str(run), "cfg": cfg.to_json() if cfg else None, "corpus": str(corpus) if corpus else None,
-                       "steps": steps, "resume": resume, "timeout": timeout})
+                       "steps": steps, "resume": resume, "timeout": timeout, "backend": backend})
 
 
 def _env(**extra):
@@ -251,6 +251,57 @@ def test_comm_error_names_the_collective():
     assert str(e) == "all_to_all_single: Connection closed by peer [127.0.0.1]:1."
 
 
+class _DeviceArray(np.ndarray):
+    """A stand-in for a cupy array (reported as cupy by the patched arrays.kind; DLPack-exportable
+    like one), to follow the kinds through the collectives without a GPU."""
+
+
+def _fake_cupy():
+    import types
+    dev = lambda a: a.view(_DeviceArray)
+    m = types.ModuleType("cupy")
+    m.uint8 = np.uint8
+    m.empty = lambda shape, dtype=float: dev(np.empty(shape, dtype))
+    m.zeros = lambda shape, dtype=float: dev(np.zeros(shape, dtype))
+    m.ascontiguousarray = lambda a: a if a.flags.c_contiguous else dev(np.ascontiguousarray(a))
+    m.concatenate = lambda arrs, axis=0: dev(np.concatenate([a.view(np.ndarray) for a in arrs], axis=axis))
+    return m
+
+
+def test_collectives_return_the_kind_given(monkeypatch):
+    """A one-worker gloo group in this process: all_to_all, all_gather and broadcast return (or
+    write) arrays of the kind given — numpy, or the cupy stand-in that travels by DLPack — with the
+    bytes unchanged, and route joins partials in their kind."""
+    import torch.distributed as dist
+
+    from mlx_open1b import arrays
+    from mlx_open1b.distributed.collectives import Comm
+    from mlx_open1b.distributed.sharding import Shard
+    real_kind = arrays.kind
+    monkeypatch.setattr(arrays, "kind", lambda a: arrays.CUPY if isinstance(a, _DeviceArray) else real_kind(a))
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    rng = np.random.default_rng(5)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        comm = Comm(0, 1)
+        for kind, to in ((arrays.NUMPY, lambda a: a), (arrays.CUPY, lambda a: a.copy().view(_DeviceArray))):
+            x = rng.standard_normal(37).astype(np.float32)
+            got = comm.all_to_all(to(x), [37], [37])
+            assert arrays.kind(got) == kind and got.dtype == np.float32 and got.tobytes() == x.tobytes()
+            (part,) = comm.all_gather(to(x[:5]), [5])
+            assert arrays.kind(part) == kind and part.tobytes() == x[:5].tobytes()
+            b = to(rng.integers(0, 2 ** 16, 9).astype(np.uint16))
+            before = b.tobytes()
+            comm.broadcast(b, 0)
+            assert arrays.kind(b) == kind and b.tobytes() == before
+            parts = [to(rng.standard_normal(10).astype(np.float32)) for _ in range(3)]
+            send, counts = route(parts, [Shard(0, 0, 1, 0, 4), Shard(1, 1, 2, 4, 10)])
+            want = np.concatenate([np.asarray(p)[lo:hi] for lo, hi in ((0, 4), (4, 10)) for p in parts])
+            assert arrays.kind(send) == kind and counts == [12, 18] and send.tobytes() == want.tobytes()
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------ real workers
 def test_same_ledger_at_1_2_3_4_workers(tmp_path, corpus, worker_script):
     cfg = dist_cfg()
@@ -272,6 +323,24 @@ def test_same_ledger_at_1_2_3_4_workers(tmp_path, corpus, worker_script):
     att = audit(tmp_path / "w4", 0, 3)
     assert att["verdict"] == "certified" and att["run_hash"] == h
     assert run_hash(tmp_path / "w4")["run_hash"] == h
+
+
+def test_device_array_state_at_2_and_4_workers(tmp_path, corpus, worker_script):
+    """The metal backend keeps each worker's state in mx.arrays (device arrays; the collectives move
+    them through host copies here, cupy ones by DLPack): the same run directory as one cpu_ref
+    process, byte for byte, also where a worker owns no tensor (4 workers); resumed at 3."""
+    pytest.importorskip("mlx.core")
+    cfg = dist_cfg(eval_every=4)
+    single = tmp_path / "single"
+    Trainer(single, cfg, corpus).train(5)
+    for n in (2, 4):
+        run = tmp_path / f"w{n}"
+        r = torchrun(n, worker_script, _args(run, cfg, corpus, steps=4, backend="metal"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ledger(run) == b"".join(ledger(single).splitlines(keepends=True)[:4]), n
+    r = torchrun(3, worker_script, _args(tmp_path / "w2", resume=True, steps=5, backend="metal"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert tree(tmp_path / "w2") == tree(single)
 
 
 def test_checkpoint_at_2_workers_resume_at_3_int8(tmp_path, corpus, worker_script):

@@ -3,8 +3,10 @@
 Only data-movement primitives touch training values: all_to_all_single (the gradient
 reduce-scatter), all_gather_single / all_gather_into_tensor (parameters, scalars), broadcast and
 send/recv (state at start-up and checkpoints), all_gather_object (hashes, small records). Arrays
-travel as raw bytes (a uint8 view of the numpy buffer, handed to torch without a copy), so no
-library ever interprets, converts or adds them; NCCL's and gloo's own reductions are never used.
+travel as raw bytes (a uint8 view of the buffer, handed to torch without a copy: torch.from_numpy
+for a numpy array, DLPack for a cupy array, which stays on its GPU for NCCL), so no library ever
+interprets, converts or adds them; NCCL's and gloo's own reductions are never used. Every
+collective returns (or writes) arrays of the kind it was given, numpy or cupy.
 
 The reductions themselves are pure functions, testable without a process group:
 
@@ -27,6 +29,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .. import arrays
 from ..train import TreeFold, norm_from_partials, scalar_sqrt_of  # noqa: F401  (re-exported)
 from .sharding import Shard
 
@@ -76,16 +79,28 @@ def route(parts: Sequence[np.ndarray], shards: Sequence[Shard]) -> tuple[np.ndar
     """The all-to-all send buffer: for each owner in rank order, its slice of each partial in
     block order; and the element count sent to each owner."""
     pieces = [p[sh.lo:sh.hi] for sh in shards for p in parts]
-    send = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    send = arrays.concat(pieces) if pieces else np.zeros(0, np.float32)
     return send, [len(parts) * sh.size for sh in shards]
 
 
 # ----------------------------------------------------------------------------- the transport
-def _as_bytes(a: np.ndarray):
-    """A torch uint8 tensor sharing the memory of a C-contiguous numpy array (DLPack/from_numpy)."""
+def _xp(a):
+    """The array module of a's kind: cupy for a cupy array, numpy otherwise."""
+    return arrays.module(arrays.CUPY) if arrays.kind(a) == arrays.CUPY else np
+
+
+def _as_bytes(a):
+    """A torch uint8 tensor sharing the memory of a C-contiguous array: torch.from_numpy for numpy,
+    DLPack for cupy (a CUDA tensor on the array's device)."""
     import torch
+    k = arrays.kind(a)
+    if k not in (arrays.NUMPY, arrays.CUPY):
+        raise ValueError(f"collectives move numpy or cupy arrays, got {type(a).__name__}")
     if not a.flags.c_contiguous:
         raise ValueError("collectives move C-contiguous arrays only")
+    if k == arrays.CUPY:
+        import cupy
+        return torch.from_dlpack(a.reshape(-1).view(cupy.uint8))
     return torch.from_numpy(a.reshape(-1).view(np.uint8))
 
 
@@ -97,8 +112,9 @@ def cpu_count() -> int:
 
 
 class Comm:
-    """The process group, as byte-moving collectives on numpy arrays. Every call either returns or
-    raises CommError; `seconds` accumulates the time spent inside collectives (waiting included)."""
+    """The process group, as byte-moving collectives on numpy or cupy arrays (results in the kind
+    given). Every call either returns or raises CommError; `seconds` accumulates the time spent
+    inside collectives (waiting included)."""
 
     def __init__(self, rank: int, world: int, local_rank: int = 0, local_world: int = 1, device: str = "cpu",
                  backend: str = "gloo", timeout_s: float = 120.0):
@@ -162,7 +178,9 @@ class Comm:
             self.calls += 1
 
     def _dev(self, t):
-        return t if self.device == "cpu" else t.to(self.device)
+        """t on the process group's device: t itself when it is there already (a numpy buffer on
+        gloo, a cupy buffer on this worker's GPU with NCCL), else a copy (_back writes it back)."""
+        return t if str(t.device) == self.device else t.to(self.device)
 
     def _back(self, host, dev) -> None:
         if dev is not host:
@@ -172,9 +190,10 @@ class Comm:
     def all_to_all(self, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int]) -> np.ndarray:
         """Element counts per peer (rank order); returns the received elements, by source rank."""
         import torch.distributed as dist
+        xp = _xp(send)
         item = send.dtype.itemsize
-        recv = np.empty(int(sum(recv_counts)), send.dtype)
-        si, ro = _as_bytes(np.ascontiguousarray(send)), _as_bytes(recv)
+        recv = xp.empty(int(sum(recv_counts)), send.dtype)
+        si, ro = _as_bytes(xp.ascontiguousarray(send)), _as_bytes(recv)
 
         def run():
             di, do = self._dev(si), self._dev(ro)
@@ -189,10 +208,11 @@ class Comm:
         import torch.distributed as dist
         if len(own) != counts[self.rank]:
             raise ValueError(f"all_gather: rank {self.rank} holds {len(own)} elements, counts say {counts[self.rank]}")
+        xp = _xp(own)
         width = max(int(c) for c in counts)
-        out = np.empty(self.world * width, own.dtype)
+        out = xp.empty(self.world * width, own.dtype)
         if width:
-            buf = np.zeros(width, own.dtype)
+            buf = xp.zeros(width, own.dtype)
             buf[:len(own)] = own
             bi, bo = _as_bytes(buf), _as_bytes(out)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -217,7 +237,7 @@ class Comm:
 
     def send(self, arr: np.ndarray, dst: int) -> None:
         import torch.distributed as dist
-        b = _as_bytes(np.ascontiguousarray(arr))
+        b = _as_bytes(_xp(arr).ascontiguousarray(arr))
         self._call(f"send to rank {dst}", lambda: dist.send(self._dev(b), dst))
 
     def recv(self, out: np.ndarray, src: int) -> None:

@@ -25,6 +25,7 @@ corpus sources over the workers, each source's windows one batch as on one devic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import time
 
 import numpy as np
 
-from .. import hashing
+from .. import arrays, hashing
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, RunConfig
 from ..contract import CONTRACT_VERSION
@@ -72,8 +73,6 @@ def _flat(d, prefix="") -> dict:
 class DistributedTrainer(Trainer):
     """A Trainer whose steps run on all workers of `comm`; every worker constructs one with the
     same arguments (rank 0 opens or creates the run directory)."""
-
-    device_state = False      # the state is host (numpy) arrays: the collectives move numpy buffers
 
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
                  backend: str = "cpu_ref", resume: bool = False, log=None):
@@ -204,16 +203,18 @@ class DistributedTrainer(Trainer):
         meta = comm.broadcast_object(None if st is None else
                                      {**{k: getattr(st, k) for k in ("step", "consumed", "adam_t", "skip_left", "stream")},
                                       "gnmr": None if st.gnmr is None else st.gnmr.to_json()})
-        params = st.params if rank == 0 else np.empty(P, np.uint16)
+        # start-up moves host buffers (once); the state then lives in the backend's arrays
+        params = arrays.to_host(st.params) if rank == 0 else np.empty(P, np.uint16)
         comm.broadcast(params)
         m = np.empty(self.own.size, np.float32)
         v = np.empty(self.own.size, np.float32)
         if rank == 0:
-            m[:], v[:] = st.m[self.own.lo:self.own.hi], st.v[self.own.lo:self.own.hi]
+            hm, hv = arrays.to_host(st.m), arrays.to_host(st.v)
+            m[:], v[:] = hm[self.own.lo:self.own.hi], hv[self.own.lo:self.own.hi]
             for sh in self.shards[1:]:
                 if sh.size:
-                    comm.send(st.m[sh.lo:sh.hi], sh.rank)
-                    comm.send(st.v[sh.lo:sh.hi], sh.rank)
+                    comm.send(hm[sh.lo:sh.hi], sh.rank)
+                    comm.send(hv[sh.lo:sh.hi], sh.rank)
         elif self.own.size:
             comm.recv(m, 0)
             comm.recv(v, 0)
@@ -221,8 +222,8 @@ class DistributedTrainer(Trainer):
         if meta["gnmr"] is not None:
             from ..gnmr import GNMRState
             gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
-        self.state = TrainState(meta["step"], meta["consumed"], meta["adam_t"], meta["skip_left"], params, m, v,
-                                meta["stream"], gnmr)
+        self.state = TrainState(meta["step"], meta["consumed"], meta["adam_t"], meta["skip_left"],
+                                *(self.ops.to_device(a) for a in (params, m, v)), meta["stream"], gnmr)
         if rank != 0:
             self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=meta["stream"])
         self.last_checkpoint = meta["step"]
@@ -247,9 +248,10 @@ class DistributedTrainer(Trainer):
     def _state_hashes(self) -> tuple[str, str]:
         """(params hash, opt_state hash) from every owner's tensor hashes."""
         st = self.state
-        dp = self._digests([(n, a.reshape(s), "bf16") for n, s, _, a in self._owned(st.params, False)])
-        do = self._digests([("m." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(st.m, True)]
-                           + [("v." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(st.v, True)])
+        own_p = arrays.to_host(st.params[self.own.lo:self.own.hi])
+        dp = self._digests([(n, a.reshape(s), "bf16") for n, s, _, a in self._owned(own_p, True)])
+        do = self._digests([("m." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(arrays.to_host(st.m), True)]
+                           + [("v." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(arrays.to_host(st.v), True)])
         allp, allo = {}, {}
         for p, o in self.comm.all_gather_object((dp, do)):
             allp.update(p)
@@ -263,22 +265,32 @@ class DistributedTrainer(Trainer):
         return out
 
     # ------------------------------------------------------------------ one step
-    def _reduce_scatter(self, parts: list[np.ndarray], M: int) -> np.ndarray:
+    def _wire(self, a):
+        """An array as the collectives move it: numpy and cupy as they are (cupy by DLPack, on the
+        GPU for NCCL); an mx.array through a host copy (gloo reads host memory)."""
+        return arrays.to_host(a) if arrays.kind(a) == arrays.MLX else a
+
+    def _unwire(self, a, like):
+        """A received array in the kind of `like` (the state's)."""
+        return self.ops.to_device(a) if arrays.kind(like) == arrays.MLX else a
+
+    def _reduce_scatter(self, parts: list, M: int):
         """This owner's slice of the step's averaged gradient (f32, own.size elements)."""
         N, own = self.comm.world, self.own
         blocks = [dyadic_blocks(*microbatch_range(M, N, w)) for w in range(N)]
         send, send_counts = route(parts, self.shards)
-        recv = self.comm.all_to_all(send, send_counts, [len(b) * own.size for b in blocks])
+        recv = self._unwire(self.comm.all_to_all(self._wire(send), send_counts, [len(b) * own.size for b in blocks]),
+                            send)
         t0 = time.perf_counter()
         if own.size == 0:
-            return np.zeros(0, np.float32)
+            return self.ops.to_device(np.zeros(0, np.float32)) if arrays.is_device(send) else np.zeros(0, np.float32)
         arrivals, off = [], 0
         for w in range(N):
             for start, level in blocks[w]:
                 arrivals.append((start, level, recv[off:off + own.size]))
                 off += own.size
-        g = owner_fold(arrivals, M, self.ops.add_inplace)
-        self.ops.scale_inplace(g, reciprocal(M))
+        g = owner_fold(arrivals, M, functools.partial(arrays.add_into, self.ops))
+        g = arrays.scale_into(self.ops, g, reciprocal(M))
         self.timing["reduce"] += time.perf_counter() - t0
         return g
 
@@ -294,7 +306,7 @@ class DistributedTrainer(Trainer):
         t0 = time.perf_counter()
         parts, scalars = [], {}
         for start, level in dyadic_blocks(lo, hi):
-            fold = TreeFold(ops.add_inplace)
+            fold = TreeFold(functools.partial(arrays.add_into, ops))
             for i in range(start, start + (1 << level)):
                 loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
                 scalars[i] = (loss, ce, zl)
@@ -306,9 +318,9 @@ class DistributedTrainer(Trainer):
             os._exit(17)
         grads = self._reduce_scatter(parts, M)
         del parts
-        owned_g = [(n, s, d, a) for n, s, d, a in self._owned(grads, True)]
-        digests = self._digests([(n, a.reshape(s), "f32") for n, s, _, a in owned_g])
-        sumsq = [ops.sumsq_blocks(a) for _, _, _, a in owned_g]
+        owned_g = list(self._owned(grads, True))
+        digests = self._digests([(n, a.reshape(s), "f32") for n, s, _, a in self._owned(arrays.to_host(grads), True)])
+        sumsq = list(self._norm_partials((n, a) for n, _, _, a in owned_g).values())
         gathered = comm.all_gather_object({"scalars": scalars, "grads": digests, "sumsq": sumsq,
                                            "names": [n for n, _, _, _ in owned_g]})
         allsc, alld, partials, named = {}, {}, [], {}
@@ -334,18 +346,12 @@ class DistributedTrainer(Trainer):
             coef = ops.clip_coef(norm, self.tcfg.clip_norm)
             if coef < 1.0:
                 if grads.size:
-                    ops.scale_inplace(grads, coef)
+                    grads = arrays.scale_into(ops, grads, coef)
                 clipped = True
             st.adam_t += 1
-            for (name, _, decayed, p), (_, _, _, g), (_, _, _, m), (_, _, _, v) in zip(
-                    self._owned(st.params, False), owned_g, self._owned(st.m, True), self._owned(st.v, True)):
-                ops.adamw_step(p, g, m, v, lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
-                               weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
+            self._adamw_owned(st, grads, lr)
             self.timing["optim"] += time.perf_counter() - t0
-            pieces = comm.all_gather(st.params[self.own.lo:self.own.hi], [sh.size for sh in self.shards])
-            for sh, piece in zip(self.shards, pieces):
-                if sh.rank != comm.rank and sh.size:
-                    st.params[sh.lo:sh.hi] = piece
+            self._gather_params(st)
         elif not math.isfinite(norm):
             raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
         st.skip_left = self.tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
@@ -359,6 +365,48 @@ class DistributedTrainer(Trainer):
                   "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
         self._gnmr_end(named, st.consumed, record)       # every worker: the same inputs, the same decisions
         return record
+
+    def _adamw_owned(self, st: TrainState, grads, lr: float) -> None:
+        """AdamW on this rank's tensors: in place on numpy buffers; on device arrays the updated
+        slices are joined into new buffers (own parameter range, moments)."""
+        ops, numpy_state = self.ops, arrays.kind(st.params) == arrays.NUMPY
+        k, own = arrays.kind(st.params), self.own
+        new = None if numpy_state else [arrays.FlatBuffer(own.size, np.uint16, k),
+                                        arrays.FlatBuffer(own.size, np.float32, k),
+                                        arrays.FlatBuffer(own.size, np.float32, k)]
+        offs = 0
+        for (name, _, decayed, p), (_, _, _, g), (_, _, _, m), (_, _, _, v) in zip(
+                self._owned(st.params, False), self._owned(grads, True), self._owned(st.m, True),
+                self._owned(st.v, True)):
+            kw = dict(lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
+                      weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
+            if numpy_state:
+                ops.adamw_step(p, g, m, v, **kw)
+            else:
+                for buf, a in zip(new, ops.adamw(p, g, m, v, **kw)):
+                    buf.write(offs, a)
+            offs += p.size
+        if new is not None and own.size:
+            self._own_params = new[0].result()
+            st.m, st.v = new[1].result(), new[2].result()
+        elif new is not None:
+            self._own_params = st.params[own.lo:own.hi]
+
+    def _gather_params(self, st: TrainState) -> None:
+        """Every owner's updated parameters to every worker (all-gather, data movement only)."""
+        comm, numpy_state = self.comm, arrays.kind(st.params) == arrays.NUMPY
+        mine = st.params[self.own.lo:self.own.hi] if numpy_state else self._own_params
+        pieces = comm.all_gather(self._wire(mine), [sh.size for sh in self.shards])
+        if numpy_state:
+            for sh, piece in zip(self.shards, pieces):
+                if sh.rank != comm.rank and sh.size:
+                    st.params[sh.lo:sh.hi] = piece
+            return
+        full = arrays.FlatBuffer(st.params.size, np.uint16, arrays.kind(st.params))
+        for sh, piece in zip(self.shards, pieces):
+            if sh.size:
+                full.write(sh.lo, mine if sh.rank == comm.rank else self._unwire(piece, st.params))
+        st.params = full.result()
 
     def _last_checkpoint(self) -> str:
         later = " or, if rank 0 finished writing it, the next" if self._in_checkpoint and self.comm.rank else ""
@@ -423,7 +471,7 @@ class DistributedTrainer(Trainer):
         self._in_checkpoint = True
         if comm.rank == 0:
             m, v = np.empty(P, np.float32), np.empty(P, np.float32)
-            m[self.own.lo:self.own.hi], v[self.own.lo:self.own.hi] = st.m, st.v
+            m[self.own.lo:self.own.hi], v[self.own.lo:self.own.hi] = arrays.to_host(st.m), arrays.to_host(st.v)
             for sh in self.shards[1:]:
                 if sh.size:
                     comm.recv(m[sh.lo:sh.hi], sh.rank)
@@ -437,8 +485,8 @@ class DistributedTrainer(Trainer):
             finally:
                 self.state = st
         elif self.own.size:
-            comm.send(st.m, 0)
-            comm.send(st.v, 0)
+            comm.send(arrays.to_host(st.m), 0)
+            comm.send(arrays.to_host(st.v), 0)
         self._all_ok(f"writing the checkpoint of step {st.step}", err)
         self.last_checkpoint, self._in_checkpoint = st.step, False
         return path
