@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from mlx_open1b.cli import backend_option
+
 from mlx_open1b.cli.train import audit as replay_cmd
 
 SUBCOMMANDS = ("replay", "plan", "run", "report", "keygen")
@@ -94,7 +96,7 @@ def _parse_range(text: str) -> tuple[int, int]:
               help="a plan from `audit plan`; with --auditor I, certify that auditor's range")
 @click.option("--auditor", "auditor_index", type=int, default=None, help="auditor index I in the plan")
 @click.option("--name", default="anonymous", show_default=True, help="auditor name written into the attestation")
-@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
+@backend_option()
 @click.option("--key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Ed25519 private key (PEM, from `audit keygen`) to sign the attestation")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,

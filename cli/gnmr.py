@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from mlx_open1b.cli import backend_option
+
 from mlx_open1b.config import PRESETS, ConfigError, preset
 
 
@@ -32,7 +34,7 @@ def gnmr():
 @click.option("--spike-skip", type=int, default=None,
               help="updates skipped after a gradient-norm spike (default: the preset's, 5; 0 turns the spike "
                    "protocol off, so that low-precision arms are not frozen by repeated spikes)")
-@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
+@backend_option()
 @click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU)")
 def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_every, spike_skip, backend, threads):
     """Fixed low (int4 or int6), GNMR low/int8, fixed int8 and bf16 on the same tokens: held-out CE

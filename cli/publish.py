@@ -5,6 +5,8 @@ import sys
 
 import click
 
+from mlx_open1b.cli import backend_option
+
 
 def _fail(msg: str, code: int = 2) -> None:
     click.echo(f"error: {msg}", err=True)
@@ -68,7 +70,7 @@ def export(run, step, fmt, out):
 @click.option("--tasks", default="arith,facts,code,text", show_default=True,
               help="comma-separated offline tasks shipped with the package: arith, facts, code (multiple choice), "
                    "text (rolling log-likelihood)")
-@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
+@backend_option()
 @click.option("--limit", type=int, default=None, help="at most this many items per task")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
               help="the run's tokenizer.json (default: the shipped one; the run's hash must match it)")

@@ -7,6 +7,8 @@ import time
 
 import click
 
+from mlx_open1b.cli import backend_option
+
 from mlx_open1b.config import PRESETS, ConfigError, preset
 from mlx_open1b.data.format import DataError
 
@@ -62,9 +64,10 @@ class _Progress:
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="model and recipe preset")
 @click.option("--steps", type=int, default=None, help="optimizer steps to reach (default: the preset's token budget)")
-@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda", "torch"]), default="cpu_ref", show_default=True,
-              help="cpu_ref: the reproducible C reference; metal, cuda: the GPU kernels (bit-identical to cpu_ref; "
-                   "emulated on the CPU where no GPU is present); torch: the non-reproducible PyTorch baseline")
+@backend_option(extra=("torch",),
+                help="auto: metal on Apple silicon, cuda on an NVIDIA GPU, else cpu_ref; cpu_ref: the C reference; "
+                     "metal, cuda: the GPU kernels (bit-identical to cpu_ref; emulated on the CPU where no GPU is "
+                     "present); torch: the non-reproducible PyTorch baseline")
 @click.option("--out", "out", type=click.Path(file_okay=False), default="runs/tiny", show_default=True,
               help="run directory")
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
@@ -265,7 +268,7 @@ def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
 @click.command()
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
 @click.option("--steps", "steps", required=True, help="range A-B (or a single step A)")
-@click.option("--backend", type=click.Choice(["cpu_ref", "metal", "cuda"]), default="cpu_ref", show_default=True)
+@backend_option()
 @click.option("--auditor", default="anonymous", show_default=True, help="name written into the attestation")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
               help="attestation file (default: attestation-A-B.json in the current directory)")

@@ -47,9 +47,33 @@ class TrainError(RuntimeError):
         self.exit_code = exit_code
 
 
+def resolve_backend(name: str) -> str:
+    """A backend name, with 'auto' resolved: metal where MLX runs on a Metal GPU (Apple silicon),
+    cuda where CuPy sees an NVIDIA GPU, cpu_ref elsewhere. Every backend gives the same bits, so
+    'auto' picks the fastest hardware, never a different result. (The emulators are never chosen
+    automatically: they are for testing.)"""
+    if name != "auto":
+        return name
+    try:
+        from .metal import runtime as metal_runtime
+        if metal_runtime.real_metal() and metal_runtime.available()[0]:
+            return "metal"
+    except Exception:   # noqa: BLE001 - no usable MLX/Metal: try the next
+        pass
+    try:
+        from .cuda import runtime as cuda_runtime
+        if cuda_runtime.real_cuda():
+            return "cuda"
+    except Exception:   # noqa: BLE001
+        pass
+    return "cpu_ref"
+
+
 def get_backend(name: str):
     """The op module of a backend: cpu_ref, or mlx_open1b.metal.ops / mlx_open1b.cuda.ops when
-    they import and report themselves available (on the GPU or through their CPU emulators)."""
+    they import and report themselves available (on the GPU or through their CPU emulators);
+    'auto' as resolve_backend."""
+    name = resolve_backend(name)
     if name == "cpu_ref":
         from . import cpu_ref
         return cpu_ref
@@ -130,8 +154,8 @@ class Trainer:
                  resume: bool = False, log=None, readonly: bool = False, at_step: int | None = None):
         self.dir = pathlib.Path(run_dir)
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.backend = backend = resolve_backend(backend)
         self.ops = get_backend(backend)
-        self.backend = backend
         run_file = self.dir / RUN_FILE
         if resume or readonly:
             if not run_file.exists():

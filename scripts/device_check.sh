@@ -6,6 +6,7 @@
 #   4. the tiny preset trained a few steps on cpu_ref and on cuda: parity export on each
 #      (op output hashes + ledger) and parity compare; then once more as one torchrun worker on the
 #      cuda backend (NCCL collectives on the GPU): the same ledger as cpu_ref's
+#   4c. the model program on cupy arrays (device-resident) vs cpu_ref, and its time vs numpy in/out
 #   5. a short table; exit 0 only if everything is bit-identical.
 # Designed to finish within 5 minutes on an H200 (about 2 on a warm machine).
 #
@@ -157,12 +158,49 @@ else
     echo "torch.distributed is not importable: the distributed stage is skipped"
 fi
 
+# ------------------------------------------------------------------------------- 4c. device arrays
+# the model program on cupy arrays (state, activations and gradients on the GPU) against cpu_ref on
+# numpy, bit for bit; and the time of one microbatch with cupy-resident arrays vs numpy in/out
+stage "device arrays: the model program on cupy arrays vs cpu_ref"
+$PY - "$RES" <<'EOF' 2>&1 | tee "$RES/device_arrays.txt"
+import json, pathlib, sys, time
+import numpy as np
+from mlx_open1b import arrays, cpu_ref
+from mlx_open1b.config import preset
+from mlx_open1b.cuda import ops
+from mlx_open1b.model import Model, init_params
+cfg = preset("tiny").model
+p = init_params(cfg, 1)
+w = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, cfg.seq_len + 1)).astype(np.uint32)
+out = {"kind": None, "same": True, "ms_device": None, "ms_numpy": None}
+for prec in ("bf16", "int8"):
+    ref = Model(cfg, cpu_ref, precision=prec).loss_and_grad(p, w)
+    m = Model(cfg, ops, precision=prec)
+    got = m.loss_and_grad(ops.to_device(p), w)
+    out["kind"] = arrays.kind(got[3])
+    same = got[:3] == ref[:3] and np.array_equal(arrays.to_host(got[3]).view(np.uint32), ref[3].view(np.uint32))
+    out["same"] &= bool(same)
+    print(f"{prec}: loss {got[0]} (cpu_ref {ref[0]}), gradient {out['kind']}, bit-identical: {same}")
+def timed(params):
+    m.loss_and_grad(params, w)
+    t = time.perf_counter()
+    for _ in range(3):
+        g = m.loss_and_grad(params, w)[3]
+    arrays.to_host(g)
+    return (time.perf_counter() - t) / 3 * 1e3
+out["ms_device"], out["ms_numpy"] = timed(ops.to_device(p)), timed(p)
+print(f"one microbatch (int8, 4 windows): {out['ms_device']:.1f} ms on device arrays, {out['ms_numpy']:.1f} ms numpy in/out")
+(pathlib.Path(sys.argv[1]) / "device_arrays.json").write_text(json.dumps(out))
+sys.exit(0 if out["same"] else 1)
+EOF
+RC_DEVARR=${PIPESTATUS[0]}
+
 # ------------------------------------------------------------------------------- 5. table
 stage "summary"
-$PY - "$RES" "$RC_PARITY" "$RC_COMPARE" "$GPU_NAME" "$((SECONDS - T0))" "$RC_DIST" <<'EOF' | tee "$RES/summary.txt"
+$PY - "$RES" "$RC_PARITY" "$RC_COMPARE" "$GPU_NAME" "$((SECONDS - T0))" "$RC_DIST" "$RC_DEVARR" <<'EOF' | tee "$RES/summary.txt"
 import json, pathlib, re, sys
 res, rc_p, rc_c, gpu, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-rc_d = int(sys.argv[6])
+rc_d, rc_a = int(sys.argv[6]), int(sys.argv[7])
 p = json.loads((res / "parity.json").read_text())
 a, b = (json.loads((res / f"bundle-{n}.json").read_text()) for n in ("cpu_ref", "cuda"))
 la, lb = a["training"]["ledger"], b["training"]["ledger"]
@@ -185,11 +223,15 @@ if rc_d >= 0:
                  f"exit {rc_d}; {sum(x == y for x, y in zip(dl, la))}/{len(la)} records identical to cpu_ref's"))
 else:
     rows.append(("distributed (torchrun)", "SKIP", "torch.distributed not importable"))
+da = json.loads((res / "device_arrays.json").read_text()) if (res / "device_arrays.json").exists() else {}
+rows.append(("model program on device arrays", "PASS" if rc_a == 0 else "FAIL",
+             f"gradient kind {da.get('kind')}, bit-identical to cpu_ref: {da.get('same')}; microbatch "
+             f"{da.get('ms_device') or 0:.1f} ms device-resident vs {da.get('ms_numpy') or 0:.1f} ms numpy in/out"))
 w = max(len(r[0]) for r in rows)
 print(f"device check ({secs} s)")
 for name, verdict, detail in rows:
     print(f"  {name:<{w}}  {verdict:<4}  {detail}")
-ok = rc_p == 0 and rc_c == 0 and all(same) and len(la) == len(lb) and dist_ok
+ok = rc_p == 0 and rc_c == 0 and all(same) and len(la) == len(lb) and dist_ok and rc_a == 0
 print("RESULT:", "PASS, cuda is bit-identical to cpu_ref" if ok else "FAIL")
 print("reports:", res)
 sys.exit(0 if ok else 1)

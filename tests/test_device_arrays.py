@@ -145,3 +145,26 @@ def test_trainer_state_stays_on_the_device(tmp_path):
     for ck in cks:
         for f in sorted(ck.iterdir()):
             assert (tmp_path / "mx" / ck.name / f.name).read_bytes() == f.read_bytes(), f"{ck.name}/{f.name}"
+
+
+def test_auto_backend(monkeypatch):
+    """--backend auto (the default): metal where MLX runs on a Metal GPU, cuda where CuPy sees a GPU,
+    cpu_ref elsewhere — never an emulator."""
+    from click.testing import CliRunner
+    from mlx_open1b.cli.main import cli
+    from mlx_open1b.cuda import runtime as cuda_runtime
+    from mlx_open1b.metal import runtime as metal_runtime
+    from mlx_open1b.train import get_backend, resolve_backend
+    if not metal_runtime.real_metal() and not cuda_runtime.real_cuda():
+        assert resolve_backend("auto") == "cpu_ref" and get_backend("auto") is cpu_ref
+    assert resolve_backend("cuda") == "cuda"
+    monkeypatch.setattr(metal_runtime, "real_metal", lambda: False)
+    monkeypatch.setattr(cuda_runtime, "real_cuda", lambda: True)
+    assert resolve_backend("auto") == "cuda"
+    monkeypatch.setattr(metal_runtime, "real_metal", lambda: True)
+    monkeypatch.setattr(metal_runtime, "available", lambda: (True, "Metal (test)"))
+    assert resolve_backend("auto") == "metal"
+    monkeypatch.setattr(metal_runtime, "available", lambda: (False, "mlx too old"))
+    assert resolve_backend("auto") == "cuda"
+    res = CliRunner().invoke(cli, ["train", "--backend", "nosuch"])
+    assert res.exit_code == 2 and "auto" in res.output

@@ -43,7 +43,7 @@ from ..data.format import DataError, Manifest
 from ..data.stream import Stream, manifest_fingerprint
 from ..hostmath import f32, reciprocal
 from ..ledger import LedgerError, genesis_hash
-from ..train import RUN_FILE, Trainer, TrainError, TrainState, TreeFold, get_backend
+from ..train import RUN_FILE, Trainer, TrainError, TrainState, TreeFold, get_backend, resolve_backend
 from .collectives import Comm, CommError, DistError, cpu_count, norm_from_partials, owner_fold, route
 from .sharding import ShardingError, check_worker_count, dyadic_blocks, microbatch_range, shard_tensors
 
@@ -76,6 +76,7 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
                  backend: str = "cpu_ref", resume: bool = False, log=None):
+        backend = resolve_backend(backend)
         self.comm = comm
         self._sharded = False
         self._in_checkpoint = False
@@ -530,6 +531,7 @@ def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps:
     close=False leaves the process group up (trainer.comm) for the caller."""
     from .. import cpu_ref
     from ..config import steps_for_tokens
+    backend = resolve_backend(backend)          # 'auto' -> this machine's GPU backend (or cpu_ref)
     comm = Comm.init_from_env(backend, timeout)
     if comm.device.startswith("cuda"):            # the cuda backend's kernels on this worker's GPU too
         import cupy
