@@ -48,6 +48,8 @@ import pathlib
 
 import numpy as np
 
+from . import arrays
+
 try:                                                   # optional: lm-eval-harness
     from lm_eval.api.model import LM as _LMBase
 except Exception:   # noqa: BLE001 - absent or broken install: plain object
@@ -111,7 +113,7 @@ class Open1BLM(_LMBase):
             raise EvalError(str(e)) from None
         self.tok, self.step, self.backend, self.batch_size = tokenizer, step, backend, max(1, int(batch_size))
         self.run_dir = run
-        self.params = np.array(tensors["params"][0], copy=True)
+        self.params = self.ops.to_device(np.array(tensors["params"][0], copy=True))   # the backend's arrays
         self.model = Model(self.cfg.model, self.ops, precision=self.cfg.precision,
                            attention_pv=self.cfg.attention_pv)
         self.T = self.cfg.model.seq_len
@@ -122,13 +124,14 @@ class Open1BLM(_LMBase):
         """windows (B, T+1) uint32 -> (logprob (B, T) float64 of each target, argmax (B, T) or None)."""
         from .model import Cache, views
         inputs, targets, B = self.model._split(windows)
+        inputs, targets = self.ops.to_device(inputs), self.ops.to_device(targets)
         cache = Cache(B, self.T, inputs, targets) if want_logits else None
         _, _, ce_n = self.model._forward(self.params, inputs, targets, B, cache)
-        lp = -np.asarray(ce_n, np.float64).reshape(B, self.T)
+        lp = -arrays.to_host(ce_n).astype(np.float64).reshape(B, self.T)
         if not want_logits:
             return lp, None
-        lm = np.ascontiguousarray(views(self.params, self.model.layout)["lm_head"])
-        z = np.asarray(self.ops.linear_forward(cache.hn_b, lm))
+        lm = arrays.contiguous(views(self.params, self.model.layout)["lm_head"])
+        z = arrays.to_host(self.ops.linear_forward(cache.hn_b, lm))
         return lp, z.argmax(axis=1).reshape(B, self.T)
 
     def _window(self, ids: np.ndarray) -> tuple[np.ndarray, int]:

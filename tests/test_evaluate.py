@@ -118,3 +118,14 @@ def test_offline_tasks_and_cli(lm, tmp_path):
     with pytest.raises(EvalError, match="empty continuation"):
         lm.loglikelihood_tokens([([1, 2], [])])
 
+
+
+def test_metal_backend_on_device_arrays_gives_the_same_answers(lm):
+    """Open1BLM on the metal backend keeps the checkpoint in mx.arrays; every log-likelihood and
+    greedy flag equals cpu_ref's exactly (same bits)."""
+    pytest.importorskip("mlx.core")
+    from mlx_open1b import arrays
+    other = Open1BLM(lm.run_dir, lm.step, "metal", batch_size=3)
+    assert arrays.kind(other.params) == "mlx"
+    reqs = [("Compute 4 + 10.\n\nAnswer: 4 + 10 =", " 14"), ("Compute", " 4"), ("def f(x):", " return x")]
+    assert other.loglikelihood(reqs) == lm.loglikelihood(reqs)
