@@ -31,18 +31,29 @@ def _backends() -> list[tuple[str, str, str]]:
     try:
         mx = importlib.import_module("mlx.core")
         metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
-        rows.append(("metal", "available" if metal else "unavailable",
-                     "Apple GPU via mx.fast.metal_kernel" if metal else "mlx installed, no Metal device"))
+        detail = "Apple GPU via mx.fast.metal_kernel" if metal else "mlx installed, no Metal device"
     except ImportError:
-        rows.append(("metal", "unavailable", "mlx not installed (pip install 'mlx-open1b[metal]')"))
+        metal, detail = False, "mlx not installed (pip install 'mlx-open1b[metal]')"
+    rows.append(("metal", "available" if metal else _emulated("metal"), detail))
     try:
         cp = importlib.import_module("cupy")
         n = cp.cuda.runtime.getDeviceCount()
-        rows.append(("cuda", "available" if n else "unavailable", f"{n} CUDA device(s) via CuPy"))
+        cuda, detail = bool(n), f"{n} CUDA device(s) via CuPy"
     except Exception as e:  # ImportError, or CuPy present without a driver
+        cuda = False
         detail = "cupy not installed (pip install 'mlx-open1b[cuda]')" if isinstance(e, ImportError) else str(e).splitlines()[0]
-        rows.append(("cuda", "unavailable", detail))
+    rows.append(("cuda", "available" if cuda else _emulated("cuda"), detail))
     return rows
+
+
+def _emulated(name: str) -> str:
+    """'emulated' where the backend's kernel sources run on its CPU emulator (for tests and parity
+    checks, not speed), else 'unavailable'."""
+    try:
+        ok, _ = importlib.import_module(f"mlx_open1b.{name}.ops").available()
+    except Exception:   # noqa: BLE001
+        ok = False
+    return "emulated" if ok else "unavailable"
 
 
 def _cpu_features() -> str:
@@ -73,6 +84,9 @@ def info() -> None:
     click.echo("backends:")
     for name, status, detail in _backends():
         click.echo(f"  {name:8s} {status:12s} {detail}")
+    from mlx_open1b.train import resolve_backend
+    click.echo(f"  default (--backend auto): {resolve_backend('auto')}; 'emulated' backends run their kernel "
+               "sources on the CPU (bit-identical, slow)")
     try:
         from mlx_open1b import cpu_ref
         if cpu_ref.contract_version() != CONTRACT_VERSION:

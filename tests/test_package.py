@@ -27,6 +27,7 @@ def test_cli_version_and_info():
     assert "cpu_ref  available" in r.output
     for name in ("metal", "cuda", "numpy", "cpu features"):
         assert name in r.output
+    assert "default (--backend auto): " in r.output
 
 
 def test_console_script_runs():
