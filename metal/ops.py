@@ -12,6 +12,7 @@ fp32 value comes out of a kernel.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -525,7 +526,7 @@ def quant_weight_rows(w: np.ndarray):
 
 def quant_tensor(x: np.ndarray):
     """x (any shape) bf16 or fp32 -> q (same shape) int8, s fp32 (per-tensor scale)."""
-    f32 = x.dtype == np.float32
+    f32 = arrays.dtype(x) == F32
     opargs.quant_tensor(x, F32 if f32 else BF16)
     v = x if f32 else bf16_to_f32(x)
     q, s = _quant_f32(v)
@@ -580,3 +581,35 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
         dw = _dequant(2, acc, arrays.concat([sd, sX, sx]), clip=clip)
     return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# kinds in, kinds out: an op given any mx.array works on mx.arrays only (its numpy arguments are
+# moved up first), so every kernel launch of the op returns mx.arrays; numpy only -> numpy
+# ---------------------------------------------------------------------------------------------
+_IN_PLACE = {"add_inplace", "scale_inplace", "adamw_step"}     # numpy buffers written in place
+_NOT_OPS = {"available", "contract_version", "to_device", "to_host"}
+
+
+def _up(a):
+    if arrays.kind(a) == arrays.NUMPY:
+        return to_device(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_up(x) for x in a)
+    return a
+
+
+def _returns_given_kind(op):
+    @functools.wraps(op)
+    def wrapper(*args, **kwargs):
+        if arrays.any_device(args + tuple(kwargs.values())) is not None:
+            args, kwargs = _up(args), {k: _up(v) for k, v in kwargs.items()}
+        return op(*args, **kwargs)
+    return wrapper
+
+
+for _name, _fn in list(globals().items()):
+    if callable(_fn) and not isinstance(_fn, type) and not _name.startswith("_") and _name not in _NOT_OPS \
+            and _name not in _IN_PLACE and getattr(_fn, "__module__", None) == __name__:
+        globals()[_name] = _returns_given_kind(_fn)
+del _name, _fn

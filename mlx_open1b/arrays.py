@@ -133,6 +133,12 @@ def concat(arrays, axis: int = 0):
     return module(k).concatenate(arrays, axis=axis)
 
 
+def writable(a) -> bool:
+    """Arrays of this kind can be written in place, through views too (numpy, cupy); mx.arrays
+    cannot (a write to a slice or reshape does not reach the array it came from)."""
+    return kind(a) in (NUMPY, CUPY)
+
+
 def copy(a):
     if kind(a) == MLX:
         import mlx.core as mx
@@ -146,34 +152,37 @@ def full(k: str, shape, value, dt):
 
 
 class FlatBuffer:
-    """A flat buffer assembled from pieces written at offsets (every element exactly once):
-    written in place for numpy, joined in offset order for the device kinds (mx arrays cannot be
-    written through views)."""
+    """A flat buffer of kind k assembled from pieces written at offsets, every element exactly once
+    (checked): written in place for numpy and cupy, joined in offset order for mx.arrays (which
+    cannot be written through views)."""
 
     def __init__(self, n: int, dt, k: str):
         self.n, self.dt, self.kind = int(n), np.dtype(dt), k
-        self.buf = np.empty(self.n, self.dt) if k == NUMPY else None
+        self.buf = module(k).empty(self.n, self.dt) if k in (NUMPY, CUPY) else None
         self.pieces: list = []
 
     def write(self, offset: int, values) -> None:
+        if dtype(values) != self.dt:
+            raise AssertionError(f"FlatBuffer: a piece of dtype {dtype(values)} in a {self.dt} buffer")
         flat = values.reshape(-1)
+        self.pieces.append((int(offset), int(flat.size), None if self.buf is not None else flat))
         if self.buf is not None:
             self.buf[offset:offset + flat.size] = flat
-        else:
-            self.pieces.append((int(offset), flat))
 
     def result(self):
-        if self.buf is not None:
-            return self.buf
         self.pieces.sort(key=lambda p: p[0])
         at = 0
-        for off, flat in self.pieces:
+        for off, size, _ in self.pieces:
             if off != at:
-                raise AssertionError(f"FlatBuffer: element {at} is {'written twice' if off < at else 'never written'}")
-            at += int(flat.size)
+                raise AssertionError(f"FlatBuffer: element {min(at, off)} is {'written twice' if off < at else 'never written'}")
+            at += size
         if at != self.n:
             raise AssertionError(f"FlatBuffer: {self.n - at} elements at the end were never written")
-        return concat([p for _, p in self.pieces])
+        if self.buf is not None:
+            return self.buf
+        if not self.pieces:
+            return from_host(np.empty(0, self.dt), self.kind)
+        return concat([p for _, _, p in self.pieces])
 
 
 def functional_ops(add_inplace, scale_inplace, adamw_step):
@@ -203,17 +212,18 @@ def functional_ops(add_inplace, scale_inplace, adamw_step):
 
 # ------------------------------------------- a backend's update ops, in place where the kind allows
 def add_into(ops, a, b):
-    """a + b by the backend's contract add (a on the left): a numpy `a` is updated in place and
-    returned; device arrays get a new array (mx.arrays cannot be written in place)."""
-    if kind(a) == NUMPY:
+    """a + b by the backend's contract add (a on the left): `a` is updated in place and returned
+    where the kind allows (numpy, cupy); an mx.array gets a new array."""
+    if writable(a):
         ops.add_inplace(a, b)
         return a
     return ops.add(a, b)
 
 
 def scale_into(ops, a, s: float):
-    """a * s by the backend's contract multiply (s rounded to float32), in place for numpy."""
-    if kind(a) == NUMPY:
+    """a * s by the backend's contract multiply (s rounded to float32), in place where the kind
+    allows (numpy, cupy)."""
+    if writable(a):
         ops.scale_inplace(a, s)
         return a
     return ops.scale(a, s)

@@ -147,7 +147,7 @@ class TrainState:
 
 
 class Trainer:
-    #: keep params and moments in the backend's device arrays (the distributed trainer keeps host arrays)
+    #: keep params and moments in the backend's arrays (ops.to_device: mx.array, cupy, numpy)
     device_state = True
 
     def __init__(self, run_dir, cfg: RunConfig | None = None, corpus_dir=None, backend: str = "cpu_ref",
@@ -263,14 +263,15 @@ class Trainer:
 
     def _checkpoint(self) -> pathlib.Path:
         st = self.state
+        host = dataclasses.replace(st, params=arrays.to_host(st.params), m=arrays.to_host(st.m),
+                                   v=arrays.to_host(st.v))          # one transfer, hashed and written
         meta = {"step": st.step, "consumed": st.consumed, "adam_t": st.adam_t, "skip_left": st.skip_left,
                 "stream": st.stream, "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION,
                 "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis,
-                "params_hash": self.param_hash(st.params), "opt_hash": self.opt_hash(st)}
+                "params_hash": self.param_hash(host.params), "opt_hash": self.opt_hash(host)}
         if st.gnmr is not None:
             meta["gnmr"], meta["gnmr_hash"] = st.gnmr.to_json(), self.gnmr_hash(st.gnmr)
-        tensors = {"params": (arrays.to_host(st.params), "bf16"), "m": (arrays.to_host(st.m), "f32"),
-                   "v": (arrays.to_host(st.v), "f32")}
+        tensors = {"params": (host.params, "bf16"), "m": (host.m, "f32"), "v": (host.v, "f32")}
         return save_checkpoint(self.dir, st.step, tensors, meta)
 
     def _load_latest(self, at_or_before: int | None = None) -> TrainState:
@@ -401,10 +402,10 @@ class Trainer:
         return out
 
     def _adamw(self, st: TrainState, grads, lr: float) -> None:
-        """AdamW on every tensor (weight decay on the decayed ones): in place on numpy buffers; on
-        device arrays each tensor's new slices are joined into new buffers."""
-        ops, numpy_state = self.ops, arrays.kind(st.params) == arrays.NUMPY
-        if not numpy_state:
+        """AdamW on every tensor (weight decay on the decayed ones): in place where the kind allows
+        (numpy, cupy); on mx.arrays each tensor's new slices are joined into new buffers."""
+        ops, in_place = self.ops, arrays.writable(st.params)
+        if not in_place:
             k = arrays.kind(st.params)
             new = [arrays.FlatBuffer(st.params.size, np.uint16, k), arrays.FlatBuffer(st.m.size, np.float32, k),
                    arrays.FlatBuffer(st.v.size, np.float32, k)]
@@ -414,13 +415,13 @@ class Trainer:
                 self._tensors(st.m, "f32"), self._tensors(st.v, "f32")):
             kw = dict(lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
                       weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
-            if numpy_state:
+            if in_place:
                 ops.adamw_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), **kw)
             else:
                 for buf, a in zip(new, ops.adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), **kw)):
                     buf.write(offs, a)
             offs += p.size
-        if not numpy_state:
+        if not in_place:
             st.params, st.m, st.v = (b.result() for b in new)
 
     def heldout_ce(self) -> dict:

@@ -92,6 +92,52 @@ def test_only_token_sized_data_leaves_the_device():
                           "ops.py:embedding_backward", "model.py:_means"}, dict(calls)
 
 
+class StrictOps:
+    """The metal ops, checked at every call the model program makes: every array argument and
+    every array result is an mx.array. Allowed exceptions: to_device (its job), rope_tables (built
+    once at construction, from scalars) and the host-side fold of the logged z-term rows."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        fn = getattr(metal, name)
+        if not callable(fn) or name in ("to_device", "rope_tables"):
+            return fn
+
+        def leaves(v):
+            if isinstance(v, (list, tuple)):
+                for u in v:
+                    yield from leaves(u)
+            elif arrays.is_array(v):
+                yield v
+
+        def checked(*args, **kwargs):
+            ins = list(leaves(list(args) + list(kwargs.values())))
+            host_fold = name == "treefold" and all(arrays.kind(a) == "numpy" for a in ins)
+            bad = [arrays.kind(a) for a in ins if arrays.kind(a) != "mlx"]
+            assert host_fold or not bad, f"{name}: {bad} arguments in the device program"
+            out = fn(*args, **kwargs)
+            bad = [arrays.kind(a) for a in leaves(out) if arrays.kind(a) != "mlx"]
+            assert not bad, f"{name} returned {bad} arrays"
+            self.calls[name + (" (host z-term)" if host_fold else "")] += 1
+            return out
+        return checked
+
+
+def test_every_op_call_of_the_program_is_on_mx_arrays():
+    calls = collections.Counter()
+    m = Model(CFG, StrictOps(calls), precision="int8")
+    p = metal.to_device(init_params(CFG, 1))
+    loss, ce, zl, cache = m.forward(p, windows())
+    top = {k: v for k, v in vars(cache).items() if arrays.is_array(v)}
+    assert {arrays.kind(v) for v in top.values()} == {"mlx"} and {"inputs", "targets", "x0", "hn_b", "lse"} <= set(top)
+    g = m.backward(p, cache)
+    assert arrays.kind(g) == "mlx"
+    m.eval_loss(p, windows(2, 2))
+    assert calls["treefold (host z-term)"] == 1 and calls["qlinear_backward"] == 4 * CFG.n_layers, dict(calls)
+
+
 def test_functional_ops_and_in_place_errors():
     rng = np.random.default_rng(3)
     a, b = rand_f32(rng, (5, 7)), rand_f32(rng, (5, 7))

@@ -52,8 +52,11 @@ a = json.loads(sys.argv[1])
 cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
 if cfg is not None and os.environ.get("O1B_TEST_SEED"):        # a worker started with another config
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(os.environ["O1B_TEST_SEED"])))
-worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.get("resume", False),
-            timeout=a.get("timeout", 60.0), backend=a.get("backend", "cpu_ref"))
+h, tr = worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.get("resume", False),
+                    timeout=a.get("timeout", 60.0), backend=a.get("backend", "cpu_ref"))
+if a.get("backend", "cpu_ref") != "cpu_ref":
+    from mlx_open1b import arrays
+    print(f"rank {tr.comm.rank} state kinds", *sorted({arrays.kind(x) for x in (tr.state.params, tr.state.m, tr.state.v)}))
 """
 
 
@@ -337,6 +340,8 @@ def test_device_array_state_at_2_and_4_workers(tmp_path, corpus, worker_script):
         run = tmp_path / f"w{n}"
         r = torchrun(n, worker_script, _args(run, cfg, corpus, steps=4, backend="metal"))
         assert r.returncode == 0, r.stderr[-3000:]
+        for rank in range(n):               # every worker kept its state in mx.arrays to the end
+            assert f"rank {rank} state kinds mlx\n" in r.stdout, r.stdout
         assert ledger(run) == b"".join(ledger(single).splitlines(keepends=True)[:4]), n
     r = torchrun(3, worker_script, _args(tmp_path / "w2", resume=True, steps=5, backend="metal"))
     assert r.returncode == 0, r.stderr[-3000:]

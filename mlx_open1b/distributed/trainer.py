@@ -267,13 +267,16 @@ class DistributedTrainer(Trainer):
 
     # ------------------------------------------------------------------ one step
     def _wire(self, a):
-        """An array as the collectives move it: numpy and cupy as they are (cupy by DLPack, on the
-        GPU for NCCL); an mx.array through a host copy (gloo reads host memory)."""
-        return arrays.to_host(a) if arrays.kind(a) == arrays.MLX else a
+        """An array as the collectives move it: numpy as it is; cupy as it is when the process
+        group runs on the GPU (NCCL, by DLPack), else a host copy; an mx.array through a host copy
+        (gloo reads host memory)."""
+        if arrays.kind(a) == arrays.MLX or (arrays.kind(a) == arrays.CUPY and self.comm.device == "cpu"):
+            return arrays.to_host(a)
+        return a
 
     def _unwire(self, a, like):
         """A received array in the kind of `like` (the state's)."""
-        return self.ops.to_device(a) if arrays.kind(like) == arrays.MLX else a
+        return self.ops.to_device(a) if arrays.is_device(like) and not arrays.is_device(a) else a
 
     def _reduce_scatter(self, parts: list, M: int):
         """This owner's slice of the step's averaged gradient (f32, own.size elements)."""
@@ -368,11 +371,11 @@ class DistributedTrainer(Trainer):
         return record
 
     def _adamw_owned(self, st: TrainState, grads, lr: float) -> None:
-        """AdamW on this rank's tensors: in place on numpy buffers; on device arrays the updated
-        slices are joined into new buffers (own parameter range, moments)."""
-        ops, numpy_state = self.ops, arrays.kind(st.params) == arrays.NUMPY
+        """AdamW on this rank's tensors: in place where the kind allows (numpy, cupy); on mx.arrays
+        the updated slices are joined into new buffers (own parameter range, moments)."""
+        ops, in_place = self.ops, arrays.writable(st.params)
         k, own = arrays.kind(st.params), self.own
-        new = None if numpy_state else [arrays.FlatBuffer(own.size, np.uint16, k),
+        new = None if in_place else [arrays.FlatBuffer(own.size, np.uint16, k),
                                         arrays.FlatBuffer(own.size, np.float32, k),
                                         arrays.FlatBuffer(own.size, np.float32, k)]
         offs = 0
@@ -381,27 +384,24 @@ class DistributedTrainer(Trainer):
                 self._owned(st.v, True)):
             kw = dict(lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
                       weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
-            if numpy_state:
+            if in_place:
                 ops.adamw_step(p, g, m, v, **kw)
             else:
                 for buf, a in zip(new, ops.adamw(p, g, m, v, **kw)):
                     buf.write(offs, a)
             offs += p.size
-        if new is not None and own.size:
-            self._own_params = new[0].result()
-            st.m, st.v = new[1].result(), new[2].result()
-        elif new is not None:
-            self._own_params = st.params[own.lo:own.hi]
+        if new is not None:
+            self._own_params, st.m, st.v = (b.result() for b in new)
 
     def _gather_params(self, st: TrainState) -> None:
         """Every owner's updated parameters to every worker (all-gather, data movement only)."""
-        comm, numpy_state = self.comm, arrays.kind(st.params) == arrays.NUMPY
-        mine = st.params[self.own.lo:self.own.hi] if numpy_state else self._own_params
+        comm, in_place = self.comm, arrays.writable(st.params)
+        mine = st.params[self.own.lo:self.own.hi] if in_place else self._own_params
         pieces = comm.all_gather(self._wire(mine), [sh.size for sh in self.shards])
-        if numpy_state:
+        if in_place:
             for sh, piece in zip(self.shards, pieces):
                 if sh.rank != comm.rank and sh.size:
-                    st.params[sh.lo:sh.hi] = piece
+                    st.params[sh.lo:sh.hi] = self._unwire(piece, st.params)
             return
         full = arrays.FlatBuffer(st.params.size, np.uint16, arrays.kind(st.params))
         for sh, piece in zip(self.shards, pieces):
@@ -574,3 +574,4 @@ def worker_main(run_dir, cfg=None, corpus_dir=None, **kw) -> None:
         os._exit(getattr(e, "exit_code", 2))
     if tr.comm.rank == 0:
         print(f"run hash {h}", flush=True)
+    return h, tr
