@@ -20,7 +20,6 @@ from .quant import (gemm_i8, gemm_i8_has_vnni, hadamard_rows, qlinear_backward, 
 
 from ..arrays import functional_ops as _functional_ops
 
-ARRAY_KIND = "numpy"     # cpu_ref's arrays live in host memory
 add, scale, adamw = _functional_ops(add_inplace, scale_inplace, adamw_step)
 
 

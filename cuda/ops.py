@@ -29,7 +29,6 @@ from ..opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 
 NAME = "cuda"
-ARRAY_KIND = arrays.CUPY   # the backend's device arrays (to_device); numpy in -> numpy out as well
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
 GEMM_TILE = 16       # linear.cu's TILE
 NORM_BLOCK = 4096    # CONTRACT.md §9 (reduce.cu)

@@ -24,7 +24,6 @@ from . import runtime
 from .runtime import available  # noqa: F401  (re-exported)
 
 NAME = "metal"
-ARRAY_KIND = arrays.MLX     # the backend's device arrays (to_device); numpy in -> numpy out as well
 I64 = np.dtype(np.int64)
 U32 = np.dtype(np.uint32)
 MAX_GRID = 2 ** 31 - 1

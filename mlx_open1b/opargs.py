@@ -35,7 +35,8 @@ def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int |
         hint = " (bf16 is held as uint16)" if dtype == BF16 else ""
         raise ValueError(f"{name}: expected dtype {dtype}{hint}, got {got}")
     if not arrays.c_contiguous(a):
-        raise ValueError(f"{name}: must be C-contiguous (use np.ascontiguousarray)")
+        mod = "cupy" if arrays.kind(a) == arrays.CUPY else "np"
+        raise ValueError(f"{name}: must be C-contiguous (use {mod}.ascontiguousarray)")
     if ndim is None and shape is not None:
         ndim = len(shape)
     if ndim is not None and a.ndim != ndim:

@@ -95,7 +95,8 @@ def _as_bytes(a):
     import torch
     k = arrays.kind(a)
     if k not in (arrays.NUMPY, arrays.CUPY):
-        raise ValueError(f"collectives move numpy or cupy arrays, got {type(a).__name__}")
+        raise ValueError(f"collectives move numpy or cupy arrays, got {type(a).__module__}.{type(a).__name__} "
+                         "(move an mx.array with mlx_open1b.arrays.to_host)")
     if not a.flags.c_contiguous:
         raise ValueError("collectives move C-contiguous arrays only")
     if k == arrays.CUPY:
