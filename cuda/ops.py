@@ -88,13 +88,27 @@ def _host(a):
     return arrays.to_host(a)
 
 
-def _returns_given_kind(op):
+def _up(a):
+    """A numpy argument of a device-mode op, on the device (lists and tuples item by item)."""
+    if arrays.kind(a) == arrays.NUMPY:
+        return _dev(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_up(x) for x in a)
+    return a
+
+
+def _returns_given_kind(op, in_place: bool = False):
     """Wrap a public op: device mode (results stay on the device) while it runs iff any of its
-    array arguments, or the arrays in a list or tuple argument, is a device array."""
+    array arguments, or the arrays in a list or tuple argument, is a device array; then its numpy
+    arguments are moved up first, so nested calls and joins see one kind. In-place ops keep their
+    arguments (a numpy buffer they update is written back by _inplace_back)."""
     @functools.wraps(op)
     def wrapper(*args, **kwargs):
         old = getattr(_mode, "device", False)
-        _mode.device = arrays.any_device(args + tuple(kwargs.values())) is not None
+        device = arrays.any_device(args + tuple(kwargs.values())) is not None
+        if device and not in_place:
+            args, kwargs = _up(args), {k: _up(v) for k, v in kwargs.items()}
+        _mode.device = device
         try:
             return op(*args, **kwargs)
         finally:
@@ -628,12 +642,13 @@ def from_torch(t):
 # Every public op returns the kind it was given (module docstring).
 _NOT_OPS = {"available", "contract_version", "to_device", "to_host", "gemm_i8_has_vnni", "to_torch",
             "from_torch"}
+_IN_PLACE = {"add_inplace", "scale_inplace", "adamw_step"}
 for _name, _fn in list(globals().items()):
     if callable(_fn) and not isinstance(_fn, type) and not _name.startswith("_") and _name not in _NOT_OPS \
             and getattr(_fn, "__module__", None) == __name__:
-        globals()[_name] = _returns_given_kind(_fn)
+        globals()[_name] = _returns_given_kind(_fn, in_place=_name in _IN_PLACE)
 del _name, _fn
 
 # add(a, b), scale(a, s), adamw(p, g, m, v, **kw) -> new arrays: the in-place ops above on copies of
 # the kind given (cupy and numpy arrays are both written in place), so the same bits
-add, scale, adamw = arrays.functional_ops(add_inplace, scale_inplace, adamw_step)
+add, scale, adamw = (_returns_given_kind(f) for f in arrays.functional_ops(add_inplace, scale_inplace, adamw_step))

@@ -365,72 +365,214 @@ def test_model_forward_backward_equal():
 
 
 # ================================================================== device arrays: cupy in, cupy out
-class FakeCupyArray(np.ndarray):
-    """A stand-in for a cupy array where there is none: memory the emulator runs on (an ndarray
-    subclass), reported as cupy by the patched arrays.kind, that refuses what would hide a host
-    copy or host arithmetic inside an op — numpy functions and ufuncs applied to it, conversion to
-    Python numbers — and, like cupy, gives 0-d arrays, not scalars, when indexed or reduced. The
-    explicit host copy is .get(), as cupy's. One exception, as cupy allows it: int() of a 0-d
-    array (opargs.gemm_i8 reads the smallest int8 level of its operands that way)."""
+_IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
+             "Please use `.get()` to construct a NumPy array explicitly.")     # cupy's own message
 
-    def __array_function__(self, func, types, args, kwargs):
-        raise TypeError(f"numpy.{func.__name__} applied to a device array")
 
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        raise TypeError(f"numpy ufunc {ufunc.__name__} applied to a device array")
+def _unwrap(x):
+    return x._a if isinstance(x, FakeCupyArray) else x
 
-    def _refuse(self, *_, **__):
-        raise TypeError("implicit conversion of a device array to a host value")
 
-    __float__ = __index__ = __bool__ = item = tolist = tobytes = _refuse
+def _unwrap_key(key):
+    return tuple(_unwrap(k) for k in key) if isinstance(key, tuple) else _unwrap(key)
 
-    def __int__(self):
-        if self.ndim:
-            self._refuse()
-        return int(self.view(np.ndarray)[()])
 
-    def min(self):
-        return np.array(self.view(np.ndarray).min()).view(FakeCupyArray)
+class _Flags:
+    """cupy's ndarray.flags: c_contiguous, f_contiguous, owndata (no writeable)."""
+
+    def __init__(self, a: np.ndarray):
+        self.c_contiguous = bool(a.flags.c_contiguous)
+        self.f_contiguous = bool(a.flags.f_contiguous)
+        self.owndata = bool(a.flags.owndata)
+
+
+class FakeCupyArray:
+    """A stand-in for a cupy array where there is none: an object (not an np.ndarray) holding the
+    numpy memory the emulator runs on, that mlx_open1b.arrays.kind reports as cupy by the same test
+    it applies to real cupy arrays (a module named cupy*, __cuda_array_interface__).
+
+    Strict like cupy: no implicit conversion to numpy — np.asarray / np.array / numpy setitem
+    (`host[...] = dev`) raise cupy's TypeError (__array__ refuses), there is no buffer protocol
+    (memoryview, np.frombuffer), and numpy functions and ufuncs on it raise. Stricter than cupy
+    where cupy would run host code on a device value (so the ops must name their array module,
+    arrays.module / ops._xp): numpy functions and ufuncs are refused rather than dispatched,
+    Python arithmetic, comparisons, bool(), index(), .item(), .tolist() and .tobytes() raise.
+    What cupy allows and the ops use: .shape .size .ndim .dtype .flags.c_contiguous, views that
+    share memory (.reshape .view .ravel, basic indexing — 0-d arrays, never scalars), .copy
+    .astype .min .max (0-d), setitem from device arrays, Python scalars or numpy arrays (a
+    host-to-device copy, as cupy.ndarray.__setitem__ does), int()/float() of a 0-d array (a sync),
+    and the explicit host copy .get()."""
+
+    __module__ = "cupy._fake"          # arrays.kind: type(a).__module__ starts with "cupy"
+    __slots__ = ("_a",)
+    __array_ufunc__ = None             # numpy ufuncs and numpy binary operators refuse it
+    __hash__ = None                    # as cupy.ndarray
+
+    def __init__(self, a: np.ndarray):
+        assert type(a) is np.ndarray, type(a)
+        self._a = a
+
+    # ---- what cupy.ndarray has and the backend uses
+    shape = property(lambda self: self._a.shape)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    dtype = property(lambda self: self._a.dtype)
+    itemsize = property(lambda self: self._a.itemsize)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: _Flags(self._a))
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "descr": self.dtype.descr, "version": 3,
+                "data": (self._a.ctypes.data, False),
+                "strides": None if self._a.flags.c_contiguous else self.strides}
+
+    def reshape(self, *shape, order="C"):
+        return FakeCupyArray(self._a.reshape(*shape, order=order))
+
+    def view(self, dtype=None):
+        return FakeCupyArray(self._a.view() if dtype is None else self._a.view(dtype))
+
+    def ravel(self, order="C"):
+        return FakeCupyArray(self._a.ravel(order))
+
+    def copy(self, order="C"):
+        return FakeCupyArray(self._a.copy(order))
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        out = self._a.astype(dtype, order=order, copy=copy)
+        return self if out is self._a else FakeCupyArray(out)
+
+    def min(self, axis=None):
+        return FakeCupyArray(np.asarray(self._a.min(axis)))
+
+    def max(self, axis=None):
+        return FakeCupyArray(np.asarray(self._a.max(axis)))
+
+    def get(self, stream=None, order="C", out=None) -> np.ndarray:
+        """The explicit device-to-host copy."""
+        if out is not None:
+            out[...] = self._a
+            return out
+        return np.array(self._a, order=order, copy=True)
 
     def __getitem__(self, key):
-        out = super().__getitem__(key)
-        return out if isinstance(out, np.ndarray) else np.array(out).view(FakeCupyArray)
+        key = _unwrap_key(key)
+        out = self._a[key]
+        if not isinstance(out, np.ndarray):          # integers only: cupy gives a 0-d view, not a scalar
+            out = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+        return FakeCupyArray(out)
+
+    def __setitem__(self, key, value):
+        self._a[_unwrap_key(key)] = _unwrap(value)   # a numpy value is a host-to-device copy (cupy allows it)
+
+    def __len__(self):
+        if not self.ndim:
+            raise TypeError("len() of unsized object")
+        return len(self._a)
+
+    def __iter__(self):
+        if not self.ndim:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(len(self._a)))
+
+    def _scalar(self, convert):
+        if self.ndim:
+            raise TypeError(f"only 0-d device arrays convert to Python scalars (got shape {self.shape})")
+        return convert(self._a[()])
+
+    def __int__(self):
+        return self._scalar(int)
+
+    def __float__(self):
+        return self._scalar(float)
 
     def __repr__(self):
-        return f"FakeCupyArray({self.view(np.ndarray)!r})"
+        return f"FakeCupyArray({self._a!r})"
 
-    def get(self) -> np.ndarray:
-        return np.array(self.view(np.ndarray))
+    # ---- refused: implicit conversion to numpy, numpy functions, host values of device data
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(_IMPLICIT)
+
+    def __array_function__(self, func, types, args, kwargs):
+        raise TypeError(f"numpy.{func.__name__} applied to a device array (name the array module: "
+                        "arrays.module(kind) or the backend's _xp())")
+
+    def _refuse(self, *_, **__):
+        raise TypeError("a host value of a device array without .get() (an implicit device-to-host copy)")
+
+    __bool__ = __index__ = __eq__ = __ne__ = item = tolist = tobytes = _refuse
 
 
 def _fake_cupy_module():
-    """The part of cupy's namespace the backend and mlx_open1b.arrays use, on FakeCupyArray."""
-    def host(a):
-        return a.view(np.ndarray) if isinstance(a, FakeCupyArray) else a
+    """The part of cupy's namespace the backend and mlx_open1b.arrays use, on FakeCupyArray; what
+    real cupy refuses (concatenating or making contiguous numpy arrays) it refuses too."""
+    def device_only(name, a):
+        if not isinstance(a, FakeCupyArray):
+            raise TypeError(f"cupy.{name}: expected a cupy array, got {type(a).__name__}")
+        return a._a
 
-    def dev(a):
-        return a.view(FakeCupyArray)
+    def asarray(a, dtype=None, order=None):
+        if isinstance(a, FakeCupyArray):
+            return a.astype(dtype, copy=False) if dtype is not None else a
+        return FakeCupyArray(np.array(a, dtype, copy=True, order=order or "K"))      # host -> device
+
+    def array(a, dtype=None, copy=True, order="K", ndmin=0):
+        if isinstance(a, FakeCupyArray) and not copy:
+            return asarray(a, dtype)
+        return FakeCupyArray(np.array(_unwrap(a), dtype, copy=True, order=order, ndmin=ndmin))
+
+    def ascontiguousarray(a, dtype=None):
+        host = device_only("ascontiguousarray", a)
+        if host.flags.c_contiguous and (dtype is None or np.dtype(dtype) == host.dtype):
+            return a
+        return FakeCupyArray(np.ascontiguousarray(host, dtype))
+
+    def concatenate(arrs, axis=0, out=None, dtype=None):
+        if out is not None:
+            raise NotImplementedError("concatenate(out=...) in the cupy stand-in")
+        return FakeCupyArray(np.concatenate([device_only("concatenate", a) for a in arrs], axis=axis, dtype=dtype))
 
     m = types.ModuleType("cupy")
-    m.asarray = lambda a: a if isinstance(a, FakeCupyArray) else dev(np.array(a))
-    m.array = lambda a, dtype=None, copy=True, order="K": dev(np.array(host(a), dtype, copy=True, order=order))
-    m.empty = lambda shape, dtype=float: dev(np.empty(shape, dtype))
-    m.zeros = lambda shape, dtype=float: dev(np.zeros(shape, dtype))
-    m.ascontiguousarray = lambda a: a if a.flags.c_contiguous else dev(np.ascontiguousarray(host(a)))
-    m.concatenate = lambda arrs, axis=0: dev(np.concatenate([host(a) for a in arrs], axis=axis))
+    m.ndarray = FakeCupyArray
+    m.asarray, m.array, m.ascontiguousarray, m.concatenate = asarray, array, ascontiguousarray, concatenate
+    m.empty = lambda shape, dtype=float, order="C": FakeCupyArray(np.empty(shape, dtype, order))
+    m.zeros = lambda shape, dtype=float, order="C": FakeCupyArray(np.zeros(shape, dtype, order))
+    m.dtype = np.dtype
+    for name in ("bool_", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                 "float16", "float32", "float64"):
+        setattr(m, name, getattr(np, name))
     return m
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """The backend as on a GPU (inputs copied to 'device' arrays, results left there or copied
-    back) with FakeCupyArray as the device arrays and the kernels still on the emulator."""
+    back) with FakeCupyArray as the device arrays and the kernels still on the emulator. A launch
+    passes the emulator each device array's own memory (so the kernel's writes land in it) and,
+    as cupy does, refuses a numpy array argument (a host array the op forgot to copy to the
+    device)."""
     fake = _fake_cupy_module()
-    real_kind = arrays.kind
-    monkeypatch.setattr(arrays, "kind", lambda a: arrays.CUPY if isinstance(a, FakeCupyArray) else real_kind(a))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cu, "_xp", lambda: fake)
-    return fake
+    launch = emu.EmuFunction.__call__
+
+    def device_launch(self, grid, block, args, shared_mem=0):
+        for i, a in enumerate(args):
+            if isinstance(a, np.ndarray):
+                raise TypeError(f"{self.kernel}: argument {i} is a numpy array; a cupy kernel takes "
+                                "device arrays (a missing _dev?)")
+        return launch(self, grid, block, tuple(_unwrap(a) for a in args), shared_mem)
+
+    monkeypatch.setattr(emu.EmuFunction, "__call__", device_launch)
+    with runtime.emulate():        # on a GPU machine too: the stand-in's memory is host memory
+        yield fake
 
 
 def _device_cases(rng):
@@ -535,14 +677,86 @@ def _check_device_case(name, call, to_dev, device_kind):
 
 
 def test_fake_cupy_array_is_strict(fake_gpu):
+    """The stand-in refuses, as cupy does, every implicit conversion to numpy (and, stricter than
+    cupy, numpy functions and host arithmetic on it), so an op that slips one in fails here."""
     a = fake_gpu.asarray(np.arange(4, dtype=np.float32))
-    assert arrays.kind(a) == arrays.CUPY and arrays.any_device([[a]]) == arrays.CUPY
-    for bad in (lambda: np.concatenate([a, a]), lambda: a + 1, lambda: float(a[0]), lambda: a.tobytes()):
+    assert not isinstance(a, np.ndarray)
+    assert arrays.kind(a) == arrays.CUPY and arrays.any_device([[a]]) == arrays.CUPY   # the real kind()
+    host = np.zeros(4, np.float32)
+
+    def setitem(target, key, value):
+        target[key] = value
+
+    refused = {
+        "np.asarray": lambda: np.asarray(a), "np.array": lambda: np.array(a),
+        "np.array of a list": lambda: np.array([a, a]), "np.asarray dtype": lambda: np.asarray(a, np.float64),
+        "np.ascontiguousarray": lambda: np.ascontiguousarray(a), "memoryview": lambda: memoryview(a),
+        "bytes": lambda: bytes(a), "np.frombuffer": lambda: np.frombuffer(a, np.float32),
+        "host[...] = dev": lambda: setitem(host, Ellipsis, a), "host[:2] = dev[:2]": lambda: setitem(host, slice(0, 2), a[:2]),
+        "host[1:2] = dev 0-d": lambda: setitem(host, slice(1, 2), a[1]), "np.copyto": lambda: np.copyto(host, a),
+        "ufunc": lambda: np.add(a, 1), "ufunc on 0-d": lambda: np.exp(a[0]), "ufunc out=": lambda: np.add(host, host, out=a),
+        "np.concatenate": lambda: np.concatenate([a, a]), "np.sum": lambda: np.sum(a), "np.ndim": lambda: np.ndim(a),
+        "dev + 1": lambda: a + 1, "1.0 + dev": lambda: 1.0 + a, "host + dev": lambda: host + a,
+        "np.float32 * dev": lambda: np.float32(2) * a, "dev == dev": lambda: a == a[:], "dev < 1": lambda: a < 1,
+        "bool": lambda: bool(a[0]), "float of 1-d": lambda: float(a), "int of 1-d": lambda: int(a[:1]),
+        "index": lambda: [0, 1][a[1]], "tobytes": lambda: a.tobytes(), "item": lambda: a.item(),
+        "tolist": lambda: a.tolist(), "cupy.concatenate with numpy": lambda: fake_gpu.concatenate([a, host]),
+        "cupy.ascontiguousarray of numpy": lambda: fake_gpu.ascontiguousarray(host),
+    }
+    for what, bad in refused.items():
         with pytest.raises(TypeError):
             bad()
+            pytest.fail(f"{what} was allowed")
+    with pytest.raises(TypeError, match="Implicit conversion to a NumPy array is not allowed"):
+        np.asarray(a)
+    assert not host.any() and a.get().tolist() == [0, 1, 2, 3]
     assert type(arrays.to_host(a)) is np.ndarray and type(arrays.concat([a, a])) is FakeCupyArray
     assert type(cu.to_device(np.zeros(3, np.float32))) is FakeCupyArray
     assert type(cu.to_host(a)) is np.ndarray
+
+
+def test_fake_cupy_array_allows_what_cupy_allows(fake_gpu):
+    """Views share the device memory, copies do not, indexing gives 0-d arrays, setitem takes
+    device arrays, Python scalars and numpy arrays (a host-to-device copy), int()/float() of 0-d."""
+    h = np.arange(4, dtype=np.float32)
+    a = fake_gpu.asarray(h)
+    h[0] = -1                                        # asarray copied the host array
+    assert fake_gpu.asarray(a) is a and fake_gpu.ascontiguousarray(a) is a
+    assert type(a[1]) is FakeCupyArray and a[1].shape == () and a[..., 1].shape == ()
+    assert float(a[3]) == 3.0 and int(a.min()) == 0 and int(a.max()) == 3 and len(a) == 4
+    host = np.zeros(2, np.float32)
+    host[1] = a[3]                                   # numpy converts one element by float(): cupy syncs
+    assert host.tolist() == [0, 3]
+    a[1] = 7
+    a[2:] = np.array([8, 9], np.float32)
+    a[0] = a[3]
+    a.reshape(2, 2)[1, 0] = 10                       # a view: the write lands in a
+    a.ravel()[3] = 11
+    a[1][...] = 12                                   # a 0-d view
+    assert a.get().tolist() == [9, 12, 10, 11] and [float(x) for x in a] == [9, 12, 10, 11]
+    g = a.get()
+    g[0] = -1
+    c = a.copy()
+    c[0] = -2
+    assert a.get()[0] == 9
+    assert a.view(np.uint32).dtype == np.uint32 and arrays.to_host(a.view(np.uint32))[0] == np.float32(9).view(np.uint32)
+    assert a.astype(np.float64).dtype == np.float64 and a.reshape(2, 2).flags.c_contiguous
+    assert not a.reshape(2, 2)[:, 0].flags.c_contiguous and arrays.contiguous(a.reshape(2, 2)[:, 0]).flags.c_contiguous
+    assert a.__cuda_array_interface__["shape"] == (4,)
+    assert arrays.dtype(a) == np.float32 and arrays.c_contiguous(a) and arrays.is_device(a)
+
+
+@needs_emulator
+def test_fake_gpu_kernel_launches(fake_gpu):
+    """A launch on the stand-in writes the device array's own memory, and refuses a numpy array
+    argument as cupy does (an op that forgot to copy an input to the device fails here)."""
+    fn = runtime.load("mathfn.cu").get_function("o1b_add_inplace")
+    a, b = fake_gpu.zeros(5, np.float32), fake_gpu.asarray(np.arange(5, dtype=np.float32))
+    view = a.reshape(5)
+    fn((1,), (128,), (np.int64(5), view, b))
+    assert a.get().tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(TypeError, match="numpy array"):
+        fn((1,), (128,), (np.int64(5), a, np.arange(5, dtype=np.float32)))
 
 
 @needs_emulator
@@ -558,6 +772,24 @@ def test_numpy_in_numpy_out_through_device_copies(fake_gpu):
     """The same ops given numpy arrays on a (fake) GPU: inputs copied to the device, numpy out."""
     for name, call in _device_cases(rng_for("device")):
         _check_device_case(name, call, lambda a: a, arrays.NUMPY)
+
+
+@needs_emulator
+def test_mixed_kinds_give_device_arrays(fake_gpu):
+    """An op given numpy and cupy arguments together works on the device (its numpy arguments are
+    moved up) and returns cupy arrays: nested calls (global_norm's partials) and the functional
+    ops (add with a numpy left operand) included."""
+    rng = rng_for("device mixed")
+    a, b = rand_f32(rng, (5000,)), rand_f32(rng, (33, 7))
+    assert cu.global_norm([fake_gpu.asarray(a), b]) == ref.global_norm([a, b])
+    c = rand_f32(rng, (5000,))
+    got = cu.add(a, fake_gpu.asarray(c))
+    assert type(got) is FakeCupyArray
+    assert_bits_equal(arrays.to_host(got), ref.add(a, c), "add(numpy, cupy)")
+    x, w = rand_bf16(rng, (9, 64)), rand_bf16(rng, (17, 64))
+    y = cu.qlinear_forward(fake_gpu.asarray(x), w)
+    assert type(y) is FakeCupyArray
+    assert_bits_equal(arrays.to_host(y), ref.qlinear_forward(x, w), "qlinear_forward(cupy, numpy)")
 
 
 @needs_emulator
