@@ -56,7 +56,8 @@ h, tr = worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.g
                     timeout=a.get("timeout", 60.0), backend=a.get("backend", "cpu_ref"))
 if a.get("backend", "cpu_ref") != "cpu_ref":
     from mlx_open1b import arrays
-    print(f"rank {tr.comm.rank} state kinds", *sorted({arrays.kind(x) for x in (tr.state.params, tr.state.m, tr.state.v)}))
+    kinds = " ".join(sorted({arrays.kind(x) for x in (tr.state.params, tr.state.m, tr.state.v)}))
+    os.write(1, f"rank {tr.comm.rank} state kinds {kinds}\\n".encode())      # one write: lines of ranks never mix
 """
 
 
