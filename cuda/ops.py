@@ -90,11 +90,7 @@ def _host(a):
 
 def _up(a):
     """A numpy argument of a device-mode op, on the device (lists and tuples item by item)."""
-    if arrays.kind(a) == arrays.NUMPY:
-        return _dev(a)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_up(x) for x in a)
-    return a
+    return arrays.map_numpy(_dev, a)
 
 
 def _returns_given_kind(op, in_place: bool = False):

@@ -591,11 +591,8 @@ _NOT_OPS = {"available", "contract_version", "to_device", "to_host"}
 
 
 def _up(a):
-    if arrays.kind(a) == arrays.NUMPY:
-        return to_device(a)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_up(x) for x in a)
-    return a
+    """A numpy argument of a device-mode op as an mx.array (lists and tuples item by item)."""
+    return arrays.map_numpy(to_device, a)
 
 
 def _returns_given_kind(op):

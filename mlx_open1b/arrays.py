@@ -57,6 +57,16 @@ def any_device(values) -> str | None:
     return None
 
 
+def map_numpy(fn, value):
+    """value with fn applied to every numpy array in it (lists and tuples item by item, one level
+    or more); anything else as it is. The backends move a device-mode op's numpy arguments up."""
+    if kind(value) == NUMPY:
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_numpy(fn, v) for v in value)
+    return value
+
+
 def dtype(a) -> np.dtype:
     """The numpy dtype of an array of any kind (mx's dtypes mapped by name)."""
     if kind(a) == MLX:
