@@ -10,8 +10,9 @@ stream (CONTRACT.md §7, §10):
   5. a ledger record with the batch, gradient, parameter and optimizer-state hashes.
 The state lives in the backend's arrays (`ops.to_device`: mx.array on metal, cupy on cuda, numpy
 on cpu_ref); each step moves to the host only what it hashes (the gradient, the parameters and
-moments) and a few scalars. Checkpoints hold everything the next step needs (params, moments, Adam step, stream position,
-spike state, consumed tokens), so a resumed run writes exactly the ledger of an uninterrupted one.
+moments) and a few scalars. Checkpoints hold everything the next step needs (params, moments,
+Adam step, stream position, spike state, consumed tokens), so a resumed run writes exactly the
+ledger of an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -147,9 +148,6 @@ class TrainState:
 
 
 class Trainer:
-    #: keep params and moments in the backend's arrays (ops.to_device: mx.array, cupy, numpy)
-    device_state = True
-
     def __init__(self, run_dir, cfg: RunConfig | None = None, corpus_dir=None, backend: str = "cpu_ref",
                  resume: bool = False, log=None, readonly: bool = False, at_step: int | None = None):
         self.dir = pathlib.Path(run_dir)
@@ -204,9 +202,8 @@ class Trainer:
             self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
                                     self.gnmr.fresh() if self.gnmr else None)
             self._checkpoint()
-        if self.device_state:
-            st = self.state
-            st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
+        st = self.state              # the state in the backend's arrays (mx.array, cupy; numpy: itself)
+        st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
         self._probes = None
 
