@@ -20,27 +20,27 @@ _backward = declare("o1b_attention_backward", c_i64, c_i64, c_i64, c_i64, c_i64,
                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, restype=c_int)
 
 
+def _run_forward(fn, name, q, k, v, window, scale):
+    """Check the arguments, allocate o (B,T,H,D) and lse (B,H,T) fp32, run the C forward fn."""
+    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    o = np.empty((B, T, H, D), np.float32)
+    lse = np.empty((B, H, T), np.float32)
+    if fn(B, T, H, G, D, W, s, p(q), p(k), p(v), p(o), p(lse)) != 0:
+        raise MemoryError(f"{name}: out of memory")
+    return o, lse
+
+
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32.
 
     scale is rounded to float32 (pass e.g. 1/sqrt(D) computed by the caller)."""
-    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
-    o = np.empty((B, T, H, D), np.float32)
-    lse = np.empty((B, H, T), np.float32)
-    if _forward(B, T, H, G, D, W, s, p(q), p(k), p(v), p(o), p(lse)) != 0:
-        raise MemoryError("attention_forward: out of memory")
-    return o, lse
+    return _run_forward(_forward, "attention_forward", q, k, v, window, scale)
 
 
 def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     """As attention_forward, with each 64-key block's P·V product in int8 (CONTRACT.md §6.10):
     value rows quantized per key, the block's weights per query row, exact int32 accumulation."""
-    B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
-    o = np.empty((B, T, H, D), np.float32)
-    lse = np.empty((B, H, T), np.float32)
-    if _forward_i8(B, T, H, G, D, W, s, p(q), p(k), p(v), p(o), p(lse)) != 0:
-        raise MemoryError("attention_forward_i8: out of memory")
-    return o, lse
+    return _run_forward(_forward_i8, "attention_forward_i8", q, k, v, window, scale)
 
 
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,

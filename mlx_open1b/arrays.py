@@ -156,11 +156,6 @@ def copy(a):
     return a.copy()
 
 
-def full(k: str, shape, value, dt):
-    """An array of kind k filled with value (a numpy value converted exactly)."""
-    return from_host(np.full(shape, value, dt), k) if k != NUMPY else np.full(shape, value, dt)
-
-
 class FlatBuffer:
     """A flat buffer of kind k assembled from pieces written at offsets, every element exactly once
     (checked): written in place for numpy and cupy, joined in offset order for mx.arrays (which

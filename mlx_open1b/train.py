@@ -133,6 +133,26 @@ def norm_from_partials(partials, ops) -> float:
     return float(scalar_sqrt_of(ops)(ops.treefold(joined)))
 
 
+def adamw_tensors(ops, tcfg, lr: float, step: int, tensors, n: int, like):
+    """AdamW over (decayed, p, g, m, v) flat-buffer slices covering n elements in buffer order
+    (weight decay on the decayed ones). In place where the kind of `like` (the parameter buffer)
+    allows it (numpy, cupy) -> None; on mx.arrays each tensor's new slices are joined into new
+    buffers -> (params, m, v)."""
+    in_place, k, offs = arrays.writable(like), arrays.kind(like), 0
+    new = None if in_place else [arrays.FlatBuffer(n, dt, k) for dt in (np.uint16, np.float32, np.float32)]
+    for decayed, p, g, m, v in tensors:
+        kw = dict(lr=lr, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.eps,
+                  weight_decay=tcfg.weight_decay if decayed else 0.0, step=step)
+        flat = [a.reshape(-1) for a in (p, g, m, v)]
+        if in_place:
+            ops.adamw_step(*flat, **kw)
+        else:
+            for buf, a in zip(new, ops.adamw(*flat, **kw)):
+                buf.write(offs, a)
+        offs += p.size
+    return None if in_place else tuple(b.result() for b in new)
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything the next step depends on (all of it in the checkpoint and the hashes)."""
@@ -399,27 +419,13 @@ class Trainer:
         return out
 
     def _adamw(self, st: TrainState, grads, lr: float) -> None:
-        """AdamW on every tensor (weight decay on the decayed ones): in place where the kind allows
-        (numpy, cupy); on mx.arrays each tensor's new slices are joined into new buffers."""
-        ops, in_place = self.ops, arrays.writable(st.params)
-        if not in_place:
-            k = arrays.kind(st.params)
-            new = [arrays.FlatBuffer(st.params.size, np.uint16, k), arrays.FlatBuffer(st.m.size, np.float32, k),
-                   arrays.FlatBuffer(st.v.size, np.float32, k)]
-        offs = 0
-        for (name, shape, decayed), (_, p, _), (_, g, _), (_, m, _), (_, v, _) in zip(
-                self.shapes, self._tensors(st.params, "bf16"), self._tensors(grads, "f32"),
-                self._tensors(st.m, "f32"), self._tensors(st.v, "f32")):
-            kw = dict(lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
-                      weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
-            if in_place:
-                ops.adamw_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), **kw)
-            else:
-                for buf, a in zip(new, ops.adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), **kw)):
-                    buf.write(offs, a)
-            offs += p.size
-        if not in_place:
-            st.params, st.m, st.v = (b.result() for b in new)
+        """AdamW on every tensor (weight decay on the decayed ones)."""
+        slices = lambda buf, dt: (a for _, a, _ in self._tensors(buf, dt))    # noqa: E731
+        tensors = zip((d for _, _, d in self.shapes), slices(st.params, "bf16"), slices(grads, "f32"),
+                      slices(st.m, "f32"), slices(st.v, "f32"))
+        new = adamw_tensors(self.ops, self.tcfg, lr, st.adam_t, tensors, st.params.size, st.params)
+        if new is not None:
+            st.params, st.m, st.v = new
 
     def heldout_ce(self) -> dict:
         """Held-out CE per source (the first eval_windows probe windows) and the mixture CE

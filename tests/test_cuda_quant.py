@@ -20,14 +20,15 @@ import subprocess
 import numpy as np
 import pytest
 
-from helpers import (SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, attention_i8_empty_and_bad_arguments,
-                     attention_i8_inputs, attention_i8_special_rows, attention_i8_ties_to_even,
-                     attention_vquant_is_the_per_tensor_rule, rand_bf16, rand_f32,
-                     sprinkle)
+from helpers import (I8_SHAPES, QMAX4, QMAX6, SPECIAL_BF16, SPECIAL_F32, TINY_E, assert_bits_equal,
+                     attention_i8_empty_and_bad_arguments, attention_i8_inputs, attention_i8_matches_spec,
+                     attention_i8_special_rows, attention_i8_ties_to_even,
+                     attention_vquant_is_the_per_tensor_rule, check_attention_i8_backend, check_qlinear_low,
+                     rand_bf16, rand_f32, sprinkle)
 
 import mlx_open1b.cpu_ref as ref
 from mlx_open1b.cuda import emu, ops as cu, runtime
-from mlx_open1b.spec import attention as spec_attention, quant as spec_quant
+from mlx_open1b.spec import quant as spec_quant
 from mlx_open1b.spec.arith import f32_to_bf16
 
 OK, HOW = cu.available()
@@ -256,14 +257,19 @@ def test_layer_need_flags():
 FTZ_MODES = [None] + ([0, 1, 2] if HAVE_GXX else [])
 
 
-@pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
-def test_special_values_in_the_layer(ftz):
+def ftz_mode(ftz):
+    """The emulator with the device's flush mode forced (None: as the runtime runs)."""
     import contextlib
     ctx = contextlib.ExitStack()
     if ftz is not None:
         ctx.enter_context(runtime.emulate())
         ctx.enter_context(emu.options(ftz=ftz))
-    with ctx:
+    return ctx
+
+
+@pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
+def test_special_values_in_the_layer(ftz):
+    with ftz_mode(ftz):
         rng = rng_for("specials")
         N, K, M = 140, 96, 150
         x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
@@ -307,31 +313,12 @@ def test_layer_outliers_and_large_values():
 
 
 # ================================================== the simulated int4 / int6 paths (qmax = 7 / 31)
-QMAX4, QMAX6 = 7, 31
 LOW_QMAX = pytest.mark.parametrize("qmax", [QMAX4, QMAX6], ids=["int4", "int6"])
-#: per level bound: an activation magnitude whose div(a, qmax) is a normal while div(a, 127) flushes
-#: (the next lower power of two flushes at qmax as well)
-TINY_E = {QMAX4: -123, QMAX6: -121}
-#: whether cpu_ref's qlinear functions take qmax yet (then the int4 path is compared with it as well)
-CPU_REF_INT4 = all("qmax" in inspect.signature(f).parameters for f in (ref.qlinear_forward, ref.qlinear_backward))
 
 
 def check_layer4(x, w, dy, what, qmax=QMAX4):
-    """The int4 / int6 path (qmax=7 / 31) equals the numpy spec (and cpu_ref where it takes qmax)
-    bit for bit."""
-    what = f"{what} (qmax {qmax})"
-    y = cu.qlinear_forward(x, w, qmax=qmax)
-    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, qmax), f"{what} y")
-    dx, dw = cu.qlinear_backward(dy, x, w, qmax=qmax)
-    sdx, sdw = spec_quant.qlinear_backward(dy, x, w, qmax)
-    assert_bits_equal(dx, sdx, f"{what} dx")
-    assert_bits_equal(dw, sdw, f"{what} dw")
-    if CPU_REF_INT4:
-        assert_bits_equal(y, ref.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
-        rdx, rdw = ref.qlinear_backward(dy, x, w, qmax=qmax)
-        assert_bits_equal(dx, rdx, f"{what} dx, cpu_ref")
-        assert_bits_equal(dw, rdw, f"{what} dw, cpu_ref")
-    return y, dx, dw
+    """The int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit."""
+    return check_qlinear_low(cu, x, w, dy, what, qmax)
 
 
 def quant_w(w, qmax):
@@ -392,12 +379,7 @@ def test_int4_need_flags_and_positional_arguments(qmax):
 @LOW_QMAX
 @pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
 def test_int4_special_values_in_the_layer(ftz, qmax):
-    import contextlib
-    ctx = contextlib.ExitStack()
-    if ftz is not None:
-        ctx.enter_context(runtime.emulate())
-        ctx.enter_context(emu.options(ftz=ftz))
-    with ctx:
+    with ftz_mode(ftz):
         rng = rng_for("specials4")
         N, K, M = 140, 96, 150
         x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
@@ -489,24 +471,13 @@ def test_qmax_validated(bad):
 
 
 # ================================================================== §6.10 the int8 attention forward
-I8_SHAPES = [(1, 7, 2, 1, 4, 0), (1, 70, 2, 2, 3, 0), (2, 67, 3, 1, 5, 65), (1, 9, 2, 2, 2, 1), (1, 130, 2, 1, 8, 100)]
-
-
 def _rng_i8(*key) -> np.random.Generator:
     return np.random.default_rng([0xA778, *key])
 
 
 def check_attention_i8(q, k, v, W, scale, what):
     """cu.attention_forward_i8 equals the numpy spec and the C reference bit for bit."""
-    o, lse = cu.attention_forward_i8(q, k, v, W, scale)
-    want_o, want_lse = spec_attention.attention_forward_i8(q, k, v, W, np.float32(scale))
-    assert o.dtype == np.float32 and lse.dtype == np.float32
-    assert_bits_equal(o, want_o, f"{what} o")
-    assert_bits_equal(lse, want_lse, f"{what} lse")
-    ref_o, ref_lse = ref.attention_forward_i8(q, k, v, W, scale)
-    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
-    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
-    return o, lse
+    return check_attention_i8_backend(cu.attention_forward_i8, q, k, v, W, scale, what)
 
 
 def test_attention_forward_i8_same_signature_as_cpu_ref():
@@ -517,21 +488,13 @@ def test_attention_forward_i8_same_signature_as_cpu_ref():
 def test_attention_forward_i8_matches_spec(B, T, H, G, D, W):
     """Blocks crossed (T not a multiple of 64), windows, grouped-query heads; plain inputs, then
     zero / subnormal / tiny / huge / tie / +inf / NaN value rows and finite specials in q and k."""
-    rng = _rng_i8(20, B, T, H, G, D, W)
-    for specials, scale in ((False, float(np.float32(1 / np.sqrt(D)))), (True, 1.0), (True, 8.0)):
-        q, k, v = attention_i8_inputs(rng, B, T, H, G, D, specials)
-        check_attention_i8(q, k, v, W, scale, f"{B, T, H, G, D, W} specials={specials} scale={scale}")
+    attention_i8_matches_spec(check_attention_i8, _rng_i8(20, B, T, H, G, D, W), B, T, H, G, D, W)
 
 
 @pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
 def test_attention_forward_i8_flush_modes(ftz):
     """The same bits whatever the emulated device's flushing (tiny values, flushed scales)."""
-    import contextlib
-    ctx = contextlib.ExitStack()
-    if ftz is not None:
-        ctx.enter_context(runtime.emulate())
-        ctx.enter_context(emu.options(ftz=ftz))
-    with ctx:
+    with ftz_mode(ftz):
         rng = _rng_i8(23)
         q, k, v = attention_i8_inputs(rng, 1, 67, 2, 1, 4, specials=True)
         check_attention_i8(q, k, v, 0, 1.0, f"ftz={ftz}")

@@ -19,13 +19,14 @@ import pytest
 
 import mlx_open1b.cpu_ref as C
 from mlx_open1b.metal import ops as M
-from mlx_open1b.spec import attention as spec_attention, quant as spec_quant
+from mlx_open1b.spec import quant as spec_quant
 from mlx_open1b.spec.arith import f32_to_bf16
 
-from helpers import (SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, attention_i8_empty_and_bad_arguments,
-                     attention_i8_inputs, attention_i8_special_rows, attention_i8_ties_to_even,
-                     attention_vquant_is_the_per_tensor_rule, rand_bf16, rand_f32,
-                     sprinkle)
+from helpers import (I8_SHAPES, QMAX4, QMAX6, SPECIAL_BF16, SPECIAL_F32, TINY_E, assert_bits_equal,
+                     attention_i8_empty_and_bad_arguments, attention_i8_matches_spec,
+                     attention_i8_special_rows, attention_i8_ties_to_even,
+                     attention_vquant_is_the_per_tensor_rule, check_attention_i8_backend, check_qlinear_low,
+                     rand_bf16, rand_f32, sprinkle)
 
 OPS = ("gemm_i8", "hadamard_rows", "quant_weight_rows", "quant_tensor", "qlinear_forward", "qlinear_backward")
 QB = C.quant.QB
@@ -309,20 +310,9 @@ def test_layer_outliers_and_clipping():
 
 
 # ------------------------------------------------------------------ §6.10 the int8 attention forward
-I8_SHAPES = [(1, 7, 2, 1, 4, 0), (1, 70, 2, 2, 3, 0), (2, 67, 3, 1, 5, 65), (1, 9, 2, 2, 2, 1), (1, 130, 2, 1, 8, 100)]
-
-
 def check_attention_i8(q, k, v, W, scale, what):
     """M.attention_forward_i8 equals the numpy spec and the C reference bit for bit."""
-    o, lse = M.attention_forward_i8(q, k, v, W, scale)
-    want_o, want_lse = spec_attention.attention_forward_i8(q, k, v, W, np.float32(scale))
-    assert o.dtype == np.float32 and lse.dtype == np.float32
-    assert_bits_equal(o, want_o, f"{what} o")
-    assert_bits_equal(lse, want_lse, f"{what} lse")
-    ref_o, ref_lse = C.attention_forward_i8(q, k, v, W, scale)
-    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
-    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
-    return o, lse
+    return check_attention_i8_backend(M.attention_forward_i8, q, k, v, W, scale, what)
 
 
 def test_attention_forward_i8_same_signature_as_cpu_ref():
@@ -333,10 +323,7 @@ def test_attention_forward_i8_same_signature_as_cpu_ref():
 def test_attention_forward_i8_matches_spec(B, T, H, G, D, W):
     """Blocks crossed (T not a multiple of 64), windows, grouped-query heads; plain inputs, then
     zero / subnormal / tiny / huge / tie / +inf / NaN value rows and finite specials in q and k."""
-    rng = rng_for(20, B, T, H, G, D, W)
-    for specials, scale in ((False, float(np.float32(1 / np.sqrt(D)))), (True, 1.0), (True, 8.0)):
-        q, k, v = attention_i8_inputs(rng, B, T, H, G, D, specials)
-        check_attention_i8(q, k, v, W, scale, f"{B, T, H, G, D, W} specials={specials} scale={scale}")
+    attention_i8_matches_spec(check_attention_i8, rng_for(20, B, T, H, G, D, W), B, T, H, G, D, W)
 
 
 def test_attention_forward_i8_special_rows():
@@ -362,31 +349,12 @@ def test_attention_forward_i8_empty_and_bad_arguments():
 
 
 # ------------------------------------------------------ the simulated int4 / int6 paths (qmax = 7 / 31)
-QMAX4, QMAX6 = 7, 31
 LOW_QMAX = pytest.mark.parametrize("qmax", [QMAX4, QMAX6], ids=["int4", "int6"])
-#: whether cpu_ref's qlinear functions take qmax yet (then the int4 path is compared with it as well)
-CPU_REF_INT4 = all("qmax" in inspect.signature(f).parameters for f in (C.qlinear_forward, C.qlinear_backward))
-#: per level bound: an activation magnitude whose div(a, qmax) is a normal while div(a, 127) flushes
-#: (the next lower power of two flushes at qmax as well)
-TINY_E = {QMAX4: -123, QMAX6: -121}
 
 
 def check_layer4(x, w, dy, what, qmax=QMAX4):
-    """The int4 / int6 path (qmax=7 / 31) equals the numpy spec (and cpu_ref where it takes qmax)
-    bit for bit."""
-    what = f"{what} (qmax {qmax})"
-    y = M.qlinear_forward(x, w, qmax=qmax)
-    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, qmax), f"{what} y")
-    dx, dw = M.qlinear_backward(dy, x, w, qmax=qmax)
-    want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, qmax)
-    assert_bits_equal(dx, want_dx, f"{what} dx")
-    assert_bits_equal(dw, want_dw, f"{what} dw")
-    if CPU_REF_INT4:
-        assert_bits_equal(y, C.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
-        ref_dx, ref_dw = C.qlinear_backward(dy, x, w, qmax=qmax)
-        assert_bits_equal(dx, ref_dx, f"{what} dx, cpu_ref")
-        assert_bits_equal(dw, ref_dw, f"{what} dw, cpu_ref")
-    return y, dx, dw
+    """The int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit."""
+    return check_qlinear_low(M, x, w, dy, what, qmax)
 
 
 @LOW_QMAX

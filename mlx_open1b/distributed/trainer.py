@@ -43,7 +43,7 @@ from ..data.format import DataError, Manifest
 from ..data.stream import Stream, manifest_fingerprint
 from ..hostmath import f32, reciprocal
 from ..ledger import LedgerError, genesis_hash
-from ..train import RUN_FILE, Trainer, TrainError, TrainState, TreeFold, get_backend, resolve_backend
+from ..train import RUN_FILE, Trainer, TrainError, TrainState, TreeFold, adamw_tensors, get_backend, resolve_backend
 from .collectives import Comm, CommError, DistError, cpu_count, norm_from_partials, owner_fold, route
 from .sharding import ShardingError, check_worker_count, dyadic_blocks, microbatch_range, shard_tensors
 
@@ -371,27 +371,13 @@ class DistributedTrainer(Trainer):
         return record
 
     def _adamw_owned(self, st: TrainState, grads, lr: float) -> None:
-        """AdamW on this rank's tensors: in place where the kind allows (numpy, cupy); on mx.arrays
-        the updated slices are joined into new buffers (own parameter range, moments)."""
-        ops, in_place = self.ops, arrays.writable(st.params)
-        k, own = arrays.kind(st.params), self.own
-        new = None if in_place else [arrays.FlatBuffer(own.size, np.uint16, k),
-                                        arrays.FlatBuffer(own.size, np.float32, k),
-                                        arrays.FlatBuffer(own.size, np.float32, k)]
-        offs = 0
-        for (name, _, decayed, p), (_, _, _, g), (_, _, _, m), (_, _, _, v) in zip(
-                self._owned(st.params, False), self._owned(grads, True), self._owned(st.m, True),
-                self._owned(st.v, True)):
-            kw = dict(lr=lr, beta1=self.tcfg.beta1, beta2=self.tcfg.beta2, eps=self.tcfg.eps,
-                      weight_decay=self.tcfg.weight_decay if decayed else 0.0, step=st.adam_t)
-            if in_place:
-                ops.adamw_step(p, g, m, v, **kw)
-            else:
-                for buf, a in zip(new, ops.adamw(p, g, m, v, **kw)):
-                    buf.write(offs, a)
-            offs += p.size
+        """AdamW on this rank's tensors (in place on numpy/cupy; on mx.arrays new buffers: the own
+        parameter range, kept for the all-gather, and the moments)."""
+        tensors = ((d, p, g, m, v) for (_, _, d, p), (_, _, _, g), (_, _, _, m), (_, _, _, v) in zip(
+            self._owned(st.params, False), self._owned(grads, True), self._owned(st.m, True), self._owned(st.v, True)))
+        new = adamw_tensors(self.ops, self.tcfg, lr, st.adam_t, tensors, self.own.size, st.params)
         if new is not None:
-            self._own_params, st.m, st.v = (b.result() for b in new)
+            self._own_params, st.m, st.v = new
 
     def _gather_params(self, st: TrainState) -> None:
         """Every owner's updated parameters to every worker (all-gather, data movement only)."""
