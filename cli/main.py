@@ -36,12 +36,12 @@ def _backends() -> list[tuple[str, str, str]]:
         metal, detail = False, "mlx not installed (pip install 'mlx-open1b[metal]')"
     rows.append(("metal", "available" if metal else _emulated("metal"), detail))
     try:
-        cp = importlib.import_module("cupy")
-        n = cp.cuda.runtime.getDeviceCount()
-        cuda, detail = bool(n), f"{n} CUDA device(s) via CuPy"
-    except Exception as e:  # ImportError, or CuPy present without a driver
-        cuda = False
-        detail = "cupy not installed (pip install 'mlx-open1b[cuda]')" if isinstance(e, ImportError) else str(e).splitlines()[0]
+        from mlx_open1b.cuda import runtime as cuda_runtime
+        cuda, detail = cuda_runtime.cuda_status()        # a device that compiles and runs a kernel
+        if not cuda and detail.startswith("cupy is not importable"):
+            detail = "cupy not installed (pip install 'mlx-open1b[cuda]')"
+    except Exception as e:  # noqa: BLE001
+        cuda, detail = False, str(e).splitlines()[0]
     rows.append(("cuda", "available" if cuda else _emulated("cuda"), detail))
     return rows
 
@@ -85,8 +85,11 @@ def info() -> None:
     for name, status, detail in _backends():
         click.echo(f"  {name:8s} {status:12s} {detail}")
     from mlx_open1b.train import resolve_backend
-    click.echo(f"  default (--backend auto): {resolve_backend('auto')}; 'emulated' backends run their kernel "
+    auto = resolve_backend('auto')
+    click.echo(f"  default (--backend auto): {auto}; 'emulated' backends run their kernel "
                "sources on the CPU (bit-identical, slow)")
+    if auto == "cpu_ref":
+        click.echo(f"  cuda not picked: {dict((r[0], r[2]) for r in _backends())['cuda']}")
     try:
         from mlx_open1b import cpu_ref
         if cpu_ref.contract_version() != CONTRACT_VERSION:
@@ -97,7 +100,7 @@ def info() -> None:
     except ImportError:
         pass
     click.echo("libraries:")
-    for dist in ("numpy", "click", "mlx", "cupy-cuda12x", "torch", "pyarrow", "tokenizers"):
+    for dist in ("numpy", "click", "mlx", "cupy-cuda12x", "cupy-cuda13x", "torch", "pyarrow", "tokenizers"):
         click.echo(f"  {dist:14s} {_version(dist) or '-'}")
 
 

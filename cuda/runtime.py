@@ -59,8 +59,29 @@ def read_source_text(text: str, name: str, directory: pathlib.Path | str | None 
     return expand(text, name) + "\n"
 
 
+# The probe every real-CUDA answer rests on: a one-line kernel compiled by NVRTC with this
+# backend's options and run. A driver alone lists the device, but CuPy >= 14 compiles nothing
+# without the CUDA headers and NVRTC, so a device count is not enough.
+_PROBE = (r'extern "C" __global__ void o1b_probe(float* x) '
+          r'{ x[threadIdx.x] = __fadd_rn(x[threadIdx.x], 1.0f); }')
+
+
+def _probe_kernel(cupy) -> str | None:
+    """None when a kernel compiles and runs on device 0 with the right answer, else why not."""
+    try:
+        x = cupy.zeros(32, cupy.float32)
+        cupy.RawKernel(_PROBE, "o1b_probe", options=OPTIONS)((1,), (32,), (x,))
+        got = float(x.sum())
+    except Exception as e:  # noqa: BLE001 - CompileException, a missing libnvrtc, a driver error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{type(e).__name__}: {first}"
+    return None if got == 32.0 else f"the probe kernel computed {got}, not 32.0"
+
+
 @functools.lru_cache(maxsize=1)
 def _cuda_device() -> tuple[bool, str]:
+    """(usable, why): CuPy lists a CUDA device and compiles and runs a kernel on it. Probed once
+    per process."""
     try:
         import cupy
     except Exception as e:  # ImportError, or a broken CUDA install
@@ -71,13 +92,27 @@ def _cuda_device() -> tuple[bool, str]:
         return False, f"cupy found no CUDA device ({type(e).__name__}: {e})"
     if n < 1:
         return False, "cupy found no CUDA device"
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    except Exception as e:  # noqa: BLE001
+        return False, f"cupy lists {n} CUDA device(s) but cannot query device 0 ({type(e).__name__}: {e})"
+    why = _probe_kernel(cupy)
+    if why is not None:
+        return False, (f"cupy lists {n} CUDA device(s) ({name}) but cannot compile and run a kernel ({why}); "
+                       "CuPy >= 14 needs NVRTC and the CUDA headers: a CUDA toolkit, or pip install "
+                       "'cupy-cuda13x[ctk]' (cupy-cuda12x[ctk] for CUDA 12)")
     return True, f"CUDA device 0: {name} (cupy {cupy.__version__})"
 
 
+def cuda_status() -> tuple[bool, str]:
+    """(a GPU runs the kernels, why or which): the device probe, ignoring emulate()."""
+    return _cuda_device()
+
+
 def real_cuda() -> bool:
-    """True when kernels run on a GPU through CuPy (and emulation is not forced)."""
+    """True when kernels run on a GPU through CuPy (a device that compiled and ran the probe
+    kernel) and emulation is not forced."""
     return not _force_emulation[0] and _cuda_device()[0]
 
 
