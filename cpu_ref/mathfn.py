@@ -10,6 +10,7 @@ from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 _map = declare("o1b_map", c_int, c_i64, ptr, ptr)
 _to_bf16 = declare("o1b_f32_to_bf16_array", c_i64, ptr, ptr)
 _to_f32 = declare("o1b_bf16_to_f32_array", c_i64, ptr, ptr)
+_div_array = declare("o1b_div_array", c_int, c_i64, ptr, ptr, ptr)
 _add_inplace = declare("o1b_add_inplace", c_i64, ptr, ptr)
 _scale_inplace = declare("o1b_scale_inplace", c_i64, ptr, c_f32)
 scalar_add = declare("o1b_scalar_add", c_f32, c_f32, restype=c_f32)
@@ -25,6 +26,24 @@ def _apply(index: int, x: np.ndarray) -> np.ndarray:
 
 
 exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_apply)
+
+
+def _div(op: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    opargs.div_int(a, b)
+    y = np.empty(a.shape, F32)
+    _div_array(op, a.size, p(a), p(b), p(y))
+    return y
+
+
+def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The contract's div (CONTRACT.md §3) elementwise, as the C reference computes it: C `/`
+    (IEEE 754) with the exact check of the flush rule."""
+    return _div(0, a, b)
+
+
+def div_int(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The contract's div elementwise by its integer definition (CONTRACT.md §3), which equals div."""
+    return _div(1, a, b)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

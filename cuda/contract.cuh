@@ -216,6 +216,26 @@ __device__ __forceinline__ float o1b_sqrt_int(float x) {
     return __uint_as_float((u32)((j + 150) << 23) + (u32)res - 0x800000u);
 }
 
+/* The integer division of CONTRACT.md §3 (equal to o1b_div; the C reference exposes it as div_int,
+ * so it is here too): Q, R = divmod(ma 2^s, mb) of the 24-bit significands. */
+__device__ __forceinline__ float o1b_div_int(float a, float b) {
+    u32 ua = __float_as_uint(o1b_flush(a)), ub = __float_as_uint(o1b_flush(b));
+    u32 sign = (ua ^ ub) & 0x80000000u, xa = ua & 0x7FFFFFFFu, xb = ub & 0x7FFFFFFFu;
+    if (xa > 0x7F800000u || xb > 0x7F800000u) return o1b_nan();
+    if (xa == 0x7F800000u) return xb == 0x7F800000u ? o1b_nan() : __uint_as_float(sign | 0x7F800000u);
+    if (xb == 0x7F800000u) return __uint_as_float(sign);
+    if (xb == 0u) return xa == 0u ? o1b_nan() : __uint_as_float(sign | 0x7F800000u);
+    if (xa == 0u) return __uint_as_float(sign);
+    u64 ma = (xa & 0x7FFFFFu) | 0x800000u, mb = (xb & 0x7FFFFFu) | 0x800000u;
+    int s = ma < mb ? 24 : 23;
+    u64 Q = (ma << s) / mb, R = (ma << s) % mb;
+    int E = (int)(xa >> 23) - (int)(xb >> 23) + 150 - s;
+    if (E <= 0) return __uint_as_float(sign);                 /* exact |a/b| < 2^-126: flushed */
+    if (E >= 255) return __uint_as_float(sign | 0x7F800000u); /* >= 2^128 */
+    if (2 * R > mb) Q += 1;                                   /* nearest; 2R = mb is impossible */
+    return __uint_as_float(sign | (((u32)E << 23) + (u32)Q - 0x800000u));
+}
+
 /* ---- Philox4x32-10 (§5) ---- */
 __device__ __forceinline__ void o1b_philox(u32 k0, u32 k1, u32 c[4]) {
     for (int round = 0; round < 10; round++) {

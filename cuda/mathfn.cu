@@ -48,7 +48,7 @@ extern "C" __global__ void o1b_scale_inplace(i64 n, float *a, float s) {
 }
 
 /* Scalar (or elementwise) primitive ops for host-side contract arithmetic:
- * op 0 add, 1 sub, 2 mul, 3 div, 4 sqrt (of a; b unused). */
+ * op 0 add, 1 sub, 2 mul, 3 div, 4 sqrt (of a; b unused), 5 div by its integer definition. */
 extern "C" __global__ void o1b_binary(int op, i64 n, const float *a, const float *b, float *y) {
     i64 i = o1b_gid();
     if (i >= n) return;
@@ -58,6 +58,7 @@ extern "C" __global__ void o1b_binary(int op, i64 n, const float *a, const float
     case 1: r = o1b_sub(x, z); break;
     case 2: r = o1b_mul(x, z); break;
     case 3: r = o1b_div(x, z); break;
+    case 5: r = o1b_div_int(x, z); break;
     default: r = o1b_sqrt(x); break;
     }
     y[i] = o1b_store(r);

@@ -189,6 +189,14 @@ def _scalar(op: int, a: float, b: float = 0.0) -> float:
 scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = opargs.scalar_functions(_scalar)
 
 
+def div_int(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """div(a, b) elementwise by the contract's integer definition (CONTRACT.md §3)."""
+    n = opargs.div_int(a, b)
+    y = _empty(a.shape, np.float32)
+    _launch1d("mathfn.cu", "o1b_binary", n, i32(5), i64(n), _dev(a), _dev(b), y)
+    return _host(y)
+
+
 # ------------------------------------------------------------------ linear (§6.1)
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""

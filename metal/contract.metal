@@ -8,7 +8,7 @@
 //   - a result whose exact value has magnitude below 2^-126 becomes a zero of the same sign
 //     ("flush before rounding"). Metal has no double, so the one ambiguous case of mul and div
 //     (IEEE result exactly ±2^-126) is decided with integer arithmetic on the significands and
-//     exponents of the operands (o1b_mul_tiny, o1b_div_tiny).
+//     exponents of the operands (o1b_mul_tiny); div is computed in integers altogether (o1b_div).
 //   - no contraction into fused multiply-add (the pragma below; the kernels are built with
 //     math_mode "safe").
 //   - no library math function at all: sqrt is the contract's integer definition (§3), exp, log,
@@ -92,20 +92,34 @@ inline float o1b_mul(float a, float b) {
     float r = a * b;
     return (o1b_bits(r) & 0x7FFFFFFFu) <= 0x00800000u ? o1b_mul_tiny(a, b, r) : r;
 }
-// |a/b| < 2^-126  <=>  |a| < 2^-126 |b|: with a = (1 + fa) 2^(Ea-127), b = (1 + fb) 2^(Eb-127),
-// compare the exponents Ea and Eb - 126, then the fractions.
-inline float o1b_div_tiny(float a, float b, float r) {
-    uint sgn = (o1b_bits(a) ^ o1b_bits(b)) & 0x80000000u;
-    if ((o1b_bits(r) & 0x7FFFFFFFu) < 0x00800000u) return o1b_from_bits(sgn);
-    uint ua = o1b_bits(a) & 0x7FFFFFFFu, ub = o1b_bits(b) & 0x7FFFFFFFu;
-    int ea = (int)(ua >> 23), eb = (int)(ub >> 23);
-    bool tiny = ea + 126 < eb || (ea + 126 == eb && (ua & 0x7FFFFFu) < (ub & 0x7FFFFFu));
-    return tiny ? o1b_from_bits(sgn) : r;
-}
-// Correctly rounded IEEE division (MSL `/` outside fast math).
+// The contract's integer division (§3), equal to the IEEE correctly rounded quotient with the flush
+// rule; no fp32 divide instruction is used, so no result depends on how the GPU rounds, flushes or
+// overflows a quotient. With significands ma, mb in [2^23, 2^24): Q, R = divmod(ma 2^s, mb),
+// s = 24 if ma < mb else 23, by restoring long division in 32 bits (the remainder stays below
+// mb < 2^24, so r << 1 < 2^25); a/b = (Q + R/mb) 2^(E-150), E = Ea - Eb + 150 - s.
 inline float o1b_div(float a, float b) {
-    float r = a / b;
-    return (o1b_bits(r) & 0x7FFFFFFFu) <= 0x00800000u ? o1b_div_tiny(a, b, r) : r;
+    uint ua = o1b_bits(o1b_flush(a)), ub = o1b_bits(o1b_flush(b));
+    uint sgn = (ua ^ ub) & 0x80000000u, xa = ua & 0x7FFFFFFFu, xb = ub & 0x7FFFFFFFu;
+    if (xa > 0x7F800000u || xb > 0x7F800000u) return o1b_nan();            // NaN operand
+    if (xa == 0x7F800000u) return xb == 0x7F800000u ? o1b_nan() : o1b_from_bits(sgn | 0x7F800000u);
+    if (xb == 0x7F800000u) return o1b_from_bits(sgn);                      // x/inf = ±0
+    if (xb == 0u) return xa == 0u ? o1b_nan() : o1b_from_bits(sgn | 0x7F800000u);   // 0/0, x/0
+    if (xa == 0u) return o1b_from_bits(sgn);                                // 0/x = ±0
+    uint ma = (xa & 0x7FFFFFu) | 0x800000u, mb = (xb & 0x7FFFFFu) | 0x800000u;
+    int s = ma < mb ? 24 : 23;
+    uint r = ma < mb ? ma << 1 : ma;                                        // r in [mb, 2 mb)
+    uint q = 1u;
+    r -= mb;
+    for (int k = 0; k < 23; k++) {                                          // one quotient bit each
+        r <<= 1;
+        q <<= 1;
+        if (r >= mb) { r -= mb; q |= 1u; }
+    }
+    int E = (int)(xa >> 23) - (int)(xb >> 23) + 150 - s;
+    if (E <= 0) return o1b_from_bits(sgn);                                  // exact |a/b| < 2^-126
+    if (E >= 255) return o1b_from_bits(sgn | 0x7F800000u);                  // >= 2^128
+    if ((r << 1) > mb) q += 1u;                                             // nearest; no ties exist
+    return o1b_from_bits(sgn | (((uint)E << 23) + q - 0x800000u));          // q = 2^24 carries
 }
 // The contract's integer square root (§3): equals the IEEE correctly rounded sqrt.
 inline float o1b_sqrt(float x) {

@@ -34,6 +34,7 @@ KERNELS = {
     "f32_to_bf16": (["x"], ["y"]),
     "bf16_to_f32": (["x"], ["y"]),
     "add": (["a", "b"], ["out"]),
+    "div": (["a", "b"], ["y"]),
     "scale": (["a", "s"], ["out"]),
     "scalar": (["ab"], ["out"]),
     "gemm": (["A", "B", "C0", "prm"], ["C"]),
@@ -143,6 +144,14 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
     opargs.bf16_to_f32(x)
     (y,) = _run("bf16_to_f32", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1))
     return y.reshape(x.shape)
+
+
+def div_int(a, b):
+    """div(a, b) elementwise by the contract's integer definition (CONTRACT.md §3): a, b float32 of
+    one shape."""
+    n = opargs.div_int(a, b)
+    (y,) = _run("div", [a.reshape(-1), b.reshape(-1)], [((n,), F32)], (n, 1, 1))
+    return y.reshape(a.shape)
 
 
 def add(a, b):

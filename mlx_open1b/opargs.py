@@ -164,6 +164,13 @@ def scale_inplace(a: np.ndarray, inplace: bool = True) -> int:
     return a.size
 
 
+def div_int(a: np.ndarray, b: np.ndarray) -> int:
+    """a, b float32 of one shape -> the element count."""
+    check("a", a, F32)
+    check("b", b, F32, shape=a.shape)
+    return a.size
+
+
 # ------------------------------------------------------------------ §6.1 linear
 def linear_forward(x: np.ndarray, w: np.ndarray) -> tuple[int, int, int]:
     """x (N, K) bf16, w (M, K) bf16 -> (N, K, M)."""

@@ -261,6 +261,27 @@ def _map(rng: CaseRNG, i: int, op: str):
     return dict(args=(x,), outputs=("y",), desc=f"shape={shape}")
 
 
+@gen("div_int")
+def _div_int(rng: CaseRNG, i: int, op: str):
+    """Quotients in every range, and divisors a few ulp from a/2^-126 and a/FLT_MAX (quotients at
+    the flush boundary and at overflow)."""
+    shape = _shape_1d_or_2d(rng)
+    parts = lambda: [rng.f32(shape, "normal", 10.0), rng.f32(shape, "wide"), rng.f32(shape, "bits"),
+                     rng.f32(shape, "wide", elo=-128, ehi=-100), rng.f32(shape, "wide", elo=100, ehi=127)]
+    a = rng.mix(shape, parts())
+    b = rng.mix(shape, parts())
+    with np.errstate(all="ignore"):
+        edge = [np.abs(a.astype(np.float64)) / 2.0 ** -126, np.abs(a.astype(np.float64)) / float(np.finfo(F32).max)]
+    k = rng.ints(a.size, 0, 3).reshape(shape)
+    steps = rng.ints(a.size, -3, 4).reshape(shape)
+    for j in (1, 2):
+        sel = (k == j) & np.isfinite(edge[j - 1]) & (edge[j - 1] > 0)
+        with np.errstate(all="ignore"):
+            e = edge[j - 1][sel].astype(F32)
+        b[sel] = (e.view(np.int32) + steps[sel].astype(np.int32)).view(F32)
+    return dict(args=(rng.sprinkle(a, frac(i)), rng.sprinkle(b, frac(i))), outputs=("y",), desc=f"shape={shape}")
+
+
 @gen("f32_to_bf16")
 def _to_bf16(rng, i, op):
     shape = _shape_1d_or_2d(rng)

@@ -50,6 +50,7 @@ def sigmoid(x): return _mf.sigmoid(x)
 def silu(x): return _mf.silu(x)
 def sqrt(x): return A.store(A.sqrt(A.flush(x)))
 def sqrt_int(x): return A.store(A.sqrt(A.flush(x)))   # the integer definition equals IEEE sqrt (§3)
+def div_int(a, b): return A.store(A.div_int(a, b))
 def f32_to_bf16(x): return A.f32_to_bf16(x)
 def bf16_to_f32(x): return A.store(A.bf16_to_f32(x))
 

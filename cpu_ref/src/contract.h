@@ -107,6 +107,28 @@ static inline float o1b_sqrt_int(float x) {
     return o1b_from_bits((uint32_t)((j + 150) << 23) + (uint32_t)res - 0x800000u);
 }
 
+/* The contract's integer division (CONTRACT.md §3): the correctly rounded quotient with the flush
+ * rule, from an integer quotient and remainder of the significands. It equals o1b_div (C `/` and
+ * the exact tiny check) for every pair of operands; the Metal backend divides this way. */
+static inline float o1b_div_int(float a, float b) {
+    uint32_t ua = o1b_bits(o1b_flush(a)), ub = o1b_bits(o1b_flush(b));
+    uint32_t sign = (ua ^ ub) & 0x80000000u, xa = ua & 0x7FFFFFFFu, xb = ub & 0x7FFFFFFFu;
+    if (xa > 0x7F800000u || xb > 0x7F800000u) return o1b_nan();              /* NaN operand */
+    if (xa == 0x7F800000u)                                                     /* inf/inf, inf/x */
+        return xb == 0x7F800000u ? o1b_nan() : o1b_from_bits(sign | 0x7F800000u);
+    if (xb == 0x7F800000u) return o1b_from_bits(sign);                        /* x/inf = ±0 */
+    if (xb == 0) return xa == 0 ? o1b_nan() : o1b_from_bits(sign | 0x7F800000u); /* 0/0, x/0 */
+    if (xa == 0) return o1b_from_bits(sign);                                   /* 0/x = ±0 */
+    uint64_t ma = (xa & 0x7FFFFFu) | 0x800000u, mb = (xb & 0x7FFFFFu) | 0x800000u;
+    int s = ma < mb ? 24 : 23;                                /* Q = (ma << s) / mb in [2^23, 2^24) */
+    uint64_t Q = (ma << s) / mb, R = (ma << s) % mb;
+    int E = (int)(xa >> 23) - (int)(xb >> 23) + 150 - s;      /* a/b = (Q + R/mb) 2^(E-150) */
+    if (E <= 0) return o1b_from_bits(sign);                   /* exact |a/b| < 2^-126: flushed */
+    if (E >= 255) return o1b_from_bits(sign | 0x7F800000u);   /* >= 2^128: overflow */
+    if (2 * R > mb) Q += 1;                                   /* round to nearest; 2R = mb is impossible */
+    return o1b_from_bits(sign | (((uint32_t)E << 23) + (uint32_t)Q - 0x800000u));   /* Q = 2^24 carries */
+}
+
 /* ---- software transcendentals (§4). Taylor coefficients 1/k!, 2/(2k+1), rounded to fp32. ---- */
 #define O1B_ROUND_MAGIC 0x1.8p23f   /* t + 1.5*2^23 - 1.5*2^23 rounds t to an integer (|t| < 2^22) */
 

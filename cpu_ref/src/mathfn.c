@@ -30,6 +30,15 @@ O1B_API void o1b_map(int op, int64_t n, const float *x, float *y) {
     o1b_parallel_for(n, 4096, map_range, &a);
 }
 
+/* y[i] = div(a[i], b[i]): op 0 the contract's div as o1b_div computes it (C `/` and the exact tiny
+ * check), op 1 its integer definition o1b_div_int (CONTRACT.md §3); the two are equal. */
+O1B_API void o1b_div_array(int op, int64_t n, const float *a, const float *b, float *y) {
+    for (int64_t i = 0; i < n; i++) {
+        float x = o1b_load(a[i]), z = o1b_load(b[i]);
+        y[i] = o1b_store(op == 0 ? o1b_div(x, z) : o1b_div_int(x, z));
+    }
+}
+
 O1B_API void o1b_f32_to_bf16_array(int64_t n, const float *x, bf16 *y) {
     for (int64_t i = 0; i < n; i++) y[i] = o1b_f32_to_bf16(x[i]);
 }

@@ -70,6 +70,32 @@ def div(a, b) -> np.ndarray:
     return np.where(tiny, signed_zero_like(r), r).astype(F32)
 
 
+def div_int(a, b) -> np.ndarray:
+    """div by its integer definition (CONTRACT.md §3): with a = ma 2^(Ea-150), b = mb 2^(Eb-150)
+    (24-bit significands), Q, R = divmod(ma 2^s, mb) with s = 24 if ma < mb else 23 (Q in
+    [2^23, 2^24)), a/b = (Q + R/mb) 2^(E-150) with E = Ea - Eb + 150 - s; E <= 0: the signed zero
+    (exact value below 2^-126); E >= 255: the signed infinity; else Q + 1 if 2R > mb (2R = mb
+    cannot happen), built as the bits (E << 23) + Q - 2^23 (a carry to Q = 2^24 moves to the
+    exponent, and to infinity from E = 254). Equals div for every pair of fp32 operands."""
+    ua, ub = bits(flush(a)), bits(flush(b))
+    ua, ub = np.broadcast_arrays(ua, ub)
+    sign = (ua ^ ub) & U32(0x80000000)
+    xa, xb = (ua & U32(0x7FFFFFFF)).astype(np.int64), (ub & U32(0x7FFFFFFF)).astype(np.int64)
+    inf = 0x7F800000
+    ma, mb = (xa & 0x7FFFFF) | 0x800000, (xb & 0x7FFFFF) | 0x800000
+    s = np.where(ma < mb, 24, 23)
+    Q, R = np.divmod(ma << s, mb)
+    E = (xa >> 23) - (xb >> 23) + 150 - s
+    Q = Q + (2 * R > mb)
+    mag = np.where(E <= 0, 0, np.where(E >= 255, inf, (np.clip(E, 1, 254) << 23) + Q - 0x800000))
+    mag = np.where(xa == 0, 0, mag)                                   # 0/x
+    mag = np.where(xb == inf, 0, mag)                                 # x/inf
+    mag = np.where((xb == 0) | (xa == inf), inf, mag)                 # x/0, inf/x
+    nan = (xa > inf) | (xb > inf) | ((xa == 0) & (xb == 0)) | ((xa == inf) & (xb == inf))
+    out = np.where(nan, NAN_BITS, sign.astype(np.int64) | mag)
+    return out.astype(U32).view(F32)
+
+
 def sqrt(x) -> np.ndarray:
     with np.errstate(all="ignore"):
         return np.sqrt(f32(x)).astype(F32)
