@@ -1,10 +1,14 @@
 """Replay and certify steps of a run, and recompute its run hash (DESIGN §8).
 
 `audit(run, first, last)` checks the ledger's chain, loads the checkpoint at or before `first`,
-replays every step up to `last` on the chosen backend and compares each recomputed value with the
-ledger record: the batch hash (data), the gradient hash, the parameter and optimizer-state hashes,
-and the scalars (loss, norm, lr, flags). It reports "certified" with the range and hashes, or the
-first step and component that differ, and writes an attestation JSON. It never writes to the run.
+checks its tensors (parameter, optimizer-state and controller hashes) and position (tokens,
+windows) against the ledger record of the step before it, replays every step up to `last` on the
+chosen backend and compares each recomputed record with the ledger's: the batch hash (data), the
+gradient hash, the parameter and optimizer-state hashes, the scalars (loss, norm, lr, flags), the
+windows, the GNMR decisions and controller hash, and then every other field (held-out eval
+included), so that a certified record hash stands for a record that replays whole. It reports
+"certified" with the range and hashes, or the first step and component that differ, and writes an
+attestation JSON. It never writes to the run.
 """
 from __future__ import annotations
 
@@ -15,10 +19,10 @@ import platform
 
 from . import __version__
 from .attest import environment, seal
-from .checkpoint import list_checkpoints, load_checkpoint
+from .checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint
 from .contract import CONTRACT_VERSION
 from .fsutil import write_json_atomic
-from .ledger import LedgerError, read_records, verify_chain
+from .ledger import LedgerError, canonical, read_records, verify_chain
 from .train import LEDGER_FILE, RUN_FILE, TrainError, Trainer
 
 COMPARED = (("batch", ("hashes", "batch")), ("grads", ("hashes", "grads")), ("params", ("hashes", "params")),
@@ -27,6 +31,7 @@ COMPARED = (("batch", ("hashes", "batch")), ("grads", ("hashes", "grads")), ("pa
             ("windows", ("windows",)))
 # runs with a GNMR controller (CONTRACT.md §13): its decisions and state replay too
 COMPARED_GNMR = (("gnmr", ("gnmr",)), ("gnmr", ("hashes", "gnmr")))
+UNHASHED = ("prev", "hash")         # the chain's own fields (verify_chain checks them)
 
 
 def _get(rec: dict, path: tuple):
@@ -44,7 +49,7 @@ def _genesis(run: pathlib.Path) -> str:
 
 def run_hash(run_dir) -> dict:
     """Recompute the run hash from the artifacts: the ledger chain from the genesis, and every
-    checkpoint's parameter/optimizer hashes against the ledger record of its step."""
+    checkpoint's hashes and stream position against the ledger record of the step before it."""
     run = pathlib.Path(run_dir)
     genesis = _genesis(run)
     final = verify_chain(run / LEDGER_FILE, genesis)
@@ -57,15 +62,28 @@ def run_hash(run_dir) -> dict:
         rec = records.get(step - 1)
         if rec is None:
             continue
-        pairs = [("params", meta["params_hash"]), ("opt_state", meta["opt_hash"])]
-        if "gnmr_hash" in meta or "gnmr" in rec["hashes"]:
-            pairs.append(("gnmr", meta.get("gnmr_hash")))
-        for key, mine in pairs:
-            if rec["hashes"].get(key) != mine:
-                raise TrainError(f"{path}: {key} hash {str(mine)[:16]}… differs from ledger step {step - 1} "
-                                 f"({str(rec['hashes'].get(key))[:16]}…)", exit_code=1)
+        check_against_ledger(path, rec, {"params": meta["params_hash"], "opt_state": meta["opt_hash"],
+                                         "gnmr": meta.get("gnmr_hash")},
+                             {"tokens": meta["consumed"], "windows": meta["stream"]["windows"]})
         checked.append(step)
     return {"run_hash": final, "steps": len(records), "checkpoints_checked": checked}
+
+
+def check_against_ledger(path, rec: dict, hashes: dict, position: dict | None = None) -> None:
+    """TrainError (exit 1) naming the checkpoint at `path` and what differs unless its hashes
+    ({"params", "opt_state", "gnmr"}: None where it has no controller) and position ({"tokens",
+    "windows"}: consumed tokens, windows emitted) are those of `rec`, the ledger record of the step
+    before it."""
+    keys = ["params", "opt_state"] + (["gnmr"] if hashes.get("gnmr") is not None or "gnmr" in rec["hashes"] else [])
+    for key in keys:
+        if rec["hashes"].get(key) != hashes.get(key):
+            raise TrainError(f"{path}: {key} hash {str(hashes.get(key))[:16]}… differs from ledger step "
+                             f"{rec['step']} ({str(rec['hashes'].get(key))[:16]}…)", exit_code=1)
+    recorded = {"tokens": rec.get("tokens"), "windows": (rec.get("windows") or [None, None])[1]}
+    for key, mine in (position or {}).items():
+        if recorded[key] != mine:
+            raise TrainError(f"{path}: {key} {mine} differs from ledger step {rec['step']} ({recorded[key]} "
+                             f"after it)", exit_code=1)
 
 
 def _records(run: pathlib.Path) -> list[dict]:
@@ -87,22 +105,55 @@ def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str
         raise TrainError(f"steps {first}-{last}: the run has steps 0-{max(records)}", exit_code=2)
     tr = Trainer(run, backend=backend, readonly=True, at_step=first)
     start = tr.state.step
+    if start > 0:
+        _check_start(tr, records, start)
     certified = {}
     for t in range(start, last + 1):
-        rec = tr.compute_step()
+        rec = canonical(tr.add_eval(tr.compute_step()))
         want = records[t]
-        for component, path in COMPARED + (COMPARED_GNMR if ("gnmr" in want or "gnmr" in rec) else ()):
-            if _get(rec, path) != _get(want, path):
-                detail = {"step": t, "component": component, "field": ".".join(path),
-                          "recorded": _get(want, path), "replayed": _get(rec, path)}
-                return _attest(run, first, last, backend, auditor, out, "mismatch", start, certified,
-                               first_mismatch=detail, genesis=genesis, run_hash=final)
+        differs = _first_difference(rec, want)
+        if differs is not None:
+            component, path = differs
+            detail = {"step": t, "component": component, "field": ".".join(path),
+                      "recorded": _get(want, path), "replayed": _get(rec, path)}
+            return _attest(run, first, last, backend, auditor, out, "mismatch", start, certified,
+                           first_mismatch=detail, genesis=genesis, run_hash=final)
         if t >= first:
             certified[t] = want["hash"]
         if progress:
             progress(t, last)
     return _attest(run, first, last, backend, auditor, out, "certified", start, certified,
                    genesis=genesis, run_hash=final)
+
+
+def _check_start(tr: Trainer, records: dict, start: int) -> None:
+    """The checkpoint the replay starts from holds the state the ledger records after step start - 1
+    (its tensors hashed afresh, as `open1b hash` checks every checkpoint)."""
+    path = checkpoint_dir(tr.dir, start)
+    rec = records.get(start - 1)
+    if rec is None:
+        raise TrainError(f"{path}: the ledger has no record of step {start - 1} to check it against", exit_code=1)
+    st = tr.state
+    hashes = {"params": tr.param_hash(st.params), "opt_state": tr.opt_hash(st),
+              "gnmr": tr.gnmr_hash(st.gnmr) if st.gnmr is not None else None}
+    check_against_ledger(path, rec, hashes, {"tokens": st.consumed, "windows": st.stream["windows"]})
+
+
+def _first_difference(rec: dict, want: dict):
+    """(component, field path) of the first field where the replayed record differs from the
+    recorded one: the named components in their order, then any other field, or None."""
+    named = COMPARED + (COMPARED_GNMR if ("gnmr" in want or "gnmr" in rec) else ())
+    for component, path in named:
+        if _get(rec, path) != _get(want, path):
+            return component, path
+    for key in sorted((set(rec) | set(want)) - set(UNHASHED)):
+        if isinstance(rec.get(key), dict) and isinstance(want.get(key), dict):
+            for sub in sorted(set(rec[key]) | set(want[key])):
+                if rec[key].get(sub) != want[key].get(sub):
+                    return "record", (key, sub)
+        elif rec.get(key) != want.get(key):
+            return "record", (key,)
+    return None
 
 
 def _attest(run, first, last, backend, auditor, out, verdict, start, certified, first_mismatch=None,

@@ -342,12 +342,17 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict:
         """Compute the next step, append its ledger record, checkpoint when due."""
-        record = self.compute_step()
-        if self.tcfg.eval_every and (self.state.step % self.tcfg.eval_every == 0):
-            record["eval"] = self.heldout_ce()
+        record = self.add_eval(self.compute_step())
         record["hash"] = self.ledger.append(record)
         if self.state.step % self.tcfg.checkpoint_every == 0:
             self._checkpoint()
+        return record
+
+    def add_eval(self, record: dict) -> dict:
+        """The step's record with the held-out CE added where the schedule has one (after every
+        eval_every-th step); the audit replays it through here too."""
+        if self.tcfg.eval_every and (self.state.step % self.tcfg.eval_every == 0):
+            record["eval"] = self.heldout_ce()
         return record
 
     def compute_step(self) -> dict:

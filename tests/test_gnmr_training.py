@@ -110,6 +110,13 @@ def test_audit_replays_and_checks_the_decisions(tmp_path, corpus):
     att = audit(run, 2, 5)
     assert att["verdict"] == "certified" and att["run_hash"] == h
     assert run_hash(run)["run_hash"] == h
+    # a decision the controller did not take, in a re-chained ledger: the replay names it
+    from test_audit_replay import forge_records
+    import shutil
+    shutil.copytree(run, tmp_path / "forged")
+    forge_records(tmp_path / "forged", {3: lambda r: r["gnmr"].update(next=r["gnmr"]["next"][1:] or ["layers.0.qkv"])})
+    m = audit(tmp_path / "forged", 2, 5)["first_mismatch"]
+    assert (m["step"], m["component"], m["field"]) == (3, "gnmr", "gnmr")
     # a checkpoint whose controller state was altered is refused on load
     meta_f = run / "ckpt-00000004" / "meta.json"
     meta = json.loads(meta_f.read_text())
