@@ -11,6 +11,7 @@ _map = declare("o1b_map", c_int, c_i64, ptr, ptr)
 _to_bf16 = declare("o1b_f32_to_bf16_array", c_i64, ptr, ptr)
 _to_f32 = declare("o1b_bf16_to_f32_array", c_i64, ptr, ptr)
 _div_array = declare("o1b_div_array", c_int, c_i64, ptr, ptr, ptr)
+_i2f_acc = declare("o1b_i2f_acc_array", c_i64, ptr, ptr)
 _add_inplace = declare("o1b_add_inplace", c_i64, ptr, ptr)
 _scale_inplace = declare("o1b_scale_inplace", c_i64, ptr, c_f32)
 scalar_add = declare("o1b_scalar_add", c_f32, c_f32, restype=c_f32)
@@ -44,6 +45,15 @@ def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def div_int(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The contract's div elementwise by its integer definition (CONTRACT.md §3), which equals div."""
     return _div(1, a, b)
+
+
+def i2f_acc(v: np.ndarray) -> np.ndarray:
+    """int32 -> fp32 of every element (CONTRACT.md §6.9, an int8 GEMM accumulator's conversion) by
+    the contract's exact halves: add(mul(i2f(hi), 2^16), i2f(lo))."""
+    opargs.check("v", v, opargs.I32)
+    y = np.empty(v.shape, F32)
+    _i2f_acc(v.size, p(v), p(y))
+    return y
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

@@ -236,6 +236,15 @@ __device__ __forceinline__ float o1b_div_int(float a, float b) {
     return __uint_as_float(sign | (((u32)E << 23) + (u32)Q - 0x800000u));
 }
 
+/* int32 -> fp32 of any int32 (§6.9 accumulators), round to nearest even by construction: the exact
+ * halves hi = floor(acc / 2^16) and lo = acc mod 2^16, one contract add of mul(i2f(hi), 2^16) and
+ * i2f(lo) (the C reference's o1b_i2f_acc; equal to __int2float_rn). */
+__device__ __forceinline__ float o1b_i2f_acc(int acc) {
+    u32 u = (u32)acc;
+    int hi = (int)(u >> 16) - (int)((u >> 31) << 16), lo = (int)(u & 0xFFFFu);
+    return o1b_add(o1b_mul(o1b_i2f(hi), 65536.0f), o1b_i2f(lo));
+}
+
 /* ---- Philox4x32-10 (§5) ---- */
 __device__ __forceinline__ void o1b_philox(u32 k0, u32 k1, u32 c[4]) {
     for (int round = 0; round < 10; round++) {

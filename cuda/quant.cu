@@ -180,7 +180,7 @@ extern "C" __global__ void o1b_q_i2f(i64 n, const int *v, float *f) {
 extern "C" __global__ void o1b_qlinear_y(i64 N, i64 M, const int *acc, const float *scx, const float *sw, float *y) {
     i64 t = o1b_gid();
     if (t >= N * M) return;
-    y[t] = o1b_store(o1b_mul(o1b_mul(o1b_i2f(acc[t]), scx[0]), sw[t % M]));
+    y[t] = o1b_store(o1b_mul(o1b_mul(o1b_i2f_acc(acc[t]), scx[0]), sw[t % M]));
 }
 
 /* g (Mp, N) = transposed G: g[m, n] = mul(dy[n, m], s_w[m]) for m < M, +0 below. */
@@ -202,7 +202,7 @@ extern "C" __global__ void o1b_qlinear_d(i64 N, i64 Np, i64 M, const bf16 *dy, f
 extern "C" __global__ void o1b_qlinear_dx(i64 n, const int *acc, const float *scg, const float *scr, float *dx) {
     i64 t = o1b_gid();
     if (t >= n) return;
-    dx[t] = o1b_store(o1b_mul(o1b_mul(o1b_mul(o1b_i2f(acc[t]), scg[0]), scr[0]), INV_QB));
+    dx[t] = o1b_store(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_acc(acc[t]), scg[0]), scr[0]), INV_QB));
 }
 
 /* dW = mul(mul(mul(mul(i2f(acc), s_D), s_X), s_x), INV_QB); +0 where clipped, NaN on a NaN row. */
@@ -210,6 +210,6 @@ extern "C" __global__ void o1b_qlinear_dw(i64 n, const int *acc, const float *sc
                                           const float *scx, const unsigned char *clip, float *dw) {
     i64 t = o1b_gid();
     if (t >= n) return;
-    float v = o1b_mul(o1b_mul(o1b_mul(o1b_mul(o1b_i2f(acc[t]), scd[0]), scr[0]), scx[0]), INV_QB);
+    float v = o1b_mul(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_acc(acc[t]), scd[0]), scr[0]), scx[0]), INV_QB);
     dw[t] = clip[t] == 2 ? o1b_nan() : clip[t] ? 0.0f : o1b_store(v);
 }

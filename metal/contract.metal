@@ -146,6 +146,16 @@ inline float o1b_max(float a, float b) {
     return b > a ? b : a;
 }
 
+// int32 -> fp32 of any int32 (§6.9 accumulators), round to nearest even by construction rather
+// than by the GPU's conversion: acc = hi 2^16 + lo with hi = floor(acc / 2^16) in [-2^15, 2^15) and
+// lo = acc mod 2^16 (bit fields of the two's complement word), both converted exactly (|i| <= 2^24),
+// hi scaled exactly by mul; the one contract add rounds the exact sum acc once.
+inline float o1b_i2f_acc(int acc) {
+    uint u = as_type<uint>(acc);
+    int hi = (int)(u >> 16) - (int)((u >> 31) << 16), lo = (int)(u & 0xFFFFu);
+    return o1b_add(o1b_mul(o1b_i2f(hi), O1B_F(0x47800000u) /* 0x1p16 */), o1b_i2f(lo));
+}
+
 // ---- §4 software functions ----
 #define O1B_MAGIC O1B_F(0x4B400000u)   /* 0x1.8p23 */
 

@@ -129,6 +129,17 @@ static inline float o1b_div_int(float a, float b) {
     return o1b_from_bits(sign | (((uint32_t)E << 23) + (uint32_t)Q - 0x800000u));   /* Q = 2^24 carries */
 }
 
+/* int32 -> fp32 of any int32 (§2, §6.9: the int8 GEMM accumulators), round to nearest even by
+ * construction: acc = hi 2^16 + lo with hi = floor(acc / 2^16) in [-2^15, 2^15) and lo = acc mod 2^16
+ * in [0, 2^16) (two's complement bit fields, no implementation-defined shift), both converted
+ * exactly, hi scaled exactly by mul; the one contract add rounds the exact sum acc once. Equals
+ * C's (float)acc (CONTRACT.md §6.9 proves it). */
+static inline float o1b_i2f_acc(int32_t acc) {
+    uint32_t u = (uint32_t)acc;
+    int32_t hi = (int32_t)(u >> 16) - (int32_t)((u >> 31) << 16), lo = (int32_t)(u & 0xFFFFu);
+    return o1b_add(o1b_mul(o1b_i2f(hi), 65536.0f), o1b_i2f(lo));
+}
+
 /* ---- software transcendentals (§4). Taylor coefficients 1/k!, 2/(2k+1), rounded to fp32. ---- */
 #define O1B_ROUND_MAGIC 0x1.8p23f   /* t + 1.5*2^23 - 1.5*2^23 rounds t to an integer (|t| < 2^22) */
 

@@ -39,6 +39,11 @@ O1B_API void o1b_div_array(int op, int64_t n, const float *a, const float *b, fl
     }
 }
 
+/* y[i] = i2f(v[i]) for any int32 (§6.9 accumulators): o1b_i2f_acc's exact halves and one add. */
+O1B_API void o1b_i2f_acc_array(int64_t n, const int32_t *v, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = o1b_store(o1b_i2f_acc(v[i]));
+}
+
 O1B_API void o1b_f32_to_bf16_array(int64_t n, const float *x, bf16 *y) {
     for (int64_t i = 0; i < n; i++) y[i] = o1b_f32_to_bf16(x[i]);
 }

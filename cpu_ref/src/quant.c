@@ -25,10 +25,6 @@
 #include "quant.h"
 #include "runtime.h"
 
-/* int32 -> fp32, IEEE round to nearest even (C's conversion in the default rounding mode);
- * never subnormal. Exact for |i| <= 2^24. */
-static inline float o1b_i2f_rne(int32_t i) { return (float)i; }
-
 /* ------------------------------------------------------------------ branch-free helpers */
 /* The loops below are written as selects on bit patterns so the compiler vectorizes them; each
  * gives exactly the contract primitive's result. o1b_mul differs from a flushed IEEE product
@@ -337,7 +333,7 @@ static void transpose_i8(const int8_t *src, int64_t R, int64_t C, int8_t *dst) {
 typedef struct { int64_t J; const int32_t *acc; float *y; float c[3]; int nc; const float *cw;
                  const uint8_t *clip; } dq_args;
 static float dq_exact(const dq_args *a, int64_t idx, int64_t j) {
-    float v = o1b_i2f_rne(a->acc[idx]);
+    float v = o1b_i2f_acc(a->acc[idx]);
     if (a->nc == 1 && a->cw) return o1b_store(o1b_mul(o1b_mul(v, a->c[0]), a->cw[j]));
     for (int t = 0; t < a->nc; t++) v = o1b_mul(v, a->c[t]);
     if (a->cw) v = o1b_mul(v, a->cw[j]);
@@ -353,6 +349,8 @@ static void dq_rows(void *ctx, int64_t lo, int64_t hi) {
         const int32_t *ac = a->acc + i * J;
         float *y = a->y + i * J;
         uint32_t bad = 0;
+        /* (float)ac[j] is C's int32 -> fp32 conversion (IEEE, round to nearest even), which
+         * equals o1b_i2f_acc (CONTRACT.md §6.9); dq_exact uses the definition itself. */
         if (a->nc == 1) {                   /* forward: (acc * sx) * sw[j] */
             for (int64_t j = 0; j < J; j++) {
                 float v; QMUL(v, (float)ac[j], c0, bad); QMUL(v, v, a->cw[j], bad);

@@ -22,8 +22,11 @@ NAN = from_bits(np.uint32(0x7FC00000))
 
 
 def i2f(acc) -> np.ndarray:
-    """int32 -> fp32, IEEE round to nearest even."""
-    return np.asarray(acc, np.int64).astype(np.int32).astype(F32)
+    """int32 -> fp32 (CONTRACT.md §6.9): add(mul(i2f(hi), 2^16), i2f(lo)) with hi = floor(acc / 2^16),
+    lo = acc mod 2^16, both exact in fp32; equals the IEEE conversion (round to nearest even)."""
+    a = np.asarray(acc, np.int64).astype(np.int32).astype(np.int64)
+    hi, lo = a >> 16, a & 0xFFFF
+    return add(mul(hi.astype(F32), F32(65536.0)), lo.astype(F32))
 
 
 def rne_clamp(t, qmax=QMAX) -> np.ndarray:
