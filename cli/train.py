@@ -86,7 +86,9 @@ class _Progress:
               help="data-parallel workers on this machine (torchrun; gloo on CPUs, NCCL with --backend cuda on "
                    "GPUs): the same ledger, bit for bit, at any count from 1 to the microbatches per step")
 @click.option("--dist-timeout", type=float, default=120.0, show_default=True,
-              help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an error")
+              help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an "
+                   "error; work a rank does alone (rank 0 writing a checkpoint) may take longer, as long as its "
+                   "heartbeat goes on")
 def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec, nproc, dist_timeout):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     import dataclasses

@@ -18,12 +18,25 @@ The reductions themselves are pure functions, testable without a process group:
   slice of the elementwise adds).
 * `norm_from_partials`: the global gradient norm from the per-tensor block partials of §7,
   gathered from the owners and concatenated in canonical tensor order.
+
+Work that some ranks do alone (`Comm.phase`): rank 0 creates the run and writes every checkpoint,
+a few ranks run the held-out evaluation. At the open1b preset that takes minutes (a 16 GB
+checkpoint), far past the collective timeout (--dist-timeout, 120 s) of the ranks that would wait
+for it in a collective. So nobody waits in a collective: the working ranks bump a heartbeat counter
+in the process group's key-value store (torchrun's TCPStore) from a thread, and mark their phase
+done when they finish; the others poll the store — no timeout on the work itself, but a working
+rank whose heartbeat stops for the collective timeout is reported lost (a dead rank 0 is still
+detected within --dist-timeout, as in a collective). Only then does everyone enter the collective
+that follows, which takes its usual short time. A rank that is alive but stuck (a hung filesystem)
+keeps beating, and the others wait for it as a single process would.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -32,6 +45,12 @@ import numpy as np
 from .. import arrays
 from ..train import TreeFold, norm_from_partials, scalar_sqrt_of  # noqa: F401  (re-exported)
 from .sharding import Shard
+
+# test hooks for Comm.phase: "RANK:SECONDS" makes that rank take SECONDS longer in every phase it
+# works in (a slow disk); "RANK:TEXT" makes it die (os._exit) inside the first phase whose
+# description contains TEXT, as a crashed rank 0 would while writing a checkpoint
+PHASE_DELAY_ENV = "OPEN1B_TEST_PHASE_DELAY"
+PHASE_EXIT_ENV = "OPEN1B_TEST_PHASE_EXIT"
 
 
 class DistError(RuntimeError):
@@ -105,6 +124,33 @@ def _as_bytes(a):
     return torch.from_numpy(a.reshape(-1).view(np.uint8))
 
 
+class _Heartbeat:
+    """A thread that bumps a counter in the store every `every` seconds while its rank works alone
+    (threads run while the main thread hashes or writes: hashlib and file I/O release the GIL)."""
+
+    def __init__(self, store, key: str, every: float):
+        self.store, self.key, self.every = store, key, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="open1b-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the waiting ranks notice the silence
+                return
+            if self._stop.wait(self.every):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()       # the store is the main thread's again before the next collective
+
+
 def cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -124,6 +170,8 @@ class Comm:
         self.device, self.backend, self.timeout_s = device, backend, timeout_s
         self.seconds = 0.0
         self.calls = 0
+        self._store = None
+        self._phases_done = [0] * world     # phases each rank has worked in so far (the same on every rank)
 
     # ---- setting up
     @classmethod
@@ -166,6 +214,84 @@ class Comm:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    # ---- work some ranks do alone, without a collective timeout
+    def _kv(self):
+        """The process group's key-value store (torchrun's TCPStore), under a prefix of ours."""
+        if self._store is None:
+            import torch.distributed as dist
+            from torch.distributed import distributed_c10d
+            self._store = dist.PrefixStore("open1b/phase/", distributed_c10d._get_default_store())
+        return self._store
+
+    @contextlib.contextmanager
+    def phase(self, what: str, busy: Sequence[int] = (0,)):
+        """A stretch of work only the `busy` ranks do (every rank enters it, in the same order, with
+        the same `busy`): the busy ranks run the body with a heartbeat; on leaving, every rank waits
+        until every busy rank has finished, however long that takes, as long as each unfinished one
+        shows a heartbeat within timeout_s (else CommError naming it). Then the collective that
+        follows meets every rank on time."""
+        busy = sorted(set(int(r) for r in busy))
+        if self.world == 1:
+            yield
+            return
+        for r in busy:
+            self._phases_done[r] += 1
+        if self.rank in busy:
+            ok = False
+            try:
+                with _Heartbeat(self._kv(), f"beat/{self.rank}", self._beat_every()):
+                    yield
+                    self._test_hooks(what)
+                ok = True
+            finally:                # done, failed or not: a failure travels in the collective that follows
+                try:
+                    self._kv().add(f"done/{self.rank}", 1)
+                except Exception as e:  # noqa: BLE001
+                    if ok:
+                        raise CommError(f"finishing {what}", e) from None
+        else:
+            yield
+        self._wait_for([r for r in busy if r != self.rank], what)
+
+    def _beat_every(self) -> float:
+        return min(5.0, max(0.05, self.timeout_s / 8))
+
+    def _wait_for(self, ranks: list[int], what: str) -> None:
+        """Poll until each rank in `ranks` has marked its phase done; a rank whose heartbeat counter
+        does not move for timeout_s is lost."""
+        t0 = time.perf_counter()
+        poll = min(1.0, max(0.02, self.timeout_s / 16))
+        seen = {r: (None, t0) for r in ranks}          # rank -> (last heartbeat count, when it changed)
+        try:
+            while seen:
+                now = time.perf_counter()
+                for r in list(seen):
+                    op = f"waiting for rank {r} ({what})"
+                    try:
+                        if self._kv().add(f"done/{r}", 0) >= self._phases_done[r]:
+                            del seen[r]
+                            continue
+                        beat = self._kv().add(f"beat/{r}", 0)
+                    except Exception as e:  # noqa: BLE001 - the store is gone with its host
+                        raise CommError(op, e) from None
+                    last, since = seen[r]
+                    if beat != last:
+                        seen[r] = (beat, now)
+                    elif now - since > self.timeout_s:
+                        raise CommError(op, TimeoutError(
+                            f"no heartbeat from rank {r} for {self.timeout_s:g} s (it died, or its host did)"))
+                if seen:
+                    time.sleep(poll)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _test_hooks(self, what: str) -> None:
+        delay, die = os.environ.get(PHASE_DELAY_ENV, ""), os.environ.get(PHASE_EXIT_ENV, "")
+        if delay.partition(":")[0] == str(self.rank):
+            time.sleep(float(delay.partition(":")[2]))
+        if die.partition(":")[0] == str(self.rank) and die.partition(":")[2] in what:
+            os._exit(17)
 
     # ---- plumbing
     def _call(self, op: str, fn):

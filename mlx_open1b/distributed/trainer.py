@@ -21,6 +21,12 @@ format is the single-device one, so a run resumes at any worker count). Rank 0 a
 directory: at start-up it broadcasts the state (parameters, moments to their owners, counters and
 the stream position), so the other workers need only the corpus. Held-out evaluation spreads the
 corpus sources over the workers, each source's windows one batch as on one device.
+
+The work some ranks do alone — rank 0 opening the run (initialization and the first checkpoint, or
+loading the last one), rank 0 writing each checkpoint, the ranks that hold a source in held-out
+evaluation — runs inside `Comm.phase`: the others wait on the working ranks' heartbeats, not in a
+collective, so minutes of work never trip the collective timeout, while a working rank that dies
+is still reported within it (collectives.py).
 """
 from __future__ import annotations
 
@@ -84,14 +90,16 @@ class DistributedTrainer(Trainer):
         try:
             cfg, corpus_dir = self._agree(run_dir, cfg, corpus_dir, backend, resume)
             err = None
-            try:
-                if comm.rank == 0:
-                    Trainer.__init__(self, run_dir, None if resume else cfg, corpus_dir, backend=backend,
-                                     resume=resume, log=log)
-                else:
-                    self._init_replica(run_dir, cfg, corpus_dir, backend, log)
-            except _STARTUP_ERRORS as e:
-                err = (str(e), getattr(e, "exit_code", 2))
+            # rank 0 initializes the parameters and writes the first checkpoint (or loads the last)
+            with comm.phase("opening the run"):
+                try:
+                    if comm.rank == 0:
+                        Trainer.__init__(self, run_dir, None if resume else cfg, corpus_dir, backend=backend,
+                                         resume=resume, log=log)
+                    else:
+                        self._init_replica(run_dir, cfg, corpus_dir, backend, log)
+                except _STARTUP_ERRORS as e:
+                    err = (str(e), getattr(e, "exit_code", 2))
             self._all_ok("opening the run (before any training step)", err)
             self._distribute_state()
         except CommError as e:
@@ -431,11 +439,13 @@ class DistributedTrainer(Trainer):
             self._probes = {s.name: heldout_windows(self.corpus, s.name, self.model_cfg.seq_len,
                                                     self.tcfg.eval_windows) for s in self.manifest.sources}
         N, r = self.comm.world, self.comm.rank
+        todo = [(i % N, s.name) for i, s in enumerate(self.manifest.sources) if len(self._probes[s.name])]
         mine = {}
-        for i, s in enumerate(self.manifest.sources):
-            w = self._probes[s.name]
-            if i % N == r and len(w):
-                mine[s.name] = float(np.mean(self.model.eval_loss(self.state.params, w), dtype=np.float64))
+        with self.comm.phase(f"held-out evaluation after step {self.state.step}", busy=[w for w, _ in todo]):
+            for w, name in todo:
+                if w == r:
+                    mine[name] = float(np.mean(self.model.eval_loss(self.state.params, self._probes[name]),
+                                               dtype=np.float64))
         got = {}
         for g in self.comm.all_gather_object(mine):
             got.update(g)
@@ -463,17 +473,19 @@ class DistributedTrainer(Trainer):
                 if sh.size:
                     comm.recv(m[sh.lo:sh.hi], sh.rank)
                     comm.recv(v[sh.lo:sh.hi], sh.rank)
-            self.state = dataclasses.replace(st, m=m, v=v)
-            try:
-                path = Trainer._checkpoint(self)
-                self.last_checkpoint = st.step
-            except (CheckpointError, OSError) as e:
-                err = (f"{e} (the checkpoint of step {self.last_checkpoint} is intact)", 3)
-            finally:
-                self.state = st
         elif self.own.size:
             comm.send(arrays.to_host(st.m), 0)
             comm.send(arrays.to_host(st.v), 0)
+        with comm.phase(f"writing the checkpoint of step {st.step}"):      # rank 0 hashes and writes it
+            if comm.rank == 0:
+                self.state = dataclasses.replace(st, m=m, v=v)
+                try:
+                    path = Trainer._checkpoint(self)
+                    self.last_checkpoint = st.step
+                except (CheckpointError, OSError) as e:
+                    err = (f"{e} (the checkpoint of step {self.last_checkpoint} is intact)", 3)
+                finally:
+                    self.state = st
         self._all_ok(f"writing the checkpoint of step {st.step}", err)
         self.last_checkpoint, self._in_checkpoint = st.step, False
         return path

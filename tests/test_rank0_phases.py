@@ -1,0 +1,137 @@
+"""Work some ranks do alone (rank 0 opening the run and writing checkpoints, the ranks that hold a
+source in held-out evaluation) never trips the other workers' collective timeout, whatever it
+takes; a rank that dies meanwhile is still reported within the timeout (Comm.phase: heartbeats
+in the process group's store). Real worker processes on gloo, as in test_distributed."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+from test_distributed import _env, corpus, dist_cfg, free_port, ledger, tree  # noqa: E402,F401  (corpus: a fixture)
+
+# The workers import torch and the package before a file barrier, so that the rendezvous, which
+# runs under the short timeout these tests use, never waits for a slow import on a busy machine.
+_BARRIER = """
+import json, os, sys, time
+import torch.distributed
+import mlx_open1b.distributed
+a = json.loads(sys.argv[1])
+open(os.path.join(a["dir"], "ready." + os.environ["RANK"]), "w").close()
+while sum(f.startswith("ready.") for f in os.listdir(a["dir"])) < int(os.environ["WORLD_SIZE"]):
+    time.sleep(0.01)
+"""
+
+_PHASE_WORKER = _BARRIER + """
+from mlx_open1b.distributed.collectives import Comm, CommError
+comm = Comm.init_from_env("cpu_ref", a["timeout"])
+t0 = time.monotonic()
+try:
+    with comm.phase("writing the checkpoint of step 2"):
+        if comm.rank == 0:
+            time.sleep(a["work"])
+    got = comm.all_gather_object(comm.rank)
+except CommError as e:
+    os.write(2, f"error: {e} after {time.monotonic() - t0:.1f} s\\n".encode())
+    os._exit(3)
+print(json.dumps({"gathered": got, "waited": time.monotonic() - t0}), flush=True)
+comm.close()
+"""
+
+_TRAIN_WORKER = _BARRIER + """
+from mlx_open1b.config import RunConfig
+from mlx_open1b.distributed import worker_main
+cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
+worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], timeout=a["timeout"])
+"""
+
+
+def _launch(n, script, args: dict, tmp, store: str, **env):
+    """n workers with torchrun's environment; store "agent": the test process hosts the TCPStore as
+    torchrun's agent would (it outlives rank 0), "rank0": rank 0 hosts it (a launch without an
+    agent). [(exit code, stdout, stderr)] by rank, and the seconds until all exited."""
+    import torch.distributed as dist
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = json.dumps({**args, "dir": str(tmp)})
+    (tmp / "w.py").write_text(script)
+    port, extra, host = free_port(), {}, None
+    if store == "agent":
+        host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        extra["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    t0, procs = time.monotonic(), []
+    for r in range(n):
+        e = _env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra, **env)
+        procs.append(subprocess.Popen([sys.executable, str(tmp / "w.py"), args], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = [(p, *p.communicate(timeout=300)) for p in procs]
+    del host
+    return [(p.returncode, o, e) for p, o, e in out], time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------ the primitive
+def test_rank0_phase_longer_than_the_timeout_completes(tmp_path):
+    """Rank 0 works 2.5 timeouts alone; rank 1 waits on its heartbeat and both meet in the
+    collective after it (without the phase, rank 1's all_gather times out)."""
+    res, _ = _launch(2, _PHASE_WORKER, {"timeout": 4.0, "work": 10.0}, tmp_path, "agent")
+    for code, out, err in res:
+        assert code == 0, err[-2000:]
+        assert json.loads(out)["gathered"] == [0, 1]
+    assert json.loads(res[1][1])["waited"] >= 10.0            # rank 1 did wait through rank 0's work
+
+
+@pytest.mark.parametrize("store", ["agent", "rank0"])
+def test_rank0_that_dies_in_a_phase_is_reported(tmp_path, store):
+    """Rank 0 dies 1 s into its phase. With the store outside it (torchrun), rank 1 sees the
+    heartbeat stop and reports it after the timeout; with the store inside rank 0, at once."""
+    timeout = 4.0
+    res, took = _launch(2, _PHASE_WORKER, {"timeout": timeout, "work": 1.0}, tmp_path, store,
+                        OPEN1B_TEST_PHASE_EXIT="0:checkpoint")
+    assert res[0][0] == 17
+    code, _, err = res[1]
+    assert code == 3 and "error: waiting for rank 0 (writing the checkpoint of step 2)" in err, err[-2000:]
+    if store == "agent":
+        assert f"no heartbeat from rank 0 for {timeout:g} s" in err, err[-2000:]
+    waited = float(err.rsplit(" after ", 1)[1].split()[0])
+    assert waited < 1.0 + timeout + 3.0, err                  # bounded: the timeout and a few polls
+
+
+# ------------------------------------------------------------------------------ the trainer
+@pytest.mark.slow
+def test_slow_rank0_phases_same_run_directory(tmp_path, corpus):
+    """Rank 0 takes 8 s longer (timeout 5 s) in each of its phases: opening the run (initialization
+    and the first checkpoint), held-out evaluation (rank 1 holds the other source and waits), the
+    checkpoint of step 2. The run completes with the bytes of one process."""
+    from mlx_open1b.train import Trainer
+    cfg = dist_cfg(checkpoint_every=2, eval_every=2)
+    single = tmp_path / "single"
+    h = Trainer(single, cfg, corpus).train(2)
+    run = tmp_path / "run"
+    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 2, "timeout": 5.0}
+    res, took = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent", OPEN1B_TEST_PHASE_DELAY="0:8")
+    for code, _, err in res:
+        assert code == 0, err[-3000:]
+    assert f"run hash {h}" in res[0][1]
+    assert took > 3 * 8                                       # the three phases were slow
+    assert ledger(run) == ledger(single)
+    assert tree(run) == tree(single)
+
+
+@pytest.mark.slow
+def test_rank0_that_dies_writing_a_checkpoint_is_reported(tmp_path, corpus):
+    cfg = dist_cfg(checkpoint_every=2, eval_every=0)
+    run = tmp_path / "run"
+    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 4, "timeout": 5.0}
+    res, took = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent",
+                        OPEN1B_TEST_PHASE_EXIT="0:checkpoint of step 2")
+    assert res[0][0] == 17
+    code, _, err = res[1]
+    assert code == 3, err[-3000:]
+    assert ("error: [rank 1/2] worker lost during step 1: waiting for rank 0 (writing the checkpoint of step 2) "
+            "failed on rank 1 of 2 (no heartbeat from rank 0 for 5 s") in err, err[-3000:]
+    assert "the last checkpoint (step 0 or, if rank 0 finished writing it, the next) is intact" in err
+    assert len(ledger(run).splitlines()) == 2
