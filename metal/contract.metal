@@ -6,17 +6,22 @@
 //   - fp32 values entering an op are never subnormal: loads go through o1b_load (flush) or are
 //     outputs of other helpers, which flush.
 //   - a result whose exact value has magnitude below 2^-126 becomes a zero of the same sign
-//     ("flush before rounding"). Metal has no double, so the one ambiguous case of mul and div
-//     (IEEE result exactly ±2^-126) is decided with integer arithmetic on the significands and
+//     ("flush before rounding"). Metal has no double, so the one ambiguous case of mul (IEEE
+//     result exactly ±2^-126) is decided with integer arithmetic on the significands and
 //     exponents of the operands (o1b_mul_tiny); div is computed in integers altogether (o1b_div).
-//   - no contraction into fused multiply-add (the pragma below; the kernels are built with
-//     math_mode "safe").
+//   - no contraction into fused multiply-add: every fp32 + - * of the backend is one operator in
+//     one statement of o1b_add or o1b_mul below (the other helpers and the kernels call them; a
+//     source-text test, tests/test_metal_source.py, holds the sources to this), so nothing can be
+//     contracted even where the pragma below does not exist (it is Metal 3.2; MLX compiles Metal
+//     3.1 on macOS 14); the kernels are built with math_mode "safe".
 //   - no library math function at all: sqrt is the contract's integer definition (§3), exp, log,
 //     sin, cos are the §4 software routines, NaN and ±inf are tested on the bits.
 //   - NaN leaves an op as 0x7FC00000 (o1b_store at every store to an output array).
 // Constants are written as their fp32 bit patterns (the hex float is in the comment), so their
 // value does not depend on how a compiler reads floating literals.
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
 #pragma METAL fp contract(off)
+#endif
 #ifndef O1B_EMU
 #include <metal_stdlib>
 using namespace metal;

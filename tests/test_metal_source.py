@@ -1,0 +1,110 @@
+"""What only a Mac could break, checked on the source text (as the CUDA tests scan nvcc's PTX).
+
+fp32 operators: every fp32 `+ - * /` of the Metal backend is one operator in one statement of the
+header's primitives o1b_add and o1b_mul (or in the hardware-operator hook #defines they use), so
+no result depends on `#pragma METAL fp contract(off)`, which Metal 3.1 (macOS 14) lacks, and MSL's
+safe math still contracts `a*b + c` inside one expression (CONTRACT.md §3, "No contraction").
+tests/msl_scan.py parses the sources with operand types; each rule is also checked to fail on a
+planted violation.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+import msl_scan
+
+METAL = pathlib.Path(__file__).resolve().parent.parent / "metal"
+HEADER = "contract.metal"
+PRIMITIVES = {"o1b_add", "o1b_mul"}      # the only functions that apply an fp32 operator
+
+
+def sources() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(METAL.glob("*.metal"))}
+
+
+def operator_violations(texts: dict[str, str]) -> list[str]:
+    """Each statement that breaks the rules, as 'file:line: why: statement'."""
+    header = msl_scan.scan_header(texts[HEADER])
+    out = []
+    for st in header.statements:
+        ops = [op for op, _ in st.float_ops]
+        where = f"{HEADER}:{st.line}"
+        if len(ops) > 1:
+            out.append(f"{where}: {len(ops)} fp32 operators {ops} in one statement: {st.text}")
+        if ops and not st.is_define and st.function not in PRIMITIVES:
+            out.append(f"{where}: fp32 operator {ops} outside {sorted(PRIMITIVES)} (in {st.function}): {st.text}")
+        if "/" in ops and not st.is_define:
+            out.append(f"{where}: fp32 division (div is the integer definition): {st.text}")
+    for name, text in texts.items():
+        if name == HEADER:
+            continue
+        for st in msl_scan.scan_kernel(text, header).statements:
+            if st.float_ops:
+                out.append(f"{name}:{st.line}: fp32 operator(s) {[op for op, _ in st.float_ops]} in a kernel "
+                           f"(use the header's helpers): {st.text}")
+    return out
+
+
+def test_fp32_operators_only_in_the_primitives():
+    texts = sources()
+    assert len(texts) > 30 and HEADER in texts
+    assert operator_violations(texts) == []
+    # the scan sees the primitives' own operators (so it is not blind)
+    header = msl_scan.scan_header(texts[HEADER])
+    seen = {st.function for st in header.statements if st.float_ops and not st.is_define}
+    assert seen == PRIMITIVES
+
+
+# (file, text found exactly once, its replacement, a phrase of the expected violation)
+PLANTS = [
+    ("gemm.metal", "acc = o1b_add(acc, o1b_mul(a, b));", "acc = a * b + acc;", "in a kernel"),
+    ("gemm.metal", "acc = o1b_add(acc, o1b_mul(a, b));", "acc += o1b_mul(a, b);", "in a kernel"),
+    ("add.metal", "out[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));",
+     "out[i] = a[i] * b[i] + a[i];", "in a kernel"),                     # buffer elements, types unknown
+    ("swiglu_forward.metal", "out[n * F + f] = o1b_store(o1b_mul(o1b_silu(gate), up));",
+     "out[n * F + f] = o1b_store(gate * up);", "in a kernel"),
+    ("swiglu_forward.metal", "long F = prm[0];", "long F = prm[0];\n#define SQ(x) ((x) * (x))", "in a kernel"),
+    (HEADER, "    p = o1b_add(o1b_mul(p, r), O1B_F(0x3AB60B61u));",
+     "    p = p * r + O1B_F(0x3AB60B61u);", "outside"),                  # a * b + c in a helper
+    (HEADER, "inline float o1b_sub(float a, float b) { return o1b_add(a, o1b_neg(b)); }",
+     "inline float o1b_sub(float a, float b) { return a - b; }", "outside"),
+    (HEADER, "inline float o1b_mul(float a, float b) {",
+     "inline float o1b_mul(float a, float b) {\n    float t = a * b + a;", "2 fp32 operators"),
+    (HEADER, "    float s = o1b_div(f, o1b_add(2.0f, f));",
+     "    float s = f / o1b_add(2.0f, f);", "fp32 division"),
+    (HEADER, "    if (x > O1B_F(0x42B17217u)) return o1b_inf();",
+     "    if (x > O1B_F(0x42B17217u)) return o1b_inf() * 2.0f;", "outside"),
+]
+
+
+@pytest.mark.parametrize("file,find,replace,why", PLANTS)
+def test_planted_fp32_operator_is_caught(file, find, replace, why):
+    texts = sources()
+    assert texts[file].count(find) == 1, f"{file}: the plant's anchor is gone: {find!r}"
+    texts[file] = texts[file].replace(find, replace)
+    v = operator_violations(texts)
+    assert v and any(why in x and x.startswith(file) for x in v), v
+
+
+def test_integer_arithmetic_is_not_flagged():
+    header = msl_scan.scan_header(sources()[HEADER])
+    kernel = """
+    long j = (long)thread_position_in_grid.x, i = (long)thread_position_in_grid.y;
+    long J = prm[0], P = prm[1], P2 = P / 2;
+    int acc = 0;
+    for (long p = 0; p < P2; p++) acc += (int)A[i * J + p] * (int)B[j * J + p];
+    long t = (long)targets[i] - J;
+    uint u = o1b_bits(o1b_load(x[pos[t] * J + j])) >> 1;
+    C[i * J + j] = acc + (int)(u & 3u) - D * 2;
+    y[(i * J + j) % 7] = o1b_store(o1b_i2f(acc));
+    """
+    assert [st for st in msl_scan.scan_kernel(kernel, header).statements if st.float_ops] == []
+    # while float and unknown operands are
+    for bad in ("float x = o1b_load(a[i]); y[i] = o1b_store(x * x);",
+                "y[i] = o1b_store(o1b_load(a[i]) - 1.0f);",
+                "float v[4]; v[0] = 0.0f; v[1] = v[0] + v[0];",
+                "o1b_reduced q = o1b_sincos_reduce(1.0f); float r = q.r * 2;",
+                "y[i] = x[i] / 3;", "long P = prm[1] / 2;"):   # unknown element: fp32 assumed
+        assert [st for st in msl_scan.scan_kernel(bad, header).statements if st.float_ops], bad
