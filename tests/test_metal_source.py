@@ -9,6 +9,7 @@ planted violation.
 """
 from __future__ import annotations
 
+import ast
 import pathlib
 
 import pytest
@@ -108,3 +109,133 @@ def test_integer_arithmetic_is_not_flagged():
                 "o1b_reduced q = o1b_sincos_reduce(1.0f); float r = q.r * 2;",
                 "y[i] = x[i] / 3;", "long P = prm[1] / 2;"):   # unknown element: fp32 assumed
         assert [st for st in msl_scan.scan_kernel(bad, header).statements if st.float_ops], bad
+
+
+# ---------------------------------------------------------------------------------------------
+# the contract pragma, under the language-version guard
+# ---------------------------------------------------------------------------------------------
+PRAGMA = "#pragma METAL fp contract(off)"
+GUARD = "defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320"
+
+
+def pragma_problems(header_text: str) -> list[str]:
+    """Why the header's contract pragma is not as required (empty: it is): exactly once, directly
+    inside `#if GUARD` (the pragma is Metal 3.2; older compilers never see it), before any code."""
+    directives, code = msl_scan.split_preprocessor(msl_scan.strip_comments(header_text))
+    norm = lambda s: "".join(s.split())
+    first_code = next((i + 1 for i, line in enumerate(code.split("\n")) if line.strip()), 10 ** 9)
+    stack, found = [], []
+    for line, d in directives:
+        word = d[1:].strip().split(None, 1)[0] if len(d) > 1 else ""
+        rest = d[1:].strip()[len(word):].strip()
+        if word in ("if", "ifdef", "ifndef"):
+            stack.append((word, rest))
+        elif word in ("else", "elif"):
+            stack[-1] = (word, rest)
+        elif word == "endif":
+            stack.pop()
+        elif norm(d) == norm(PRAGMA):
+            found.append((line, list(stack)))
+    if len(found) != 1:
+        return [f"{PRAGMA!r} appears {len(found)} times (expected once)"]
+    line, stack = found[0]
+    out = []
+    if not stack or stack[-1][0] != "if" or norm(stack[-1][1]) != norm(GUARD):
+        out.append(f"line {line}: {PRAGMA!r} is not directly inside '#if {GUARD}' (inside {stack})")
+    if line > first_code:
+        out.append(f"line {line}: {PRAGMA!r} comes after code (line {first_code}); it must precede every helper")
+    return out
+
+
+def test_contract_pragma_under_the_version_guard():
+    assert pragma_problems(sources()[HEADER]) == []
+
+
+@pytest.mark.parametrize("find,replace", [
+    (PRAGMA + "\n", ""),                                                    # deleted
+    ("#if " + GUARD + "\n" + PRAGMA + "\n#endif\n", PRAGMA + "\n"),        # unguarded
+    ("__METAL_VERSION__ >= 320", "__METAL_VERSION__ >= 310"),              # a version without it
+    ("contract(off)", "contract(fast)"),
+    ("#if " + GUARD + "\n" + PRAGMA + "\n#endif\n", ""),                   # moved below the helpers
+])
+def test_pragma_check_fails_when_the_pragma_is_not_as_required(find, replace):
+    text = sources()[HEADER]
+    assert text.count(find) == 1, find
+    planted = text.replace(find, replace)
+    if replace == "" and find.startswith("#if"):
+        planted += "\n#if " + GUARD + "\n" + PRAGMA + "\n#endif\n"
+    assert pragma_problems(planted)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel construction: math_mode "safe" and row-contiguous inputs, in the one place kernels
+# are built
+# ---------------------------------------------------------------------------------------------
+REPO = METAL.parent
+RUNTIME = METAL / "runtime.py"
+
+
+def _is_metal_kernel(call: ast.Call) -> bool:
+    f = call.func
+    return (isinstance(f, ast.Attribute) and f.attr == "metal_kernel") or (isinstance(f, ast.Name) and f.id == "metal_kernel")
+
+
+def construction_problems(py_text: str, where: str = "metal/runtime.py") -> list[str]:
+    """Each mx.fast.metal_kernel(...) call must pass ensure_row_contiguous=True (kernels index their
+    inputs as dense row-major arrays) and compile_options={"math_mode": "safe", ...} (no fast math:
+    CONTRACT.md §3) as literals; the problems found, or that there is no such call."""
+    calls = [n for n in ast.walk(ast.parse(py_text)) if isinstance(n, ast.Call) and _is_metal_kernel(n)]
+    if not calls:
+        return [f"{where}: no mx.fast.metal_kernel construction"]
+    out = []
+    for c in calls:
+        kw = {k.arg: k.value for k in c.keywords}
+        if None in kw:
+            out.append(f"{where}:{c.lineno}: **kwargs in metal_kernel(...) cannot be checked")
+        erc = kw.get("ensure_row_contiguous")
+        if not (isinstance(erc, ast.Constant) and erc.value is True):
+            out.append(f"{where}:{c.lineno}: metal_kernel(...) without ensure_row_contiguous=True")
+        opts = kw.get("compile_options")
+        mode = None
+        if isinstance(opts, ast.Dict):
+            for k, v in zip(opts.keys, opts.values):
+                if isinstance(k, ast.Constant) and k.value == "math_mode" and isinstance(v, ast.Constant):
+                    mode = v.value
+        if mode != "safe":
+            out.append(f"{where}:{c.lineno}: metal_kernel(...) without compile_options={{'math_mode': 'safe'}}")
+    return out
+
+
+def test_kernels_are_built_safe_and_row_contiguous():
+    assert construction_problems(RUNTIME.read_text()) == []
+
+
+def test_no_other_module_builds_metal_kernels():
+    """Every construction goes through metal/runtime.py, so the check above covers all of them."""
+    others = []
+    for p in sorted(REPO.rglob("*.py")):
+        rel = p.relative_to(REPO).as_posix()
+        if rel.startswith(("tests/", "build/", ".")) or p == RUNTIME or "egg-info" in rel:
+            continue
+        try:
+            tree = ast.parse(p.read_text())
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        if any(isinstance(n, ast.Call) and _is_metal_kernel(n) for n in ast.walk(tree)):
+            others.append(rel)
+    assert others == []
+
+
+@pytest.mark.parametrize("find,replace", [
+    ("header=header, ensure_row_contiguous=True,", "header=header,"),
+    ("header=header, ensure_row_contiguous=True,", "header=header, ensure_row_contiguous=False,"),
+    ('compile_options={"math_mode": "safe"})', 'compile_options={"math_mode": "fast"})'),
+    ('compile_options={"math_mode": "safe"})', 'compile_options={})'),
+    (', ensure_row_contiguous=True,\n                compile_options={"math_mode": "safe"})', ")"),
+])
+def test_construction_check_fails_when_an_option_is_dropped(find, replace):
+    text = RUNTIME.read_text()
+    assert text.count(find) == 1, find
+    assert construction_problems(text.replace(find, replace))
+    # a second construction elsewhere in the file, without the options, is caught too
+    assert construction_problems(text + "\n\ndef _k(mx):\n    return mx.fast.metal_kernel(name='x')\n")
