@@ -18,6 +18,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import re
 
 import numpy as np
 
@@ -57,18 +58,36 @@ def available() -> tuple[bool, str]:
             name = mx.metal.device_info().get("device_name", "Metal device")
         except Exception:
             name = "Metal device"
-        ok, why = _compile_options_supported()
-        return (True, f"Metal ({name}), mlx {mx.__version__}") if ok else (False, why)
+        why = mlx_version_problem(mx.__version__)
+        return (True, f"Metal ({name}), mlx {mx.__version__}") if why is None else (False, why)
     return emu.available()
 
 
-def _compile_options_supported() -> tuple[bool, str]:
-    import mlx.core as mx
-    doc = mx.fast.metal_kernel.__doc__ or ""
-    if "compile_options" in doc:
-        return True, ""
-    return False, (f"mlx {mx.__version__}: mx.fast.metal_kernel has no compile_options, so kernels "
-                   "cannot be built with math_mode='safe' (upgrade mlx)")
+#: MLX 0.32 is the first with mx.fast.metal_kernel(compile_options=...) (math_mode "safe") and with
+#: custom kernels cached by their whole source rather than their name (DESIGN.md §11).
+MIN_MLX = (0, 32)
+
+
+def parse_version(text) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as '0.32.4', '0.32.0.dev20260115+g1a2b3c',
+    '0.33.0rc1' or 'v1.0'; None when it does not start with numbers."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def mlx_version_problem(version) -> str | None:
+    """Why the installed mlx (its mx.__version__) cannot run the metal backend, or None."""
+    v = parse_version(version)
+    need = ".".join(map(str, MIN_MLX))
+    if v is None:
+        return (f"mlx reports the version {version!r}, which is not a version number; the metal backend "
+                f"needs mlx >= {need} (pip install -U 'mlx>={need}')")
+    if v[:2] < MIN_MLX:
+        return (f"mlx {version} is installed; the metal backend needs mlx >= {need} (compile_options with "
+                f"math_mode 'safe', kernels cached by their source): pip install -U 'mlx>={need}'")
+    return None
 
 
 def _mx_dtype(dt):
@@ -89,8 +108,8 @@ class MetalKernel:
         self.real = real_metal()
         if self.real:
             import mlx.core as mx
-            ok, why = _compile_options_supported()
-            if not ok:
+            why = mlx_version_problem(mx.__version__)
+            if why is not None:
                 raise RuntimeError(why)
             self._kernel = mx.fast.metal_kernel(
                 name=name, input_names=self.input_names, output_names=self.output_names,
