@@ -29,6 +29,15 @@ using namespace metal;
 
 #define O1B_NAN_BITS 0x7FC00000u
 #define O1B_F(bits) as_type<float>((uint)(bits))
+// The hardware's fp32 operators: the helpers below are the only code that applies them, one per
+// statement. The emulator redefines them to run the kernels on a modelled faulty or adversarially
+// flushing fp32 unit (metal/emu/hwfloat.h); on a GPU they are the plain operators.
+#ifndef O1B_HW_ADD
+#define O1B_HW_ADD(a, b) ((a) + (b))
+#define O1B_HW_SUB(a, b) ((a) - (b))
+#define O1B_HW_MUL(a, b) ((a) * (b))
+#define O1B_HW_DIV(a, b) ((a) / (b))
+#endif
 #define O1B_ATTN_BK 64       // contract constant ATTN_BLOCK (§6.6)
 #define O1B_XENT_CHUNK 1024  // contract constant XENT_CHUNK (§6.8)
 #define O1B_NORM_BLOCK 4096  // contract constant NORM_BLOCK (§7)
@@ -69,7 +78,7 @@ inline float o1b_neg(float a) { return o1b_from_bits(o1b_bits(a) ^ 0x80000000u);
 // an exact zero (b = -a, or two zeros) keeps the IEEE sign the hardware gives; a tiny nonzero
 // sum has the sign of the operand of larger magnitude.
 inline float o1b_add(float a, float b) {
-    float r = a + b;
+    float r = O1B_HW_ADD(a, b);
     uint ur = o1b_bits(r);
     if ((ur & 0x7F800000u) != 0u) return r;                             // normal, inf, NaN
     if ((ur & 0x7FFFFFFFu) != 0u) return o1b_from_bits(ur & 0x80000000u); // subnormal: flush
@@ -94,7 +103,7 @@ inline float o1b_mul_tiny(float a, float b, float r) {
     return tiny ? o1b_from_bits(sgn) : r;
 }
 inline float o1b_mul(float a, float b) {
-    float r = a * b;
+    float r = O1B_HW_MUL(a, b);
     return (o1b_bits(r) & 0x7FFFFFFFu) <= 0x00800000u ? o1b_mul_tiny(a, b, r) : r;
 }
 // The contract's integer division (§3), equal to the IEEE correctly rounded quotient with the flush

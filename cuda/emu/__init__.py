@@ -11,6 +11,12 @@ Race check: `options(race_check=True)` runs every launch twice — threads sched
 and in reverse order (at each barrier phase) on copies of the arrays — and raises EmuRaceError if
 any array differs, which is how a missing __syncthreads shows up.
 
+Planted faults and adversarial flushing: `with emu.hardware(fault=..., adversarial_flush=...,
+seed=...):` launches inside the block run on that fp32 unit (mlx_open1b.metal.emu.hwmodel, shared
+with the Metal emulator; hwfloat.h implements the single-precision intrinsics). A module keeps one
+library per hardware and picks the one of the hardware active at each launch, so no fault or mode
+outlives its block whatever module cache a caller keeps.
+
 Compiled libraries are cached in $XDG_CACHE_HOME/mlx-open1b/emu/<sha256>.so (default ~/.cache),
 keyed by the prelude, the source text, the flags and the compiler.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -28,6 +35,8 @@ import tempfile
 import threading
 
 import numpy as np
+
+from mlx_open1b.metal.emu import hwmodel
 
 PRELUDE_PATH = pathlib.Path(__file__).resolve().parent / "prelude.h"
 CXX = "g++"
@@ -40,6 +49,12 @@ _SCALARS = {"f4": np.float32, "f8": np.float64, "i4": np.int32, "i8": np.int64, 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 _settings = {"race_check": False, "ftz": 1, "ucontext": False}
+
+
+_hardware = hwmodel.Setting()
+#: `with emu.hardware(fault=None, adversarial_flush=False, seed=0):` (see hwmodel)
+hardware = _hardware.context
+FAULTS = hwmodel.FAULTS
 
 
 class EmuCompileError(RuntimeError):
@@ -98,11 +113,14 @@ def kernel_names(source: str) -> list[str]:
     return _KERNEL_RE.findall(source)
 
 
-def _build(source: str, name: str, ftz: int, ucontext: bool) -> tuple[ctypes.CDLL, pathlib.Path]:
+def _build(source: str, name: str, ftz: int, ucontext: bool,
+           hw: hwmodel.Hardware = hwmodel.Hardware()) -> tuple[ctypes.CDLL, pathlib.Path]:
     kernels = kernel_names(source)
     if not kernels:
         raise EmuCompileError(f"{name}: no `extern \"C\" __global__ void` kernel in the source")
-    text = (f"#define EMU_FTZ {ftz}\n" + ("#define EMU_UCONTEXT 1\n" if ucontext else "") + "#line 1 \"emu/prelude.h\"\n" + PRELUDE_PATH.read_text()
+    text = (f"#define EMU_FTZ {ftz}\n" + ("#define EMU_UCONTEXT 1\n" if ucontext else "")
+            + "#define O1B_HW_DAZ (EMU_FTZ != 0)\n#define O1B_HW_FTZ EMU_FTZ\n" + hw.defines()
+            + hwmodel.hwfloat_text() + "#line 1 \"emu/prelude.h\"\n" + PRELUDE_PATH.read_text()
             + f"\n#line 1 \"{name}\"\n" + source
             + "\n#line 1 \"<emulator trampolines>\"\n" + "".join(f"EMU_KERNEL({k})\n" for k in kernels))
     flags = CXXFLAGS
@@ -128,6 +146,8 @@ def _build(source: str, name: str, ftz: int, ucontext: bool) -> tuple[ctypes.CDL
         lib = ctypes.CDLL(str(out))
         lib.emu_launch.restype = ctypes.c_int
         lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_int]
+        lib.o1b_hw_set_seed.argtypes = [ctypes.c_ulonglong]
+        lib.o1b_hw_set_seed.restype = None
         _loaded[key] = lib
         return lib, out
 
@@ -137,10 +157,20 @@ class EmuModule:
 
     def __init__(self, source: str, name: str = "<source>"):
         self.name, self.source = name, source
-        self.ftz = _settings["ftz"]
-        self.lib, self.path = _build(source, name, self.ftz, _settings["ucontext"])
+        self.ftz, self.ucontext = _settings["ftz"], _settings["ucontext"]
+        self._libs: dict[hwmodel.Hardware, ctypes.CDLL] = {}
+        self.lib, self.path = self.library(hwmodel.Hardware())
+        self.library(_hardware.current())          # compile errors show up here, not at a launch
         self.uses_barrier = "__syncthreads" in source
         self.kernels = kernel_names(source)
+
+    def library(self, hw: hwmodel.Hardware) -> tuple[ctypes.CDLL, pathlib.Path]:
+        """The library of this module on the hardware `hw` (its seed is set at each launch)."""
+        key = dataclasses.replace(hw, seed=0)
+        got = self._libs.get(key)
+        if got is None:
+            got = self._libs[key] = _build(self.source, self.name, self.ftz, self.ucontext, key)
+        return got
 
     def get_function(self, kernel: str) -> "EmuFunction":
         if kernel not in self.kernels:
@@ -158,7 +188,6 @@ def _dims(v, what: str) -> tuple[int, int, int]:
 class EmuFunction:
     def __init__(self, module: EmuModule, kernel: str):
         self.module, self.kernel = module, kernel
-        self.tramp = ctypes.cast(getattr(module.lib, f"emu_tramp_{kernel}"), ctypes.c_void_p).value
         sig = getattr(module.lib, f"emu_sig_{kernel}")
         sig.restype = ctypes.c_char_p
         self.signature = [s for s in sig().decode().split(",") if s]
@@ -187,9 +216,9 @@ class EmuFunction:
             ptrs[i] = ctypes.addressof(h) if isinstance(h, ctypes.c_void_p) else h.ctypes.data
         return ptrs, holders, arrays
 
-    def _run(self, grid, block, ptrs, reverse: bool) -> None:
+    def _run(self, lib, tramp, grid, block, ptrs, reverse: bool) -> None:
         mode = (1 if reverse else 0) | (0 if self.module.uses_barrier else 2)
-        rc = self.module.lib.emu_launch(self.tramp, ctypes.addressof(ptrs), *grid, *block, mode)
+        rc = lib.emu_launch(tramp, ctypes.addressof(ptrs), *grid, *block, mode)
         if rc == 1:
             raise EmuLaunchError(f"{self.kernel}: barrier divergence (some threads of a block returned while "
                                  "others wait at __syncthreads)")
@@ -203,16 +232,20 @@ class EmuFunction:
         if block[0] * block[1] * block[2] > 1024:
             raise EmuLaunchError(f"{self.kernel}: a block has at most 1024 threads, got {block}")
         ptrs, holders, arrays = self._pack(tuple(args))
+        hw = _hardware.current()
+        lib = self.module.library(hw)[0]
+        tramp = ctypes.cast(getattr(lib, f"emu_tramp_{self.kernel}"), ctypes.c_void_p).value
         with _lock:    # the scheduler state in the library is global
+            lib.o1b_hw_set_seed(hw.seed)
             if not _settings["race_check"]:
-                self._run(grid, block, ptrs, False)
+                self._run(lib, tramp, grid, block, ptrs, False)
                 return
             before = [a.copy() for a in arrays]
-            self._run(grid, block, ptrs, False)
+            self._run(lib, tramp, grid, block, ptrs, False)
             forward = [a.copy() for a in arrays]
             for a, b in zip(arrays, before):
                 np.copyto(a, b)
-            self._run(grid, block, ptrs, True)
+            self._run(lib, tramp, grid, block, ptrs, True)
             for i, (a, f) in enumerate(zip(arrays, forward)):
                 if a.tobytes() != f.tobytes():
                     raise EmuRaceError(f"{self.kernel}: race detected — array argument {i} differs between "

@@ -14,10 +14,12 @@
  *     all pass it; a thread that returns while others wait at a barrier is "barrier divergence".
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
  *     __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz, __umulhi.
- *     EMU_FTZ selects how the single-precision ones treat subnormals: 0 IEEE gradual underflow,
- *     1 flush inputs and results with tininess detected after rounding (x86-like), 2 flush with
- *     tininess detected before rounding. The contract helpers must give the same bits in all three
- *     (tests/test_cuda_backend.py runs them), which is what makes CuPy's -ftz=true harmless.
+ *     The single-precision ones are the fp32 unit of hwfloat.h (included before this file, with
+ *     O1B_HW_DAZ = EMU_FTZ != 0 and O1B_HW_FTZ = EMU_FTZ, and any planted fault or adversarial
+ *     flushing of emu.hardware()). EMU_FTZ selects how they treat subnormals: 0 IEEE gradual
+ *     underflow, 1 flush inputs and results with tininess detected after rounding (x86-like), 2
+ *     flush with tininess detected before rounding. The contract helpers must give the same bits in
+ *     all three (tests/test_cuda_backend.py runs them), which is what makes CuPy's -ftz=true harmless.
  */
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700   /* macOS only offers the ucontext routines under this (untested there) */
@@ -74,36 +76,11 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 
-static inline float emu_ftz_in(float x) {
-#if EMU_FTZ
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7F800000u) == 0) return __uint_as_float(u & 0x80000000u);
-#endif
-    return x;
-}
-static inline float emu_ftz_out(float r) { return emu_ftz_in(r); }   /* tininess after rounding */
-
-static inline float __fadd_rn(float a, float b) { return emu_ftz_out(emu_ftz_in(a) + emu_ftz_in(b)); }
-static inline float __fsub_rn(float a, float b) { return emu_ftz_out(emu_ftz_in(a) - emu_ftz_in(b)); }
-static inline float __fmul_rn(float a, float b) {
-    a = emu_ftz_in(a); b = emu_ftz_in(b);
-    float r = a * b;
-#if EMU_FTZ == 2
-    double e = (double)a * (double)b;                       /* exact */
-    if (e < 0x1p-126 && e > -0x1p-126) return __uint_as_float(__float_as_uint(r) & 0x80000000u);
-#endif
-    return emu_ftz_out(r);
-}
-static inline float __fdiv_rn(float a, float b) {
-    a = emu_ftz_in(a); b = emu_ftz_in(b);
-    float r = a / b;
-#if EMU_FTZ == 2
-    if (r == r && fabs((double)a) < 0x1p-126 * fabs((double)b))
-        return __uint_as_float(__float_as_uint(r) & 0x80000000u);
-#endif
-    return emu_ftz_out(r);
-}
-static inline float __fsqrt_rn(float x) { return emu_ftz_out(sqrtf(emu_ftz_in(x))); }
+static inline float __fadd_rn(float a, float b) { return o1b_hw_add(a, b); }
+static inline float __fsub_rn(float a, float b) { return o1b_hw_sub(a, b); }
+static inline float __fmul_rn(float a, float b) { return o1b_hw_mul(a, b); }
+static inline float __fdiv_rn(float a, float b) { return o1b_hw_div(a, b); }
+static inline float __fsqrt_rn(float x) { return o1b_hw_sqrt(x); }
 
 /* ---- the block scheduler ---- */
 /* Fibers switch with a 14-instruction stack switch on x86-64 Linux (glibc's swapcontext makes a
@@ -123,7 +100,12 @@ __asm__(".text\n.p2align 4\n.hidden emu_switch\n.globl emu_switch\n.type emu_swi
 #endif
 
 enum { EMU_RUNNABLE = 0, EMU_AT_BARRIER = 1, EMU_DONE = 2 };
-struct emu_fiber { void *sp; int state; ucontext_t ctx; };
+struct emu_fiber {
+    void *sp; int state; ucontext_t ctx;
+#if O1B_HW_STATEFUL
+    o1b_hw_thread hw;             /* the fp32 unit's state of this thread while it waits */
+#endif
+};
 
 static ucontext_t emu_sched_ctx;
 static void *emu_sched_sp = 0;
@@ -196,10 +178,17 @@ static int emu_reserve(int n) {
 /* Runs one block; returns 0, or 1 on barrier divergence, 2 when out of memory. */
 static int emu_run_block(int nthreads, int reverse) {
     emu_poison_shared(reverse);
+#if O1B_HW_STATEFUL
+    unsigned long long first = (unsigned long long)nthreads
+        * (blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z));
+#endif
     if (emu_direct) {
         for (int k = 0; k < nthreads; k++) {
             int t = reverse ? nthreads - 1 - k : k;
             emu_set_thread(t);
+#if O1B_HW_STATEFUL
+            o1b_hw_start_thread(first + (unsigned)t);
+#endif
             emu_body(emu_args);
         }
         return 0;
@@ -208,6 +197,10 @@ static int emu_run_block(int nthreads, int reverse) {
     for (int t = 0; t < nthreads; t++) {
         emu_fiber *f = &emu_fibers[t];
         f->state = EMU_RUNNABLE;
+#if O1B_HW_STATEFUL
+        o1b_hw_start_thread(first + (unsigned)t);
+        f->hw = o1b_hw_cur;
+#endif
 #ifdef EMU_FAST_SWITCH
         f->sp = emu_prepare(emu_stacks + (size_t)t * EMU_STACK, EMU_STACK);
 #else
@@ -224,10 +217,16 @@ static int emu_run_block(int nthreads, int reverse) {
             if (emu_fibers[t].state != EMU_RUNNABLE) continue;
             emu_current = t;
             emu_set_thread(t);
+#if O1B_HW_STATEFUL
+            o1b_hw_cur = emu_fibers[t].hw;
+#endif
 #ifdef EMU_FAST_SWITCH
             emu_switch(&emu_sched_sp, emu_fibers[t].sp);
 #else
             swapcontext(&emu_sched_ctx, &emu_fibers[t].ctx);
+#endif
+#if O1B_HW_STATEFUL
+            emu_fibers[t].hw = o1b_hw_cur;
 #endif
         }
         int waiting = 0, done = 0;

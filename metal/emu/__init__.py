@@ -37,6 +37,8 @@ import threading
 
 import numpy as np
 
+from . import hwmodel
+
 _HERE = pathlib.Path(__file__).resolve().parent
 PRELUDE_PATH = _HERE / "prelude.h"
 CXX_FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
@@ -99,6 +101,29 @@ _TYPE_STRING = {
     np.dtype(np.uint8): "uint8_t", np.dtype(np.uint16): "uint16_t", np.dtype(np.uint32): "uint32_t",
     np.dtype(np.uint64): "uint64_t",
 }
+
+
+_hardware = hwmodel.Setting()
+#: `with emu.hardware(fault=None, adversarial_flush=False, seed=0):` launches inside run on an fp32
+#: unit with a planted fault or adversarial flushing (hwmodel.py, hwfloat.h). On Metal the faults
+#: reach the contract header's hardware operators (O1B_HW_ADD/SUB/MUL/DIV), not a bare operator of
+#: a kernel body.
+hardware = _hardware.context
+FAULTS = hwmodel.FAULTS
+
+# The text between the prelude's system headers and the kernel when a hardware mode is active: the
+# fp32 unit of hwfloat.h (ftz: the launcher sets MXCSR DAZ for the inputs of every op, hwfloat.h
+# flushes the results it computes, tininess after rounding) and the header's hooks pointing at it.
+_HW_PREFIX = """#define O1B_HW_DAZ 0
+#define O1B_HW_FTZ o1b_emu_hw_ftz
+static int o1b_emu_hw_ftz = 0;
+"""
+_HW_HOOKS = """
+#define O1B_HW_ADD(a, b) o1b_hw_add((a), (b))
+#define O1B_HW_SUB(a, b) o1b_hw_sub((a), (b))
+#define O1B_HW_MUL(a, b) o1b_hw_mul((a), (b))
+#define O1B_HW_DIV(a, b) o1b_hw_div((a), (b))
+"""
 
 
 class EmuError(RuntimeError):
@@ -273,6 +298,9 @@ static uint3 grid_, tgd_, ngroups_, gpos_, tptg_;
 static inline void run_thread(uint3 tpitg, uint tiitg) {
     uint3 tpig(gpos_.x * tgd_.x + tpitg.x, gpos_.y * tgd_.y + tpitg.y, gpos_.z * tgd_.z + tpitg.z);
     (void)tpig;
+#ifdef O1B_HWFLOAT_H
+    o1b_hw_start_thread(tpig.x + (unsigned long long)grid_.x * (tpig.y + (unsigned long long)grid_.y * tpig.z));
+#endif
     @CALL@;
 }
 static void fiber_entry() {
@@ -283,6 +311,9 @@ static void fiber_entry() {
 static const size_t STACK = 256 * 1024;
 static char *stacks = nullptr;
 static size_t nstacks = 0;
+#ifdef O1B_HWFLOAT_H
+static o1b_hw_thread *hw_saved = nullptr;     // each fiber's fp32-unit state while it waits
+#endif
 }  // namespace o1b_emu
 
 extern "C" int o1b_launch(void **b, const unsigned *g, const unsigned *t, int mode,
@@ -291,7 +322,12 @@ extern "C" int o1b_launch(void **b, const unsigned *g, const unsigned *t, int mo
     const int reverse = mode & 1;
 #if defined(__x86_64__) || defined(__i386__)
     const unsigned csr = _mm_getcsr();
+#ifdef O1B_HWFLOAT_H
+    o1b_emu_hw_ftz = (mode & 2) ? 1 : 0;           // hwfloat.h flushes the results it computes
+    if (mode & 2) _mm_setcsr(csr | 0x0040u);       // DAZ: every op reads subnormal inputs as zeros
+#else
     if (mode & 2) _mm_setcsr(csr | 0x8040u);       // FTZ | DAZ: a GPU that flushes in hardware
+#endif
 #else
     if (mode & 2) { std::snprintf(err, errlen, "flush-to-zero emulation needs an x86 host"); return 1; }
 #endif
@@ -312,6 +348,10 @@ extern "C" int o1b_launch(void **b, const unsigned *g, const unsigned *t, int mo
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) { std::snprintf(err, errlen, "cannot map fiber stacks"); return 1; }
         stacks = (char *)m; nstacks = tgn; fibers = new Fiber[tgn];
+#ifdef O1B_HWFLOAT_H
+        delete[] hw_saved;
+        hw_saved = new o1b_hw_thread[tgn];
+#endif
     }
 #endif
     for (unsigned long gi = 0; gi < total && !failed; gi++) {
@@ -343,7 +383,13 @@ extern "C" int o1b_launch(void **b, const unsigned *g, const unsigned *t, int mo
                 uint i = reverse ? n - 1 - k : k;
                 if (fibers[i].state != RUNNABLE) continue;
                 cur = (int)i;
+#ifdef O1B_HWFLOAT_H
+                if (phase > 0) o1b_hw_cur = hw_saved[i];
+#endif
                 swapcontext(&sched, &fibers[i].ctx);
+#ifdef O1B_HWFLOAT_H
+                hw_saved[i] = o1b_hw_cur;
+#endif
                 cur = -1;
             }
             uint waiting = 0, done = 0;
@@ -403,12 +449,12 @@ _libs: dict[str, tuple[ctypes.CDLL, object]] = {}
 
 
 def _build(text: str, name: str):
-    """Compile (or load from the disk cache) the full translation unit; returns the launch fn."""
+    """Compile (or load from the disk cache) the full translation unit; returns (launch fn, library)."""
     key = hashlib.sha256((compiler_id() + "\0" + " ".join(CXX_FLAGS) + "\0" + text).encode()).hexdigest()
     with _lock:
         if key in _libs:
             stats["memory_hits"] += 1
-            return _libs[key][1]
+            return _libs[key][1], _libs[key][0]
         d = cache_dir()
         d.mkdir(parents=True, exist_ok=True)
         so = d / f"{key}.so"
@@ -433,7 +479,7 @@ def _build(text: str, name: str):
                        ctypes.POINTER(ctypes.c_uint), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         fn.restype = ctypes.c_int
         _libs[key] = (lib, fn)
-        return fn
+        return fn, lib
 
 
 def clear_memory_cache() -> None:
@@ -485,9 +531,14 @@ class EmuKernel:
         call, nbuf = _call_expr(fname, self.input_names, ins, self.infos, odt, self.attrs, template)
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
-        unit = (PRELUDE_PATH.read_text() + "\n" + text + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
+        hw = _hardware.current()
+        hw_text = (_HW_PREFIX + hw.defines() + hwmodel.hwfloat_text() + _HW_HOOKS) if hw.active else ""
+        unit = (hw_text + PRELUDE_PATH.read_text() + "\n" + text
+                + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
                 .replace("@NBUF@", str(max(nbuf, 1))).replace("@CALL@", call))
-        launch = _build(unit, self.name)
+        launch, lib = _build(unit, self.name)
+        if hw.active:
+            lib.o1b_hw_set_seed(ctypes.c_ulonglong(hw.seed))
 
         grid3 = tuple(int(v) for v in grid)
         tg3 = tuple(int(v) for v in threadgroup)
