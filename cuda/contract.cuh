@@ -12,7 +12,9 @@
  *     the single-precision flush mode on or off, and whether the hardware detects tininess before or
  *     after rounding: add/sub flush their result explicitly (a tiny sum is exact, so every mode
  *     agrees), and mul/div re-decide the only ambiguous case, |result| == 2^-126, exactly in double
- *     (the double product of two floats is exact; -ftz=true does not touch double arithmetic).
+ *     (the double product of two floats is exact; -ftz=true does not touch double arithmetic). The
+ *     sign of a flushed zero comes from the operands, never from the hardware's zero (the emulator's
+ *     adversarial flush mode returns either zero, or the IEEE value, for every tiny result).
  *   - NaN leaves an op as 0x7FC00000 (o1b_store at every store to an output array).
  *   - no library math function is called: exp, log, sin, cos are the contract's §4 routines and
  *     sqrt is __fsqrt_rn (IEEE correctly rounded).
@@ -61,8 +63,24 @@ __device__ __forceinline__ bf16 o1b_f32_to_bf16(float x) {
 __device__ __forceinline__ float o1b_i2f(int i) { return o1b_flush(__int2float_rn(i)); }
 
 /* ---- the primitive operations (§3) ---- */
-__device__ __forceinline__ float o1b_add(float a, float b) { return o1b_flush(__fadd_rn(a, b)); }
-__device__ __forceinline__ float o1b_sub(float a, float b) { return o1b_flush(__fsub_rn(a, b)); }
+/* r = the hardware sum of operands with bits ua, ub. A subnormal sum of two normals is exact:
+ * flushing the IEEE result is flushing the exact value. The sign of that zero must not depend on the
+ * hardware's own flushing (a flushing unit might return a zero of either sign for a tiny sum), so a
+ * zero result is re-signed from the operands: an exact zero (b = -a, or two zeros) keeps the IEEE
+ * sign the hardware gives; a tiny nonzero sum has the sign of the operand of larger magnitude. */
+__device__ __forceinline__ float o1b_signed_sum(float r, u32 ua, u32 ub) {
+    u32 ur = __float_as_uint(r);
+    if ((ur & 0x7F800000u) != 0u) return r;                                   /* normal, inf, NaN */
+    if ((ur & 0x7FFFFFFFu) != 0u) return __uint_as_float(ur & 0x80000000u);   /* subnormal: flush */
+    if ((ua ^ ub) == 0x80000000u || ((ua | ub) & 0x7FFFFFFFu) == 0u) return r;
+    return __uint_as_float(((ua & 0x7FFFFFFFu) > (ub & 0x7FFFFFFFu) ? ua : ub) & 0x80000000u);
+}
+__device__ __forceinline__ float o1b_add(float a, float b) {
+    return o1b_signed_sum(__fadd_rn(a, b), __float_as_uint(a), __float_as_uint(b));
+}
+__device__ __forceinline__ float o1b_sub(float a, float b) {
+    return o1b_signed_sum(__fsub_rn(a, b), __float_as_uint(a), __float_as_uint(b) ^ 0x80000000u);
+}
 __device__ __forceinline__ float o1b_neg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
 
 /* level(t) of §6.9 for a finite t: clamp to [-qmax, qmax] (127; 31 or 7 on the simulated int6 / int4
@@ -75,12 +93,13 @@ __device__ __forceinline__ signed char o1b_level(float t, int qmax) {
 }
 
 /* r = the hardware result of a*b (or a/b). If |r| < 2^-126 (zero, or a subnormal with FTZ off) the
- * exact value is below 2^-126 too: the zero of r's sign. If |r| == 2^-126 the exact value may lie
+ * exact value is below 2^-126 too: the zero of its sign, the operands' (a flushing unit might lose
+ * the sign of a tiny result; r is never NaN here). If |r| == 2^-126 the exact value may lie
  * just below it (IEEE and FTZ-after-rounding round it up; FTZ-before-rounding gives 0, which the
  * first case handles): decided in double, where both sides are exact. Same decisions as the C
  * reference's o1b_mul_tiny / o1b_div_tiny. */
 __device__ __noinline__ float o1b_mul_tiny(float a, float b, float r) {
-    u32 sign = __float_as_uint(r) & 0x80000000u;
+    u32 sign = (__float_as_uint(a) ^ __float_as_uint(b)) & 0x80000000u;
     if (o1b_abs_bits(r) < 0x00800000u) return __uint_as_float(sign);
     double e = __dmul_rn((double)a, (double)b);                 /* exact: 24 + 24 bits */
     return (e < 0x1p-126 && e > -0x1p-126) ? __uint_as_float(sign) : r;
@@ -90,7 +109,7 @@ __device__ __forceinline__ float o1b_mul(float a, float b) {
     return o1b_abs_bits(r) <= 0x00800000u ? o1b_mul_tiny(a, b, r) : r;
 }
 __device__ __noinline__ float o1b_div_tiny(float a, float b, float r) {
-    u32 sign = __float_as_uint(r) & 0x80000000u;
+    u32 sign = (__float_as_uint(a) ^ __float_as_uint(b)) & 0x80000000u;
     if (o1b_abs_bits(r) < 0x00800000u) return __uint_as_float(sign);
     /* |a/b| < 2^-126  <=>  |a| < 2^-126 |b|, both sides exact in double */
     double da = (double)__uint_as_float(o1b_abs_bits(a)), db = (double)__uint_as_float(o1b_abs_bits(b));
