@@ -1,10 +1,11 @@
-// attention_dkv — §6.6 backward pass 2, one thread per key row r = (b*G + g)*T + j: over the
+// attention_dkv — §6.6 backward pass 2, one thread per key row r = (b*T + j)*G + g (dk's row
+// order; a launch computes the slab R0 ... R0 + grid - 1 as rows r - R0 of its outputs): over the
 // heads h of group g ascending, then the queries i = j, ..., ihi(j) ascending:
 //   dk = mul(sum from +0 of mul(ds, q_id), scale),  dv = sum from +0 of mul(p, dout_id).
-// D is a template int. prm = T, H, G, W. Grid (B*G*T).
-long r = (long)thread_position_in_grid.x;
+// D is a template int. prm = T, H, G, W, R0. Grid (rows).
+long ro = (long)thread_position_in_grid.x, r = prm[4] + ro;
 long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
-long j = r % T, g = (r / T) % G, b = r / (T * G), rep = H / G;
+long g = r % G, j = (r / G) % T, b = r / (T * G), rep = H / G;
 float sc = o1b_load(scale[0]);
 float kv[D], vv[D], dka[D], dva[D];
 for (int d = 0; d < D; d++) {
@@ -28,6 +29,6 @@ for (long h = g * rep; h < (g + 1) * rep; h++) {
     }
 }
 for (int d = 0; d < D; d++) {
-    dk[((b * T + j) * G + g) * D + d] = o1b_store(o1b_mul(dka[d], sc));
-    dv[((b * T + j) * G + g) * D + d] = o1b_store(dva[d]);
+    dk[ro * D + d] = o1b_store(o1b_mul(dka[d], sc));
+    dv[ro * D + d] = o1b_store(dva[d]);
 }

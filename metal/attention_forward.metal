@@ -1,12 +1,14 @@
-// attention_forward — CONTRACT.md §6.6, one thread per query row r = (b*H + h)*T + i.
-// q (B,T,H,D), k and v (B,T,G,D) bf16; head dim D is a template int. prm (int64) = T, H, G, W.
+// attention_forward — CONTRACT.md §6.6, one thread per query row r = (b*T + i)*H + h (o's row
+// order); a launch computes the rows R0 ... R0 + grid - 1 (a slab, metal/slabs.py) and writes them
+// as rows r - R0 of its outputs. q (B,T,H,D), k and v (B,T,G,D) bf16; head dim D is a template
+// int. prm (int64) = T, H, G, W, R0.
 // Online softmax over key blocks of ATTN_BLOCK = 64 keys aligned at absolute key positions:
 // per block, mb = max of the scores, m_new = max(m, mb), corr = exp(m - m_new), p_j = exp(s_j - m_new),
 // ps = sum p_j, pv[d] = sum p_j v_jd (j ascending, from +0); l = l corr + ps, acc = acc corr + pv.
-// Outputs o (B,T,H,D) = acc / l (mul by div(1, l)), lse (B,H,T) = m + log(l). Grid (B*H*T).
-long r = (long)thread_position_in_grid.x;
+// Outputs o (rows, D) = acc / l (mul by div(1, l)), lse (rows) = m + log(l). Grid (rows).
+long ro = (long)thread_position_in_grid.x, r = prm[4] + ro;
 long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
-long i = r % T, h = (r / T) % H, b = r / (T * H), g = h / (H / G);
+long h = r % H, i = (r / H) % T, b = r / (T * H), g = h / (H / G);
 float sc = o1b_load(scale[0]);
 float qv[D], acc[D], pv[D], s[O1B_ATTN_BK];
 for (int d = 0; d < D; d++) { qv[d] = o1b_bf16_to_f32(q[((b * T + i) * H + h) * D + d]); acc[d] = 0.0f; }
@@ -38,5 +40,5 @@ for (long kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
     m = m_new;
 }
 float inv = o1b_div(1.0f, l);
-for (int d = 0; d < D; d++) o[((b * T + i) * H + h) * D + d] = o1b_store(o1b_mul(acc[d], inv));
-lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
+for (int d = 0; d < D; d++) o[ro * D + d] = o1b_store(o1b_mul(acc[d], inv));
+lse[ro] = o1b_store(o1b_add(m, o1b_log(l)));

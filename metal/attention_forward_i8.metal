@@ -1,17 +1,18 @@
 // attention_forward_i8 — CONTRACT.md §6.10 (§6.6 with the block product P·V in int8), one thread
-// per query row r = (b*H + h)*T + i. q (B,T,H,D), k (B,T,G,D) bf16; vq (B,T,G,D) int8 and
+// per query row r = (b*T + i)*H + h (o's row order; a launch computes the slab R0 ... R0 + grid - 1
+// as rows r - R0 of its outputs). q (B,T,H,D), k (B,T,G,D) bf16; vq (B,T,G,D) int8 and
 // vs (B,T,G) fp32 are the value rows quantized by attention_vquant. D is a template int.
-// prm (int64) = T, H, G, W. Per block of ATTN_BLOCK = 64 keys aligned at absolute key positions:
+// prm (int64) = T, H, G, W, R0. Per block of ATTN_BLOCK = 64 keys aligned at absolute key positions:
 // mb, m_new = max(m, mb), corr = exp(m - m_new), p_j = exp(s_j - m_new), ps = sum p_j (j ascending,
 // from +0) exactly as attention_forward; then t_j = mul(p_j, s_v[j]); if any t_j is NaN, pv = NaN;
 // else a = max t_j (all >= +0: exact in any order), s_p = div(a, 127); s_p = +0: pv = +0; else
 // q_p[j] = level(mul(t_j, div(1, s_p))) in 0..127, acc[d] = sum_j q_p[j] q_v[j, d] in int32
 // (exact: at most 64 terms <= 127^2), pv[d] = mul(i2f(acc[d]), s_p). l = l corr + ps,
-// acc = acc corr + pv. Outputs o (B,T,H,D) = acc / l (mul by div(1, l)), lse (B,H,T) = m + log(l).
-// Grid (B*H*T).
-long r = (long)thread_position_in_grid.x;
+// acc = acc corr + pv. Outputs o (rows, D) = acc / l (mul by div(1, l)), lse (rows) = m + log(l).
+// Grid (rows).
+long ro = (long)thread_position_in_grid.x, r = prm[4] + ro;
 long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
-long i = r % T, h = (r / T) % H, b = r / (T * H), g = h / (H / G);
+long h = r % H, i = (r / H) % T, b = r / (T * H), g = h / (H / G);
 float sc = o1b_load(scale[0]);
 float qr[D], acc[D], t[O1B_ATTN_BK];
 int qp[O1B_ATTN_BK];
@@ -64,5 +65,5 @@ for (long kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
     m = m_new;
 }
 float inv = o1b_div(1.0f, l);
-for (int d = 0; d < D; d++) o[((b * T + i) * H + h) * D + d] = o1b_store(o1b_mul(acc[d], inv));
-lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
+for (int d = 0; d < D; d++) o[ro * D + d] = o1b_store(o1b_mul(acc[d], inv));
+lse[ro] = o1b_store(o1b_add(m, o1b_log(l)));

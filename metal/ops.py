@@ -7,8 +7,10 @@ returns mx.arrays (on a Mac they stay on the GPU, lazily evaluated; `to_device` 
 numpy only it returns numpy. Inside, each op launches its kernels through `runtime.kernel(...)`:
 mx.fast.metal_kernel on a Mac, the emulator elsewhere (which copies mx.arrays to the host and back)
 — the same grid sizes, output shapes and template arguments either way. Host code only checks arguments, allocates,
-and moves data (bucketing positions for the embedding backward, assembling chunk rows); every
-fp32 value comes out of a kernel.
+and moves data (bucketing positions for the embedding backward, assembling chunk rows, joining the
+slabs of a long kernel: GEMMs, attention and the costliest elementwise kernels are launched in
+slabs of bounded work so that no command buffer trips the macOS GPU watchdog, metal/slabs.py);
+every fp32 value comes out of a kernel.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 from ..contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
 from .. import arrays, opargs
 from ..opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
-from . import runtime
+from . import runtime, slabs
 from .runtime import available  # noqa: F401  (re-exported)
 
 NAME = "metal"
@@ -100,6 +102,33 @@ def _f32(*v) -> np.ndarray:
         return np.array(v, np.float64).astype(np.float32)
 
 
+def _join(parts: list, axis: int = 0):
+    """The slabs of one output joined along axis (data movement only)."""
+    return parts[0] if len(parts) == 1 else arrays.concat(parts, axis)
+
+
+def _transpose(a, axes):
+    """a with its axes permuted, in row-major order (data movement only)."""
+    if arrays.kind(a) == arrays.MLX:
+        import mlx.core as mx
+        return mx.contiguous(mx.transpose(a, axes))
+    return np.ascontiguousarray(np.transpose(a, axes))
+
+
+def _gemm_blocks(I: int, J: int, P: int, launch):
+    """C (I, J) from launch(i0, i1, j0, j1) -> the block C[i0:i1, j0:j1], over the bounded blocks of
+    slabs.gemm_slabs (each output element computed whole by one thread of one launch)."""
+    rows, cur, at = [], [], None
+    for i0, i1, j0, j1 in slabs.gemm_slabs(I, J, P):
+        if at is not None and at != (i0, i1):
+            rows.append(_join(cur, 1))
+            cur = []
+        at = (i0, i1)
+        cur.append(launch(i0, i1, j0, j1))
+    rows.append(_join(cur, 1))
+    return _join(rows, 0)
+
+
 def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=None):
     """Launch metal/<name>.metal; outputs = [(shape, dtype)]; returns the output arrays."""
     if any(int(g) > MAX_GRID for g in grid):
@@ -126,8 +155,10 @@ def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=Non
 # §4 functions, §2 conversions, elementwise ops, host scalars
 # ---------------------------------------------------------------------------------------------
 def _map(index: int, x: np.ndarray) -> np.ndarray:
-    (y,) = _run("map", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1), template=[("OP", index)])
-    return y.reshape(x.shape)
+    flat = x.reshape(-1)
+    ys = [_run("map", [flat[a:b]], [((b - a,), F32)], (b - a, 1, 1), template=[("OP", index)])[0]
+          for a, b in slabs.even_slabs(x.size, slabs.ITEM_UNITS["map"])]
+    return _join(ys).reshape(x.shape)
 
 
 exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_map)
@@ -195,10 +226,14 @@ def _gemm(I, J, P, A, oa, sai, sap, B, ob, sbp, sbj, C0=None) -> np.ndarray:
     """C (I, J) = the contract GEMM of A(i, p) = A[oa + i sai + p sap], B(p, j) = B[ob + p sbp + j sbj],
     accumulating onto C0 when given."""
     acc = C0 is not None
-    c0 = C0 if acc else np.zeros(1, F32)
-    (C,) = _run("gemm", [A.reshape(-1), B.reshape(-1), c0.reshape(-1), _i64(J, P, oa, sai, sap, ob, sbp, sbj)],
-                [((I, J), F32)], (J, I, 1), (32, 8, 1), template=[("ACC", int(acc))])
-    return C
+    A, B = A.reshape(-1), B.reshape(-1)
+
+    def block(i0, i1, j0, j1):
+        c0 = C0[i0:i1, j0:j1].reshape(-1) if acc else np.zeros(1, F32)
+        (C,) = _run("gemm", [A, B, c0, _i64(j1 - j0, P, oa + i0 * sai, sai, sap, ob + j0 * sbj, sbp, sbj)],
+                    [((i1 - i0, j1 - j0), F32)], (j1 - j0, i1 - i0, 1), (32, 8, 1), template=[("ACC", int(acc))])
+        return C
+    return _gemm_blocks(I, J, P, block)
 
 
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -289,15 +324,17 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
     """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
     N, F = opargs.swiglu_forward(h)
-    (out,) = _run("swiglu_forward", [h.reshape(-1), _i64(F)], [((N, F), F32)], (F, N, 1), (32, 8, 1))
-    return out
+    outs = [_run("swiglu_forward", [h[a:b].reshape(-1), _i64(F)], [((b - a, F), F32)], (F, b - a, 1), (32, 8, 1))[0]
+            for a, b in slabs.even_slabs(N, F * slabs.ITEM_UNITS["swiglu_forward"])]
+    return _join(outs)
 
 
 def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
-    (dh,) = _run("swiglu_backward", [dout.reshape(-1), h.reshape(-1), _i64(F)], [((N, 2 * F), F32)],
-                 (F, N, 1), (32, 8, 1))
-    return dh
+    dhs = [_run("swiglu_backward", [dout[a:b].reshape(-1), h[a:b].reshape(-1), _i64(F)], [((b - a, 2 * F), F32)],
+                (F, b - a, 1), (32, 8, 1))[0]
+           for a, b in slabs.even_slabs(N, F * slabs.ITEM_UNITS["swiglu_backward"])]
+    return _join(dhs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,10 +343,19 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
-    o, lse = _run("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1), _i64(T, H, G, W), _f32(s)],
-                  [((B, T, H, D), F32), ((B, H, T), F32)], (B * H * T, 1, 1), (64, 1, 1),
-                  template=[("D", D)])
-    return o, lse
+    return _query_rows("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1)], B, T, H, G, D, W, s)
+
+
+def _query_rows(name: str, inputs: list, B, T, H, G, D, W, s):
+    """o (B,T,H,D), lse (B,H,T) of attention_forward(_i8), launched slab by slab of query rows in
+    o's row order (slabs.attention_query_slabs); each slab's lse rows come in that order too."""
+    os_, ls = [], []
+    for r0, r1 in slabs.attention_query_slabs(B, T, H, W, D):
+        o, lse = _run(name, inputs + [_i64(T, H, G, W, r0), _f32(s)], [((r1 - r0, D), F32), ((r1 - r0,), F32)],
+                      (r1 - r0, 1, 1), (64, 1, 1), template=[("D", D)])
+        os_.append(o)
+        ls.append(lse)
+    return _join(os_).reshape(B, T, H, D), _transpose(_join(ls).reshape(B, T, H), (0, 2, 1))
 
 
 def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
@@ -318,24 +364,24 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     vq, vs = _run("attention_vquant", [v.reshape(-1), _i64(D)], [((B, T, G, D), np.dtype(np.int8)), ((B, T, G), F32)],
                   (B * T * G, 1, 1), (64, 1, 1))
-    o, lse = _run("attention_forward_i8",
-                  [q.reshape(-1), k.reshape(-1), vq.reshape(-1), vs.reshape(-1), _i64(T, H, G, W), _f32(s)],
-                  [((B, T, H, D), F32), ((B, H, T), F32)], (B * H * T, 1, 1), (64, 1, 1), template=[("D", D)])
-    return o, lse
+    return _query_rows("attention_forward_i8", [q.reshape(-1), k.reshape(-1), vq.reshape(-1), vs.reshape(-1)],
+                       B, T, H, G, D, W, s)
 
 
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     """-> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
-    prm, sc = _i64(T, H, G, W), _f32(s)
+    sc = _f32(s)
     (Di,) = _run("attention_di", [dout.reshape(-1), o.reshape(-1), _i64(T, H, D)], [((B, H, T), F32)],
                  (B * H * T, 1, 1), (64, 1, 1))
-    ins = [dout.reshape(-1), q.reshape(-1), k.reshape(-1), v.reshape(-1), lse.reshape(-1), Di.reshape(-1), prm, sc]
-    (dq,) = _run("attention_dq", ins, [((B, T, H, D), F32)], (B * H * T, 1, 1), (64, 1, 1), template=[("D", D)])
-    dk, dv = _run("attention_dkv", ins, [((B, T, G, D), F32), ((B, T, G, D), F32)], (B * G * T, 1, 1),
-                  (64, 1, 1), template=[("D", D)])
-    return dq, dk, dv
+    ins = [dout.reshape(-1), q.reshape(-1), k.reshape(-1), v.reshape(-1), lse.reshape(-1), Di.reshape(-1)]
+    dq = [_run("attention_dq", ins + [_i64(T, H, G, W, r0), sc], [((r1 - r0, D), F32)], (r1 - r0, 1, 1),
+               (64, 1, 1), template=[("D", D)])[0] for r0, r1 in slabs.attention_query_slabs(B, T, H, W, D)]
+    dkv = [_run("attention_dkv", ins + [_i64(T, H, G, W, r0), sc], [((r1 - r0, D), F32)] * 2, (r1 - r0, 1, 1),
+                (64, 1, 1), template=[("D", D)]) for r0, r1 in slabs.attention_key_slabs(B, T, H, G, W, D)]
+    return (_join(dq).reshape(B, T, H, D), _join([a for a, _ in dkv]).reshape(B, T, G, D),
+            _join([b for _, b in dkv]).reshape(B, T, G, D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,8 +451,10 @@ def adamw(p_, g, m, v, *, lr: float, beta1: float = 0.9, beta2: float = 0.95, ep
     """adamw_step as new arrays: -> (p, m, v) after the step (the inputs are not changed)."""
     n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step, inplace=False)
     sc = _f32(*scalars)
-    p2, m2, v2 = _run("adamw", [p_, g, m, v, sc], [((n,), BF16), ((n,), F32), ((n,), F32)], (n, 1, 1))
-    return p2, m2, v2
+    flat = [a.reshape(-1) for a in (p_, g, m, v)]
+    outs = [_run("adamw", [x[a:b] for x in flat] + [sc], [((b - a,), BF16), ((b - a,), F32), ((b - a,), F32)],
+                 (b - a, 1, 1)) for a, b in slabs.even_slabs(n, slabs.ITEM_UNITS["adamw"])]
+    return tuple(_join([o[t] for o in outs]) for t in range(3))
 
 
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
@@ -444,23 +492,25 @@ def _prm_random(seed, stream, index0, sub):
 
 def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
     """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
-    prm = _prm_random(seed, stream, index0, sub)
+    _prm_random(seed, stream, index0, sub)                  # checks the arguments
     n = int(n)
     if n < 0:
         raise ValueError(f"n: expected an integer >= 0, got {n}")
-    (out,) = _run("philox", [prm], [((n, 4), U32)], (n, 1, 1))
-    return out
+    outs = [_run("philox", [_prm_random(seed, stream, (index0 + a) % 2 ** 64, sub)], [((b - a, 4), U32)],
+                 (b - a, 1, 1))[0] for a, b in slabs.even_slabs(n, slabs.ITEM_UNITS["philox"])]
+    return _join(outs)
 
 
 def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
     """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
     function of (seed, stream, index0 + i)."""
-    prm = _prm_random(seed, stream, index0, 0)
+    _prm_random(seed, stream, index0, 0)                    # checks the arguments
     n = int(n)
     if n < 0:
         raise ValueError(f"n: expected an integer >= 0, got {n}")
-    (out,) = _run("trunc_normal", [prm, _f32(sigma)], [((n,), F32)], (n, 1, 1), (64, 1, 1))
-    return out
+    outs = [_run("trunc_normal", [_prm_random(seed, stream, (index0 + a) % 2 ** 64, 0), _f32(sigma)], [((b - a,), F32)],
+                 (b - a, 1, 1), (64, 1, 1))[0] for a, b in slabs.even_slabs(n, slabs.ITEM_UNITS["trunc_normal"])]
+    return _join(outs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,9 +554,13 @@ def _quant_w(w: np.ndarray, M: int, K: int, qmax: int = QMAX):
 
 def _gemm_i8(I, J, P, A, sai, sap, B, sbj, sbp) -> np.ndarray:
     """C (I, J) int32 = sum over p of A[i sai + p sap] B[j sbj + p sbp] (exact)."""
-    (C,) = _run("gemm_i8", [A.reshape(-1), B.reshape(-1), _i64(J, P, sai, sap, sbj, sbp)], [((I, J), I32)],
-                (J, I, 1), (32, 8, 1))
-    return C
+    A, B = A.reshape(-1), B.reshape(-1)
+
+    def block(i0, i1, j0, j1):
+        (C,) = _run("gemm_i8", [A, B, _i64(j1 - j0, P, sai, sap, sbj, sbp, i0 * sai, j0 * sbj)],
+                    [((i1 - i0, j1 - j0), I32)], (j1 - j0, i1 - i0, 1), (32, 8, 1))
+        return C
+    return _gemm_blocks(I, J, P, block)
 
 
 def _dequant(mode: int, acc: np.ndarray, sc: np.ndarray, cs=None, clip=None) -> np.ndarray:

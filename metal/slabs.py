@@ -1,0 +1,130 @@
+"""Bounded dispatches: how the Metal backend splits its long kernels so that no command buffer runs
+into the macOS GPU watchdog.
+
+macOS aborts a command buffer that runs for more than about 5 s ("GPU Timeout Error"), and MLX
+encodes many operations into one command buffer before it commits it (up to 50 on large
+devices: MLX_MAX_OPS_PER_BUFFER). Our GEMMs and attention kernels are naive (one thread per
+output element or row, the contract's sequential sums), and at the open1b preset one of them can
+hold ~10^12 operations. So each is launched in slabs along an output axis — rows of C (and column
+blocks when a row alone is too much), query or key rows of attention — each slab a separate
+dispatch writing its own part of the output. Every output element is still computed by the same
+thread program, the same sequence of operations, so the slabs change no bit (tests check slabbed
+== unslabbed with a tiny bound). The pieces are joined on the device (numpy or mx concatenation:
+data movement only).
+
+The work bound: a slab may hold MAX_DISPATCH_WORK units, one unit being one of the contract's
+fp32 operations in a GEMM's inner loop (mul or add, so a GEMM is 2 I J P units). With a
+pessimistic naive-kernel rate of RATE units per second (public plain-fp32 GEMMs on Apple GPUs run
+~100 GFLOP/s naive on a 10-core M3; we take half), and WATCHDOG_S shared by OPS_PER_BUFFER
+dispatches in one command buffer, a full command buffer of maximal slabs still finishes in time:
+MAX_DISPATCH_WORK = WATCHDOG_S / OPS_PER_BUFFER * RATE = 5e9 units (0.1 s at the assumed rate).
+
+The functions here are pure (no mlx, no numpy arrays of data): tests check them at every preset's
+real shapes without running anything.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+WATCHDOG_S = 5.0            # macOS command buffer time limit (seconds)
+OPS_PER_BUFFER = 50         # dispatches MLX may put in one command buffer (its largest default)
+RATE = 50e9                 # units per second of a naive contract kernel on a small Apple GPU (pessimistic)
+MAX_DISPATCH_WORK = int(WATCHDOG_S / OPS_PER_BUFFER * RATE)      # 5e9 units per dispatch
+
+
+#: Units per thread of the elementwise kernels that are launched in slabs too (an estimate from
+#: the contract operations each thread performs, rounded up: exp, log, sin, cos ~30 units; the
+#: integer div ~24 (23 steps) and sqrt ~48 (24 steps in 64-bit integers); a trunc_normal element
+#: counted as two candidates, ~150 units each, though most need one).
+ITEM_UNITS = {
+    "map": 128,              # the costliest function (silu: exp, add, div, mul)
+    "swiglu_forward": 128,
+    "swiglu_backward": 192,
+    "adamw": 192,            # ~12 mul/add, a div, a sqrt, the bf16 rounding
+    "trunc_normal": 600,
+    "philox": 64,            # ten rounds of two 32x32 -> 64-bit products
+}
+
+
+def even_slabs(n: int, units: int, bound: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive (a, b) ranges of n items of `units` each, at most `bound` units a range (at least
+    one item); [(0, 0)] for no items."""
+    bound = MAX_DISPATCH_WORK if bound is None else int(bound)
+    n, step = int(n), max(1, bound // max(1, int(units)))
+    return [(a, min(n, a + step)) for a in range(0, n, step)] or [(0, 0)]
+
+
+def attention_pair_work(D: int) -> int:
+    """Units per (query row, visible key) pair of the attention kernels, the costliest one counted
+    (attention_dkv: the score, dp, dk and dv dot products of D terms, 2 units a term, and the exp
+    and scalar ops around them, ~64 units)."""
+    return 8 * int(D) + 64
+
+
+def gemm_slabs(I: int, J: int, P: int, bound: int | None = None) -> list[tuple[int, int, int, int]]:
+    """(i0, i1, j0, j1) blocks of C (I, J) covering it row-block by row-block (j ascending within a
+    row block), each of at most `bound` units (2 (i1 - i0)(j1 - j0) P): whole rows when a row fits,
+    column blocks of one row otherwise. A single output element (2 P units) must fit."""
+    bound = MAX_DISPATCH_WORK if bound is None else int(bound)
+    I, J, P = int(I), int(J), int(P)
+    if I <= 0 or J <= 0:
+        return [(0, I, 0, J)]
+    per_elem = 2 * max(P, 1)
+    if per_elem > bound:
+        raise ValueError(f"gemm: one output element sums {P} products ({per_elem} units), more than one "
+                         f"dispatch may hold ({bound})")
+    if per_elem * J <= bound:
+        rows = max(1, bound // (per_elem * J))
+        return [(i0, min(I, i0 + rows), 0, J) for i0 in range(0, I, rows)]
+    cols = bound // per_elem
+    return [(i0, i0 + 1, j0, min(J, j0 + cols)) for i0 in range(I) for j0 in range(0, J, cols)]
+
+
+def row_slabs(work: np.ndarray, bound: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive (r0, r1) ranges of rows whose summed work is at most `bound` (a row costing more
+    than the bound alone gets a range of its own), greedy from row 0; [(0, 0)] for no rows."""
+    bound = MAX_DISPATCH_WORK if bound is None else int(bound)
+    work = np.asarray(work, np.int64)
+    n = work.size
+    if n == 0:
+        return [(0, 0)]
+    c = np.concatenate([[0], np.cumsum(work)])
+    out, r0 = [], 0
+    while r0 < n:
+        r1 = int(np.searchsorted(c, c[r0] + bound, side="right")) - 1
+        r1 = min(n, max(r1, r0 + 1))
+        out.append((r0, r1))
+        r0 = r1
+    return out
+
+
+def query_keys(T: int, W: int) -> np.ndarray:
+    """(T,) keys visible to query i: i + 1, at most W when W > 0 (CONTRACT.md §6.6)."""
+    i = np.arange(int(T), dtype=np.int64)
+    return np.minimum(i + 1, W) if W > 0 else i + 1
+
+
+def key_queries(T: int, W: int) -> np.ndarray:
+    """(T,) queries that see key j: T - j, at most W when W > 0."""
+    j = np.arange(int(T), dtype=np.int64)
+    return np.minimum(T - j, W) if W > 0 else T - j
+
+
+def attention_query_slabs(B: int, T: int, H: int, W: int, D: int, bound: int | None = None):
+    """Slabs of the query rows r = (b T + i) H + h (o's row order) for attention_forward(_i8) and
+    attention_dq."""
+    per_row = np.repeat(query_keys(T, W), H) * attention_pair_work(D)
+    return row_slabs(np.tile(per_row, int(B)), bound)
+
+
+def attention_key_slabs(B: int, T: int, H: int, G: int, W: int, D: int, bound: int | None = None):
+    """Slabs of the key rows r = (b T + j) G + g (dk's row order) for attention_dkv: each key row
+    visits the H / G heads of its group."""
+    per_row = np.repeat(key_queries(T, W), G) * (int(H) // int(G)) * attention_pair_work(D)
+    return row_slabs(np.tile(per_row, int(B)), bound)
+
+
+def slab_work(slabs, work: np.ndarray) -> list[int]:
+    """The summed work of each (r0, r1) slab."""
+    c = np.concatenate([[0], np.cumsum(np.asarray(work, np.int64))])
+    return [int(c[r1] - c[r0]) for r0, r1 in slabs]
