@@ -3,8 +3,8 @@
 // heads h of group g ascending, then the queries i = j, ..., ihi(j) ascending:
 //   dk = mul(sum from +0 of mul(ds, q_id), scale),  dv = sum from +0 of mul(p, dout_id).
 // D is a template int. prm = T, H, G, W, R0. Grid (rows).
-long ro = (long)thread_position_in_grid.x, r = prm[4] + ro;
-long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
+long T = prm[0], H = prm[1], G = prm[2], W = prm[3], R0 = prm[4];
+long ro = (long)thread_position_in_grid.x, r = R0 + ro;
 long g = r % G, j = (r / G) % T, b = r / (T * G), rep = H / G;
 float sc = o1b_load(scale[0]);
 float kv[D], vv[D], dka[D], dva[D];

@@ -3,8 +3,8 @@
 //   for visible j ascending: s = score, p = exp(sub(s, lse_i)), dp = sum_d mul(dout_id, v_jd),
 //   ds = mul(p, sub(dp, Di)); S_d = sum from +0 of mul(ds, k_jd); dq = mul(S_d, scale).
 // lse and Di are (B,H,T). D is a template int. prm = T, H, G, W, R0. Grid (rows).
-long ro = (long)thread_position_in_grid.x, r = prm[4] + ro;
-long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
+long T = prm[0], H = prm[1], G = prm[2], W = prm[3], R0 = prm[4];
+long ro = (long)thread_position_in_grid.x, r = R0 + ro;
 long h = r % H, i = (r / H) % T, b = r / (T * H), g = h / (H / G), row = (b * H + h) * T + i;
 float sc = o1b_load(scale[0]);
 float qv[D], gv[D], acc[D];

@@ -6,8 +6,8 @@
 // per block, mb = max of the scores, m_new = max(m, mb), corr = exp(m - m_new), p_j = exp(s_j - m_new),
 // ps = sum p_j, pv[d] = sum p_j v_jd (j ascending, from +0); l = l corr + ps, acc = acc corr + pv.
 // Outputs o (rows, D) = acc / l (mul by div(1, l)), lse (rows) = m + log(l). Grid (rows).
-long ro = (long)thread_position_in_grid.x, r = prm[4] + ro;
-long T = prm[0], H = prm[1], G = prm[2], W = prm[3];
+long T = prm[0], H = prm[1], G = prm[2], W = prm[3], R0 = prm[4];
+long ro = (long)thread_position_in_grid.x, r = R0 + ro;
 long h = r % H, i = (r / H) % T, b = r / (T * H), g = h / (H / G);
 float sc = o1b_load(scale[0]);
 float qv[D], acc[D], pv[D], s[O1B_ATTN_BK];
