@@ -11,13 +11,21 @@ DESIGN.md §4. For a kernel (name, input names, output names, source, header) an
    (threadgroup size min(threadgroup, grid) per dimension, partial groups at the edges, as MLX's
    `dispatch_threads` does) and, when the text contains `threadgroup_barrier`, runs the threads of a
    group as fibers with a faithful barrier;
-3. compiles it with `g++ -O2 -ffp-contract=off -fno-fast-math` into a shared library cached at
+3. checks the header and body for what Metal rejects and g++ would not (msl_check: `double`,
+   pointers without an address space, recursion, C++ features MSL leaves out), then compiles the
+   unit as C++14 (MSL's base) with `g++ -std=c++14 -pedantic-errors -Werror=vla -O2
+   -ffp-contract=off -fno-fast-math`, `double` poisoned after the prelude, into a shared library cached at
    `$XDG_CACHE_HOME/mlx-open1b/emu/<sha256>.so` (default `~/.cache`), and calls it through ctypes on
    numpy arrays.
 
 Flush-to-zero (`ftz=True`, or `O1B_EMU_FTZ=1`; x86 hosts): the kernel runs with the MXCSR FTZ
 and DAZ bits set, as a GPU that flushes subnormals in hardware (tininess after rounding); the
 contract header's results must not change.
+
+Faulty and adversarial hardware (`with emu.hardware(fault=..., adversarial_flush=..., seed=...)`, or
+`O1B_EMU_ADVERSARIAL=1`; hwmodel.py): the contract header's hardware operators O1B_HW_ADD/SUB/MUL/DIV
+run on the modelled fp32 unit of hwfloat.h instead of the host's; the mode is compiled into the
+library (part of its cache key) and chosen at each call.
 
 Race check (`race_check=True`, or the environment variable `O1B_EMU_RACECHECK=1`): every call runs
 twice, groups and the threads of each group once in forward and once in reverse round-robin order,
@@ -37,12 +45,14 @@ import threading
 
 import numpy as np
 
-from . import hwmodel
+from . import hwmodel, msl_check
 
 _HERE = pathlib.Path(__file__).resolve().parent
 PRELUDE_PATH = _HERE / "prelude.h"
-CXX_FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-             "-Wno-attributes", "-w"]
+# MSL is C++14 based; g++ warnings are not shown (the output is kept for errors), VLAs and GNU
+# extensions that Metal lacks are errors.
+CXX_FLAGS = ["-std=c++14", "-pedantic-errors", "-Werror=vla", "-O2", "-ffp-contract=off", "-fno-fast-math",
+             "-fPIC", "-shared", "-Wno-attributes"]
 #: compile / cache counters (tests read them to show that a second construction reuses the build)
 stats = {"compiles": 0, "disk_hits": 0, "memory_hits": 0, "launches": 0}
 
@@ -288,9 +298,6 @@ def write_signature(func_name, header, source, input_names, inputs, output_names
 
 _LAUNCHER = r"""
 // ---- launcher (mlx_open1b.metal.emu) ----
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
 #define O1B_USE_FIBERS @FIBERS@
 namespace o1b_emu {
 static void *bufs[@NBUF@];
@@ -444,6 +451,17 @@ def _call_expr(func_name, input_names, inputs, infos, output_dtypes, attrs, temp
     return f"{fn}(" + ", ".join(args) + ")", k
 
 
+def _with_line_markers(name: str, text: str, header: str, source: str) -> str:
+    """The kernel text (header, signature, body) with #line markers, so that g++ names the kernel's
+    own lines, and with `double` poisoned from there on (Metal has none)."""
+    tail = "\n}\n"
+    assert text.startswith(header) and text.endswith(source + tail)
+    signature = text[len(header):len(text) - len(source) - len(tail)]
+    return ("#pragma GCC poison double\n"
+            f'#line 1 "{name} (header)"\n{header}\n#line 1 "{name} (signature)"\n{signature}\n'
+            f'#line 1 "{name}"\n{source}{tail}#line 1 "<emulator launcher>"\n')
+
+
 _lock = threading.Lock()
 _libs: dict[str, tuple[ctypes.CDLL, object]] = {}
 
@@ -532,8 +550,13 @@ class EmuKernel:
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
         hw = _hardware.current()
+        types = tuple(n for n, v in template if not isinstance(v, (bool, int, np.bool_, np.integer)))
+        bad = msl_check.check(self.header, self.source, types)
+        if bad:
+            raise EmuCompileError(f"Metal kernel '{self.name}' is not valid Metal (emulator source check):\n"
+                                  + "\n".join(f"  {v}" for v in bad))
         hw_text = (_HW_PREFIX + hw.defines() + hwmodel.hwfloat_text() + _HW_HOOKS) if hw.active else ""
-        unit = (hw_text + PRELUDE_PATH.read_text() + "\n" + text
+        unit = (hw_text + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n" + _with_line_markers(self.name, text, self.header, self.source)
                 + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
                 .replace("@NBUF@", str(max(nbuf, 1))).replace("@CALL@", call))
         launch, lib = _build(unit, self.name)

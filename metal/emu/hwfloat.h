@@ -46,6 +46,9 @@
 #define O1B_HW_FTZ 0
 #endif
 
+// 2^-126 (written in decimal: the Metal emulator compiles C++14, which has no hex floats)
+#define O1B_HW_MIN_NORMAL 1.1754943508222875e-38
+
 // Whether the unit keeps per-thread state (the schedulers then start, save and restore it).
 #define O1B_HW_STATEFUL (O1B_HW_ADVERSARIAL || O1B_HW_FAULT == 2)
 
@@ -106,8 +109,8 @@ static inline float o1b_hw_fused(float a, float b, float c) {
     double p = (double)a * (double)b, s = p + (double)c, bb = s - p;
     double e = (p - (s - bb)) + ((double)c - bb);
     bool tiny;
-    if (fabs(s) < 0x1p-126) tiny = s != 0.0 || e != 0.0;
-    else tiny = fabs(s) == 0x1p-126 && e != 0.0 && ((s > 0.0) != (e > 0.0));
+    if (fabs(s) < O1B_HW_MIN_NORMAL) tiny = s != 0.0 || e != 0.0;
+    else tiny = fabs(s) == O1B_HW_MIN_NORMAL && e != 0.0 && ((s > 0.0) != (e > 0.0));
     return o1b_hw_out(r, tiny);
 }
 
@@ -117,7 +120,7 @@ static inline float o1b_hw_mul(float a, float b) {
     bool tiny = false;
     if ((o1b_hw_bits(r) & 0x7FFFFFFFu) <= 0x00800000u) {
         double e = (double)a * (double)b;
-        tiny = e != 0.0 && fabs(e) < 0x1p-126;
+        tiny = e != 0.0 && fabs(e) < O1B_HW_MIN_NORMAL;
     }
 #if O1B_HW_FAULT == 2
     o1b_hw_thread &t = o1b_hw_cur;
@@ -184,7 +187,7 @@ static inline float o1b_hw_div(float a, float b) {
 #endif
     bool tiny = false;
     if ((o1b_hw_bits(r) & 0x7FFFFFFFu) <= 0x00800000u && a != 0.0f && !isinf(b))
-        tiny = fabs((double)a) < 0x1p-126 * fabs((double)b);
+        tiny = fabs((double)a) < O1B_HW_MIN_NORMAL * fabs((double)b);
     return o1b_hw_out(r, tiny);
 }
 // sqrt of a nonzero float is never tiny.

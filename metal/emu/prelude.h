@@ -26,6 +26,9 @@
 #include <cstdio>
 #include <ucontext.h>
 #include <sys/mman.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>    // the launcher's MXCSR (flush-to-zero mode); before `double` is poisoned
+#endif
 #ifndef MAP_NORESERVE
 #define MAP_NORESERVE 0
 #endif
