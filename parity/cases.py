@@ -574,22 +574,58 @@ def _sumsq(rng, i, op):
     return dict(args=(x,), outputs=("partials",), desc=f"n={n}")
 
 
+# fold sizes with 3 or more set bits: 3 or more blocks are left on the stack, so the order in which
+# they are combined (CONTRACT.md §7: from the bottom up) shows in the bits
+ORDER_SENSITIVE = (7, 11, 13, 14, 15, 23, 29, 45, 1000)
+
+
 def _fold_values(rng: CaseRNG, n: int, i: int) -> np.ndarray:
-    x = rng.mix((n,), [rng.f32((n,), "normal", 1.0), rng.f32((n,), "wide", elo=-30, ehi=30)])
+    """Random signs and significands within a few octaves of each other, so that most adds round,
+    and round differently in another association (one value many octaves above the rest would
+    absorb them in any order); the special values of sum_specials in three cases of four."""
+    x = rng.mix((n,), [rng.f32((n,), "normal", 1.0), rng.f32((n,), "wide", elo=-6, ehi=6)])
     return sum_specials(rng, x, i)
 
 
 @gen("treefold")
 def _treefold(rng, i, op):
-    n = rng.choice((0, 1, 2, 3, 5, 6, 7, 8, 33, 130, 1000))
+    n = rng.choice(ORDER_SENSITIVE) if rng.coin(0.75) else rng.choice((0, 1, 2, 3, 6, 8, 130))
     return dict(args=(_fold_values(rng, n, i),), outputs=("value",), desc=f"n={n}")
 
 
 @gen("global_norm")
 def _global_norm(rng, i, op):
-    shapes = [rng.choice([(1,), (7,), (33, 65), (NORM_BLOCK + 1,), (130, 33), (65, 1)]) for _ in range(1 + rng.below(4))]
-    ts = [sum_specials(rng, _mixed_f32(rng, s, rng.choice([1.0, 1e-3])), i) for s in shapes]
+    """In three cases of four, one to three tensors whose NORM_BLOCK partials number an
+    order-sensitive count; otherwise a few small tensors. In three cases of four each tensor is
+    normal at a scale that puts its partials a few octaves from the others' (their association
+    shows in the bits; sum_specials in one tensor in odd cases only, as one NaN, infinity or
+    squared extreme normal hides the order); otherwise wide-ranging values, sum_specials in every
+    tensor."""
+    if rng.coin(0.75):
+        left, shapes = rng.choice(ORDER_SENSITIVE[:7]), []
+        for _ in range(2):
+            if left > 1 and rng.coin(0.5):
+                b = 1 + rng.below(left - 1)
+                shapes.append(_blocks_shape(rng, b))
+                left -= b
+        shapes.append(_blocks_shape(rng, left))
+    else:
+        shapes = [rng.choice([(1,), (7,), (33, 65), (NORM_BLOCK + 1,), (130, 33), (65, 1)])
+                  for _ in range(1 + rng.below(4))]
+    k = len(shapes)
+    if rng.coin(0.75):
+        ts = [rng.f32(s, "normal", 2.0 ** (rng.below(5) - 2) / np.sqrt(np.prod(s))) for s in shapes]
+        if i % 2:
+            j = rng.below(k)
+            ts[j] = sum_specials(rng, ts[j], i)
+    else:
+        ts = [sum_specials(rng, _mixed_f32(rng, s, rng.choice([1.0, 1e-3])), i) for s in shapes]
     return dict(args=(ts,), outputs=("norm",), desc=f"shapes={shapes}")
+
+
+def _blocks_shape(rng, b: int) -> tuple:
+    """A tensor shape of exactly b NORM_BLOCK partials (the last one short, or all full in rows of 64)."""
+    return rng.choice([(b * NORM_BLOCK - 1 - rng.below(NORM_BLOCK // 2),), (b * 64, 64)])
 
 
 @gen("clip_coef")
