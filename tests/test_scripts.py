@@ -1,6 +1,6 @@
-"""scripts/device_check.sh: it parses, says how it is used, names
+"""scripts/device_check.sh and scripts/mac_check.sh: they parse, say how they are used, name
 everything missing before any long work (with how to bring it to an offline machine), and, in
-its emulated dry run, goes through every stage to a PASS with a timing table."""
+their emulated dry runs, go through every stage to a PASS with a timing table."""
 import json
 import os
 import pathlib
@@ -15,8 +15,8 @@ import pytest
 from data_helpers import make_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPTS = {"device_check": ROOT / "scripts" / "device_check.sh"}
-EMULATED = {"device_check": "O1B_DEVICE_CHECK_EMULATED"}
+SCRIPTS = {"device_check": ROOT / "scripts" / "device_check.sh", "mac_check": ROOT / "scripts" / "mac_check.sh"}
+EMULATED = {"device_check": "O1B_DEVICE_CHECK_EMULATED", "mac_check": "O1B_MAC_CHECK_EMULATED"}
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -56,7 +56,7 @@ def blocked_python(tmp_path):
 
 
 # ------------------------------------------------------------------------------ cheap
-@pytest.mark.parametrize("name", ["device_check"])
+@pytest.mark.parametrize("name", ["device_check", "mac_check"])
 def test_parses_and_says_how_it_is_used(name):
     for f in (SCRIPTS[name], ROOT / "scripts" / "check_lib.sh"):
         r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
@@ -71,7 +71,7 @@ def test_parses_and_says_how_it_is_used(name):
     assert r.returncode == 2 and "O1B_SELFTEST=always (expected full, quick or skip)" in r.stderr
 
 
-@pytest.mark.parametrize("name", ["device_check"])
+@pytest.mark.parametrize("name", ["device_check", "mac_check"])
 def test_missing_python(tmp_path, name):
     r = run(SCRIPTS[name], env={"PYTHON": str(tmp_path / "no-python"), "O1B_RESULTS": str(tmp_path / "res")})
     assert r.returncode == 3
@@ -79,7 +79,7 @@ def test_missing_python(tmp_path, name):
     assert (tmp_path / "res" / "FAILED").exists()
 
 
-@pytest.mark.parametrize("name", ["device_check"])
+@pytest.mark.parametrize("name", ["device_check", "mac_check"])
 def test_missing_corpus_is_named_before_any_work(tmp_path, name):
     res = tmp_path / "res"
     r = run(SCRIPTS[name], env={EMULATED[name]: "1", "O1B_SKIP_INSTALL": "1", "O1B_DATA": str(tmp_path / "nowhere"),
@@ -149,6 +149,11 @@ def test_real_device_required_without_the_dry_run(tmp_path, corpus):
     if not has_cupy:
         r = run(SCRIPTS["device_check"], "--preflight-only", env=env)
         assert r.returncode == 3 and "cupy: import cupy fails" in r.stdout + r.stderr
+    import platform
+    if not (platform.system() == "Darwin" and platform.machine() == "arm64"):
+        r = run(SCRIPTS["mac_check"], "--preflight-only", env=env)
+        out = r.stdout + r.stderr
+        assert r.returncode == 3 and "  - Apple silicon: " in out and "O1B_MAC_CHECK_EMULATED=1" in out
 
 
 def test_carried_folder_is_found(tmp_path, corpus):
@@ -201,7 +206,7 @@ def test_summary_fails_on_any_difference(tmp_path):
 
 # ------------------------------------------------------------------------------ the dry runs
 @pytest.mark.slow
-@pytest.mark.parametrize("name,backend", [("device_check", "cuda")])
+@pytest.mark.parametrize("name,backend", [("device_check", "cuda"), ("mac_check", "metal")])
 def test_emulated_dry_run_passes_every_stage(tmp_path, default_corpus, name, backend):
     """Every stage on the CPU emulator, with tiny sizes (two ops, one case, one step, the quick
     selftest): each stage passes and is in the table with its time. The selftest's verdict is the
