@@ -12,17 +12,25 @@ SPECIAL_BF16 = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0xFFC0, 0x0001,
                          0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80, 0x1D80, 0x6280], np.uint16)
 
 
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def assert_bits_equal(a, b, what: str = "") -> None:
-    """Bit equality of two float32 (or uint16) arrays, reporting the first mismatch."""
+    """Bit equality of two arrays (or scalars) of 2-, 4- or 8-byte elements (float32, bf16 as
+    uint16, ...), reporting the first mismatch by its index in the arrays' shape (() for 0-d)."""
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape, f"{what}: shapes differ {a.shape} vs {b.shape}"
-    view = np.uint16 if a.dtype.itemsize == 2 else np.uint32
-    ua, ub = np.ascontiguousarray(a).view(view), np.ascontiguousarray(b).view(view)
-    bad = np.argwhere(ua != ub)
+    assert a.dtype.itemsize == b.dtype.itemsize and a.dtype.itemsize in _UINT, \
+        f"{what}: element types {a.dtype} and {b.dtype} cannot be compared bit for bit"
+    view, width = _UINT[a.dtype.itemsize], 2 * a.dtype.itemsize
+    ua = np.ascontiguousarray(a).reshape(-1).view(view)          # 1-d, also for 0-d arrays
+    ub = np.ascontiguousarray(b).reshape(-1).view(view)
+    bad = np.flatnonzero(ua != ub)
     if bad.size:
-        i = tuple(bad[0])
-        raise AssertionError(f"{what}: {len(bad)} of {a.size} elements differ; first at {i}: "
-                             f"{a[i]!r} (0x{int(ua[i]):08x}) vs {b[i]!r} (0x{int(ub[i]):08x})")
+        k = int(bad[0])
+        i = tuple(int(x) for x in np.unravel_index(k, a.shape))
+        raise AssertionError(f"{what}: {bad.size} of {a.size} elements differ; first at {i}: "
+                             f"{a[i]!s} (0x{int(ua[k]):0{width}x}) vs {b[i]!s} (0x{int(ub[k]):0{width}x})")
 
 
 def rand_f32(rng: np.random.Generator, shape, scale: float = 1.0) -> np.ndarray:

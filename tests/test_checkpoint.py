@@ -98,7 +98,8 @@ def test_safetensors_layout(tmp_path):
 
 
 def test_cross_check_with_the_safetensors_package(tmp_path):
-    st_mod = pytest.importorskip("safetensors")
+    import safetensors as st_mod            # in the test extra: a missing package fails, never skips
+    import safetensors.numpy as st_np
     p = _save(tmp_path, 1)
     ours = _state()
     theirs = dict(st_mod.deserialize((p / "state.safetensors").read_bytes()))
@@ -109,7 +110,6 @@ def test_cross_check_with_the_safetensors_package(tmp_path):
         assert bytes(t["data"]) == np.ascontiguousarray(a).tobytes(), name
     # a file written by the package reads back through our parser (numpy has no bf16 type, so
     # the package's numpy writer covers the other dtypes)
-    st_np = pytest.importorskip("safetensors.numpy")
     plain = {n: np.ascontiguousarray(a) for n, (a, dn) in ours.items() if dn != "bf16"}
     got, meta = C.parse_safetensors(bytearray(st_np.save(plain, metadata={"k": "v"})))
     assert meta == {"k": "v"} and sorted(got) == sorted(plain)

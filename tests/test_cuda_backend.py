@@ -96,27 +96,57 @@ def tiny_product_pairs(rng, n=3000):
     return (a * sign).astype(np.float32), b
 
 
+# The primitives' results as they return them, without o1b_store: a primitive must flush its own
+# result (§3), and a flushing store would hide one that does not. (o1b_binary in mathfn.cu stores.)
+PRIM_RAW_SRC = """#include "contract.cuh"
+extern "C" __global__ void o1b_binary_raw(int op, i64 n, const float *a, const float *b, float *y) {
+    i64 i = o1b_gid();
+    if (i >= n) return;
+    float x = o1b_load(a[i]), z = o1b_load(b[i]), r;
+    switch (op) {
+    case 0: r = o1b_add(x, z); break;
+    case 1: r = o1b_sub(x, z); break;
+    case 2: r = o1b_mul(x, z); break;
+    case 3: r = o1b_div(x, z); break;
+    default: r = o1b_sqrt(x); break;
+    }
+    y[i] = r;
+}
+"""
+
+
 @pytest.mark.parametrize("ftz", FTZ_MODES, ids=lambda m: "default" if m is None else f"emu-ftz{m}")
 def test_primitive_ops_tiny_results(ftz):
     """add/sub/mul/div/sqrt of the kernels against the C reference's scalar ops, on random bit
-    patterns and on products/quotients next to 2^-126 (including the exact-product decision)."""
+    patterns and on products/quotients next to 2^-126 (including the exact-product decision):
+    through mathfn.cu's o1b_binary (stored results) and unstored (NaNs made canonical, nothing
+    else changed)."""
     rng = rng_for("prim")
     x = f32_inputs(rng, 3000)
     y = rng.permutation(x)
     ta, tb = tiny_product_pairs(rng)
     qa = (tb * np.float32(1.0)).astype(np.float32)   # a/b near 2^-126: a = 2^-126 * b' ...
     qb = (np.float64(1.0) / ta.astype(np.float64)).astype(np.float32)
-    a = np.ascontiguousarray(np.concatenate([x, ta, qa]))
-    b = np.ascontiguousarray(np.concatenate([y, tb, qb]))
+    sa = (rng.uniform(-4, 4, 3000) * 2.0 ** -126).astype(np.float32)   # sums and differences near and
+    sb = (sa * np.float32(-1.5)).astype(np.float32)                     # below 2^-126 (add's own flush)
+    a = np.ascontiguousarray(np.concatenate([x, ta, qa, sa]))
+    b = np.ascontiguousarray(np.concatenate([y, tb, qb, sb]))
     refs = (ref.mathfn.scalar_add, ref.mathfn.scalar_sub, ref.mathfn.scalar_mul, ref.mathfn.scalar_div,
             lambda u, v: ref.optim.scalar_sqrt(u))
     ctx = runtime.emulate() if ftz is not None else _nullctx()
     with ctx, emu.options(ftz=ftz):
+        raw = runtime.CudaModule(runtime.read_source_text(PRIM_RAW_SRC, "prim_raw.cu"), name="prim_raw.cu")
         for op, fref in enumerate(refs):
             out = np.empty_like(a)
             (out,) = run_kernel("mathfn.cu", "o1b_binary", a.size, np.int32(op), np.int64(a.size), a, b, out)[4:]
             want = np.array([fref(float(u), float(v)) for u, v in zip(a, b)], np.float32)
             assert_bits_equal(out, want, f"binary op {op}")
+            dev = [cu._dev(v) for v in (a, b, np.empty_like(a))]
+            raw.get_function("o1b_binary_raw")(((a.size + 127) // 128,), (128,),
+                                               (np.int32(op), np.int64(a.size), *dev))
+            got = cu._host(dev[2])
+            got = np.where(np.isnan(got), np.float32(np.nan), got)         # 0x7FC00000, as o1b_store
+            assert_bits_equal(got, want, f"binary op {op} unstored")
     # the pairs do reach the ambiguous case: IEEE rounds some exact products below 2^-126 up to it
     exact = ta.astype(np.float64) * tb.astype(np.float64)
     assert np.any((np.abs(exact) < 2.0 ** -126) & (np.abs(ta * tb) == np.float32(2.0 ** -126)))

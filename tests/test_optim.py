@@ -77,7 +77,12 @@ def test_adamw_bad_input():
 def test_pow_int_is_plain_binary_exponentiation():
     assert pow_int(0.9, 0) == 1.0
     assert pow_int(0.9, 1) == 0.9
-    assert pow_int(0.9, 5) == (0.9 * (0.9 * 0.9) * (0.9 * 0.9)) or True  # order documented in §8
+    # §8's order: the squares b, b^2, b^4 from the lowest bit of the exponent up, multiplied into
+    # the result in that order (for these bases other orders round differently)
+    b, c = 0.95, 0.999
+    assert pow_int(b, 5) == b * ((b * b) * (b * b)) != b * b * b * b * b
+    assert pow_int(b, 5) != (b * (b * b)) * (b * b)
+    assert pow_int(c, 6) == (c * c) * ((c * c) * (c * c)) != c * c * c * c * c * c
     x, r = 0.95, 1.0
     sq = x
     for bit in bin(1000)[2:][::-1]:

@@ -148,19 +148,73 @@ tr.train(40)
 """
 
 
+KILL_STEPS = 40
+
+
+def _complete_records(run) -> int:
+    f = run / "ledger.jsonl"
+    return f.read_bytes().count(b"\n") if f.exists() else 0
+
+
+def _checkpoint_writes(run) -> list:
+    """Temporary checkpoint directories: a save in progress (or one a kill interrupted)."""
+    return [p for p in run.iterdir() if p.name.startswith(".ckpt-") and ".tmp-" in p.name] if run.exists() else []
+
+
+def _kill_mid_run(code, run, mode, rng, attempts=6):
+    """Start (or resume) the run in a child and SIGKILL it mid-run: in "step" mode once the ledger
+    holds 1-4 records more than the checkpoint it resumed from, after a random part of a step; in
+    "checkpoint" mode as soon as a checkpoint is being written. A kill that landed too early or too
+    late (the write already renamed, the run already over) is retried with a fresh child, up to
+    `attempts` times. Returns (records before, records after) the kill that landed."""
+    for _ in range(attempts):
+        ckpts = list_checkpoints(run)
+        start = ckpts[-1][0] if ckpts else 0                       # where the child resumes
+        target = start + int(rng.integers(1, 5))
+        stale = set(_checkpoint_writes(run))                       # left by an earlier kill
+        p = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            deadline, t_step = time.monotonic() + 120, None
+            while time.monotonic() < deadline and p.poll() is None:
+                n = _complete_records(run)
+                if mode == "checkpoint" and set(_checkpoint_writes(run)) - stale:
+                    break
+                if mode == "step" and n >= target:
+                    time.sleep(float(rng.uniform(0.0, t_step or 0.05)))     # into the next step
+                    break
+                if mode == "step" and n > start and t_step is None:
+                    t_step, t0 = 0.0, time.monotonic()
+                elif t_step == 0.0 and n > start + 1:
+                    t_step = time.monotonic() - t0                          # one step, measured
+                time.sleep(0.0005)
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        after = _complete_records(run)
+        if p.returncode != -signal.SIGKILL:
+            continue                                                # exited before the kill
+        if mode == "checkpoint" and not set(_checkpoint_writes(run)) - stale:
+            continue                                                # the write had completed
+        if start < after < KILL_STEPS or mode == "checkpoint":
+            return start, after
+    pytest.fail(f"no kill landed mid-run ({mode}) in {attempts} attempts")
+
+
 def test_killed_run_resumes_to_the_same_bits(tmp_path, corpus):
     full = tmp_path / "full"
-    Trainer(full, micro_cfg(checkpoint_every=1), corpus).train(40)
+    Trainer(full, micro_cfg(checkpoint_every=1), corpus).train(KILL_STEPS)
     run = tmp_path / "killed"
     code = _KILLED_RUN.format(tests=os.path.dirname(__file__), run=str(run), corpus=str(corpus))
     rng = np.random.default_rng(0)
-    for _ in range(3):               # kill at random moments, mid-step or mid-checkpoint
-        p = subprocess.Popen([sys.executable, "-c", code])
-        time.sleep(float(rng.uniform(1.0, 2.5)))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if list_checkpoints(run):
-            load_checkpoint(list_checkpoints(run)[-1][1])     # the newest checkpoint is loadable
+    for mode in ("step", "checkpoint", "step"):
+        start, after = _kill_mid_run(code, run, mode, rng)
+        assert start < after < KILL_STEPS or mode == "checkpoint", (mode, start, after)
+        steps = [s for s, _ in list_checkpoints(run)]
+        assert steps and steps[-1] <= after                     # no checkpoint ahead of the ledger
+        load_checkpoint(list_checkpoints(run)[-1][1])           # the newest checkpoint is loadable
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert ledger_bytes(run) == ledger_bytes(full)
