@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -146,12 +147,27 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+_running: set = set()                  # commands in flight (killed together on an interrupt)
+_running_lock = threading.Lock()
+_stop = threading.Event()              # set on an interrupt: workers take no further mutant
+
+
+def stop_everything() -> None:
+    _stop.set()
+    with _running_lock:
+        procs = list(_running)
+    for p in procs:
+        _kill_group(p)
+
+
 def run_cmd(cmd, cwd, env, timeout) -> tuple[int | None, str]:
     """(exit code or None on timeout, combined output); the command runs in its own process
-    group, killed whole on timeout."""
+    group, killed whole on timeout or interrupt."""
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, text=True)
+        with _running_lock:
+            _running.add(proc)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -162,6 +178,9 @@ def run_cmd(cmd, cwd, env, timeout) -> tuple[int | None, str]:
             _kill_group(proc)
             proc.wait()
             raise
+        finally:
+            with _running_lock:
+                _running.discard(proc)
         log.seek(0)
         return rc, log.read()
 
@@ -209,8 +228,17 @@ class Scratch:
         seeded = 0
         if user_cache.is_dir():          # keyed by the hash of the full source: a copy is safe to reuse
             for so in user_cache.glob("*.so"):
-                shutil.copy2(so, sc.xdg / EMU_CACHE / so.name)
-                seeded += 1
+                if not re.fullmatch(r"[0-9a-f]{64}\.so", so.name):      # another process's temporary file
+                    continue
+                dst = sc.xdg / EMU_CACHE / so.name
+                try:    # a hard link where possible: the emulators replace files, never rewrite them
+                    try:
+                        os.link(so, dst)
+                    except OSError:
+                        shutil.copy2(so, dst)
+                    seeded += 1
+                except OSError:         # removed meanwhile by its owner: the scratch compiles its own
+                    pass
         rc, out = run_cmd([sc.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            "--no-index", "-e", str(repo)], repo, sc.env, 900)
         if rc != 0:
@@ -268,6 +296,14 @@ def _tail(out: str, n: int = 6) -> str:
     return " | ".join(lines[-n:])
 
 
+def _failure(out: str) -> str:
+    """The first failed test of a pytest run (its short-summary line), else the output's tail."""
+    for ln in out.splitlines():
+        if ln.startswith(("FAILED ", "ERROR ")):
+            return ln
+    return _tail(out, 2)
+
+
 def run_mutant(sc: Scratch, m: Mutant, timeout: float, baseline: dict | None = None) -> Result:
     """Plant one mutant in the scratch copy, run its tests, restore the file (always)."""
     t0 = time.perf_counter()
@@ -299,7 +335,7 @@ def run_mutant(sc: Scratch, m: Mutant, timeout: float, baseline: dict | None = N
         return res("timeout", f"tests ran past {m.timeout or timeout:.0f} s")
     if rc == 1:
         return res("caught", ("marked equivalent, yet a test fails: the note or the test is wrong; "
-                              if m.equivalent else "") + _tail(out, 2))
+                              if m.equivalent else "") + _failure(out))
     if rc in (0, 5):                # 5: the arguments select no test, so nothing catches it
         why = _tail(out, 1) if rc == 0 else "no test selected (pytest exit 5)"
         return res("equivalent", m.equivalent) if m.equivalent else res("not caught", why)
@@ -329,33 +365,48 @@ def select(mutants, only: str = "", areas: str = "") -> list[Mutant]:
     return [m for m in mutants if (not ids or m.id in ids) and (not ars or m.area in ars)]
 
 
+def _in_parallel(fn, items: list) -> list:
+    """fn over items, one thread each (the calling thread when there is one item); an interrupt
+    kills every command in flight, and the threads finish (restoring their files) before it
+    propagates."""
+    if len(items) == 1:
+        return [fn(items[0])]
+    with concurrent.futures.ThreadPoolExecutor(len(items)) as ex:
+        futs = [ex.submit(fn, x) for x in items]
+        try:
+            return [f.result() for f in futs]
+        except BaseException:
+            stop_everything()
+            raise
+
+
 def run_all(mutants, jobs: int = 1, timeout: float = 600, baseline: bool = True, keep: bool = False,
             source=REPO, log=print) -> tuple[list[Result], dict]:
-    """Run mutants over `jobs` scratch copies; returns (results in catalogue order, info)."""
+    """Run mutants over `jobs` scratch copies; returns (results in catalogue order, info). On an
+    interrupt (Ctrl-C, SIGTERM) the mutants done so far are returned, info["interrupted"] set."""
     t0 = time.perf_counter()
+    _stop.clear()
     base = pathlib.Path(tempfile.mkdtemp(prefix="o1b-mutation-"))
-    info = {"scratch": str(base), "jobs": jobs}
+    info = {"scratch": str(base), "jobs": jobs, "interrupted": False}
     results: dict[str, Result] = {}
     lock = threading.Lock()
     try:
         jobs = max(1, min(jobs, len(mutants)))
-        with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
-            scratches = list(ex.map(lambda k: Scratch.create(source, base / f"w{k}", log=log), range(jobs)))
+        scratches = _in_parallel(lambda k: Scratch.create(source, base / f"w{k}", log=log), list(range(jobs)))
         info["setup_s"] = round(time.perf_counter() - t0, 1)
         live = [m for m in mutants if not stale_reason(scratches[0].repo, m)]
         base_res = None
         if baseline:
             specs = list(dict.fromkeys(m.tests for m in live))
             tb = time.perf_counter()
-            chunks = [specs[k::jobs] for k in range(jobs)]
-            with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
-                parts = list(ex.map(lambda kc: run_baseline(scratches[kc[0]], kc[1], timeout, log), enumerate(chunks)))
+            chunks = [(scratches[k], specs[k::jobs]) for k in range(jobs)]
+            parts = _in_parallel(lambda c: run_baseline(c[0], c[1], timeout, log), chunks)
             base_res = {k: v for p in parts for k, v in p.items()}
             info["baseline_s"] = round(time.perf_counter() - tb, 1)
         queue = list(mutants)
 
         def worker(sc: Scratch):
-            while True:
+            while not _stop.is_set():
                 with lock:
                     if not queue:
                         return
@@ -364,12 +415,17 @@ def run_all(mutants, jobs: int = 1, timeout: float = 600, baseline: bool = True,
                     r = run_mutant(sc, m, timeout, base_res)
                 except Exception as e:      # a harness failure on one mutant is reported, not fatal
                     r = Result(m.id, m.area, m.file, "error", " ".join(m.tests), 0.0, f"harness: {e}")
+                if _stop.is_set():          # its tests were killed: no verdict
+                    return
                 with lock:
                     results[m.id] = r
                 log(f"{r.id:32s} {r.status:11s} {r.seconds:7.1f} s  {r.note[:100]}")
 
-        with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
-            list(ex.map(worker, scratches))
+        _in_parallel(worker, scratches)
+    except KeyboardInterrupt:
+        stop_everything()
+        info["interrupted"] = True
+        log("interrupted: every mutated file was restored")
     finally:
         if keep:
             log(f"scratch kept: {base}")
@@ -432,13 +488,19 @@ def main(argv=None) -> int:
         print("mutation: --jobs must be >= 1", file=sys.stderr)
         return 2
     log = lambda s: print(s, file=sys.stderr, flush=True)      # noqa: E731
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
     try:
         results, info = run_all(mutants, a.jobs, a.timeout, not a.no_baseline, a.keep, REPO, log)
-    except (RuntimeError, subprocess.CalledProcessError) as e:
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
         print(f"mutation: {e}", file=sys.stderr)
         return 2
     print(table(results))
     counts = summary(results)
+    if info["interrupted"]:
+        print(f"\ninterrupted after {len(results)} of {len(mutants)} mutants")
     print("\n" + ", ".join(f"{v} {k}" for k, v in counts.items()) + f"; {info['total_s']:.0f} s in all")
     for r in results:
         if r.status not in ("caught",) and r.note:
@@ -451,6 +513,8 @@ def main(argv=None) -> int:
         tmp = pathlib.Path(a.json).with_name(pathlib.Path(a.json).name + ".tmp")
         tmp.write_text(json.dumps(rep, indent=1) + "\n")
         os.replace(tmp, a.json)
+    if info["interrupted"]:
+        return 130
     return 0 if counts["not caught"] == counts["error"] == counts["stale"] == counts["timeout"] == 0 else 1
 
 

@@ -24,7 +24,7 @@ mutation = importlib.util.module_from_spec(_spec)
 sys.modules["o1b_mutation"] = mutation      # dataclasses look their module up by name
 _spec.loader.exec_module(mutation)
 
-E2E = ("c-clip-eps-ulp", "metal-adamw-v-association", "host-adamw-bc1-step")
+E2E = ("c-bf16-round-half-up", "metal-adamw-v-association", "host-adamw-bc1-step")
 
 
 def _tiny(tmp_path) -> "mutation.Scratch":
