@@ -8,8 +8,9 @@ numpy only it returns numpy. Inside, each op launches its kernels through `runti
 mx.fast.metal_kernel on a Mac, the emulator elsewhere (which copies mx.arrays to the host and back)
 — the same grid sizes, output shapes and template arguments either way. Host code only checks arguments, allocates,
 and moves data (bucketing positions for the embedding backward, assembling chunk rows, joining the
-slabs of a long kernel: GEMMs, attention and the costliest elementwise kernels are launched in
-slabs of bounded work so that no command buffer trips the macOS GPU watchdog, metal/slabs.py);
+slabs of a long kernel: GEMMs, attention and every row-wise or elementwise kernel whose work grows
+with the batch are launched in slabs of bounded work so that no command buffer trips the macOS GPU
+watchdog, metal/slabs.py);
 every fp32 value comes out of a kernel.
 """
 from __future__ import annotations
@@ -107,6 +108,21 @@ def _join(parts: list, axis: int = 0):
     return parts[0] if len(parts) == 1 else arrays.concat(parts, axis)
 
 
+def _part(x, a: int, b: int):
+    """x[a:b] along axis 0 (x itself for the whole range)."""
+    return x if a == 0 and b == x.shape[0] else x[a:b]
+
+
+def _pointwise(name: str, flats: list, extra: list, out_dtypes: list, units: str, template=None):
+    """Kernel `name`, one thread per element of the flat inputs `flats` (n elements each; the
+    inputs `extra` whole), in the bounded ranges of slabs.item_slabs(units, n): one flat output per
+    dtype of out_dtypes."""
+    n = flats[0].shape[0]
+    parts = [_run(name, [_part(x, a, b) for x in flats] + list(extra), [((b - a,), dt) for dt in out_dtypes],
+                  (b - a, 1, 1), template=template) for a, b in slabs.item_slabs(units, n)]
+    return [_join([p[t] for p in parts]) for t in range(len(out_dtypes))]
+
+
 def _transpose(a, axes):
     """a with its axes permuted, in row-major order (data movement only)."""
     if arrays.kind(a) == arrays.MLX:
@@ -155,10 +171,8 @@ def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=Non
 # §4 functions, §2 conversions, elementwise ops, host scalars
 # ---------------------------------------------------------------------------------------------
 def _map(index: int, x: np.ndarray) -> np.ndarray:
-    flat = x.reshape(-1)
-    ys = [_run("map", [flat[a:b]], [((b - a,), F32)], (b - a, 1, 1), template=[("OP", index)])[0]
-          for a, b in slabs.even_slabs(x.size, slabs.ITEM_UNITS["map"])]
-    return _join(ys).reshape(x.shape)
+    (y,) = _pointwise("map", [x.reshape(-1)], [], [F32], "map", template=[("OP", index)])
+    return y.reshape(x.shape)
 
 
 exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_map)
@@ -167,35 +181,35 @@ exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
     opargs.f32_to_bf16(x)
-    (y,) = _run("f32_to_bf16", [x.reshape(-1)], [((x.size,), BF16)], (x.size, 1, 1))
+    (y,) = _pointwise("f32_to_bf16", [x.reshape(-1)], [], [BF16], "convert")
     return y.reshape(x.shape)
 
 
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
     opargs.bf16_to_f32(x)
-    (y,) = _run("bf16_to_f32", [x.reshape(-1)], [((x.size,), F32)], (x.size, 1, 1))
+    (y,) = _pointwise("bf16_to_f32", [x.reshape(-1)], [], [F32], "convert")
     return y.reshape(x.shape)
 
 
 def div_int(a, b):
     """div(a, b) elementwise by the contract's integer definition (CONTRACT.md §3): a, b float32 of
     one shape."""
-    n = opargs.div_int(a, b)
-    (y,) = _run("div", [a.reshape(-1), b.reshape(-1)], [((n,), F32)], (n, 1, 1))
+    opargs.div_int(a, b)
+    (y,) = _pointwise("div", [a.reshape(-1), b.reshape(-1)], [], [F32], "div")
     return y.reshape(a.shape)
 
 
 def add(a, b):
     """a + b elementwise (a is the lower-index operand of a fold), as a new array."""
-    n = opargs.add_inplace(a, b, inplace=False)
-    (out,) = _run("add", [a.reshape(-1), b.reshape(-1)], [((n,), F32)], (n, 1, 1))
+    opargs.add_inplace(a, b, inplace=False)
+    (out,) = _pointwise("add", [a.reshape(-1), b.reshape(-1)], [], [F32], "convert")
     return out.reshape(a.shape)
 
 
 def scale(a, s: float):
     """a * s elementwise (s rounded to float32 first), as a new array."""
-    n = opargs.scale_inplace(a, inplace=False)
-    (out,) = _run("scale", [a.reshape(-1), _f32(s)], [((n,), F32)], (n, 1, 1))
+    opargs.scale_inplace(a, inplace=False)
+    (out,) = _pointwise("scale", [a.reshape(-1)], [_f32(s)], [F32], "convert")
     return out.reshape(a.shape)
 
 
@@ -257,8 +271,10 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool 
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
     N, V, C = opargs.embedding_forward(tokens, wte)
-    (out,) = _run("embedding_forward", [tokens, wte.reshape(-1), _i64(C)], [((N, C), F32)], (C, N, 1), (32, 8, 1))
-    return out
+    wf = wte.reshape(-1)
+    outs = [_run("embedding_forward", [_part(tokens, a, b), wf, _i64(C)], [((b - a, C), F32)], (C, b - a, 1),
+                 (32, 8, 1))[0] for a, b in slabs.item_slabs("embedding_forward", N, C)]
+    return _join(outs)
 
 
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
@@ -279,17 +295,21 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
     N, C = opargs.rmsnorm_forward(x, g, eps)
     gg = g if g is not None else np.zeros(1, BF16)
-    y, rstd = _run("rmsnorm_forward", [x.reshape(-1), gg, _f32(eps), _i64(C)], [((N, C), F32), ((N,), F32)],
-                   (N, 1, 1), (64, 1, 1), template=[("HAS_G", int(g is not None))])
-    return y, rstd
+    xf, has_g = x.reshape(-1), int(g is not None)
+    parts = [_run("rmsnorm_forward", [_part(xf, a * C, b * C), gg, _f32(eps), _i64(C)],
+                  [((b - a, C), F32), ((b - a,), F32)], (b - a, 1, 1), (64, 1, 1), template=[("HAS_G", has_g)])
+             for a, b in slabs.item_slabs("rmsnorm", N, C)]
+    return _join([y for y, _ in parts]), _join([r for _, r in parts])
 
 
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
     """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
     N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     gg = g if g is not None else np.zeros(1, BF16)
-    (dx,) = _run("rmsnorm_backward", [dy.reshape(-1), x.reshape(-1), gg, rstd, _i64(C)], [((N, C), F32)],
-                 (N, 1, 1), (64, 1, 1), template=[("HAS_G", int(g is not None))])
+    dyf, xf, has_g = dy.reshape(-1), x.reshape(-1), int(g is not None)
+    dx = _join([_run("rmsnorm_backward", [_part(dyf, a * C, b * C), _part(xf, a * C, b * C), gg, _part(rstd, a, b),
+                                          _i64(C)], [((b - a, C), F32)], (b - a, 1, 1), (64, 1, 1),
+                     template=[("HAS_G", has_g)])[0] for a, b in slabs.item_slabs("rmsnorm", N, C)])
     dg = None
     if g is not None:
         (dg,) = _run("rmsnorm_dg", [dy.reshape(-1), x.reshape(-1), rstd, _i64(N, C)], [((C,), F32)],
@@ -307,9 +327,12 @@ def rope_tables(T: int, D: int, theta: float):
 
 def _rope(x, cos_t, sin_t, backward, name):
     B, T, R, D = opargs.rope(x, cos_t, sin_t, name)
-    (y,) = _run("rope", [x.reshape(-1), cos_t.reshape(-1), sin_t.reshape(-1), _i64(T, R, D)],
-                [(x.shape, F32)], (D // 2, B * T * R, 1), (32, 8, 1), template=[("BWD", int(backward))])
-    return y
+    # whole sequences per launch: the kernel's position t = (row / R) % T counts from a sequence start
+    cs, sn = cos_t.reshape(-1), sin_t.reshape(-1)
+    ys = [_run("rope", [_part(x, a, b).reshape(-1), cs, sn, _i64(T, R, D)], [((b - a, T, R, D), F32)],
+               (D // 2, (b - a) * T * R, 1), (32, 8, 1), template=[("BWD", int(backward))])[0]
+          for a, b in slabs.item_slabs("rope", B, T * R * D)]
+    return _join(ys)
 
 
 def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -325,7 +348,7 @@ def swiglu_forward(h: np.ndarray) -> np.ndarray:
     """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
     N, F = opargs.swiglu_forward(h)
     outs = [_run("swiglu_forward", [h[a:b].reshape(-1), _i64(F)], [((b - a, F), F32)], (F, b - a, 1), (32, 8, 1))[0]
-            for a, b in slabs.even_slabs(N, F * slabs.ITEM_UNITS["swiglu_forward"])]
+            for a, b in slabs.item_slabs("swiglu_forward", N, F)]
     return _join(outs)
 
 
@@ -333,7 +356,7 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
     dhs = [_run("swiglu_backward", [dout[a:b].reshape(-1), h[a:b].reshape(-1), _i64(F)], [((b - a, 2 * F), F32)],
                 (F, b - a, 1), (32, 8, 1))[0]
-           for a, b in slabs.even_slabs(N, F * slabs.ITEM_UNITS["swiglu_backward"])]
+           for a, b in slabs.item_slabs("swiglu_backward", N, F)]
     return _join(dhs)
 
 
@@ -362,8 +385,10 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
     """§6.10: attention_forward with each block's P·V product in int8 (value rows quantized once
     per key row by attention_vquant, the block's weights per query row) -> o, lse as attention_forward."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
-    vq, vs = _run("attention_vquant", [v.reshape(-1), _i64(D)], [((B, T, G, D), np.dtype(np.int8)), ((B, T, G), F32)],
-                  (B * T * G, 1, 1), (64, 1, 1))
+    vf = v.reshape(-1)
+    parts = [_run("attention_vquant", [_part(vf, a * D, b * D), _i64(D)], [((b - a, D), I8), ((b - a,), F32)],
+                  (b - a, 1, 1), (64, 1, 1)) for a, b in slabs.item_slabs("attention_vquant", B * T * G, D)]
+    vq, vs = _join([a for a, _ in parts]), _join([b for _, b in parts])
     return _query_rows("attention_forward_i8", [q.reshape(-1), k.reshape(-1), vq.reshape(-1), vs.reshape(-1)],
                        B, T, H, G, D, W, s)
 
@@ -373,8 +398,9 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     """-> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
     sc = _f32(s)
-    (Di,) = _run("attention_di", [dout.reshape(-1), o.reshape(-1), _i64(T, H, D)], [((B, H, T), F32)],
-                 (B * H * T, 1, 1), (64, 1, 1))
+    Di = _join([_run("attention_di", [_part(dout, a, b).reshape(-1), _part(o, a, b).reshape(-1), _i64(T, H, D)],
+                     [((b - a, H, T), F32)], ((b - a) * H * T, 1, 1), (64, 1, 1))[0]
+                for a, b in slabs.item_slabs("attention_di", B, T * H * D)])
     ins = [dout.reshape(-1), q.reshape(-1), k.reshape(-1), v.reshape(-1), lse.reshape(-1), Di.reshape(-1)]
     dq = [_run("attention_dq", ins + [_i64(T, H, G, W, r0), sc], [((r1 - r0, D), F32)], (r1 - r0, 1, 1),
                (64, 1, 1), template=[("D", D)])[0] for r0, r1 in slabs.attention_query_slabs(B, T, H, W, D)]
@@ -399,8 +425,10 @@ def _forward_chunked(h, w, targets, zcoef, chunk):
     zt = np.zeros(N, F32)
     for v0, L in _chunks(V, chunk):
         z = _gemm(N, L, C, h, 0, C, 1, w, v0 * C, 1, C)            # the columns v0.. of linear_forward(h, w)
-        m, s, zt = _run("xent_forward_chunk", [z, targets, m, s, zt, _i64(v0, L)], [((N,), F32)] * 3,
-                        (N, 1, 1), (64, 1, 1))
+        parts = [_run("xent_forward_chunk", [_part(x, a, b) for x in (z, targets, m, s, zt)] + [_i64(v0, L)],
+                      [((b - a,), F32)] * 3, (b - a, 1, 1), (64, 1, 1))
+                 for a, b in slabs.item_slabs("xent_chunk", N, L)]
+        m, s, zt = (_join([p[t] for p in parts]) for t in range(3))
     loss, lse, ce = _run("xent_forward_final", [m, s, zt, _f32(zc)], [((N,), F32)] * 3, (N, 1, 1), (64, 1, 1))
     return loss, lse, ce
 
@@ -411,8 +439,9 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
     dw = arrays.FlatBuffer(V * C, F32, arrays.any_device([h, w, targets, lse, dloss]) or arrays.NUMPY)
     for v0, L in _chunks(V, chunk):
         z = _gemm(N, L, C, h, 0, C, 1, w, v0 * C, 1, C)            # logits, as in the forward
-        (dz,) = _run("xent_backward_dz", [z, targets, lse, dloss, _f32(zc), _i64(v0, L)], [((N, L), BF16)],
-                     (L, N, 1), (32, 8, 1))
+        dz = _join([_run("xent_backward_dz", [_part(x, a, b) for x in (z, targets, lse, dloss)]
+                         + [_f32(zc), _i64(v0, L)], [((b - a, L), BF16)], (L, b - a, 1), (32, 8, 1))[0]
+                    for a, b in slabs.item_slabs("xent_chunk", N, L)])
         # dh[n, c] (+)= sum over j ascending of dz[n, j] w[v0 + j, c]: one accumulator across chunks
         dh = _gemm(N, C, L, dz, 0, L, 1, w, v0 * C, C, 1, C0=dh)
         # dw[v0 + j, c] = sum over n ascending of dz[n, j] h[n, c]
@@ -452,16 +481,18 @@ def adamw(p_, g, m, v, *, lr: float, beta1: float = 0.9, beta2: float = 0.95, ep
     n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step, inplace=False)
     sc = _f32(*scalars)
     flat = [a.reshape(-1) for a in (p_, g, m, v)]
-    outs = [_run("adamw", [x[a:b] for x in flat] + [sc], [((b - a,), BF16), ((b - a,), F32), ((b - a,), F32)],
-                 (b - a, 1, 1)) for a, b in slabs.even_slabs(n, slabs.ITEM_UNITS["adamw"])]
-    return tuple(_join([o[t] for o in outs]) for t in range(3))
+    return tuple(_pointwise("adamw", flat, [sc], [BF16, F32, F32], "adamw"))
 
 
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
     """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
     nb = opargs.sumsq_blocks(x, NORM_BLOCK)
-    (out,) = _run("sumsq_blocks", [x.reshape(-1), _i64(x.size)], [((nb,), F32)], (nb, 1, 1), (64, 1, 1))
-    return out
+    xf, n, parts = x.reshape(-1), x.size, []
+    for a, b in slabs.item_slabs("sumsq_blocks", nb, NORM_BLOCK):       # whole blocks per launch
+        e0, e1 = a * NORM_BLOCK, min(n, b * NORM_BLOCK)
+        parts.append(_run("sumsq_blocks", [_part(xf, e0, e1), _i64(e1 - e0)], [((b - a,), F32)], (b - a, 1, 1),
+                          (64, 1, 1))[0])
+    return _join(parts)
 
 
 def treefold(values: np.ndarray) -> float:
@@ -497,7 +528,7 @@ def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> 
     if n < 0:
         raise ValueError(f"n: expected an integer >= 0, got {n}")
     outs = [_run("philox", [_prm_random(seed, stream, (index0 + a) % 2 ** 64, sub)], [((b - a, 4), U32)],
-                 (b - a, 1, 1))[0] for a, b in slabs.even_slabs(n, slabs.ITEM_UNITS["philox"])]
+                 (b - a, 1, 1))[0] for a, b in slabs.item_slabs("philox", n)]
     return _join(outs)
 
 
@@ -509,7 +540,7 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
     if n < 0:
         raise ValueError(f"n: expected an integer >= 0, got {n}")
     outs = [_run("trunc_normal", [_prm_random(seed, stream, (index0 + a) % 2 ** 64, 0), _f32(sigma)], [((b - a,), F32)],
-                 (b - a, 1, 1), (64, 1, 1))[0] for a, b in slabs.even_slabs(n, slabs.ITEM_UNITS["trunc_normal"])]
+                 (b - a, 1, 1), (64, 1, 1))[0] for a, b in slabs.item_slabs("trunc_normal", n)]
     return _join(outs)
 
 
@@ -532,12 +563,17 @@ def _quant_f32(v: np.ndarray, qmax: int = QMAX):
     n = v.size
     flat = v.reshape(-1)
     nb = (n + QUANT_BLOCK - 1) // QUANT_BLOCK
-    (part,) = _run("quant_absmax", [flat, _i64(n, QUANT_BLOCK)], [((nb,), F32)], (nb, 1, 1), (64, 1, 1),
-                   template=[("SCALE", 0), ("QMAX", qmax)])
-    (s,) = _run("quant_absmax", [part, _i64(nb, max(nb, 1))], [((1,), F32)], (1, 1, 1), (1, 1, 1),
+    # the first pass over whole blocks of QUANT_BLOCK elements (each block's maximum as one launch
+    # computes it), then the second over all the block maxima in one thread
+    parts = []
+    for a, b in slabs.item_slabs("quant_absmax", nb, QUANT_BLOCK):
+        e0, e1 = a * QUANT_BLOCK, min(n, b * QUANT_BLOCK)
+        parts.append(_run("quant_absmax", [_part(flat, e0, e1), _i64(e1 - e0, QUANT_BLOCK)], [((b - a,), F32)],
+                          (b - a, 1, 1), (64, 1, 1), template=[("SCALE", 0), ("QMAX", qmax)])[0])
+    (s,) = _run("quant_absmax", [_join(parts), _i64(nb, max(nb, 1))], [((1,), F32)], (1, 1, 1), (1, 1, 1),
                 template=[("SCALE", 1), ("QMAX", qmax)])
-    q, _ = _run("quant_apply", [flat, s, _i64(1)], [((n,), I8), ((n,), U8)], (n, 1, 1),
-                template=[("PER_ROW", 0), ("QMAX", qmax)])
+    q, _ = _pointwise("quant_apply", [flat], [s, _i64(1)], [I8, U8], "quant_apply",
+                      template=[("PER_ROW", 0), ("QMAX", qmax)])
     return q.reshape(v.shape), s
 
 
@@ -547,9 +583,11 @@ def _quant_w(w: np.ndarray, M: int, K: int, qmax: int = QMAX):
     (s,) = _run("qw_scale", [w.reshape(-1), _i64(K)], [((M,), F32)], (M, 1, 1), (64, 1, 1),
                 template=[("QMAX", qmax)])
     wf = bf16_to_f32(w.reshape(-1))
-    q, clip = _run("quant_apply", [wf, s, _i64(K)], [((M * K,), I8), ((M * K,), U8)], (M * K, 1, 1),
-                   template=[("PER_ROW", 1), ("QMAX", qmax)])
-    return q.reshape(M, K), s, clip.reshape(M, K)
+    # whole rows per launch (row m's step size is s[m])
+    parts = [_run("quant_apply", [_part(wf, a * K, b * K), _part(s, a, b), _i64(K)],
+                  [((b - a, K), I8), ((b - a, K), U8)], ((b - a) * K, 1, 1), template=[("PER_ROW", 1), ("QMAX", qmax)])
+             for a, b in slabs.item_slabs("quant_apply", M, K)]
+    return _join([q for q, _ in parts]), s, _join([c for _, c in parts])
 
 
 def _gemm_i8(I, J, P, A, sai, sap, B, sbj, sbp) -> np.ndarray:
@@ -565,18 +603,21 @@ def _gemm_i8(I, J, P, A, sai, sap, B, sbj, sbp) -> np.ndarray:
 
 def _dequant(mode: int, acc: np.ndarray, sc: np.ndarray, cs=None, clip=None) -> np.ndarray:
     I, J = acc.shape
-    cs = cs if cs is not None else np.zeros(1, F32)
-    clip = clip if clip is not None else np.zeros(1, U8)
-    (out,) = _run("qdequant", [acc.reshape(-1), sc, cs.reshape(-1), clip.reshape(-1), _i64(J)], [((I, J), F32)],
-                  (J, I, 1), (32, 8, 1), template=[("MODE", mode)])
-    return out
+    cs = cs.reshape(-1) if cs is not None else np.zeros(1, F32)
+    rows = (lambda a, b: _part(clip, a, b).reshape(-1)) if clip is not None else (lambda a, b: np.zeros(1, U8))
+    return _join([_run("qdequant", [_part(acc, a, b).reshape(-1), sc, cs, rows(a, b), _i64(J)], [((b - a, J), F32)],
+                       (J, b - a, 1), (32, 8, 1), template=[("MODE", mode)])[0]
+                  for a, b in slabs.item_slabs("qdequant", I, J)])
 
 
 def _rotate(name: str, a: np.ndarray, R: int, C: int) -> np.ndarray:
     """a (R, C) fp32 or int8, zero-padded to a multiple of QB rows and rotated along them -> fp32."""
-    Rp = _pad_qb(R)
-    (y,) = _run(name, [a.reshape(-1), _i64(R, C)], [((Rp, C), F32)], (C, Rp // QB, 1), (64, 1, 1))
-    return y
+    af, ys = a.reshape(-1), []
+    for b0, b1 in slabs.item_slabs("hadamard", _pad_qb(R) // QB, QB * C):     # whole blocks of QB rows
+        r0, r1 = b0 * QB, min(R, b1 * QB)
+        ys.append(_run(name, [_part(af, r0 * C, r1 * C), _i64(r1 - r0, C)], [(((b1 - b0) * QB, C), F32)],
+                       (C, b1 - b0, 1), (64, 1, 1))[0])
+    return _join(ys)
 
 
 def quant_weight_rows(w: np.ndarray):
@@ -630,7 +671,8 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
     dx = dw = None
     if need_dx:
         Mp = _pad_qb(M)
-        (g,) = _run("qgrad_scale", [dy.reshape(-1), sw, _i64(M, N)], [((M, N), F32)], (N, M, 1), (32, 8, 1))
+        g = _join([_run("qgrad_scale", [_part(dy, a, b).reshape(-1), sw, _i64(M, b - a)], [((M, b - a), F32)],
+                        (b - a, M, 1), (32, 8, 1))[0] for a, b in slabs.item_slabs("qgrad_scale", N, M)], 1)
         qg, sg = _quant_f32(_rotate("hadamard", g, M, N), qmax)             # (Mp, N)
         qr, sr = _quant_f32(_rotate("hadamard_i8", qw, M, K), qmax)         # (Mp, K)
         acc = _gemm_i8(N, K, Mp, qg, 1, N, qr, 1, K)

@@ -7,10 +7,15 @@ devices: MLX_MAX_OPS_PER_BUFFER). Our GEMMs and attention kernels are naive (one
 output element or row, the contract's sequential sums), and at the open1b preset one of them can
 hold ~10^12 operations. So each is launched in slabs along an output axis — rows of C (and column
 blocks when a row alone is too much), query or key rows of attention — each slab a separate
-dispatch writing its own part of the output. Every output element is still computed by the same
-thread program, the same sequence of operations, so the slabs change no bit (tests check slabbed
-== unslabbed with a tiny bound). The pieces are joined on the device (numpy or mx concatenation:
-data movement only).
+dispatch writing its own part of the output. So are the row-wise and elementwise kernels whose work
+grows with the batch (held-out evaluation runs a source's eval_windows windows as one batch: 64
+sequences of 4096 tokens at open1b), in ranges of whole items: rows (sequences for RoPE), the
+absmax's and the norm's blocks of consecutive elements, the rotation's blocks of QB rows. A
+reduction across the items of one tensor (the absmax's second pass over the block maxima, the norm
+partials' fold) stays one launch over all of them, in the contract's order. Every output element
+is still computed by the same thread program, the same sequence of operations, so the slabs change
+no bit (tests check slabbed == unslabbed with a tiny bound). The pieces are joined on the device
+(numpy or mx concatenation: data movement only).
 
 The work bound: a slab may hold MAX_DISPATCH_WORK units, one unit being one of the contract's
 fp32 operations in a GEMM's inner loop (mul or add, so a GEMM is 2 I J P units). With a
@@ -32,17 +37,33 @@ RATE = 50e9                 # units per second of a naive contract kernel on a s
 MAX_DISPATCH_WORK = int(WATCHDOG_S / OPS_PER_BUFFER * RATE)      # 5e9 units per dispatch
 
 
-#: Units per thread of the elementwise kernels that are launched in slabs too (an estimate from
-#: the contract operations each thread performs, rounded up: exp, log, sin, cos ~30 units; the
-#: integer div ~24 (23 steps) and sqrt ~48 (24 steps in 64-bit integers); a trunc_normal element
-#: counted as two candidates, ~150 units each, though most need one).
+#: Units per item of the kernels launched in bounded ranges of items (an item is what one range
+#: boundary may not split: an element, a row, a block), estimated from the contract operations a
+#: thread performs per item and rounded up: exp, log, sin, cos ~30 units; the integer div ~24 (23
+#: steps) and sqrt ~48 (24 steps in 64-bit integers); a trunc_normal element counted as two
+#: candidates, ~150 units each, though most need one. "per element of a row": the item is a row
+#: (a sequence, a block) and the op passes its length as item_slabs' `per`.
 ITEM_UNITS = {
     "map": 128,              # the costliest function (silu: exp, add, div, mul)
-    "swiglu_forward": 128,
+    "swiglu_forward": 128,   # per output element (per F of a row)
     "swiglu_backward": 192,
     "adamw": 192,            # ~12 mul/add, a div, a sqrt, the bf16 rounding
     "trunc_normal": 600,
     "philox": 64,            # ten rounds of two 32x32 -> 64-bit products
+    "convert": 8,            # f32_to_bf16, bf16_to_f32, add, scale: one operation and the store rule
+    "div": 32,               # the integer division
+    "embedding_forward": 4,  # per element of a row (a widening)
+    "rmsnorm": 16,           # per element of a row: forward and backward (two passes of 2-4 ops)
+    "rope": 16,              # per element of a sequence (a pair: 3 ops for each of its two values)
+    "xent_chunk": 64,        # per logit of a row: xent_forward_chunk (max, sub, exp, add) and _backward_dz
+    "attention_vquant": 16,  # per value of a key row (bits, max, mul, level; the row's div amortized)
+    "attention_di": 8,       # per element of a sequence (one mul and add)
+    "quant_absmax": 8,       # per element of a block of QUANT_BLOCK (bits and compares)
+    "quant_apply": 48,       # per element: a div (the inverse), a mul, the level
+    "qdequant": 24,          # per element of a row: i2f from halves (2 conversions, mul, add), 2-4 muls
+    "qgrad_scale": 8,        # per element of a column block (a widening and a mul)
+    "sumsq_blocks": 4,       # per element of a block of NORM_BLOCK (mul, add)
+    "hadamard": 16,          # per value of a block of QB rows (7 butterfly stages, load and store)
 }
 
 
@@ -52,6 +73,12 @@ def even_slabs(n: int, units: int, bound: int | None = None) -> list[tuple[int, 
     bound = MAX_DISPATCH_WORK if bound is None else int(bound)
     n, step = int(n), max(1, bound // max(1, int(units)))
     return [(a, min(n, a + step)) for a in range(0, n, step)] or [(0, 0)]
+
+
+def item_slabs(kernel: str, n: int, per: int = 1, bound: int | None = None) -> list[tuple[int, int]]:
+    """even_slabs of n items of ITEM_UNITS[kernel] * per units each: the plan of an op's bounded
+    ranges (the ops and the tests call this one function)."""
+    return even_slabs(n, ITEM_UNITS[kernel] * max(1, int(per)), bound)
 
 
 def attention_pair_work(D: int) -> int:
