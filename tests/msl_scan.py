@@ -12,8 +12,11 @@ operand as float ('f'), integer ('i') or unknown ('u'):
 - declared names have their declared type (block scoped); the header's functions their return
   types; `float` literals, `O1B_F(...)`, `as_type<float>` and `(float)` casts are float;
 - a name the source never declares is a kernel buffer or a template argument (the signature is
-  written by mx.fast.metal_kernel): an ALL-CAPS name is a template integer; a buffer element is
-  unknown, except inside a subscript, whose operand MSL requires to be integral;
+  written by mx.fast.metal_kernel from the call): the template names are those of the kernel's
+  `template=` lists in metal/ops.py (integers), the buffers those of its entry in ops.KERNELS
+  (`signatures`), whatever their case; a name that is neither is an error. A buffer element is
+  unknown, except inside a subscript, whose operand MSL requires to be integral. Without a
+  signature every undeclared name counts as a buffer;
 - an arithmetic operator with a float or an unknown operand counts as an fp32 operator (an unknown
   buffer element is assumed to be fp32: a kernel that does integer arithmetic on one must name its
   type first, `long t = tok[i];`).
@@ -23,6 +26,7 @@ in the test.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 
@@ -141,10 +145,12 @@ class Macro:
 class Scanner:
     """Parses declarations, functions and statements; collects Statements."""
 
-    def __init__(self, functions=None, structs=None, macros=None):
+    def __init__(self, functions=None, structs=None, macros=None, templates=(), buffers=None):
         self.functions: dict[str, str] = dict(functions or {})     # name -> return type
         self.structs: dict[str, dict] = dict(structs or {})        # name -> {field: type}
         self.macros: dict[str, Macro] = dict(macros or {})
+        self.templates = frozenset(templates)                       # template integer arguments
+        self.buffers = None if buffers is None else frozenset(buffers)    # None: any undeclared name
         self.scopes: list[dict] = [{}]
         self.statements: list[Statement] = []
         self.function: str | None = None
@@ -482,11 +488,14 @@ class Scanner:
         typ = self.lookup(name)
         if typ is not None:
             return typ
-        if name.isupper() or (name[:1].isupper() and "_" in name and name.upper() == name):
+        if name in self.templates:
             return "i"                                                   # a template integer
         if name.startswith(("thread", "threadgroup_position", "threads_", "grid_", "simd", "quadgroup",
                             "dispatch_")):
             return "i"                                                   # a thread attribute
+        if self.buffers is not None and name not in self.buffers:
+            raise ParseError(f"line {t.line}: {name!r} is not declared, not a buffer of the kernel "
+                             f"({sorted(self.buffers)}) and not a template argument ({sorted(self.templates)})")
         return "i" if self._sub else "u"                                 # a buffer (element)
 
     def expand(self, name: str, line: int) -> str:
@@ -497,7 +506,7 @@ class Scanner:
         if m.params is not None:
             types = self.args()
             bind = dict(zip(m.params, types))
-        sub = Scanner(self.functions, self.structs, self.macros)
+        sub = Scanner(self.functions, self.structs, self.macros, self.templates, self.buffers)
         sub.scopes = [dict(self.lookup_all()), bind]
         sub._sub = self._sub
         sub._ops = []
@@ -526,7 +535,7 @@ def parse_defines(directives, scanner: Scanner, collect: bool) -> None:
         toks = tokenize(body, line)
         scanner.macros[name] = Macro(plist, toks)
         if collect and toks:
-            sub = Scanner(scanner.functions, scanner.structs, scanner.macros)
+            sub = Scanner(scanner.functions, scanner.structs, scanner.macros, scanner.templates)
             sub.scopes = [{p: "u" for p in (plist or [])}]
             sub._ops = []
             sub.run(toks)
@@ -547,12 +556,55 @@ def scan_header(text: str) -> Scanner:
     return sc
 
 
-def scan_kernel(text: str, header: Scanner) -> Scanner:
+def scan_kernel(text: str, header: Scanner, templates=(), buffers=None) -> Scanner:
     """Parse a kernel body (the text given to mx.fast.metal_kernel as `source`) with the header's
-    functions, structs and macros known."""
+    functions, structs and macros known, and the kernel's signature: its template argument names
+    and its buffer names (None: every undeclared name is taken for a buffer)."""
     directives, code = split_preprocessor(strip_comments(text))
-    sc = Scanner(header.functions, header.structs, header.macros)
+    sc = Scanner(header.functions, header.structs, header.macros, templates, buffers)
     parse_defines(directives, sc, collect=True)
     sc.run(tokenize(code))
     sc.top_level()
     return sc
+
+
+def signatures(ops_text: str) -> dict[str, tuple[list, set]]:
+    """{kernel: (buffer names, template names)} from the source of metal/ops.py: the buffers of its
+    KERNELS table (inputs and outputs), the template names of every `template=[("NAME", ...), ...]`
+    list passed where the kernel is launched (the call's first argument, a kernel name, or a
+    parameter of the enclosing function given kernel names by its callers). A template list that
+    cannot be tied to a kernel is an error, so none is missed."""
+    tree = ast.parse(ops_text)
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "KERNELS" for t in n.targets))
+    kernels = ast.literal_eval(table)
+    out = {name: ([*ins, *outs], set()) for name, (ins, outs) in kernels.items()}
+    functions = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    parents = {c: f for f in functions.values() for c in ast.walk(f)}
+
+    def kernel_names(arg, where) -> list:
+        if isinstance(arg, ast.Constant) and arg.value in out:
+            return [arg.value]
+        f = parents.get(where)
+        params = [a.arg for a in f.args.args] if f is not None else []
+        if isinstance(arg, ast.Name) and arg.id in params:
+            k = params.index(arg.id)
+            names = [c.args[k].value for c in ast.walk(tree) if isinstance(c, ast.Call)
+                     and isinstance(c.func, ast.Name) and c.func.id == f.name and len(c.args) > k
+                     and isinstance(c.args[k], ast.Constant)]
+            if names and all(n in out for n in names):
+                return names
+        raise ValueError(f"metal/ops.py line {where.lineno}: a template list whose kernel is not a kernel name "
+                         f"or a parameter its callers give kernel names: {ast.unparse(where)[:80]}")
+
+    for call in (c for c in ast.walk(tree) if isinstance(c, ast.Call)):
+        tmpl = next((k.value for k in call.keywords if k.arg == "template"), None)
+        if tmpl is None or (isinstance(tmpl, ast.Name) and tmpl.id == "template"):
+            continue                                     # absent, or passed through (_pointwise)
+        if not isinstance(tmpl, ast.List) or not call.args:
+            raise ValueError(f"metal/ops.py line {call.lineno}: template= is not a list literal: "
+                             f"{ast.unparse(call)[:80]}")
+        names = {ast.literal_eval(e.elts[0]) for e in tmpl.elts}
+        for k in kernel_names(call.args[0], call):
+            out[k][1].update(names)
+    return out

@@ -25,8 +25,15 @@ def sources() -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(METAL.glob("*.metal"))}
 
 
-def operator_violations(texts: dict[str, str]) -> list[str]:
-    """Each statement that breaks the rules, as 'file:line: why: statement'."""
+def signatures() -> dict:
+    """{kernel: (buffer names, template names)} as metal/ops.py launches each kernel."""
+    return msl_scan.signatures((METAL / "ops.py").read_text())
+
+
+def operator_violations(texts: dict[str, str], sigs: dict | None = None) -> list[str]:
+    """Each statement that breaks the rules, as 'file:line: why: statement'. Each kernel is scanned
+    with its signature (sigs, default: metal/ops.py's); a kernel file without one is a violation."""
+    sigs = signatures() if sigs is None else sigs
     header = msl_scan.scan_header(texts[HEADER])
     out = []
     for st in header.statements:
@@ -41,7 +48,16 @@ def operator_violations(texts: dict[str, str]) -> list[str]:
     for name, text in texts.items():
         if name == HEADER:
             continue
-        for st in msl_scan.scan_kernel(text, header).statements:
+        if name[:-len(".metal")] not in sigs:
+            out.append(f"{name}: no kernel of metal/ops.py's KERNELS (its buffers and template names unknown)")
+            continue
+        buffers, templates = sigs[name[:-len(".metal")]]
+        try:
+            statements = msl_scan.scan_kernel(text, header, templates, buffers).statements
+        except msl_scan.ParseError as e:
+            out.append(f"{name}: {e}")
+            continue
+        for st in statements:
             if st.float_ops:
                 out.append(f"{name}:{st.line}: fp32 operator(s) {[op for op, _ in st.float_ops]} in a kernel "
                            f"(use the header's helpers): {st.text}")
@@ -67,6 +83,8 @@ PLANTS = [
     ("swiglu_forward.metal", "out[n * F + f] = o1b_store(o1b_mul(o1b_silu(gate), up));",
      "out[n * F + f] = o1b_store(gate * up);", "in a kernel"),
     ("swiglu_forward.metal", "long F = prm[0];", "long F = prm[0];\n#define SQ(x) ((x) * (x))", "in a kernel"),
+    ("gemm.metal", "C[ci] = o1b_store(acc);", "C[ci] = C0[ci] * C0[ci];", "in a kernel"),   # ALL-CAPS buffers
+    ("gemm.metal", "long ci = i * J + j;", "long ci = i * J + j + OFFSET;", "is not declared"),   # no such name
     (HEADER, "    p = o1b_add(o1b_mul(p, r), O1B_F(0x3AB60B61u));",
      "    p = p * r + O1B_F(0x3AB60B61u);", "outside"),                  # a * b + c in a helper
     (HEADER, "inline float o1b_sub(float a, float b) { return o1b_add(a, o1b_neg(b)); }",
@@ -101,7 +119,8 @@ def test_integer_arithmetic_is_not_flagged():
     C[i * J + j] = acc + (int)(u & 3u) - D * 2;
     y[(i * J + j) % 7] = o1b_store(o1b_i2f(acc));
     """
-    assert [st for st in msl_scan.scan_kernel(kernel, header).statements if st.float_ops] == []
+    sig = dict(templates={"D"}, buffers=["A", "B", "C", "prm", "targets", "x", "pos", "y"])
+    assert [st for st in msl_scan.scan_kernel(kernel, header, **sig).statements if st.float_ops] == []
     # while float and unknown operands are
     for bad in ("float x = o1b_load(a[i]); y[i] = o1b_store(x * x);",
                 "y[i] = o1b_store(o1b_load(a[i]) - 1.0f);",
@@ -109,6 +128,32 @@ def test_integer_arithmetic_is_not_flagged():
                 "o1b_reduced q = o1b_sincos_reduce(1.0f); float r = q.r * 2;",
                 "y[i] = x[i] / 3;", "long P = prm[1] / 2;"):   # unknown element: fp32 assumed
         assert [st for st in msl_scan.scan_kernel(bad, header).statements if st.float_ops], bad
+
+
+def test_buffers_are_typed_by_the_kernel_table_not_by_case():
+    """gemm's buffers A, B, C0, C are ALL-CAPS: their elements are still fp32 operands (unknown),
+    with gemm's signature from metal/ops.py and without any; its template name ACC is an integer."""
+    header = msl_scan.scan_header(sources()[HEADER])
+    buffers, templates = signatures()["gemm"]
+    assert {"A", "B", "C0", "C"} <= set(buffers) and templates == {"ACC"}
+    bad = "long ci = 0;\nC[ci] = C0[ci] * C0[ci];"
+    for sig in (dict(templates=templates, buffers=buffers), {}):
+        ops = [op for st in msl_scan.scan_kernel(bad, header, **sig).statements for op, _ in st.float_ops]
+        assert ops == ["*"], sig
+    ok = "long ci = 0;\nC[ci] = o1b_store(ACC ? o1b_load(C0[ci + ACC * 2]) : 0.0f);"
+    assert not [st for st in msl_scan.scan_kernel(ok, header, templates, buffers).statements if st.float_ops]
+
+
+def test_signatures_cover_every_template_list():
+    """Each kernel's template names are those of its template= lists in metal/ops.py; a list the
+    scan cannot tie to a kernel is an error rather than a name typed by guess."""
+    ops_text = (METAL / "ops.py").read_text()
+    sigs = msl_scan.signatures(ops_text)
+    assert sigs["quant_absmax"][1] == {"SCALE", "QMAX"} and sigs["attention_forward_i8"][1] == {"D"}
+    assert sigs["gemm_i8"] == (["A", "B", "prm", "C"], set())
+    untied = ops_text + '\n\ndef _odd(k):\n    return _run(k.name, [], [], (1, 1, 1), template=[("X", 1)])\n'
+    with pytest.raises(ValueError, match="template list whose kernel"):
+        msl_scan.signatures(untied)
 
 
 # ---------------------------------------------------------------------------------------------
