@@ -58,11 +58,13 @@ def sweep(n: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     out["quotient near 2^-126"] = (a, _step(b, rng.integers(-3, 4, n)))
     # divisors above 2^126 (the hardware's reciprocal of such b is subnormal or flushed)
     out["divisor >= 2^126"] = (_normals(rng, n), _normals(rng, n, 126, 127))
-    # quotients near the overflow threshold: b = RN(|a| / FLT_MAX) moved a few ulp
-    a = _normals(rng, n, 0, 127)
+    # quotients near the overflow threshold: b = RN(|a| / FLT_MAX) moved a few ulp (normal b)
+    a = _normals(rng, n, 2, 127)
     b = (np.abs(a.astype(np.float64)) / FLT_MAX).astype(F32)
-    keep = b != 0
+    keep = b >= 2.0 ** -126
     a, b = a[keep], b[keep]
+    j = rng.integers(0, 100, 1000).astype(np.float64)                 # and quotients exactly FLT_MAX
+    a, b = np.concatenate([a, (FLT_MAX * np.exp2(-j)).astype(F32)]), np.concatenate([b, np.exp2(-j).astype(F32)])
     out["quotient near overflow"] = (a, _step(b, rng.integers(-3, 4, b.size)))
     # subnormal operands (zeros of their sign after the load rule)
     sub = _bits_f32((rng.integers(0, 2, n, dtype=np.uint64) << np.uint64(31)) | rng.integers(1, 2 ** 23, n, dtype=np.uint64))
@@ -75,7 +77,8 @@ def sweep(n: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     a = ((1 - 2.0 ** -24) * np.exp2(k.astype(np.float64))).astype(F32) * sgn
     b = np.exp2((k + 126).astype(np.float64)).astype(F32)
     out["(2^24-1) over 2^j"] = (a, np.where(rng.integers(0, 2, n) == 0, b, _step(b, rng.integers(-2, 3, n))))
-    out["near-ties"] = near_ties(rng, n)
+    out["near-ties, ma >= mb"] = near_ties(rng, n, 23)
+    out["near-ties, ma < mb"] = near_ties(rng, n, 24)
     # every pair of special values
     s = np.concatenate([SPECIAL_F32, np.array([FLT_MAX, -FLT_MAX, 2.0 ** -126, 2.0 ** 126, 2.0 ** 127, 0.5,
                                                np.float32(1 - 2 ** -24), np.float32(1 + 2 ** -23)], F32)])
@@ -83,19 +86,22 @@ def sweep(n: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def near_ties(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs whose quotient is as close to a rounding midpoint as 24-bit operands allow: for an odd
-    significand mb, 2^24 ma = (2Q + 1) mb + d with d in {-5, -3, -1, 1, 3, 5} (2Q + 1 from the
-    inverse of mb modulo 2^24), so 2R - mb = d; exponents random, quotients normal."""
-    mb = rng.integers(2 ** 22, 2 ** 23, 4 * n, dtype=np.int64) * 2 + 1
-    d = rng.choice(np.array([-5, -3, -1, 1, 3, 5]), 4 * n)
+def near_ties(rng, n: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs whose quotient is as close to a rounding midpoint as 24-bit operands allow, in the
+    integer definition's branch s (23: ma >= mb, 24: ma < mb): for an odd significand mb,
+    2^(s+1) ma = (2Q + 1) mb + d with d in {-5, -3, -1, 1, 3, 5} (2Q + 1 from the inverse of mb
+    modulo 2^(s+1), Q in [2^23, 2^24)), so 2R - mb = d; exponents random, quotients normal."""
+    mask = 2 ** (s + 1) - 1
+    mb = rng.integers(2 ** 22, 2 ** 23, 8 * n, dtype=np.int64) * 2 + 1
+    d = rng.choice(np.array([-5, -3, -1, 1, 3, 5]), 8 * n)
     inv = np.ones_like(mb)
-    for _ in range(5):                                  # Newton: inv = mb^-1 mod 2^24 (bits double)
-        inv = (inv * (2 - mb * inv)) & (2 ** 24 - 1)
-    c = (-d * inv) & (2 ** 24 - 1)                      # (2Q + 1) = c + 2^24, Q in [2^23, 2^24)
-    num = (c + 2 ** 24) * mb + d
-    ma = num >> 24
-    ok = (ma >= mb) & (ma < 2 ** 24) & ((num & (2 ** 24 - 1)) == 0)
+    for _ in range(5):                                  # Newton: inv = mb^-1 mod 2^(s+1) (bits double)
+        inv = (inv * (2 - mb * inv)) & mask
+    q2 = ((-d * inv) & mask) + (2 ** 24 if s == 23 else 0)         # 2Q + 1
+    num = q2 * mb + d
+    ma = num >> (s + 1)
+    ok = (q2 > 2 ** 24) & (q2 < 2 ** 25) & ((num & mask) == 0) & (ma >= 2 ** 23) & (ma < 2 ** 24)
+    ok &= (ma >= mb) if s == 23 else (ma < mb)
     ma, mb = ma[ok][:n], mb[ok][:n]
     e = rng.integers(-40, 40, ma.size)
     a = (ma.astype(np.float64) * np.exp2(e - 23.0)).astype(F32)
@@ -138,11 +144,35 @@ def test_sweep_reaches_every_edge(cases):
     assert ((got == 0) & (exact > 0)).sum() > 100
     exact, got = q64(*cases["at 2^-126"])
     assert (got == tiny).all()
-    exact, got = q64(*cases["quotient near overflow"])
-    assert (np.isinf(got) & np.isfinite(exact)).sum() > 100 and (got == FLT_MAX).sum() > 100
+    a, b = cases["quotient near overflow"]
+    exact, got = q64(a, b)
+    E = _exponent(a, b)
+    assert ((exact < FLT_MAX) & (got == FLT_MAX)).sum() > 100            # rounds up to the largest finite
+    assert ((exact == FLT_MAX) & (got == FLT_MAX)).sum() > 100           # is it
+    # no quotient of 24-bit significands lies strictly between FLT_MAX = (2^24 - 1) 2^104 and 2^128
+    # (CONTRACT.md §3: Q never carries to 2^24), so every quotient above FLT_MAX overflows
+    assert not ((exact > FLT_MAX) & (exact < 2.0 ** 128)).any()
+    assert ((exact >= 2.0 ** 128) & np.isinf(got)).sum() > 100
+    assert set(np.unique(E)) == {254, 255}                               # the top binade and overflow
+    assert ((E == 254) & (got >= 2.0 ** 127) & (got <= FLT_MAX)).sum() > 100
+    assert ((E == 255) & np.isinf(got)).sum() > 100 and (np.isinf(got) == (E == 255)).all()
     exact, got = q64(*cases["divisor >= 2^126"])
     assert ((got > 0) & (got < 2.0 ** -100)).sum() > 100 and ((got == 0) & (exact > 0)).sum() > 100
-    assert (_remainder_distance(*cases["near-ties"]) <= 5).all()
+    for s, name in ((23, "near-ties, ma >= mb"), (24, "near-ties, ma < mb")):
+        assert (_branch(*cases[name]) == s).all() and (_remainder_distance(*cases[name]) <= 5).all()
+
+
+def _exponent(a, b) -> np.ndarray:
+    """The integer definition's E = Ea - Eb + 150 - s for normal a, b (the result's biased exponent
+    before the flush and overflow tests)."""
+    ua, ub = a.view(U32).astype(np.int64), b.view(U32).astype(np.int64)
+    return ((ua >> 23) & 0xFF) - ((ub >> 23) & 0xFF) + 150 - _branch(a, b)
+
+
+def _branch(a, b) -> np.ndarray:
+    """s of the integer definition for normal a, b: 24 where ma < mb, else 23."""
+    ma, mb = (a.view(U32) & 0x7FFFFF) | 0x800000, (b.view(U32) & 0x7FFFFF) | 0x800000
+    return np.where(ma < mb, 24, 23)
 
 
 def _remainder_distance(a, b) -> np.ndarray:
@@ -153,14 +183,16 @@ def _remainder_distance(a, b) -> np.ndarray:
     return np.abs(2 * ((ma << s) % mb) - mb)
 
 
-def test_no_quotient_ties():
+@pytest.mark.parametrize("s", [23, 24])
+def test_no_quotient_ties(s):
     # CONTRACT.md §3: 2R = mb would need odd(ma) = (2Q + 1) odd(mb) >= 2^24 + 1 > ma. Pairs at
-    # distance 1 from a tie exist, and still round as IEEE does.
-    a, b = near_ties(np.random.default_rng(7), 1_000_000)
+    # distance 1, 3 and 5 from a tie exist in both branches, and still round as IEEE does.
+    a, b = near_ties(np.random.default_rng(7 + s), 500_000, s)
     d = _remainder_distance(a, b)
-    assert d.min() == 1 and a.size > 500_000
-    assert_bits_equal(C.div_int(a, b), mathfn.div(a, b), "near-ties")
-    assert_bits_equal(A.store(A.div_int(a, b)), mathfn.div(a, b), "near-ties (spec)")
+    assert a.size == 500_000 and (_branch(a, b) == s).all()
+    assert all((d == k).sum() > 10_000 for k in (1, 3, 5)) and set(np.unique(d)) == {1, 3, 5}
+    assert_bits_equal(C.div_int(a, b), mathfn.div(a, b), f"near-ties s={s}")
+    assert_bits_equal(A.store(A.div_int(a, b)), mathfn.div(a, b), f"near-ties s={s} (spec)")
 
 
 # o1b_div's own result, before the store rule could hide a subnormal or a wrong zero
