@@ -133,7 +133,7 @@ inline float o1b_div(float a, float b) {
     if (E <= 0) return o1b_from_bits(sgn);                                  // exact |a/b| < 2^-126
     if (E >= 255) return o1b_from_bits(sgn | 0x7F800000u);                  // >= 2^128
     if ((r << 1) > mb) q += 1u;                                             // nearest; no ties exist
-    return o1b_from_bits(sgn | (((uint)E << 23) + q - 0x800000u));          // q = 2^24 carries
+    return o1b_from_bits(sgn | (((uint)E << 23) + q - 0x800000u));          // q < 2^24: no carry (§3)
 }
 // The contract's integer square root (§3): equals the IEEE correctly rounded sqrt.
 inline float o1b_sqrt(float x) {

@@ -125,8 +125,10 @@ static inline float o1b_div_int(float a, float b) {
     int E = (int)(xa >> 23) - (int)(xb >> 23) + 150 - s;      /* a/b = (Q + R/mb) 2^(E-150) */
     if (E <= 0) return o1b_from_bits(sign);                   /* exact |a/b| < 2^-126: flushed */
     if (E >= 255) return o1b_from_bits(sign | 0x7F800000u);   /* >= 2^128: overflow */
+    /* Rounding up never reaches Q = 2^24 (no carry into the exponent): R > 0 needs Q <= 2^24 - 2
+     * (s = 24: ma <= mb - 1; s = 23: mb = 2^23 leaves R = 0, a larger mb gives Q <= 2^24 - 3). */
     if (2 * R > mb) Q += 1;                                   /* round to nearest; 2R = mb is impossible */
-    return o1b_from_bits(sign | (((uint32_t)E << 23) + (uint32_t)Q - 0x800000u));   /* Q = 2^24 carries */
+    return o1b_from_bits(sign | (((uint32_t)E << 23) + (uint32_t)Q - 0x800000u));
 }
 
 /* int32 -> fp32 of any int32 (§2, §6.9: the int8 GEMM accumulators), round to nearest even by
