@@ -159,8 +159,9 @@ class EmuModule:
         self.name, self.source = name, source
         self.ftz, self.ucontext = _settings["ftz"], _settings["ucontext"]
         self._libs: dict[hwmodel.Hardware, ctypes.CDLL] = {}
-        self.lib, self.path = self.library(hwmodel.Hardware())
-        self.library(_hardware.current())          # compile errors show up here, not at a launch
+        # the library of the hardware active now (compile errors show up here, not at a launch);
+        # every hardware's library has the same kernels and signatures
+        self.lib, self.path = self.library(_hardware.current())
         self.uses_barrier = "__syncthreads" in source
         self.kernels = kernel_names(source)
 
