@@ -32,6 +32,10 @@ def _backends() -> list[tuple[str, str, str]]:
         mx = importlib.import_module("mlx.core")
         metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
         detail = "Apple GPU via mx.fast.metal_kernel" if metal else "mlx installed, no Metal device"
+        if metal:
+            from mlx_open1b.metal import runtime as metal_runtime
+            why = metal_runtime.mlx_problem(mx)          # too old an mlx: the reason, not "available"
+            metal, detail = why is None, why or detail
     except ImportError:
         metal, detail = False, "mlx not installed (pip install 'mlx-open1b[metal]')"
     rows.append(("metal", "available" if metal else _emulated("metal"), detail))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import pathlib
 import re
@@ -58,7 +59,7 @@ def available() -> tuple[bool, str]:
             name = mx.metal.device_info().get("device_name", "Metal device")
         except Exception:
             name = "Metal device"
-        why = mlx_version_problem(mx.__version__)
+        why = mlx_problem(mx)
         return (True, f"Metal ({name}), mlx {mx.__version__}") if why is None else (False, why)
     return emu.available()
 
@@ -67,14 +68,23 @@ def available() -> tuple[bool, str]:
 #: custom kernels cached by their whole source rather than their name (DESIGN.md §11).
 MIN_MLX = (0, 32)
 
+_VERSION = re.compile(r"\s*v?(\d+)\.(\d+)((?:\.\d+)*)([^+]*)", re.I)
+_PRE = re.compile(r"(?:^|[-_.\d])(?:a|b|c|rc|alpha|beta|pre|preview)\d*", re.I)       # PEP 440 pre-releases
+_DEV, _POST = re.compile(r"dev", re.I), re.compile(r"post|rev|(?:^|[-_.\d])r\d|^-\d", re.I)
 
-def parse_version(text) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a version string such as '0.32.4', '0.32.0.dev20260115+g1a2b3c',
-    '0.33.0rc1' or 'v1.0'; None when it does not start with numbers."""
-    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+
+def parse_version(text) -> tuple[int, int, int, bool] | None:
+    """(major, minor, patch, final) of a version string such as '0.32.4', '0.32.0.dev20260115+g1a2b3c',
+    '0.33.0rc1' or 'v1.0'; final is False for a pre-release or a development release (PEP 440: they
+    come before the release they name, so 0.32.0rc1 and 0.32.0.dev1 are older than 0.32.0, as pip's
+    'mlx>=0.32' has it); None when it does not start with numbers."""
+    m = _VERSION.match(str(text))
     if m is None:
         return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    patch = int(m.group(3).split(".")[1]) if m.group(3) else 0
+    rest = m.group(4).strip()
+    final = not _PRE.search(rest) and (not _DEV.search(rest) or bool(_POST.search(rest)))
+    return int(m.group(1)), int(m.group(2)), patch, final
 
 
 def mlx_version_problem(version) -> str | None:
@@ -84,10 +94,44 @@ def mlx_version_problem(version) -> str | None:
     if v is None:
         return (f"mlx reports the version {version!r}, which is not a version number; the metal backend "
                 f"needs mlx >= {need} (pip install -U 'mlx>={need}')")
-    if v[:2] < MIN_MLX:
+    if v[:2] < MIN_MLX or (v[:3] == (*MIN_MLX, 0) and not v[3]):
         return (f"mlx {version} is installed; the metal backend needs mlx >= {need} (compile_options with "
                 f"math_mode 'safe', kernels cached by their source): pip install -U 'mlx>={need}'")
     return None
+
+
+def _signature_text(fn) -> str | None:
+    """The parameter list of a Python or nanobind function as text, or None when it has none."""
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):             # nanobind: the first docstring line is the signature
+        nb = getattr(fn, "__nb_signature__", None)
+        if nb:
+            return " ".join(str(o[0]) for o in nb)
+        head = (getattr(fn, "__doc__", None) or "").lstrip().split("\n", 1)[0]
+        return head if "(" in head else None
+
+
+def mlx_problem(mx) -> str | None:
+    """Why this mlx cannot run the metal backend, or None: its version (mlx_version_problem), and
+    the feature itself — mx.fast.metal_kernel taking compile_options (a development build of 0.32
+    from before the option would pass a version test and fail at the first kernel)."""
+    why = mlx_version_problem(getattr(mx, "__version__", None))
+    if why is not None:
+        return why
+    fn = getattr(getattr(mx, "fast", None), "metal_kernel", None)
+    if fn is None:
+        return f"mlx {mx.__version__} has no mx.fast.metal_kernel; the metal backend needs it (mlx >= 0.32)"
+    sig = _signature_text(fn)
+    if sig is not None and "compile_options" not in sig:
+        return _no_compile_options(mx.__version__)
+    return None
+
+
+def _no_compile_options(version) -> str:
+    need = ".".join(map(str, MIN_MLX))
+    return (f"mlx {version}: mx.fast.metal_kernel takes no compile_options, so kernels cannot be built with "
+            f"math_mode 'safe'; the metal backend needs a release of mlx >= {need}: pip install -U 'mlx>={need}'")
 
 
 def _mx_dtype(dt):
@@ -108,13 +152,18 @@ class MetalKernel:
         self.real = real_metal()
         if self.real:
             import mlx.core as mx
-            why = mlx_version_problem(mx.__version__)
+            why = mlx_problem(mx)
             if why is not None:
                 raise RuntimeError(why)
-            self._kernel = mx.fast.metal_kernel(
-                name=name, input_names=self.input_names, output_names=self.output_names,
-                source=source, header=header, ensure_row_contiguous=True,
-                compile_options={"math_mode": "safe"})
+            try:
+                self._kernel = mx.fast.metal_kernel(
+                    name=name, input_names=self.input_names, output_names=self.output_names,
+                    source=source, header=header, ensure_row_contiguous=True,
+                    compile_options={"math_mode": "safe"})
+            except TypeError as e:             # an mlx whose signature did not say (mlx_problem)
+                if "compile_options" not in str(e) and "incompatible function arguments" not in str(e):
+                    raise
+                raise RuntimeError(f"{_no_compile_options(mx.__version__)} ({e})") from None
         else:
             self._kernel = emu.EmuKernel(name, self.input_names, self.output_names, source, header,
                                          race_check=race_check)

@@ -48,6 +48,16 @@ class TrainError(RuntimeError):
         self.exit_code = exit_code
 
 
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """One line on stderr, once per process (resolve_backend runs for every command and worker)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"warning: {message}", file=sys.stderr)
+
+
 def resolve_backend(name: str) -> str:
     """A backend name, with 'auto' resolved: metal where MLX runs on a Metal GPU (Apple silicon),
     cuda where CuPy sees an NVIDIA GPU, cpu_ref elsewhere. Every backend gives the same bits, so
@@ -57,8 +67,11 @@ def resolve_backend(name: str) -> str:
         return name
     try:
         from .metal import runtime as metal_runtime
-        if metal_runtime.real_metal() and metal_runtime.available()[0]:
-            return "metal"
+        if metal_runtime.real_metal():
+            ok, why = metal_runtime.available()
+            if ok:
+                return "metal"
+            _warn_once(f"--backend auto does not use the Metal GPU: {why}")
     except Exception:   # noqa: BLE001 - no usable MLX/Metal: try the next
         pass
     try:
