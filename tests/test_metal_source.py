@@ -276,7 +276,7 @@ def test_no_other_module_builds_metal_kernels():
     ("header=header, ensure_row_contiguous=True,", "header=header, ensure_row_contiguous=False,"),
     ('compile_options={"math_mode": "safe"})', 'compile_options={"math_mode": "fast"})'),
     ('compile_options={"math_mode": "safe"})', 'compile_options={})'),
-    (', ensure_row_contiguous=True,\n                compile_options={"math_mode": "safe"})', ")"),
+    (', ensure_row_contiguous=True,\n                    compile_options={"math_mode": "safe"})', ")"),
 ])
 def test_construction_check_fails_when_an_option_is_dropped(find, replace):
     text = RUNTIME.read_text()
