@@ -23,7 +23,7 @@
 //
 // The fma fault is a dynamic model of contraction: every product a*b a thread computes is
 // remembered (its two most recent products, newest first); an add/sub of which one operand has
-// the bits of a remembered product r (or of -r) is computed as fmaf(±a, b, other operand) and the
+// the bits of a remembered nonzero product r (or of -r) is computed as fmaf(±a, b, other operand) and the
 // product is forgotten. So add(acc, mul(a, b)), add(mul(p, r), c) (Horner steps) and
 // sub(x, mul(n, c)) fuse whatever the C++ code does with r in between (the contract header's mul
 // inspects r's bits, so no compiler flag would fuse it here), and an add whose operands are not
