@@ -127,6 +127,10 @@ from mlx_open1b.cli.gnmr import gnmr  # noqa: E402
 
 cli.add_command(gnmr)
 
+from mlx_open1b.cli.selftest import selftest  # noqa: E402
+
+cli.add_command(selftest)
+
 for _cmd in (report, export, eval_):
     cli.add_command(_cmd)
 

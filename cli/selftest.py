@@ -1,0 +1,112 @@
+"""`open1b selftest`: prove backends bit-exact against the shipped golden known answers, offline."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+CHOICES = ("auto", "cpu_ref", "metal", "cuda", "all")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(code)
+
+
+def _backends(choice: str) -> list[str]:
+    """auto: the backend --backend auto trains on (a real device, else cpu_ref); a name: that backend,
+    emulated where it has no device; all: every backend, emulated ones included."""
+    from mlx_open1b.selftest import ALL, resolve
+    if choice == "all":
+        return list(ALL)
+    return [resolve(choice)]
+
+
+def _bundle_path(path: str, backend: str, several: bool) -> str:
+    if not several:
+        return path
+    import pathlib
+    p = pathlib.Path(path)
+    return str(p.with_name(f"{p.stem}.{backend}{p.suffix or '.json'}"))
+
+
+@click.command()
+@click.option("--backend", type=click.Choice(CHOICES), default="auto", show_default=True,
+              help="auto: the backend training would use here (a real Metal or CUDA device, else cpu_ref); "
+                   "cpu_ref, metal, cuda: that backend (metal and cuda run on their CPU emulators where no "
+                   "device is present); all: every backend")
+@click.option("--full", is_flag=True,
+              help="every golden case, and the first training steps of the tiny preset compared record by record "
+                   "(minutes; the default quick set takes seconds on a GPU)")
+@click.option("--bundle", "bundle_path", type=click.Path(dir_okay=False), default=None,
+              help="also write what each backend computed as a parity bundle (for `open1b parity compare`); with "
+                   "several backends FILE.<backend>.json")
+@click.option("--data", "data_dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="with --full: the prepared default corpus to train on (default: prepared in a temporary "
+                   "directory, ~10 s)")
+@click.option("--golden", "golden_path", type=click.Path(dir_okay=False), default=None,
+              help="the golden file to check against (default: the one shipped in the package)")
+@click.option("--regenerate", is_flag=True,
+              help="instead of checking: recompute the golden file on cpu_ref and write it (to --out)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="with --regenerate: where to write (default: the package's golden file)")
+def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out):
+    """Check backends against the golden known answers shipped with the package.
+
+    Prints one line per op (equal, the first differing element with both values in hex, or why it
+    did not run), where each backend ran (hardware or emulated) and how long it took. Exits 0 when
+    everything that ran is equal, 1 on any difference, 2 on bad usage or a missing or broken
+    golden file."""
+    from mlx_open1b import golden as G
+    from mlx_open1b import selftest as S
+    tty = sys.stderr.isatty()
+    if regenerate:
+        if bundle_path or full or golden_path or backend != "auto":
+            _fail("--regenerate takes only --out (and --data)")
+        path = G.regenerate(out, data_dir, log=lambda m: click.echo(m, err=True))
+        click.echo(f"wrote {path}")
+        return
+    if out:
+        _fail("--out is for --regenerate (the golden file to write); --bundle writes a parity bundle")
+    if data_dir and not full:
+        _fail("--data is for --full (the training steps)")
+    try:
+        golden = G.load(golden_path)
+    except G.GoldenError as e:
+        _fail(str(e), e.exit_code)
+    names = _backends(backend)
+    if backend not in ("auto", "all"):
+        from mlx_open1b.parity.backends import BackendUnavailable, load
+        try:
+            load(names[0])
+        except BackendUnavailable as e:
+            _fail(f"--backend {backend}: {e}")
+
+    import time
+    last = [time.monotonic()]
+
+    def progress(msg: str) -> None:
+        now = time.monotonic()
+        if tty:
+            click.echo("\r" + msg[:100].ljust(100), err=True, nl=False)
+        elif "training step" in msg or now - last[0] > 30:       # long work: a line now and then
+            click.echo(msg, err=True)
+            last[0] = now
+
+    cases = S._Cases(golden, full)
+    cases.prepare(progress)
+    reports = []
+    for name in names:
+        if not tty:
+            click.echo(f"selftest: {name} ...", err=True)
+        reports.append(S.run_backend(name, golden, full, cases=cases, data_dir=data_dir, progress=progress))
+    if tty:
+        click.echo("\r" + " " * 100 + "\r", err=True, nl=False)
+    click.echo(S.format_report(reports, golden, full))
+    if bundle_path:
+        ran = [r for r in reports if not r.not_run]
+        for r in ran:
+            p = _bundle_path(bundle_path, r.backend, len(ran) > 1)
+            S.write_bundle(p, r, golden)
+            click.echo(f"bundle {p} ({r.backend})", err=True)
+    sys.exit(0 if all(r.ok for r in reports if not r.not_run) else 1)

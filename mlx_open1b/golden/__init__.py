@@ -1,0 +1,251 @@
+"""The golden known-answer set: what the C reference computes, shipped with the package.
+
+`known_answers.json` (next to this file) holds, for every contract op of the backend API
+(parity.cases.OPS: both precisions, forward and backward), CASES_PER_OP seeded parity cases and
+the edge cases of edge_cases.py, each as digests: the case by (seed, op, index) or edge-case name
+plus the SHA-256 of its inputs, every output by the SHA-256 of its canonical bytes
+(parity.bundle.array_hash); and the ledger records of the first STEPS steps of the tiny preset on
+the embedded default corpus, trained on cpu_ref. A machine proves a backend against it offline,
+with no second machine (mlx_open1b.selftest, `open1b selftest`).
+
+No per-element data is stored: the C reference is built with every install, so when an output's
+digest differs the selftest recomputes the case on cpu_ref (or, if that disagrees with the digest
+too, on the numpy spec) to name the first differing element; without a trustworthy reference the
+report still names the op, the case and the output.
+
+`compute()` rebuilds the set and `regenerate()` writes it atomically (`open1b selftest
+--regenerate`); the bytes are a pure function of the package's code (no time stamps, no machine
+data), so tests/test_golden.py regenerates it and fails when the shipped file differs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import tempfile
+import time
+from typing import Callable
+
+from ..contract import CONTRACT_VERSION
+
+FORMAT = "open1b-golden/1"
+FILE = pathlib.Path(__file__).resolve().with_name("known_answers.json")
+REFERENCE = "cpu_ref"
+SEED = 0
+CASES_PER_OP = 8
+#: the quick set's parity cases per op (index % 4 = 0, 1, 2: no specials, finite specials, a
+#: NaN or infinity) — with every edge case
+QUICK_INDICES = (0, 1, 2)
+PRESET = "tiny"
+STEPS = 20
+
+
+class GoldenError(ValueError):
+    """The golden file is missing, unreadable or malformed; the message names the file."""
+
+    exit_code = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenCase:
+    key: str                     # "<op>/<index>" or "edge/<name>"
+    op: str
+    kind: str                    # "parity" or "edge"
+    index: int                   # parity: the case index; edge: the position in edge_cases.names()
+    name: str | None             # edge cases only
+    seed: str                    # the case seed, hex
+    desc: str
+    inputs: str                  # SHA-256 of the inputs (Case.input_hash)
+    outputs: dict                # output name -> SHA-256 of its canonical bytes (None for a None output)
+    error: str | None            # the reference raised: "<Type>: <message>"
+    quick: bool
+
+    def make(self):
+        """The case itself (fresh inputs), regenerated from its seed or its edge-case name."""
+        if self.kind == "edge":
+            from .edge_cases import edge_case
+            return edge_case(self.name)
+        from ..parity.cases import make_case
+        return make_case(self.op, self.index, SEED)
+
+
+@dataclasses.dataclass
+class Golden:
+    path: pathlib.Path
+    sha256: str                  # of the file's bytes
+    data: dict
+    cases: list                  # GoldenCase, in file order
+
+    @property
+    def training(self) -> dict:
+        return self.data["training"]
+
+    def select(self, full: bool) -> list[GoldenCase]:
+        return [c for c in self.cases if full or c.quick]
+
+
+# ------------------------------------------------------------------------- computing the set
+def _case_record(key: str, kind: str, case, quick: bool, ref, name: str | None = None) -> dict:
+    from ..parity.backends import resolve
+    from ..parity.bundle import array_hash
+    from ..parity.cases import execute
+    from ..parity.runner import normalize
+    rec = {"key": key, "op": case.op, "kind": kind, "index": case.index}
+    if name is not None:
+        rec["name"] = name
+    rec.update(seed=f"0x{case.seed:016x}", desc=case.desc, inputs=case.input_hash(), quick=quick)
+    try:
+        outs = normalize(case.op, execute(resolve(ref, case.op), case))
+        rec["outputs"] = {n: array_hash(a) for n, a in zip(case.outputs, outs)}
+    except Exception as e:   # noqa: BLE001 - recorded: every backend must raise the same
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def compute_cases(log: Callable[[str], None] | None = None) -> list[dict]:
+    from ..parity.backends import load
+    from ..parity.cases import OPS, make_case
+    from .edge_cases import edge_cases
+    log = log or (lambda m: None)
+    ref = load(REFERENCE)
+    out = []
+    for op in OPS:
+        for i in range(CASES_PER_OP):
+            out.append(_case_record(f"{op}/{i}", "parity", make_case(op, i, SEED), i in QUICK_INDICES, ref))
+        log(f"golden: {op}")
+    for name, case in edge_cases():
+        out.append(_case_record(f"edge/{name}", "edge", case, True, ref, name))
+    log(f"golden: {len(out)} cases")
+    return out
+
+
+def train_records(backend: str, steps: int, data_dir=None, on_step=None, log=None):
+    """Train the tiny preset on the embedded default corpus for `steps` steps on `backend` in a
+    temporary run directory (the corpus prepared into one unless data_dir is given); calls
+    on_step(k, record) after each step, which may return False to stop. Returns (genesis, records)."""
+    from ..config import preset
+    from ..train import Trainer
+    log = log or (lambda m: None)
+    with tempfile.TemporaryDirectory(prefix="open1b-golden-") as tmp:
+        tmp = pathlib.Path(tmp)
+        if data_dir is None:
+            from ..data.corpus import default_sources
+            from ..data.prepare import prepare
+            from ..data.tokenizer import Tokenizer
+            log("preparing the embedded default corpus (~10 s)")
+            data_dir = tmp / "data"
+            prepare(default_sources(), data_dir, Tokenizer.load(None))
+        tr = Trainer(tmp / "run", preset(PRESET), data_dir, backend=backend, log=lambda m: None)
+        records = []
+        for k in range(steps):
+            tr.step()
+            records.append(tr.ledger.record_at(k))
+            if on_step is not None and on_step(k, records[-1]) is False:
+                break
+        return tr.genesis, records
+
+
+def compute_training(steps: int = STEPS, data_dir=None, log=None) -> dict:
+    genesis, records = train_records(REFERENCE, steps, data_dir, log=log)
+    return {"preset": PRESET, "corpus": "the embedded default corpus", "backend": REFERENCE, "steps": steps,
+            "genesis": genesis, "run_hash": records[-1]["hash"] if records else genesis, "records": records}
+
+
+def header() -> dict:
+    """The file's fields other than the cases and the training records."""
+    from ..parity.cases import OPS
+    return {"format": FORMAT,
+            "about": "Known answers of the C reference (cpu_ref) for every contract op and the first steps of the "
+                     "tiny preset: `open1b selftest` checks a backend against them; `open1b selftest --regenerate` "
+                     "rewrites this file.",
+            "contract_version": CONTRACT_VERSION, "reference": REFERENCE, "seed": SEED, "cases_per_op": CASES_PER_OP,
+            "quick_indices": list(QUICK_INDICES), "ops": list(OPS)}
+
+
+def compute(data_dir=None, steps: int = STEPS, log=None) -> dict:
+    """The golden set as a dict (the file's content)."""
+    t0 = time.perf_counter()
+    d = dict(header(), cases=compute_cases(log), training=compute_training(steps, data_dir, log))
+    if log:
+        log(f"golden: computed in {time.perf_counter() - t0:.1f} s")
+    return d
+
+
+def dumps(d: dict) -> bytes:
+    """The file's bytes: one case and one ledger record per line, keys in a fixed order."""
+    one = lambda v: json.dumps(v, separators=(", ", ": "), ensure_ascii=True)      # noqa: E731
+    head = [f" {one(k)}: {one(v)}," for k, v in d.items() if k not in ("cases", "training")]
+    tr = d["training"]
+    lines = ["{"] + head + [' "cases": [']
+    lines += [f"  {one(c)}," for c in d["cases"][:-1]] + [f"  {one(d['cases'][-1])}", " ],"]
+    lines += [' "training": {'] + [f"  {one(k)}: {one(v)}," for k, v in tr.items() if k != "records"]
+    recs = tr["records"]
+    lines += ['  "records": ['] + [f"   {one(r)}," for r in recs[:-1]] + ([f"   {one(recs[-1])}"] if recs else [])
+    lines += ["  ]", " }", "}"]
+    text = "\n".join(lines) + "\n"
+    if json.loads(text) != d:
+        raise AssertionError("golden: the serialization does not round-trip")
+    return text.encode("ascii")
+
+
+def regenerate(out=None, data_dir=None, steps: int = STEPS, log=None) -> pathlib.Path:
+    """Compute the set and write it atomically to `out` (default: the package's file)."""
+    from ..fsutil import write_bytes_atomic
+    path = pathlib.Path(out) if out is not None else FILE
+    write_bytes_atomic(path, dumps(compute(data_dir, steps, log)))
+    return path
+
+
+# ------------------------------------------------------------------------- loading
+_CASE_FIELDS = {"key": str, "op": str, "kind": str, "index": int, "seed": str, "desc": str, "inputs": str,
+                "quick": bool}
+
+
+def _bad(path, what: str) -> GoldenError:
+    return GoldenError(f"golden file {path}: {what}; reinstall the package or rewrite it with "
+                       f"`open1b selftest --regenerate`")
+
+
+def load(path=None) -> Golden:
+    """The golden set in `path` (default: the package's file), checked for shape and contract."""
+    path = pathlib.Path(path) if path is not None else FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise _bad(path, "missing") from None
+    except OSError as e:
+        raise _bad(path, f"unreadable ({e.strerror or e})") from None
+    try:
+        d = json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(path, f"not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        fmt = d.get("format") if isinstance(d, dict) else None
+        raise _bad(path, f"not a golden known-answer file (format {fmt!r}, expected {FORMAT!r})")
+    if d.get("contract_version") != CONTRACT_VERSION:
+        raise _bad(path, f"made under contract v{d.get('contract_version')}, this package implements "
+                         f"v{CONTRACT_VERSION}")
+    cases = d.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise _bad(path, "no cases")
+    out = []
+    for n, c in enumerate(cases):
+        bad = [f for f, t in _CASE_FIELDS.items() if not isinstance(c, dict) or not isinstance(c.get(f), t)]
+        outputs = c.get("outputs") if isinstance(c, dict) else None
+        if not bad and "error" not in c and not (isinstance(outputs, dict) and all(
+                v is None or (isinstance(v, str) and len(v) == 64) for v in outputs.values())):
+            bad = ["outputs"]
+        if not bad and c["kind"] == "edge" and not isinstance(c.get("name"), str):
+            bad = ["name"]
+        if bad:
+            key = c.get("key") if isinstance(c, dict) else repr(c)[:40]
+            raise _bad(path, f"case {n} ({key}): field {bad[0]!r} missing or malformed")
+        out.append(GoldenCase(key=c["key"], op=c["op"], kind=c["kind"], index=c["index"], name=c.get("name"),
+                              seed=c["seed"], desc=c["desc"], inputs=c["inputs"], outputs=dict(outputs or {}),
+                              error=c.get("error"), quick=c["quick"]))
+    tr = d.get("training")
+    if not (isinstance(tr, dict) and isinstance(tr.get("records"), list) and isinstance(tr.get("genesis"), str)
+            and all(isinstance(r, dict) and isinstance(r.get("hash"), str) for r in tr["records"])):
+        raise _bad(path, "the training section is missing or malformed")
+    return Golden(path=path, sha256=hashlib.sha256(raw).hexdigest(), data=d, cases=out)

@@ -1,0 +1,531 @@
+"""Prove a backend against the golden known answers (mlx_open1b/golden): `open1b selftest` and the
+first-contact check that runs before a command trains or replays on a real Metal or CUDA device.
+
+`run_backend(name, golden, full)` runs the golden cases on one backend and compares every output's
+SHA-256 with the recorded one: the quick set (QUICK_INDICES of every op plus every edge case,
+seconds on a GPU) or, with full, every case and the first golden.STEPS training steps (compared
+record by record). A differing output is located to its first differing element by recomputing
+the case on cpu_ref (or the numpy spec) when that reproduces the golden digest.
+
+`first_contact(requested)` is the one place the CLI's --backend option goes through: for a real
+device it runs the quick set unless a pass is cached for exactly this device, OS, driver, library,
+package, contract and golden file ($XDG_CACHE_HOME/mlx-open1b/selftest/); on a mismatch it falls
+back to cpu_ref under --backend auto and refuses (SelftestRefused) under an explicit --backend.
+Whether a backend is real hardware is decided by `on_hardware`; tests treat an emulated backend
+as hardware with `assume_hardware(...)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import time
+from typing import Callable
+
+from . import __version__
+from .contract import CONTRACT_VERSION
+from . import golden as _golden
+
+GPU_BACKENDS = ("metal", "cuda")
+ALL = ("cpu_ref", "metal", "cuda")
+#: exit code of a command refused because its device failed the self-test
+REFUSED_EXIT = 3
+
+
+class SelftestRefused(RuntimeError):
+    """An explicitly requested device failed the self-test; nothing was run or written."""
+
+    exit_code = REFUSED_EXIT
+
+
+# ------------------------------------------------------------------------- real hardware or not
+_assumed: set = set()
+
+
+def on_hardware(backend: str) -> bool:
+    """Whether `backend` runs on a real device here (not on its CPU emulator)."""
+    if backend in _assumed:
+        return True
+    try:
+        if backend == "metal":
+            from .metal.runtime import real_metal
+            return bool(real_metal())
+        if backend == "cuda":
+            from .cuda.runtime import real_cuda
+            return bool(real_cuda())
+    except Exception:   # noqa: BLE001 - no usable runtime: not hardware
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def assume_hardware(*backends: str):
+    """Inside the block, treat these backends as real devices (they still run on their emulators):
+    --backend auto picks them and the first-contact check runs. For tests."""
+    old = set(_assumed)
+    _assumed.update(backends)
+    try:
+        yield
+    finally:
+        _assumed.clear()
+        _assumed.update(old)
+
+
+def resolve(requested: str) -> str:
+    """--backend's value as a backend name: 'auto' as mlx_open1b.train.resolve_backend, or the
+    first backend assume_hardware names."""
+    if requested == "auto":
+        for name in GPU_BACKENDS:
+            if name in _assumed:
+                return name
+    from .train import resolve_backend
+    return resolve_backend(requested)
+
+
+def describe(backend: str) -> tuple[str, str]:
+    """(where it runs: 'hardware' | 'emulated' | 'CPU', what runs it)."""
+    if backend == "cpu_ref":
+        from . import cpu_ref
+        return "CPU", f"C reference, SIMD {cpu_ref.simd_name()}, {cpu_ref.get_num_threads()} threads"
+    try:
+        if backend == "metal":
+            from .metal.runtime import available
+            detail = available()[1]
+        else:
+            from .cuda.runtime import describe as cuda_describe
+            detail = cuda_describe()[1]
+    except Exception as e:   # noqa: BLE001
+        detail = f"{type(e).__name__}: {e}"
+    if backend in _assumed:
+        return "hardware", f"{detail} [treated as hardware by assume_hardware]"
+    return ("hardware" if on_hardware(backend) else "emulated"), detail
+
+
+# ------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class OpLine:
+    op: str
+    cases: int = 0               # cases compared
+    failed: int = 0
+    first: dict | None = None    # the first failing case (see describe_failure)
+    seconds: float = 0.0         # in the backend's functions
+    not_run: str | None = None
+
+
+@dataclasses.dataclass
+class BackendReport:
+    backend: str
+    where: str = "-"
+    device: str = ""
+    not_run: str | None = None
+    ops: dict = dataclasses.field(default_factory=dict)       # op -> OpLine, in the golden file's order
+    rows: dict = dataclasses.field(default_factory=dict)      # parity-bundle rows: op or "edge:<name>" -> [row]
+    training: dict | None = None  # {"steps", "compared", "first", "seconds", "not_run", "genesis", "records"}
+    seconds: float = 0.0
+    full: bool = False
+
+    @property
+    def failed_ops(self) -> list[str]:
+        return [op for op, line in self.ops.items() if line.failed]
+
+    @property
+    def training_failed(self) -> bool:
+        return bool(self.training and self.training.get("first"))
+
+    @property
+    def ok(self) -> bool:
+        """Everything that ran was equal (ops missing on the backend are reported, not failed)."""
+        return self.not_run is None and not self.failed_ops and not self.training_failed
+
+    @property
+    def cases(self) -> int:
+        return sum(line.cases for line in self.ops.values())
+
+    def first_failure(self) -> str | None:
+        for op in self.failed_ops:
+            return f"{op}: {describe_failure(self.ops[op].first)}"
+        if self.training_failed:
+            return f"training: {self.training['first']['detail']}"
+        return None
+
+
+def _short(h) -> str:
+    return "none" if h is None else str(h)[:12] + "…"
+
+
+def describe_failure(f: dict) -> str:
+    where = f["case"] + (f" ({f['desc']})" if f.get("desc") and not f["case"].startswith("edge/") else "")
+    k = f["kind"]
+    if k == "value":
+        idx = ", ".join(str(i) for i in f["index"])
+        return (f"{where}: {f['output']}[{idx}] = {f['value']!r} ({f['hex']}), golden {f['ref_value']!r} "
+                f"({f['ref_hex']}); {f['count']} of {f['size']} elements differ")
+    if k == "hash":
+        return (f"{where}: output {f['output']} sha256 {_short(f['got'])}, golden {_short(f['want'])} "
+                f"({f['detail']})")
+    return f"{where}: {f['detail']}"
+
+
+# ------------------------------------------------------------------------- running the cases
+def _ref_outputs(case, reference: str, cache: dict):
+    """cpu_ref's (or spec's) normalized outputs of a case, or None if it cannot run it."""
+    if reference not in cache:
+        from .parity.backends import load, resolve as resolve_op
+        from .parity.cases import execute
+        from .parity.runner import normalize
+        try:
+            cache[reference] = normalize(case.op, execute(resolve_op(load(reference), case.op), case))
+        except Exception:   # noqa: BLE001 - no usable reference: the report stays at the digest
+            cache[reference] = None
+    return cache[reference]
+
+
+def _locate(case, j: int, got, want: str, backend: str, cache: dict) -> dict:
+    """The first differing element of output j against a reference that reproduces the golden digest."""
+    from .parity.bundle import array_hash
+    from .parity.runner import compare_outputs
+    for reference in ("cpu_ref", "spec"):
+        if reference == backend:
+            continue
+        outs = _ref_outputs(case, reference, cache)
+        if outs is None or array_hash(outs[j]) != want:
+            continue
+        d = compare_outputs(outs[j], got)
+        if d is None:
+            break
+        if d["kind"] == "value":
+            return dict(d, located_by=reference)
+        return {"kind": "other", "detail": f"output {case.outputs[j]}: {d['detail']}"}
+    return {"kind": "hash", "detail": "no reference here reproduces the golden digest, so the element is not named",
+            "got": None, "want": want}
+
+
+def _run_case(gc, case, fn, backend: str) -> tuple[dict | None, dict, float]:
+    """(failure or None, bundle row, seconds in fn)."""
+    from .parity.bundle import array_hash
+    from .parity.cases import execute
+    from .parity.runner import normalize
+    row = {"case": gc.index if gc.kind == "parity" else 0, "seed": gc.seed, "desc": gc.desc,
+           "inputs": case.input_hash()}
+    base = {"case": gc.key, "desc": gc.desc}
+    if row["inputs"] != gc.inputs:
+        why = (f"this install generates other inputs for the case (sha256 {_short(row['inputs'])}, golden "
+               f"{_short(gc.inputs)}); not compared")
+        return dict(base, kind="inputs", detail=why), row, 0.0
+    t0 = time.perf_counter()
+    try:
+        outs = normalize(case.op, execute(fn, case))
+        err = None
+    except Exception as e:   # noqa: BLE001 - a raising backend is a reported failure
+        outs, err = None, f"{type(e).__name__}: {e}"
+    dt = time.perf_counter() - t0
+    if err is not None:
+        row["error"] = err
+        if gc.error is not None:
+            return None, row, dt
+        return dict(base, kind="error", detail=f"raised {err}"), row, dt
+    hashes = [array_hash(a) for a in outs]
+    row["outputs"] = dict(zip(case.outputs, hashes))
+    if gc.error is not None:
+        return dict(base, kind="error", detail=f"returned, but the reference raised {gc.error}"), row, dt
+    cache: dict = {}
+    for j, (name, h) in enumerate(zip(case.outputs, hashes)):
+        want = gc.outputs.get(name, "missing")
+        if h != want:
+            d = _locate(case, j, outs[j], want, backend, cache)   # execute() ran on copies of the inputs
+            d.setdefault("output", name)
+            if d["kind"] == "hash":
+                d["got"] = h
+            return dict(base, **d), row, dt
+    return None, row, dt
+
+
+class _Cases:
+    """The golden cases of one run, generated once and shared by the backends it checks."""
+
+    def __init__(self, golden: _golden.Golden, full: bool):
+        self.golden, self.selected = golden, golden.select(full)
+        self._made: dict = {}
+
+    def prepare(self, progress: Callable[[str], None] | None = None) -> None:
+        """Generate every selected case now (so that no backend's time includes it)."""
+        for n, gc in enumerate(self.selected, 1):
+            if progress:
+                progress(f"generating the cases: {n}/{len(self.selected)} ({gc.op})")
+            try:
+                self.case(gc)
+            except Exception:   # noqa: BLE001 - run_backend reports it at the case
+                pass
+
+    def case(self, gc):
+        if gc.key not in self._made:
+            self._made[gc.key] = gc.make()
+        return self._made[gc.key]
+
+
+def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases: _Cases | None = None,
+                data_dir=None, steps: int | None = None, progress: Callable[[str], None] | None = None,
+                select: Callable | None = None) -> BackendReport:
+    """Check one backend against the golden set (quick, or full: every case and the training
+    steps); select(golden_case) -> bool narrows the cases (tests)."""
+    from .parity.backends import BackendUnavailable, load
+    from .parity.backends import resolve as resolve_op
+    progress = progress or (lambda m: None)
+    rep = BackendReport(name, full=full)
+    t0 = time.perf_counter()
+    try:
+        b = load(name)
+    except BackendUnavailable as e:
+        rep.not_run = str(e)
+        return rep
+    rep.where, rep.device = describe(name)
+    cases = cases or _Cases(golden, full)
+    chosen = [gc for gc in cases.selected if select is None or select(gc)]
+    for op in golden.data.get("ops", []):
+        rep.ops[op] = OpLine(op)
+    for n, gc in enumerate(chosen, 1):
+        line = rep.ops.setdefault(gc.op, OpLine(gc.op))
+        progress(f"{name}: {n}/{len(chosen)} cases ({gc.op})")
+        fn = resolve_op(b, gc.op)
+        if fn is None:
+            line.not_run = f"{name} has no function for {gc.op}"
+            continue
+        try:
+            case = cases.case(gc)
+        except Exception as e:   # noqa: BLE001 - a golden case this install cannot build is not compared
+            line.failed += 1
+            line.first = line.first or {"case": gc.key, "desc": gc.desc, "kind": "inputs",
+                                        "detail": f"this install cannot build the case ({type(e).__name__}: {e})"}
+            continue
+        fail, row, dt = _run_case(gc, case, fn, name)
+        line.cases += 1
+        line.seconds += dt
+        rep.rows.setdefault(gc.op if gc.kind == "parity" else f"edge:{gc.name}", []).append(row)
+        if fail is not None:
+            line.failed += 1
+            line.first = line.first or fail
+    for line in rep.ops.values():
+        if not line.cases and line.not_run is None:
+            line.not_run = "no case selected"
+    if full:
+        rep.training = _run_training(name, golden, data_dir, steps, progress)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _flat(d, prefix=""):
+    if isinstance(d, dict):
+        for k in sorted(d):
+            yield from _flat(d[k], f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, d
+
+
+def _record_difference(k: int, want: dict, got: dict) -> str:
+    fw, fg = dict(_flat(want)), dict(_flat(got))
+    fields = [f for f in list(fw) + [f for f in fg if f not in fw]
+              if f not in ("hash", "prev") and fw.get(f, "missing") != fg.get(f, "missing")]
+    f = fields[0] if fields else ("prev" if fw.get("prev") != fg.get("prev") else "hash")
+    return (f"step {k}: {f} {fg.get(f, 'missing')!r}, golden {fw.get(f, 'missing')!r}"
+            + (f"; also {', '.join(fields[1:4])}" if len(fields) > 1 else ""))
+
+
+def _run_training(name: str, golden: _golden.Golden, data_dir, steps, progress) -> dict:
+    from .data.format import DataError
+    from .train import TrainError
+    want = golden.training["records"]
+    steps = len(want) if steps is None else min(int(steps), len(want))
+    tr = {"steps": steps, "compared": 0, "first": None, "seconds": 0.0, "not_run": None,
+          "genesis": golden.training["genesis"], "records": []}
+    if name not in ALL:
+        tr["not_run"] = f"{name} cannot train"
+        return tr
+    t0 = time.perf_counter()
+
+    def on_step(k: int, rec: dict):
+        tr["records"].append(rec)
+        tr["compared"] = k + 1
+        progress(f"{name}: training step {k + 1}/{steps}")
+        if k == 0 and rec.get("prev") != golden.training["genesis"]:
+            tr["first"] = {"step": 0, "detail": "the run's genesis differs from the golden run's (the corpus, "
+                                                "tokenizer or configuration differ here: not a backend difference)"}
+            return False
+        if rec != want[k]:
+            tr["first"] = {"step": k, "detail": _record_difference(k, want[k], rec)}
+            return False
+        return True
+
+    try:
+        _golden.train_records(name, steps, data_dir, on_step=on_step, log=progress)
+    except (TrainError, DataError, OSError) as e:
+        tr["first"] = {"step": tr["compared"], "detail": f"training stopped: {e}"}
+    except Exception as e:   # noqa: BLE001 - a backend that fails while training is a failure
+        tr["first"] = {"step": tr["compared"], "detail": f"training raised {type(e).__name__}: {e}"}
+    tr["seconds"] = time.perf_counter() - t0
+    return tr
+
+
+# ------------------------------------------------------------------------- the table
+def format_report(reports: list[BackendReport], golden: _golden.Golden, full: bool) -> str:
+    sel = golden.select(full)
+    n_edge = sum(1 for c in sel if c.kind == "edge")
+    per_op = golden.data["cases_per_op"] if full else len(golden.data["quick_indices"])
+    lines = [f"open1b selftest: {'full' if full else 'quick'} set ({len(sel) - n_edge} parity cases, {per_op} per op; "
+             f"{n_edge} edge cases{'; ' + str(len(golden.training['records'])) + ' training steps' if full else ''}) "
+             f"against {golden.path} ({golden.data['reference']}, contract v{golden.data['contract_version']})"]
+    for rep in reports:
+        lines.append("")
+        if rep.not_run:
+            lines.append(f"{rep.backend}: not run: {rep.not_run}")
+            continue
+        lines.append(f"{rep.backend} ({rep.where}): {rep.device}; {rep.seconds:.1f} s")
+        label = f"training ({golden.training['preset']}, {len(golden.training['records'])} steps)"
+        w = max([len(op) for op in rep.ops] + [len(label)])
+        lines.append(f"  {'op':<{w}}  {'cases':>5}  {'seconds':>7}  result")
+        for op, line in rep.ops.items():
+            if line.failed:
+                res = f"DIFFERS in {line.failed} case{'s' * (line.failed != 1)}: {describe_failure(line.first)}"
+            elif line.cases:
+                res = "equal"
+            else:
+                res = f"not run: {line.not_run}"
+            lines.append(f"  {op:<{w}}  {line.cases:>5}  {line.seconds:>7.2f}  {res}")
+        tr = rep.training
+        if tr is None:
+            lines.append(f"  {label:<{w}}  {'-':>5}  {'-':>7}  not run: quick set (--full trains "
+                         f"{len(golden.training['records'])} steps and compares their ledger records)")
+        elif tr["not_run"]:
+            lines.append(f"  {label:<{w}}  {'-':>5}  {'-':>7}  not run: {tr['not_run']}")
+        else:
+            res = (f"DIFFERS: {tr['first']['detail']}" if tr["first"]
+                   else f"equal (run hash {_short(tr['records'][-1]['hash'])})")
+            lines.append(f"  {label:<{w}}  {tr['compared']:>5}  {tr['seconds']:>7.2f}  {res}")
+        lines.append(f"  result: {'EQUAL' if rep.ok else 'DIFFERENT'} ({rep.cases} cases"
+                     + (f", {tr['compared']} steps" if tr and not tr["not_run"] else "") + ")")
+    ran = [r for r in reports if not r.not_run]
+    summary = ", ".join(f"{r.backend} {'EQUAL' if r.ok else 'DIFFERENT'} ({r.where})" for r in ran) or "nothing ran"
+    lines += ["", f"summary: {summary}"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- bundles
+def write_bundle(path, rep: BackendReport, golden: _golden.Golden) -> dict:
+    """A parity bundle (parity/bundle.py's format, for `open1b parity compare`) of what the backend
+    computed: per op and case the seed, input and output hashes (edge cases as ops "edge:<name>"),
+    and the ledger of the training steps when they ran."""
+    from .fsutil import write_json_atomic
+    from .parity.bundle import FORMAT, canonical, machine_info
+    tr = rep.training
+    training = None
+    if tr and tr["records"]:
+        training = {"preset": golden.training["preset"], "steps": len(tr["records"]), "backend": rep.backend,
+                    "genesis": tr["genesis"], "run_hash": tr["records"][-1]["hash"], "ledger": tr["records"]}
+    bundle = {"format": FORMAT, "contract_version": CONTRACT_VERSION, "package_version": __version__,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "backend": rep.backend, "seed": golden.data["seed"],
+              "cases_per_op": golden.data["cases_per_op"] if rep.full else len(golden.data["quick_indices"]),
+              "machine": machine_info(rep.backend),
+              "selftest": {"set": "full" if rep.full else "quick", "golden_sha256": golden.sha256,
+                           "where": rep.where, "device": rep.device, "equal": rep.ok},
+              "ops": rep.rows, "training": training}
+    bundle["bundle_sha256"] = hashlib.sha256(canonical(bundle)).hexdigest()
+    write_json_atomic(path, bundle)
+    return bundle
+
+
+# ------------------------------------------------------------------------- first contact
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "mlx-open1b" / "selftest"
+
+
+def _dist_version(*names) -> str | None:
+    for n in names:
+        try:
+            return importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cuda_driver() -> str | None:
+    try:
+        import cupy
+        return f"driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()}"
+    except Exception:   # noqa: BLE001
+        return None
+
+
+def cache_key(backend: str, golden: _golden.Golden) -> dict:
+    """What a cached pass is valid for: the device, OS, driver, library, package, contract and golden file."""
+    where, device = describe(backend)
+    key = {"backend": backend, "where": where, "device": device, "os": platform.platform(),
+           "package": __version__, "contract": CONTRACT_VERSION, "golden_sha256": golden.sha256}
+    if backend == "metal":
+        key["mlx"] = _dist_version("mlx")
+    else:
+        key["cupy"] = _dist_version("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy")
+        key["driver"] = _cuda_driver()
+    return key
+
+
+def _cache_file(key: dict) -> pathlib.Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / f"{key['backend']}-{digest}.json"
+
+
+def passed_before(key: dict) -> bool:
+    try:
+        d = json.loads(_cache_file(key).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("key") == key and d.get("verdict") == "pass"
+
+
+def remember_pass(key: dict, rep: BackendReport) -> pathlib.Path | None:
+    from .fsutil import write_json_atomic
+    path = _cache_file(key)
+    try:
+        write_json_atomic(path, {"key": key, "verdict": "pass", "cases": rep.cases, "seconds": round(rep.seconds, 3),
+                                 "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    except OSError:
+        return None                  # no writable cache: the check runs again next time
+    return path
+
+
+def first_contact(requested: str, *, skip: bool = False, log: Callable[[str], None] | None = None,
+                  golden_path=None, select: Callable | None = None) -> str:
+    """The backend a command uses for --backend `requested`. On a real Metal or CUDA device the
+    quick set runs first unless a pass is cached for this exact key; on a mismatch 'auto' falls back
+    to cpu_ref (with a warning naming the op) and an explicit name raises SelftestRefused. A
+    missing or broken golden file raises golden.GoldenError. skip: no check (--skip-selftest)."""
+    log = log or (lambda m: None)
+    backend = resolve(requested)
+    if skip or backend not in GPU_BACKENDS or not on_hardware(backend):
+        return backend
+    golden = _golden.load(golden_path)
+    key = cache_key(backend, golden)
+    if passed_before(key):
+        return backend
+    log(f"first contact with {backend} on {key['device']}: checking it against the golden known answers "
+        f"(quick set; once per device, driver and version; --skip-selftest skips it)")
+    rep = run_backend(backend, golden, full=False, select=select)
+    if rep.ok:
+        remember_pass(key, rep)
+        log(f"{backend}: {rep.cases} cases equal to the golden answers ({rep.seconds:.1f} s)")
+        return backend
+    what = rep.first_failure() or rep.not_run or "unknown"
+    hint = f"`open1b selftest --backend {backend}` prints every op"
+    if requested == "auto":
+        log(f"warning: {backend} on {key['device']} failed the self-test, so --backend auto uses cpu_ref (bit-"
+            f"identical, slower). First difference: {what}. {hint}.")
+        return "cpu_ref"
+    raise SelftestRefused(f"--backend {backend}: {key['device']} failed the self-test, so it is not used and "
+                          f"nothing was written. First difference: {what}. {hint}; --backend cpu_ref runs the "
+                          f"C reference; --skip-selftest runs on the device unchecked.")

@@ -1,0 +1,298 @@
+"""`open1b selftest` and the first-contact check (mlx_open1b.selftest, cli/__init__.backend_option):
+backends pass the shipped golden set; a planted fault is named by op, case, element and both
+values in hex (located through cpu_ref, or the numpy spec when cpu_ref is the faulty one, or by
+digest when no reference agrees); bundles compare with `open1b parity compare`; the training steps
+are compared record by record; and before a command uses a real device the quick set runs once per
+cache key, falls back to cpu_ref under --backend auto and refuses an explicit --backend before
+anything is written. Real hardware is simulated with selftest.assume_hardware on the emulators,
+with faults planted by monkeypatching a backend op or by the emulators' modelled fp32 unit
+(emu.hardware(fault=...)): CUDA's division rounded toward zero and contracted multiply-adds change
+results; Metal's division is done in integers, so a faulty divider changes nothing there."""
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlx_open1b.cpu_ref as cpu_ref
+import mlx_open1b.metal.ops as MO
+from mlx_open1b import golden as G
+from mlx_open1b import selftest as S
+from mlx_open1b.cli.main import cli
+from mlx_open1b.cuda import emu as cuda_emu
+from mlx_open1b.golden import edge_cases as E
+from mlx_open1b.metal import emu as metal_emu
+
+GOLDEN = G.load()
+EXP_ONLY = lambda gc: gc.op == "exp"   # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "selftest-cache"
+    monkeypatch.setattr(S, "cache_dir", lambda: d)
+    return d
+
+
+def _flip_first(fn):
+    """fn with the lowest bit of the first element of its (first) output flipped."""
+    @functools.wraps(fn)
+    def planted(*a, **k):
+        y = np.array(fn(*a, **k), copy=True)
+        y.reshape(-1).view(np.uint32)[0] ^= np.uint32(1)
+        return y
+    return planted
+
+
+def _narrow(monkeypatch, select) -> None:
+    """The first-contact check runs only the cases `select` picks (speed; the quick set's own
+    power is shown by the tests of the modelled faults)."""
+    real = S.run_backend
+    monkeypatch.setattr(S, "run_backend", lambda *a, **k: real(*a, **dict(k, select=select)))
+
+
+def _hexes(a) -> str:
+    return f"0x{int(np.asarray(a, np.float32).reshape(-1).view(np.uint32)[0]):08x}"
+
+
+# ------------------------------------------------------------------------- the selftest itself
+def test_cpu_ref_and_cuda_pass_the_quick_set_and_their_bundles_compare_identical(tmp_path):
+    r = CliRunner()
+    for name in ("cpu_ref", "cuda"):
+        res = r.invoke(cli, ["selftest", "--backend", name, "--bundle", str(tmp_path / f"{name}.json")])
+        assert res.exit_code == 0, res.output
+        lines = res.output.splitlines()
+        head = next(x for x in lines if x.startswith(f"{name} ("))
+        assert ("CPU" if name == "cpu_ref" else "emulated") in head and head.endswith(" s")
+        for op in GOLDEN.data["ops"]:
+            assert any(x.split()[:1] == [op] and x.endswith(" equal") for x in lines), op
+        assert "result: EQUAL" in res.output and "not run: quick set" in res.output
+    res = r.invoke(cli, ["parity", "compare", str(tmp_path / "cpu_ref.json"), str(tmp_path / "cuda.json")])
+    assert res.exit_code == 0 and "result: IDENTICAL" in res.output, res.output
+    b = json.loads((tmp_path / "cuda.json").read_text())
+    assert b["selftest"]["equal"] and "edge:exp_fma_canary_tiny" in b["ops"] and b["training"] is None
+
+
+def test_metal_passes_the_edge_cases():
+    rep = S.run_backend("metal", GOLDEN, select=lambda gc: gc.kind == "edge")
+    assert rep.ok and rep.cases == len(E.names()) and rep.where == "emulated"
+
+
+def test_planted_bit_is_named_with_op_case_element_and_both_values(monkeypatch):
+    monkeypatch.setattr(MO, "exp", _flip_first(MO.exp))
+    rep = S.run_backend("metal", GOLDEN, select=EXP_ONLY)
+    assert not rep.ok and rep.failed_ops == ["exp"]
+    f = rep.ops["exp"].first
+    gc = next(c for c in GOLDEN.cases if c.key == "exp/0")
+    want = cpu_ref.exp(gc.make().args[0])
+    assert f["case"] == "exp/0" and f["output"] == "y" and f["located_by"] == "cpu_ref"
+    assert f["index"] == [0] * want.ndim and f["count"] == 1
+    assert f["ref_hex"] == _hexes(want) and f["hex"] == f"0x{int(_hexes(want), 16) ^ 1:08x}"
+    line = next(x for x in S.format_report([rep], GOLDEN, False).splitlines() if x.split()[:1] == ["exp"])
+    assert "DIFFERS" in line and f["ref_hex"] in line and f["hex"] in line and "exp/0" in line
+    assert rep.ops["log"].not_run == "no case selected"
+
+
+def test_faulty_cpu_ref_is_located_through_the_spec_and_fails_the_cli(monkeypatch):
+    monkeypatch.setattr(cpu_ref, "sigmoid", _flip_first(cpu_ref.sigmoid))
+    res = CliRunner().invoke(cli, ["selftest", "--backend", "cpu_ref"])
+    assert res.exit_code == 1, res.output
+    line = next(x for x in res.output.splitlines() if x.split()[:1] == ["sigmoid"])
+    assert "DIFFERS in 4 cases: sigmoid/0" in line and "golden" in line and "0x" in line
+    assert "result: DIFFERENT" in res.output and "summary: cpu_ref DIFFERENT (CPU)" in res.output
+
+
+def _golden_with(tmp_path, key: str, field: str, value) -> pathlib.Path:
+    d = json.loads(G.FILE.read_bytes())
+    case = next(c for c in d["cases"] if c["key"] == key)
+    if field == "outputs":
+        case["outputs"] = {k: value for k in case["outputs"]}
+    else:
+        case[field] = value
+    path = tmp_path / "golden.json"
+    path.write_bytes(G.dumps(d))
+    return path
+
+
+def test_digest_no_reference_reproduces_is_reported_by_digest(tmp_path):
+    path = _golden_with(tmp_path, "exp/1", "outputs", "0" * 64)
+    rep = S.run_backend("cpu_ref", G.load(path), select=EXP_ONLY)
+    f = rep.ops["exp"].first
+    assert f["case"] == "exp/1" and f["kind"] == "hash" and f["want"] == "0" * 64
+    assert "no reference here reproduces the golden digest" in S.describe_failure(f)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("inputs", "1" * 64, "edge/mul_tiny: this install generates other inputs"),
+    ("name", "no_such_case", "edge/mul_tiny: this install cannot build the case (KeyError"),
+])
+def test_cases_this_install_does_not_generate_fail_and_say_so(tmp_path, field, value, says):
+    path = _golden_with(tmp_path, "edge/mul_tiny", field, value)
+    res = CliRunner().invoke(cli, ["selftest", "--backend", "cpu_ref", "--golden", str(path)])
+    assert res.exit_code == 1 and says in res.output, res.output
+
+
+def test_usage_errors_exit_2(monkeypatch):
+    r = CliRunner()
+    for args, says in ((["--out", "x.json"], "--out is for --regenerate"), (["--data", "."], "--data is for --full"),
+                       (["--regenerate", "--full"], "--regenerate takes only")):
+        res = r.invoke(cli, ["selftest", *args])
+        assert res.exit_code == 2 and says in res.output, res.output
+    from mlx_open1b.parity import backends as PB
+
+    def unavailable(name):
+        raise PB.BackendUnavailable(f"{name}: no device and no emulator here")
+    monkeypatch.setattr(PB, "_gpu_ops", unavailable)
+    res = r.invoke(cli, ["selftest", "--backend", "cuda"])
+    assert res.exit_code == 2 and "cuda: no device and no emulator here" in res.output
+    res = r.invoke(cli, ["selftest", "--backend", "all"])
+    assert res.exit_code == 0 and "metal: not run: metal: no device" in res.output and "cpu_ref EQUAL" in res.output
+
+
+def test_full_set_compares_training_records_and_names_the_first_difference(monkeypatch, default_corpus):
+    rep = S.run_backend("cpu_ref", GOLDEN, full=True, steps=2, data_dir=default_corpus, select=EXP_ONLY)
+    assert rep.ok and rep.ops["exp"].cases == G.CASES_PER_OP + 1 and rep.training["compared"] == 2
+    assert rep.training["records"] == GOLDEN.training["records"][:2]
+    real = cpu_ref.adamw_step
+
+    def planted(p, g, m, v, **kw):          # one bf16 parameter one ulp off after every update
+        real(p, g, m, v, **kw)
+        p.reshape(-1)[:1] ^= np.uint16(1)
+    monkeypatch.setattr(cpu_ref, "adamw_step", planted)
+    rep = S.run_backend("cpu_ref", GOLDEN, full=True, steps=2, data_dir=default_corpus, select=lambda gc: False)
+    assert not rep.ok and rep.training["compared"] == 1
+    assert rep.training["first"]["detail"].startswith("step 0: hashes.params ")
+    assert "training (tiny, 20 steps)      1" in S.format_report([rep], GOLDEN, True)
+
+
+@pytest.mark.slow
+def test_full_selftest_of_every_backend_passes(tmp_path, default_corpus):
+    """`open1b selftest --backend all --full`: every case and 20 training steps (the emulated
+    backends train for many minutes)."""
+    res = CliRunner().invoke(cli, ["selftest", "--backend", "all", "--full", "--data", str(default_corpus),
+                                   "--bundle", str(tmp_path / "b.json")])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("result: EQUAL") == 3
+    c = CliRunner().invoke(cli, ["parity", "compare", str(tmp_path / "b.cpu_ref.json"), str(tmp_path / "b.metal.json")])
+    assert c.exit_code == 0 and "ledger: 20 records compared" in c.output, c.output
+
+
+# ------------------------------------------------------------------------- first contact
+def test_first_contact_runs_only_on_hardware_and_caches_a_pass(cache, monkeypatch):
+    calls = []
+    real = S.run_backend
+
+    def counting(*a, **k):
+        calls.append(a[0])
+        return real(*a, **dict(k, select=EXP_ONLY))
+    monkeypatch.setattr(S, "run_backend", counting)
+    assert S.first_contact("metal") == "metal" and calls == []          # emulated: no check
+    assert S.first_contact("auto") == "cpu_ref" and calls == []
+    with S.assume_hardware("metal"):
+        assert S.resolve("auto") == "metal"
+        assert S.first_contact("metal", skip=True) == "metal" and calls == []
+        log = []
+        assert S.first_contact("auto", log=log.append) == "metal" and calls == ["metal"]
+        assert "first contact with metal" in log[0] and "equal to the golden answers" in log[1]
+        files = list(cache.iterdir())
+        assert len(files) == 1 and json.loads(files[0].read_text())["key"] == S.cache_key("metal", GOLDEN)
+        assert S.first_contact("metal") == "metal" and calls == ["metal"]        # cached
+        entry = json.loads(files[0].read_text())
+        files[0].write_text(json.dumps(dict(entry, key=dict(entry["key"], device="another"))))
+        assert S.first_contact("metal") == "metal" and calls == ["metal", "metal"]   # not this key's pass
+        calls.pop()
+        key = S.cache_key("metal", GOLDEN)
+        monkeypatch.setattr(S, "cache_key", lambda b, g: dict(key, mlx="9.9.9"))  # another library version
+        assert S.first_contact("metal") == "metal" and calls == ["metal", "metal"]
+    assert S.resolve("auto") == "cpu_ref"
+
+
+def test_first_contact_falls_back_under_auto_and_refuses_an_explicit_backend(cache, monkeypatch):
+    monkeypatch.setattr(MO, "exp", _flip_first(MO.exp))
+    _narrow(monkeypatch, EXP_ONLY)
+    with S.assume_hardware("metal"):
+        log = []
+        assert S.first_contact("auto", log=log.append) == "cpu_ref"
+        assert "warning: metal" in log[-1] and "First difference: exp: exp/0" in log[-1]
+        with pytest.raises(S.SelftestRefused, match=r"--backend metal: .* failed the self-test.*exp: exp/0") as e:
+            S.first_contact("metal")
+        assert e.value.exit_code == 3
+        assert S.first_contact("metal", skip=True) == "metal"
+    assert not cache.exists() or not list(cache.iterdir())                      # a failure is never cached
+
+
+def test_broken_golden_file_stops_the_first_contact(tmp_path):
+    with S.assume_hardware("metal"), pytest.raises(G.GoldenError, match="missing"):
+        S.first_contact("metal", golden_path=tmp_path / "nope.json")
+
+
+def _train(runner, out, data, backend, *extra):
+    return runner.invoke(cli, ["train", "--backend", backend, "--out", str(out), "--data", str(data), "--steps", "1",
+                               *extra])
+
+
+def test_cli_refuses_a_failing_device_before_writing_and_falls_back_under_auto(tmp_path, monkeypatch,
+                                                                                 default_corpus):
+    """A planted one-bit fault in the metal backend, metal taken for real hardware: train, audit
+    and eval with --backend metal stop with exit 3 and create nothing; --backend auto trains on
+    cpu_ref with a warning; --skip-selftest uses the device."""
+    monkeypatch.setattr(MO, "exp", _flip_first(MO.exp))
+    _narrow(monkeypatch, EXP_ONLY)
+    r = CliRunner()
+    with S.assume_hardware("metal"):
+        res = _train(r, tmp_path / "refused", default_corpus, "metal")
+        assert res.exit_code == 3 and "failed the self-test" in res.output and "exp: exp/0" in res.output
+        assert res.exception is None or isinstance(res.exception, SystemExit)
+        assert not (tmp_path / "refused").exists()
+        res = _train(r, tmp_path / "run", default_corpus, "auto")
+        assert res.exit_code == 0, res.output
+        assert "warning: metal" in res.output and "backend cpu_ref" in res.output and "run hash" in res.output
+        att = tmp_path / "att.json"
+        res = r.invoke(cli, ["audit", str(tmp_path / "run"), "--steps", "0", "--backend", "metal", "--out", str(att)])
+        assert res.exit_code == 3 and "failed the self-test" in res.output and not att.exists()
+        res = r.invoke(cli, ["eval", str(tmp_path / "run"), "--backend", "metal", "--json", str(att)])
+        assert res.exit_code == 3 and not att.exists()
+        res = r.invoke(cli, ["train", "--backend", "metal", "--skip-selftest", "--out", str(tmp_path / "skip"),
+                             "--data", str(default_corpus), "--steps", "0"])
+        assert res.exit_code == 0 and "backend metal" in res.output and "self-test" not in res.output, res.output
+
+
+# ------------------------------------------------------------------------- faults of the modelled fp32 unit
+def test_emulated_cuda_division_toward_zero_fails_the_quick_set():
+    with cuda_emu.hardware(fault="div_rz"), S.assume_hardware("cuda"):
+        with pytest.raises(S.SelftestRefused, match="--backend cuda: .*failed the self-test") as e:
+            S.first_contact("cuda")
+        rep = S.run_backend("cuda", GOLDEN, select=lambda gc: gc.kind == "edge")
+    assert "edge/div_tiny_overflow" in S.describe_failure(rep.ops["scalar_div"].first)
+    assert {"scalar_div", "sigmoid", "rsqrt"} <= set(rep.failed_ops)
+
+
+def test_emulated_contraction_fails_the_canaries_on_both_gpu_backends():
+    canaries = lambda gc: gc.name in ("exp_fma_canary_tiny", "linear_fma_canary")     # noqa: E731
+    for emu, name in ((cuda_emu, "cuda"), (metal_emu, "metal")):
+        with emu.hardware(fault="fma"):
+            rep = S.run_backend(name, GOLDEN, select=canaries)
+        assert rep.failed_ops == ["exp", "linear_forward"], name
+        assert "linear_fma_canary: y[2, 2] = " in S.describe_failure(rep.ops["linear_forward"].first)
+
+
+def test_metal_division_is_immune_to_a_faulty_divider():
+    """Metal divides in integers (CONTRACT.md §3), so the modelled divider's rounding never shows."""
+    divides = lambda gc: gc.name in ("div_tiny_overflow", "sigmoid_divisor_above_2^126", "rsqrt_subnormal")  # noqa
+    with metal_emu.hardware(fault="div_rz"):
+        assert S.run_backend("metal", GOLDEN, select=divides).ok
+
+
+def test_cli_with_an_emulated_faulty_cuda_unit(tmp_path, default_corpus):
+    """The whole quick set on CUDA's modelled unit with division rounded toward zero: --backend
+    auto trains on cpu_ref, --backend cuda is refused before the run directory exists."""
+    r = CliRunner()
+    with cuda_emu.hardware(fault="div_rz"), S.assume_hardware("cuda"):
+        res = _train(r, tmp_path / "refused", default_corpus, "cuda")
+        assert res.exit_code == 3 and "--backend cuda" in res.output and not (tmp_path / "refused").exists()
+        res = _train(r, tmp_path / "auto", default_corpus, "auto")
+        assert res.exit_code == 0 and "warning: cuda" in res.output and "backend cpu_ref" in res.output
