@@ -155,6 +155,9 @@ def _run(name: str, inputs, outputs, grid, threadgroup=(256, 1, 1), template=Non
         return [to_device(o) for o in outs] if device else outs
     in_names, out_names = KERNELS[name]
     k = runtime.kernel(name, in_names, out_names)
+    if _uploads is not None:     # a numpy-mode op on the GPU: its operands go up once (_upload)
+        inputs = [_upload(a) if arrays.kind(a) == arrays.NUMPY and id(_root(a)) in _uploads["roots"] else a
+                  for a in inputs]
     if k.real:      # mx.fast.metal_kernel: mx.arrays in; out stay lazy on the GPU in device mode
         ins = [_nz(a) if arrays.kind(a) == arrays.MLX else _nz(np.ascontiguousarray(a)) for a in inputs]
     else:           # the emulator reads host memory (its copy stands for the GPU reading the buffer)
@@ -689,7 +692,8 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
 
 # ---------------------------------------------------------------------------------------------
 # kinds in, kinds out: an op given any mx.array works on mx.arrays only (its numpy arguments are
-# moved up first), so every kernel launch of the op returns mx.arrays; numpy only -> numpy
+# moved up first), so every kernel launch of the op returns mx.arrays; numpy only -> numpy (on a
+# Metal GPU each numpy operand uploaded once per op: _upload)
 # ---------------------------------------------------------------------------------------------
 _IN_PLACE = {"add_inplace", "scale_inplace", "adamw_step"}     # numpy buffers written in place
 _NOT_OPS = {"available", "contract_version", "to_device", "to_host"}
@@ -700,12 +704,52 @@ def _up(a):
     return arrays.map_numpy(to_device, a)
 
 
+def _lift_numpy() -> bool:
+    """Whether a numpy-mode op's launches read device copies of its numpy operands made once per op
+    (on a Metal GPU: an operand read by every slab of a long kernel, a GEMM's A and B, attention's
+    q, k and v, the embedding table, goes up once instead of with every launch)."""
+    return runtime.real_metal()
+
+
+_uploads: dict | None = None       # while a numpy-mode op runs on the GPU: its operands' buffers, uploads
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns a's memory (a view's base, followed to the end)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _upload(a: np.ndarray):
+    """The mx.array of a view of one of the op's numpy operands, made at its first launch (the
+    operands stay alive and unchanged while the op runs, so a view is known by its memory)."""
+    key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+    got = _uploads["arrays"].get(key)
+    if got is None:
+        got = _uploads["arrays"][key] = to_device(a)
+    return got
+
+
+def _operand_roots(values) -> set:
+    roots = set()
+    arrays.map_numpy(lambda a: roots.add(id(_root(a))), list(values))
+    return roots
+
+
 def _returns_given_kind(op):
     @functools.wraps(op)
     def wrapper(*args, **kwargs):
+        global _uploads
         if arrays.any_device(args + tuple(kwargs.values())) is not None:
-            args, kwargs = _up(args), {k: _up(v) for k, v in kwargs.items()}
-        return op(*args, **kwargs)
+            return op(*_up(args), **{k: _up(v) for k, v in kwargs.items()})
+        if _uploads is not None or not _lift_numpy():          # an op inside an op shares its uploads
+            return op(*args, **kwargs)
+        _uploads = {"roots": _operand_roots(args + tuple(kwargs.values())), "arrays": {}}
+        try:
+            return op(*args, **kwargs)
+        finally:
+            _uploads = None
     return wrapper
 
 

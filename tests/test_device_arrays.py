@@ -214,3 +214,79 @@ def test_auto_backend(monkeypatch):
     assert resolve_backend("auto") == "cuda"
     res = CliRunner().invoke(cli, ["train", "--backend", "nosuch"])
     assert res.exit_code == 2 and "auto" in res.output
+
+
+def _launch_inputs(monkeypatch):
+    """Every launch of metal/ops.py as (kernel, input kinds of its data arrays: those of more than a
+    few elements, not the host-made parameter blocks)."""
+    launches, run = [], metal._run
+
+    def recording(name, inputs, *args, **kwargs):
+        launches.append((name, {arrays.kind(a) for a in inputs if arrays.is_array(a) and a.size > 16}))
+        return run(name, inputs, *args, **kwargs)
+    monkeypatch.setattr(metal, "_run", recording)
+    return launches
+
+
+def test_slabs_on_mx_arrays(monkeypatch):
+    """With a tiny work bound the slabbed ops cut mx.arrays into slabs (lazy slices) and join the
+    pieces (mx concatenation): mx.arrays out, the C reference's bits, each kernel in several launches."""
+    from mlx_open1b.metal import slabs
+    rng = np.random.default_rng(11)
+    N, K, Mo, B, T, H, G, D, F, n = 6, 24, 5, 1, 12, 2, 1, 8, 10, 200
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (Mo, K)), rand_bf16(rng, (N, Mo))
+    q, k, v = rand_bf16(rng, (B, T, H, D)), rand_bf16(rng, (B, T, G, D)), rand_bf16(rng, (B, T, G, D))
+    dout, hh = rand_f32(rng, (B, T, H, D)), rand_f32(rng, (N, 2 * F), 3.0)
+    p, g, m0, v0 = rand_bf16(rng, (n,)), rand_f32(rng, (n,)), rand_f32(rng, (n,), 0.1), np.abs(rand_f32(rng, (n,), 0.01))
+    kw = dict(lr=1e-3, weight_decay=0.1, step=3)
+    dev = metal.to_device
+    launches = _launch_inputs(monkeypatch)
+    monkeypatch.setattr(slabs, "MAX_DISPATCH_WORK", 2 * K * 4)
+    got = {"linear_forward": (metal.linear_forward(dev(x), dev(w)),),
+           "linear_backward": metal.linear_backward(dev(dy), dev(x), dev(w))}
+    monkeypatch.setattr(slabs, "MAX_DISPATCH_WORK", 6 * slabs.attention_pair_work(D))
+    got["attention_forward"] = metal.attention_forward(dev(q), dev(k), dev(v), 0, 0.35)
+    o, lse = (arrays.to_host(a) for a in got["attention_forward"])
+    got["attention_backward"] = metal.attention_backward(dev(dout), dev(q), dev(k), dev(v), dev(o), dev(lse), 0, 0.35)
+    monkeypatch.setattr(slabs, "MAX_DISPATCH_WORK", F * slabs.ITEM_UNITS["swiglu_forward"])
+    got["swiglu_forward"] = (metal.swiglu_forward(dev(hh)),)
+    monkeypatch.setattr(slabs, "MAX_DISPATCH_WORK", 40 * slabs.ITEM_UNITS["adamw"])
+    got["adamw"] = metal.adamw(*(dev(a) for a in (p, g, m0, v0)), **kw)
+    want = {"linear_forward": (cpu_ref.linear_forward(x, w),), "linear_backward": cpu_ref.linear_backward(dy, x, w),
+            "attention_forward": cpu_ref.attention_forward(q, k, v, 0, 0.35),
+            "attention_backward": cpu_ref.attention_backward(dout, q, k, v, o, lse, 0, 0.35),
+            "swiglu_forward": (cpu_ref.swiglu_forward(hh),), "adamw": cpu_ref.adamw(p, g, m0, v0, **kw)}
+    for op, outs in got.items():
+        for a, b in zip(outs, want[op]):
+            assert arrays.kind(a) == "mlx", op
+            assert_bits_equal(arrays.to_host(a), np.asarray(b), f"{op}: slabbed on mx.arrays vs cpu_ref")
+    per_kernel = collections.Counter(name for name, _ in launches)
+    for kernel in ("gemm", "attention_forward", "attention_dq", "attention_dkv", "swiglu_forward", "adamw"):
+        assert per_kernel[kernel] > 3, (kernel, dict(per_kernel))
+    assert all(kinds <= {"mlx"} for _, kinds in launches)
+
+
+def test_numpy_mode_on_the_gpu_moves_operands_once(monkeypatch):
+    """On a Metal GPU (here: the switch that says so) a numpy-mode op's launches read device copies
+    of its numpy operands made once per op, not with every slab's launch; numpy comes back with the
+    C reference's bits, and argument errors are still those of the numpy arguments."""
+    from mlx_open1b.metal import slabs
+    rng = np.random.default_rng(12)
+    x, w, dy = rand_bf16(rng, (6, 24)), rand_bf16(rng, (5, 24)), rand_bf16(rng, (6, 5))
+    q, k, v = rand_bf16(rng, (1, 12, 2, 8)), rand_bf16(rng, (1, 12, 1, 8)), rand_bf16(rng, (1, 12, 1, 8))
+    uploads, up = [], metal.to_device
+    monkeypatch.setattr(metal, "to_device", lambda a: uploads.append(a.size) or up(a))
+    launches = _launch_inputs(monkeypatch)
+    monkeypatch.setattr(metal, "_lift_numpy", lambda: True)
+    monkeypatch.setattr(slabs, "MAX_DISPATCH_WORK", 2 * 24 * 4)
+    got = [metal.linear_forward(x, w), *metal.linear_backward(dy, x, w)]
+    assert sorted(uploads) == sorted([x.size, w.size] + [dy.size, x.size, w.size]), uploads    # once per op
+    monkeypatch.setattr(slabs, "MAX_DISPATCH_WORK", 6 * slabs.attention_pair_work(8))
+    got += list(metal.attention_forward(q, k, v, 0, 0.35))
+    assert len(uploads) == 8 and len(launches) > 12
+    want = [cpu_ref.linear_forward(x, w), *cpu_ref.linear_backward(dy, x, w), *cpu_ref.attention_forward(q, k, v, 0, 0.35)]
+    for a, b, what in zip(got, want, ("y", "dx", "dw", "o", "lse")):
+        assert arrays.kind(a) == "numpy"
+        assert_bits_equal(a, b, what)
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        metal.linear_forward(np.asfortranarray(rand_bf16(rng, (6, 24))), w)
