@@ -72,13 +72,21 @@ def numbers(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def is_prerelease(v: str) -> bool:
+    """A PEP 440 pre-release or development version ('0.32.0rc1', '0.32.0.dev3+g1a2b'): older than
+    the release it leads to, so pip's '>=0.32' refuses it (and so must this check)."""
+    return re.search(r"(a|b|c|rc|alpha|beta|pre|preview|dev)\d*", v.split("+")[0].lower()) is not None
+
+
 def satisfies(have: str, op: str, want: str) -> bool:
     if not op:
         return True
     h, w = numbers(have), numbers(want)
     n = max(len(h), len(w))
     h, w = h + (0,) * (n - len(h)), w + (0,) * (n - len(w))
-    return h == w if op == "==" else h >= w
+    if op == "==":
+        return h == w and not is_prerelease(have)
+    return h > w or (h == w and not is_prerelease(have))
 
 
 def installed(dist: str) -> tuple[str | None, str]:

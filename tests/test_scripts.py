@@ -228,3 +228,18 @@ def test_emulated_dry_run_passes_every_stage(tmp_path, default_corpus, name, bac
     assert (r.returncode == 0) == (selftest == "PASS") and r.returncode in (0, 1), s
     assert ("RESULT: PASS, %s is bit-identical to cpu_ref" % backend in s) == (selftest == "PASS")
     assert "one microbatch (micro model, int8, 1 windows)" in s and "tiny preset, 1 steps on cpu_ref" in s
+
+
+def test_preflight_versions_follow_pep440_like_pip():
+    """The preflight refuses what pip's '>=' refuses: pre-releases and dev builds of the minimum
+    release are older than it (PEP 440); later ones, releases and local tags are fine."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("preflight", ROOT / "scripts" / "preflight.py")
+    pf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pf)
+    packaging = pytest.importorskip("packaging.specifiers")
+    spec_ge = packaging.SpecifierSet(">=0.32", prereleases=False)
+    for have in ("0.32.0", "0.32.0rc1", "0.32.0.dev2+g12ab", "0.31.9", "0.32.4", "0.33.0", "1.0", "0.32.0b1",
+                 "0.32.1+local"):
+        assert pf.satisfies(have, ">=", "0.32") == (have in spec_ge), have
+    assert pf.satisfies("1.14.0", "==", "1.14.0") and not pf.satisfies("1.14.0rc1", "==", "1.14.0")

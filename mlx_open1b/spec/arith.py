@@ -75,8 +75,8 @@ def div_int(a, b) -> np.ndarray:
     (24-bit significands), Q, R = divmod(ma 2^s, mb) with s = 24 if ma < mb else 23 (Q in
     [2^23, 2^24)), a/b = (Q + R/mb) 2^(E-150) with E = Ea - Eb + 150 - s; E <= 0: the signed zero
     (exact value below 2^-126); E >= 255: the signed infinity; else Q + 1 if 2R > mb (2R = mb
-    cannot happen), built as the bits (E << 23) + Q - 2^23 (a carry to Q = 2^24 moves to the
-    exponent, and to infinity from E = 254). Equals div for every pair of fp32 operands."""
+    cannot happen), built as the bits (E << 23) + Q - 2^23 (Q never rounds up to 2^24: with a
+    remainder Q <= 2^24 - 2, CONTRACT.md §3). Equals div for every pair of fp32 operands."""
     ua, ub = bits(flush(a)), bits(flush(b))
     ua, ub = np.broadcast_arrays(ua, ub)
     sign = (ua ^ ub) & U32(0x80000000)
