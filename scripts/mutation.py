@@ -10,17 +10,18 @@ scratch directory, makes a virtual environment there that sees the system's pack
 the copy into it editable (this builds the C reference), so that the tests, and every
 `sys.executable` child they start, import the copy and not the tree's own editable install. The
 emulators' compile cache ($XDG_CACHE_HOME/mlx-open1b/emu, keyed by the hash of the full source)
-points into the scratch directory, seeded with a copy of the user's cache. Then, per mutant:
+points into the scratch directory, seeded with hard links to (or copies of) the user's cache.
+Then, per mutant:
 
   find the text (stale unless exactly one occurrence), write the mutant, rebuild the C reference
   when a cpu_ref/src file changed, run the tests, restore the file (and the pristine C library).
 
-Outcome per mutant: caught (pytest exit 1: a test failed), not caught (tests pass), equivalent
+Outcome per mutant: caught (pytest exit 1: a test failed), not caught (the tests pass, or the
+arguments select none), equivalent
 (tests pass and the catalogue says why no output can change), stale (the text is not there
-exactly once), error (build failure, collection error, or the tests fail without the mutant:
-see "baseline"), timeout. Before the mutants, each distinct set of test arguments runs once
-on the unmutated copy (the baseline): a mutant whose tests already fail there is an error, not a
-catch.
+exactly once), error (build failure, collection error, or the failing tests fail without the
+mutant too), timeout. A catch is confirmed: the tests that failed run again once the file is
+restored and must pass, so a test broken in the tree is not mistaken for a catch.
 
   python scripts/mutation.py                    # the whole catalogue
   python scripts/mutation.py --list             # the catalogue and whether each text is found
@@ -201,7 +202,9 @@ class Scratch:
     @property
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-        env.update(PYTHONDONTWRITEBYTECODE="1", XDG_CACHE_HOME=str(self.xdg), O1B_MUTATION_SCRATCH=str(self.repo))
+        # no bytecode caches: a mutant and its restore can share size and mtime second, and a stale
+        # .pyc would then run the wrong source
+        env.update(PYTHONDONTWRITEBYTECODE="1", XDG_CACHE_HOME=str(self.xdg))
         venv_bin = pathlib.Path(self.python).parent
         env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
         env["VIRTUAL_ENV"] = str(venv_bin.parent)
@@ -304,8 +307,30 @@ def _failure(out: str) -> str:
     return _tail(out, 2)
 
 
-def run_mutant(sc: Scratch, m: Mutant, timeout: float, baseline: dict | None = None) -> Result:
-    """Plant one mutant in the scratch copy, run its tests, restore the file (always)."""
+def failed_nodes(out: str) -> list[str]:
+    """Node ids of the failed / errored tests in pytest's short summary ("FAILED id - message")."""
+    ids = []
+    for ln in out.splitlines():
+        if ln.startswith(("FAILED ", "ERROR ")):
+            node = ln.split(" ", 1)[1].split(" - ", 1)[0].strip()
+            if "::" in node and node not in ids:
+                ids.append(node)
+    return ids
+
+
+def confirm(sc: Scratch, m: Mutant, out: str, timeout: float) -> str:
+    """'' if the tests that failed with the mutant pass on the restored copy (the catch is the
+    mutant's doing), else why not. Without node ids to rerun, the mutant's whole test set runs."""
+    nodes = failed_nodes(out) or list(m.tests)
+    rc, text = sc.pytest(nodes, timeout)
+    if rc == 0:
+        return ""
+    return "timeout" if rc is None else f"{' '.join(nodes)}: exit {rc}: {_failure(text)}"
+
+
+def run_mutant(sc: Scratch, m: Mutant, timeout: float, check: bool = True) -> Result:
+    """Plant one mutant in the scratch copy, run its tests, restore the file (always); with
+    `check`, a catch counts only if the failing tests pass again once the file is restored."""
     t0 = time.perf_counter()
     tests = " ".join(m.tests)
     res = lambda status, note="": Result(m.id, m.area, m.file, status, tests,         # noqa: E731
@@ -313,8 +338,6 @@ def run_mutant(sc: Scratch, m: Mutant, timeout: float, baseline: dict | None = N
     why = stale_reason(sc.repo, m)
     if why:
         return res("stale", why)
-    if baseline is not None and baseline.get(m.tests):
-        return res("error", f"baseline: the tests fail without the mutant ({baseline[m.tests]})")
     path = sc.repo / m.file
     original = path.read_bytes()
     text = original.decode()
@@ -334,23 +357,15 @@ def run_mutant(sc: Scratch, m: Mutant, timeout: float, baseline: dict | None = N
     if rc is None:
         return res("timeout", f"tests ran past {m.timeout or timeout:.0f} s")
     if rc == 1:
+        unmutated = confirm(sc, m, out, m.timeout or timeout) if check else ""
+        if unmutated:
+            return res("error", f"the failing tests fail without the mutant too: {unmutated}")
         return res("caught", ("marked equivalent, yet a test fails: the note or the test is wrong; "
                               if m.equivalent else "") + _failure(out))
     if rc in (0, 5):                # 5: the arguments select no test, so nothing catches it
         why = _tail(out, 1) if rc == 0 else "no test selected (pytest exit 5)"
         return res("equivalent", m.equivalent) if m.equivalent else res("not caught", why)
     return res("error", f"pytest exit {rc}: {_tail(out)}")
-
-
-def run_baseline(sc: Scratch, specs, timeout: float, log=print) -> dict:
-    """{tests: '' if they pass on the unmutated copy, else a short reason}."""
-    out = {}
-    for spec in specs:
-        t0 = time.perf_counter()
-        rc, text = sc.pytest(spec, timeout)
-        out[spec] = "" if rc in (0, 5) else ("timeout" if rc is None else f"exit {rc}: {_tail(text, 3)}")
-        log(f"baseline {' '.join(spec)}: {'ok' if rc == 0 else 'no test selected' if rc == 5 else out[spec]} ({time.perf_counter() - t0:.1f} s)")
-    return out
 
 
 def select(mutants, only: str = "", areas: str = "") -> list[Mutant]:
@@ -380,7 +395,7 @@ def _in_parallel(fn, items: list) -> list:
             raise
 
 
-def run_all(mutants, jobs: int = 1, timeout: float = 600, baseline: bool = True, keep: bool = False,
+def run_all(mutants, jobs: int = 1, timeout: float = 600, check: bool = True, keep: bool = False,
             source=REPO, log=print) -> tuple[list[Result], dict]:
     """Run mutants over `jobs` scratch copies; returns (results in catalogue order, info). On an
     interrupt (Ctrl-C, SIGTERM) the mutants done so far are returned, info["interrupted"] set."""
@@ -394,15 +409,6 @@ def run_all(mutants, jobs: int = 1, timeout: float = 600, baseline: bool = True,
         jobs = max(1, min(jobs, len(mutants)))
         scratches = _in_parallel(lambda k: Scratch.create(source, base / f"w{k}", log=log), list(range(jobs)))
         info["setup_s"] = round(time.perf_counter() - t0, 1)
-        live = [m for m in mutants if not stale_reason(scratches[0].repo, m)]
-        base_res = None
-        if baseline:
-            specs = list(dict.fromkeys(m.tests for m in live))
-            tb = time.perf_counter()
-            chunks = [(scratches[k], specs[k::jobs]) for k in range(jobs)]
-            parts = _in_parallel(lambda c: run_baseline(c[0], c[1], timeout, log), chunks)
-            base_res = {k: v for p in parts for k, v in p.items()}
-            info["baseline_s"] = round(time.perf_counter() - tb, 1)
         queue = list(mutants)
 
         def worker(sc: Scratch):
@@ -412,7 +418,7 @@ def run_all(mutants, jobs: int = 1, timeout: float = 600, baseline: bool = True,
                         return
                     m = queue.pop(0)
                 try:
-                    r = run_mutant(sc, m, timeout, base_res)
+                    r = run_mutant(sc, m, timeout, check)
                 except Exception as e:      # a harness failure on one mutant is reported, not fatal
                     r = Result(m.id, m.area, m.file, "error", " ".join(m.tests), 0.0, f"harness: {e}")
                 if _stop.is_set():          # its tests were killed: no verdict
@@ -469,7 +475,8 @@ def main(argv=None) -> int:
     ap.add_argument("--area", default="", help=f"comma-separated areas ({', '.join(AREAS)})")
     ap.add_argument("--jobs", type=int, default=1, help="scratch copies working in parallel (default 1)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant's tests (default 600)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip running each test set on the unmutated copy")
+    ap.add_argument("--no-confirm", action="store_true",
+                    help="count a failing test as a catch without rerunning it on the restored copy")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--json", default="", help="write the report to this JSON file")
     a = ap.parse_args(argv)
@@ -492,8 +499,10 @@ def main(argv=None) -> int:
     def on_term(signum, frame):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_term)
+    git = lambda *args: subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout  # noqa: E731
+    tree = {"head": git("rev-parse", "HEAD").strip(), "uncommitted": git("status", "--porcelain").splitlines()}
     try:
-        results, info = run_all(mutants, a.jobs, a.timeout, not a.no_baseline, a.keep, REPO, log)
+        results, info = run_all(mutants, a.jobs, a.timeout, not a.no_confirm, a.keep, REPO, log)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
         print(f"mutation: {e}", file=sys.stderr)
         return 2
@@ -507,12 +516,14 @@ def main(argv=None) -> int:
             print(f"  {r.id}: {r.status}: {r.note}")
     if a.json:
         rep = {"results": [dataclasses.asdict(r) for r in results], "summary": counts, **info,
-               "catalogue": str(pathlib.Path(a.catalogue).resolve()),
-               "head": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip()}
+               "catalogue": str(pathlib.Path(a.catalogue).resolve()), **tree}
         tmp = pathlib.Path(a.json).with_name(pathlib.Path(a.json).name + ".tmp")
-        tmp.write_text(json.dumps(rep, indent=1) + "\n")
-        os.replace(tmp, a.json)
+        try:
+            tmp.write_text(json.dumps(rep, indent=1) + "\n")
+            os.replace(tmp, a.json)
+        except OSError as e:
+            print(f"mutation: cannot write the report {a.json}: {e}", file=sys.stderr)
+            return 2
     if info["interrupted"]:
         return 130
     return 0 if counts["not caught"] == counts["error"] == counts["stale"] == counts["timeout"] == 0 else 1

@@ -3,8 +3,8 @@
 Mechanics on a tiny tree of its own (a few seconds): a planted fault is caught and the file comes
 back byte for byte; a text found 0 or 2 times is "stale" and nothing is written; a surviving
 mutant is "not caught", or "equivalent" when the catalogue says why; a test run past its timeout
-is killed and the file still restored; tests that fail without the mutant make it an error, not a
-catch. The catalogue: well formed, every area covered, every text found exactly once in the tree.
+is killed and the file still restored; a failing test that also fails without the mutant makes it
+an error, not a catch. The catalogue: well formed, every area covered, every text found exactly once in the tree.
 End to end on a scratch copy of this repository (about a minute): one C mutant (rebuilt C
 reference), one Metal mutant (recompiled in the emulator) and one host-step mutant are each caught,
 and this tree's files are untouched."""
@@ -113,14 +113,28 @@ def test_restored_when_the_harness_fails(tmp_path, monkeypatch):
     assert _sha(sc.repo / "mod.py") == before
 
 
-def test_failing_baseline_is_an_error_not_a_catch(tmp_path):
+def test_a_test_failing_without_the_mutant_is_an_error_not_a_catch(tmp_path):
     sc = _tiny(tmp_path)
     (sc.repo / "test_broken.py").write_text("def test_broken():\n    assert False\n")
-    m = _mutant("return 1", "return 2", tests=("test_broken.py",))
-    base = mutation.run_baseline(sc, [m.tests], timeout=120, log=lambda s: None)
-    assert base[m.tests]
-    r = mutation.run_mutant(sc, m, timeout=120, baseline=base)
-    assert r.status == "error" and "baseline" in r.note, r
+    r = mutation.run_mutant(sc, _mutant("return 1", "return 2", tests=("test_mod.py", "test_broken.py")),
+                            timeout=120)
+    assert r.status == "caught", r          # test_mod fails first (-x) and passes once restored
+    r = mutation.run_mutant(sc, _mutant("# the answer", "# an answer", tests=("test_broken.py",)), timeout=120)
+    assert r.status == "error" and "without the mutant too" in r.note and "test_broken.py::test_broken" in r.note, r
+    r = mutation.run_mutant(sc, _mutant("# the answer", "# an answer", tests=("test_broken.py",)), timeout=120,
+                            check=False)
+    assert r.status == "caught", r
+
+
+def test_failed_nodes_from_the_short_summary():
+    out = ("....F\n=== short test summary info ===\n"
+           "FAILED tests/test_gemm.py::test_fast_equals_definition[37x53x19] - AssertionError: y - simd=1\n"
+           "ERROR tests/test_a.py::test_b[plain-hashes.batch-0] - AssertionError\n"
+           "FAILED tests/test_gemm.py::test_fast_equals_definition[37x53x19] - again\n"
+           "1 failed, 1 error in 2.00s\n")
+    assert mutation.failed_nodes(out) == ["tests/test_gemm.py::test_fast_equals_definition[37x53x19]",
+                                          "tests/test_a.py::test_b[plain-hashes.batch-0]"]
+    assert mutation.failed_nodes("1 passed in 0.1s") == []
 
 
 def test_catalogue_checks(tmp_path):
@@ -162,16 +176,14 @@ def test_catalogue_covers_every_area_and_matches_the_tree():
 
 def test_three_mutants_caught_end_to_end(tmp_path):
     """A C, a Metal (emulator) and a host-step mutant, each caught on a scratch copy that imports
-    itself (checked by Scratch.create); the tests pass there without the mutants (baseline)."""
+    itself (checked by Scratch.create), the failing test passing again once the file is restored."""
     ms = mutation.select(mutation.load_catalogue(mutation.CATALOGUE), only=",".join(E2E))
     assert {m.area for m in ms} == {"c", "metal", "host"} and ms[0].needs_c_build
     files = {m.file: _sha(REPO / m.file) for m in ms}
     sc = mutation.Scratch.create(REPO, tmp_path / "scratch", log=lambda s: None)
-    base = mutation.run_baseline(sc, list(dict.fromkeys(m.tests for m in ms)), timeout=300, log=lambda s: None)
-    assert not any(base.values()), base
     lib = sc.c_library()
     for m in ms:
-        r = mutation.run_mutant(sc, m, timeout=300, baseline=base)
+        r = mutation.run_mutant(sc, m, timeout=300)     # the failing test passes once restored
         assert r.status == "caught", r
         assert (sc.repo / m.file).read_bytes() == (REPO / m.file).read_bytes() or _sha(REPO / m.file) != files[m.file]
     assert lib.read_bytes() == sc.pristine_lib.read_bytes()          # the unmutated C library is back
