@@ -10,6 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .gnmr import GNMRConfig, GNMRError
 from .hostmath import cos_pi_f64
 
 
@@ -174,7 +175,6 @@ class RunConfig:
         if self.attention_pv not in ("int8", "fp32"):
             raise ConfigError(f"attention_pv must be int8 or fp32, got {self.attention_pv!r}")
         if self.gnmr is not None:
-            from .gnmr import GNMRConfig, GNMRError
             if not isinstance(self.gnmr, GNMRConfig):
                 raise ConfigError(f"gnmr: expected a GNMRConfig, got {type(self.gnmr).__name__}")
             try:
@@ -184,39 +184,61 @@ class RunConfig:
         return self
 
     def to_json(self) -> dict:
+        """The JSON form, in the oldest version that expresses this config (the rule at _ADDED_KEYS)."""
         d = dataclasses.asdict(self)
-        if self.gnmr is None:
-            del d["gnmr"]        # runs without a controller keep their pre-GNMR genesis
-        if self.precision == "bf16" or self.attention_pv == "fp32":
-            # bf16 runs have no quantized attention; int8 runs from before §6.10 wrote no such key:
-            # both keep their genesis (a missing key reads back as fp32 for the quantized precisions)
-            del d["attention_pv"]
+        for key, (_, written, _) in _ADDED_KEYS.items():
+            if not written(self):
+                del d[key]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "RunConfig":
+        """A config from its JSON form of any version (the rule at _ADDED_KEYS): a key that version
+        lacks reads as that version meant it."""
         try:
             m = ModelConfig(**d["model"])
             t = dict(d["train"])
             t["phases"] = tuple(tuple(p) for p in t["phases"])
-            gnmr = None
-            if d.get("gnmr") is not None:
-                from .gnmr import GNMRConfig
+            given = {key: d[key] if key in d else absent(d) for key, (_, _, absent) in _ADDED_KEYS.items()}
+            if given["gnmr"] is not None:
                 missing = sorted(f.name for f in dataclasses.fields(GNMRConfig) if f.name not in d["gnmr"])
                 if missing:
                     raise ConfigError(f"config gnmr: missing {', '.join(missing)} (a run's controller settings are "
                                       f"written in full)")
-                gnmr = GNMRConfig(**d["gnmr"])
-            precision = d.get("precision", "bf16")
-            # int8 configs written before §6.10 have no attention_pv: their attention forward was §6.6
-            attention_pv = d.get("attention_pv", "int8" if precision == "bf16" else "fp32")
+                given["gnmr"] = GNMRConfig(**d["gnmr"])
             return cls(model=m, train=TrainConfig(**t), preset=d.get("preset", "custom"),
-                       precision=precision, gnmr=gnmr, attention_pv=attention_pv)
+                       precision=d.get("precision", "bf16"), **given)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"config: malformed ({e})") from None
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
+
+
+# ------------------------------------------------------------------------ the config's JSON form
+# The rule for every change to RunConfig's JSON, kept here and nowhere else. A run's config JSON
+# is hashed into its genesis (ledger.genesis_hash, part of every run hash) and written into
+# run.json and every checkpoint's meta.json, so a new field must leave the JSON of every config
+# that could be written before it byte for byte as it was. Version 1 of the form has the keys
+# model, train, preset and precision; each later version adds a key (_ADDED_KEYS). A config is
+# written in the oldest version that expresses it: an added key is written only when the config
+# needs it. A reader infers the version from the keys present (config_version) and reads each
+# absent key as the versions without it meant it. The version number itself is never written:
+# writing it would change the genesis of every run.
+_ADDED_KEYS = {   # key: (version, written(config), its value when absent(config JSON))
+    # a GNMR controller (CONTRACT.md §13): written only when the run has one
+    "gnmr": (2, lambda c: c.gnmr is not None, lambda d: None),
+    # the quantized precisions' int8 P·V attention forward (§6.10): written only when a quantized
+    # run uses it (bf16 runs have no quantized attention); quantized configs without the key were
+    # written before §6.10, and their attention forward is §6.6's (fp32)
+    "attention_pv": (3, lambda c: c.precision != "bf16" and c.attention_pv != "fp32",
+                     lambda d: "int8" if d.get("precision", "bf16") == "bf16" else "fp32"),
+}
+
+
+def config_version(d: dict) -> int:
+    """The version of a config's JSON form: the newest version among its keys (rule above)."""
+    return max([1] + [v for key, (v, _, _) in _ADDED_KEYS.items() if key in d])
 
 
 # ---------------------------------------------------------------------------------- presets

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import _f
 from .hostmath import f32, reciprocal
 from .spec import arith
 from .spec.optim import treefold
@@ -36,6 +35,12 @@ OPS = ("qkv", "wo", "gate_up", "down")
 UNIT_TENSORS = {"qkv": ("wq", "wk", "wv"), "wo": ("wo",), "gate_up": ("w_gate_up",), "down": ("w_down",)}
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate_up", "w_down")
 HIGHER = {"int4": ("int8", "bf16"), "int6": ("int8", "bf16"), "int8": ("bf16",)}
+
+
+def _f(default, help: str):
+    """A field with help text, as config's (GNMRConfig is a part of RunConfig: config imports this
+    module, not the other way)."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 class GNMRError(ValueError):

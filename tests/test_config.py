@@ -44,3 +44,23 @@ def test_config_round_trips_and_rejects_bad_values():
         RunConfig(ModelConfig(), TrainConfig(phases=((5, 2),))).check()
     with pytest.raises(ConfigError, match="unknown preset"):
         preset("huge")
+
+
+def test_config_is_written_in_the_oldest_json_version_that_expresses_it():
+    """The config JSON is hashed into the genesis: a config expressible before a key was added is
+    written without it (its run hash never changes), and each version reads back to the config."""
+    import dataclasses
+
+    from mlx_open1b.config import config_version
+    from mlx_open1b.gnmr import GNMRConfig
+    base = preset("tiny")
+    old_int8 = dataclasses.replace(base, precision="int8", attention_pv="fp32")
+    by_version = {1: [base, old_int8], 2: [dataclasses.replace(old_int8, gnmr=GNMRConfig())],
+                  3: [dataclasses.replace(base, precision="int8"),
+                      dataclasses.replace(base, precision="int4", gnmr=GNMRConfig())]}
+    assert set(base.to_json()) == {"model", "train", "preset", "precision"}
+    for version, cfgs in by_version.items():
+        for cfg in cfgs:
+            j = json.loads(json.dumps(cfg.check().to_json()))
+            assert config_version(j) == version, cfg
+            assert RunConfig.from_json(j) == cfg
