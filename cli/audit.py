@@ -53,7 +53,7 @@ audit.add_command(replay_cmd, name="replay")
 
 
 def _errors():
-    from mlx_open1b.attest import AttestError
+    from mlx_open1b.audit import AttestError
     from mlx_open1b.checkpoint import CheckpointError
     from mlx_open1b.data.format import DataError
     from mlx_open1b.train import TrainError
@@ -69,7 +69,7 @@ def _errors():
               help="plan file (JSON)")
 def plan_cmd(run, auditors, overlap, out):
     """Split RUN into K checkpoint-aligned ranges, one per auditor, and write the plan."""
-    from mlx_open1b.attest import write_plan
+    from mlx_open1b.audit import write_plan
     try:
         plan = write_plan(run, auditors, overlap, out)
     except _errors() as e:
@@ -103,7 +103,7 @@ def _parse_range(text: str) -> tuple[int, int]:
               help="attestation file (default: attestation-A-B.json in the current directory)")
 def run_cmd(run, range_, plan_file, auditor_index, name, backend, key, out):
     """Replay a range of RUN, certify it against the ledger and write a sealed attestation."""
-    from mlx_open1b.attest import certify
+    from mlx_open1b.audit import certify
     first = last = None
     if range_ is not None:
         try:
@@ -150,7 +150,7 @@ def report_cmd(run, attestations, plans, trust, require_signed, allow_prefix, js
 
     Exit status 0 only when every step is certified, nobody disagrees and no attestation was
     rejected; 1 otherwise; 2 for bad input (unreadable files, plans of another ledger)."""
-    from mlx_open1b.attest import format_report, report
+    from mlx_open1b.audit import format_report, report
     try:
         rep = report(run, list(attestations), plans, list(trust) or None, require_signed, allow_prefix)
     except _errors() as e:
@@ -167,7 +167,7 @@ def report_cmd(run, attestations, plans, trust, require_signed, allow_prefix, js
 @click.argument("out", type=click.Path(dir_okay=False))
 def keygen_cmd(out):
     """Write a new Ed25519 private key (PEM) to OUT for signing attestations; print its public key."""
-    from mlx_open1b.attest import generate_key
+    from mlx_open1b.audit import generate_key
     try:
         pub = generate_key(out)
     except _errors() as e:

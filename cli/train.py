@@ -11,6 +11,7 @@ from mlx_open1b.cli import backend_option
 
 from mlx_open1b.config import PRESETS, ConfigError, preset
 from mlx_open1b.data.format import DataError
+from mlx_open1b.rundir import RunDir, RunDirError
 
 
 def _fail(msg: str, code: int) -> None:
@@ -150,12 +151,12 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
 
 def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
     """--precision on --resume must be the run's own (it is part of the genesis hash)."""
-    import json
-    if not (resume and precision is not None and (out / "run.json").exists()):
+    rd = RunDir(out)
+    if not (resume and precision is not None and rd.exists()):
         return
     try:
-        have = json.loads((out / "run.json").read_text())["config"].get("precision", "bf16")
-    except (ValueError, KeyError, AttributeError):
+        have = rd.info().config.precision
+    except RunDirError:
         return                       # the trainer reports an unreadable run.json
     if precision != have:
         _fail(f"--precision {precision}: the run in {out} trains in {have} (part of its genesis hash); it cannot "
@@ -165,12 +166,9 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
             precision, preset_name, timeout, gnmr_spec=None) -> None:
     """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
-    import json
     import os
     import subprocess
 
-    from mlx_open1b.checkpoint import list_checkpoints
-    from mlx_open1b.config import RunConfig
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
     if nproc < 1:
@@ -178,12 +176,12 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     import importlib.util
     if importlib.util.find_spec("torch") is None:
         _fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
-    run_file = out / "run.json"
-    if resume and run_file.exists():
+    rd = RunDir(out)
+    if resume and rd.exists():
         try:
-            cfg = RunConfig.from_json(json.loads(run_file.read_text())["config"])
-        except (ValueError, KeyError, ConfigError) as e:
-            _fail(f"{run_file}: unreadable ({e})", 2)
+            cfg = rd.info().config
+        except RunDirError as e:
+            _fail(str(e), 2)
         _check_resume_precision(out, resume, precision)
     try:
         check_worker_count(nproc, cfg.train.phases)
@@ -202,7 +200,7 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     env = dict(os.environ, OMP_NUM_THREADS=str(per))
     rc = subprocess.call(cmd, env=env)
     if rc:
-        ck = list_checkpoints(out)
+        ck = rd.checkpoints()
         where = (f"the last checkpoint in {out} is step {ck[-1][0]} (intact): continue with "
                  f"`open1b train --resume --out {out} --nproc N` at any valid N") if ck else f"{out} holds no checkpoint"
         _fail(f"distributed training stopped (torchrun exit code {rc}; the workers' errors are above); {where}", 3)

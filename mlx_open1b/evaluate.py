@@ -79,28 +79,26 @@ class Open1BLM(_LMBase):
             batch_size = 8
         if _LMBase is not object:
             super().__init__()
-        from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, select_checkpoint
-        from .config import RunConfig
+        from .checkpoint import CheckpointError, load_checkpoint
         from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
         from .model import Model
-        from .train import RUN_FILE, TrainError, get_backend
-        run = pathlib.Path(run_dir)
-        if not (run / RUN_FILE).exists():
-            raise EvalError(f"{run}: not a run directory (no {RUN_FILE})")
-        info = json.loads((run / RUN_FILE).read_text())
-        self.cfg = RunConfig.from_json(info["config"])
-        step = select_checkpoint(run, step, EvalError)
+        from .rundir import RunDir
+        from .train import TrainError, get_backend
+        rd = RunDir(run_dir)
+        run = rd.path
+        info = rd.info(error=EvalError)
+        self.cfg = info.config
+        step = rd.select_checkpoint(step, EvalError)
         try:
-            tensors, meta = load_checkpoint(checkpoint_dir(run, step))
+            tensors, meta = load_checkpoint(rd.checkpoint(step))
         except CheckpointError as e:
             raise EvalError(str(e), exit_code=1) from None
-        from .export import _ledger_params_hash
-        want, self.run_hash = _ledger_params_hash(run, step, info["genesis"])
-        if meta.get("genesis") != info["genesis"] or (want is not None and meta.get("params_hash") != want):
-            raise EvalError(f"{checkpoint_dir(run, step)}: does not match the run's ledger", exit_code=1)
+        want, self.run_hash = rd.params_hash_after(step, info.genesis, EvalError)
+        if meta.get("genesis") != info.genesis or (want is not None and meta.get("params_hash") != want):
+            raise EvalError(f"{rd.checkpoint(step)}: does not match the run's ledger", exit_code=1)
         if tokenizer is None:
-            if info.get("tokenizer_sha256") != DEFAULT_TOKENIZER_SHA256:
-                raise EvalError(f"{run}: trained with tokenizer {str(info.get('tokenizer_sha256'))[:12]}…, not the "
+            if info.tokenizer_sha256 != DEFAULT_TOKENIZER_SHA256:
+                raise EvalError(f"{run}: trained with tokenizer {info.tokenizer_sha256[:12]}…, not the "
                                 f"shipped one; pass its tokenizer.json")
             tokenizer = Tokenizer.load(None)
         elif not hasattr(tokenizer, "encode"):

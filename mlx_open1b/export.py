@@ -44,9 +44,9 @@ import tempfile
 import numpy as np
 
 from . import __version__
-from .checkpoint import (CheckpointError, checkpoint_dir, load_checkpoint, read_safetensors,
-                         select_checkpoint, write_safetensors)
-from .config import ModelConfig, RunConfig
+from .checkpoint import CheckpointError, load_checkpoint, read_safetensors, write_safetensors
+from .config import ModelConfig
+from .rundir import RunDir
 
 FORMAT = "open1b-export/1"
 FILES = {"mlx": "weights.safetensors", "hf": "model.safetensors"}
@@ -106,50 +106,26 @@ def _config_json(cfg: ModelConfig, fmt: str, provenance: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------- export
-def _ledger_params_hash(run: pathlib.Path, step: int, genesis: str) -> tuple[str | None, str | None]:
-    """(params hash after step-1 per the verified ledger, run hash), or (None, None) without a ledger."""
-    from .ledger import LedgerError, verify_chain
-    from .train import LEDGER_FILE
-    led = run / LEDGER_FILE
-    if not led.exists():
-        return None, None
-    try:
-        run_hash = verify_chain(led, genesis)
-    except LedgerError as e:
-        raise ExportError(f"the run's ledger does not verify: {e}", exit_code=1) from None
-    if step == 0:
-        return None, run_hash
-    with open(led) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["step"] == step - 1:
-                return r["hashes"]["params"], run_hash
-    return None, run_hash
-
-
 def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     """Write checkpoint `step` (default: the latest) of the run in `fmt` to the new directory out_dir."""
-    from .train import RUN_FILE
     if fmt not in FILES:
         raise ExportError(f"--format: expected mlx or hf, got {fmt!r}")
-    run = pathlib.Path(run_dir)
-    rf = run / RUN_FILE
-    if not rf.exists():
-        raise ExportError(f"{run}: not a run directory (no {RUN_FILE})")
-    info = json.loads(rf.read_text())
-    cfg = RunConfig.from_json(info["config"]).model
-    step = select_checkpoint(run, step, ExportError)
+    rd = RunDir(run_dir)
+    run = rd.path
+    info = rd.info(error=ExportError)
+    cfg = info.config.model
+    step = rd.select_checkpoint(step, ExportError)
     out = pathlib.Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out}: exists and is not empty; choose a new --out")
-    path = checkpoint_dir(run, step)
+    path = rd.checkpoint(step)
     try:
         tensors, meta = load_checkpoint(path)      # every tensor hash verified
     except CheckpointError as e:
         raise ExportError(str(e), exit_code=1) from None
-    if meta.get("genesis") != info["genesis"]:
+    if meta.get("genesis") != info.genesis:
         raise ExportError(f"{path}: belongs to another run (genesis differs)", exit_code=1)
-    want, run_hash = _ledger_params_hash(run, step, info["genesis"])
+    want, run_hash = rd.params_hash_after(step, info.genesis, ExportError)
     if want is not None and meta.get("params_hash") != want:
         raise ExportError(f"{path}: parameter hash differs from the ledger's after step {step - 1}", exit_code=1)
     flat = tensors["params"][0]
@@ -163,16 +139,16 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     else:
         named = {hn: (np.ascontiguousarray(canon[n] if sl is None else canon[n][sl]), "bf16")
                  for hn, (n, sl) in hf_names(cfg).items()}
-    provenance = {"run": str(run.resolve()), "run_hash": run_hash, "genesis": info["genesis"], "step": step,
-                  "params_hash": meta.get("params_hash"), "tokenizer_sha256": info.get("tokenizer_sha256"),
-                  "contract_version": info.get("contract_version"), "exported_by": f"mlx-open1b {__version__}"}
+    provenance = {"run": str(run.resolve()), "run_hash": run_hash, "genesis": info.genesis, "step": step,
+                  "params_hash": meta.get("params_hash"), "tokenizer_sha256": info.tokenizer_sha256,
+                  "contract_version": info.contract_version, "exported_by": f"mlx-open1b {__version__}"}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         write_safetensors(tmp / FILES[fmt], named, {"format": FORMAT, "step": str(step),
                                                      "params_hash": str(meta.get("params_hash"))})
         (tmp / "config.json").write_text(json.dumps(_config_json(cfg, fmt, provenance), indent=2) + "\n")
-        _copy_tokenizer(info, tmp)
+        _copy_tokenizer(info.tokenizer_sha256, tmp)
         (tmp / "README.md").write_text(_readme(fmt, provenance))
         os.chmod(tmp, 0o755)
         if out.exists():
@@ -184,9 +160,9 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     return out
 
 
-def _copy_tokenizer(info: dict, dest: pathlib.Path) -> None:
+def _copy_tokenizer(tokenizer_sha256: str, dest: pathlib.Path) -> None:
     from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, default_tokenizer_path
-    if info.get("tokenizer_sha256") == DEFAULT_TOKENIZER_SHA256:
+    if tokenizer_sha256 == DEFAULT_TOKENIZER_SHA256:
         shutil.copyfile(default_tokenizer_path(), dest / "tokenizer.json")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from .config import RunConfig
 from .fsutil import write_json_atomic
 from .gnmr import GNMRConfig, units
-from .ledger import read_records
+from .rundir import RunDir
 from .train import Trainer
 
 #: the low-cost precisions of the fixed-low and GNMR arms (CONTRACT.md §6.9's simulated paths)
@@ -45,7 +45,7 @@ def arm_config(base: RunConfig, arm: str, gnmr: GNMRConfig, low: str = "int4") -
 
 
 def _records(run: pathlib.Path) -> list[dict]:
-    return read_records(run / "ledger.jsonl")
+    return RunDir(run).records()
 
 
 def summarize_arm(run: pathlib.Path, cfg: RunConfig, steps: int | None = None) -> dict:
@@ -83,7 +83,7 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
     for arm in arms:
         cfg = cfgs[arm]
         run = out / arm
-        resume = (run / "run.json").exists()
+        resume = RunDir(run).exists()
         tr = Trainer(run, None if resume else cfg, corpus_dir, backend=backend, resume=resume)
         if resume and tr.cfg != cfg:
             raise ValueError(f"{run}: holds a run of another configuration; remove it or choose another --out")

@@ -7,9 +7,8 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from mlx_open1b import attest
-from mlx_open1b.attest import AttestError, certify, make_plan, report, seal, sign, verify_attestation
-from mlx_open1b.audit import audit
+from mlx_open1b import audit as attest
+from mlx_open1b.audit import AttestError, audit, certify, make_plan, report, seal, sign, verify_attestation
 from mlx_open1b.cli.main import cli
 from mlx_open1b.train import Trainer
 
@@ -175,7 +174,7 @@ def test_bad_input_is_a_clear_error(runs, tmp_path):
     plan = make_plan(run, 3, overlap=1)
     bad = copy.deepcopy(plan)
     bad["ranges"][1]["prev_hash"] = "1" * 64            # overlapping plan with an inconsistent hash
-    bad["plan_hash"] = attest._digest(bad, ("plan_hash",))
+    bad["plan_hash"] = attest.digest(bad, ("plan_hash",))
     _write(tmp_path / "plan.json", plan)
     _write(tmp_path / "bad-plan.json", bad)
     with pytest.raises(AttestError, match=r"bad-plan.json: range 4:8 .*prev_hash at step 4 .*another ledger"):

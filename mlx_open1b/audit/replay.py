@@ -9,21 +9,20 @@ windows, the GNMR decisions and controller hash, and then every other field (hel
 included), so that a certified record hash stands for a record that replays whole. It reports
 "certified" with the range and hashes, or the first step and component that differ, and writes an
 attestation JSON. It never writes to the run.
+
+`certify(run, ...)` replays a range given directly or by a plan (an auditor's share of a
+collective audit) and seals, or signs, its attestation.
 """
 from __future__ import annotations
 
-import datetime
-import json
-import pathlib
-import platform
-
-from . import __version__
-from .attest import environment, seal
-from .checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint
-from .contract import CONTRACT_VERSION
-from .fsutil import write_json_atomic
-from .ledger import LedgerError, canonical, read_records, verify_chain
-from .train import LEDGER_FILE, RUN_FILE, TrainError, Trainer
+from ..checkpoint import load_checkpoint
+from ..fsutil import write_json_atomic
+from ..ledger import LedgerError, canonical
+from ..rundir import RunDir
+from ..train import TrainError, Trainer
+from .attestation import load_private_key, make_attestation, seal, sign
+from .plan import load_plan, planned_range
+from .run import AttestError, checkpoint_meta, load_run
 
 COMPARED = (("batch", ("hashes", "batch")), ("grads", ("hashes", "grads")), ("params", ("hashes", "params")),
             ("optimizer", ("hashes", "opt_state")), ("loss", ("loss",)), ("grad_norm", ("grad_norm",)),
@@ -40,22 +39,14 @@ def _get(rec: dict, path: tuple):
     return rec
 
 
-def _genesis(run: pathlib.Path) -> str:
-    f = run / RUN_FILE
-    if not f.exists():
-        raise TrainError(f"{f}: not a run directory (no {RUN_FILE})", exit_code=2)
-    return json.loads(f.read_text())["genesis"]
-
-
 def run_hash(run_dir) -> dict:
     """Recompute the run hash from the artifacts: the ledger chain from the genesis, and every
     checkpoint's hashes and stream position against the ledger record of the step before it."""
-    run = pathlib.Path(run_dir)
-    genesis = _genesis(run)
-    final = verify_chain(run / LEDGER_FILE, genesis)
-    records = {r["step"]: r for r in _records(run)}
+    rd = RunDir(run_dir)
+    final = rd.verify_ledger(rd.info(error=TrainError).genesis)
+    records = {r["step"]: r for r in rd.records()}
     checked = []
-    for step, path in list_checkpoints(run):
+    for step, path in rd.checkpoints():
         if step == 0:
             continue
         _, meta = load_checkpoint(path)
@@ -86,21 +77,20 @@ def check_against_ledger(path, rec: dict, hashes: dict, position: dict | None = 
                              f"after it)", exit_code=1)
 
 
-def _records(run: pathlib.Path) -> list[dict]:
-    return read_records(run / LEDGER_FILE)
-
-
 def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str = "anonymous",
           out=None, progress=None) -> dict:
-    run = pathlib.Path(run_dir)
-    genesis = _genesis(run)
+    """Replay steps first..last of the run on `backend` and return their attestation (sealed;
+    written atomically to `out` unless it is None)."""
+    rd = RunDir(run_dir)
+    run, genesis = rd.path, rd.info(error=TrainError).genesis
     try:
-        final = verify_chain(run / LEDGER_FILE, genesis)
+        final = rd.verify_ledger(genesis)
     except LedgerError as e:
-        return _attest(run, first, last, backend, auditor, out, "mismatch", None, {}, error=str(e), genesis=genesis)
-    records = {r["step"]: r for r in _records(run)}
+        return make_attestation(run, first, last, backend, auditor, out, "mismatch", None, {}, error=str(e),
+                                genesis=genesis)
+    records = {r["step"]: r for r in rd.records()}
     if not records:
-        raise TrainError(f"{run / LEDGER_FILE}: the ledger is empty", exit_code=2)
+        raise TrainError(f"{rd.ledger_file}: the ledger is empty", exit_code=2)
     if first < 0 or last < first or last not in records:
         raise TrainError(f"steps {first}-{last}: the run has steps 0-{max(records)}", exit_code=2)
     tr = Trainer(run, backend=backend, readonly=True, at_step=first)
@@ -116,20 +106,20 @@ def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str
             component, path = differs
             detail = {"step": t, "component": component, "field": ".".join(path),
                       "recorded": _get(want, path), "replayed": _get(rec, path)}
-            return _attest(run, first, last, backend, auditor, out, "mismatch", start, certified,
-                           first_mismatch=detail, genesis=genesis, run_hash=final)
+            return make_attestation(run, first, last, backend, auditor, out, "mismatch", start, certified,
+                                    first_mismatch=detail, genesis=genesis, run_hash=final)
         if t >= first:
             certified[t] = want["hash"]
         if progress:
             progress(t, last)
-    return _attest(run, first, last, backend, auditor, out, "certified", start, certified,
-                   genesis=genesis, run_hash=final)
+    return make_attestation(run, first, last, backend, auditor, out, "certified", start, certified,
+                            genesis=genesis, run_hash=final)
 
 
 def _check_start(tr: Trainer, records: dict, start: int) -> None:
     """The checkpoint the replay starts from holds the state the ledger records after step start - 1
     (its tensors hashed afresh, as `open1b hash` checks every checkpoint)."""
-    path = checkpoint_dir(tr.dir, start)
+    path = RunDir(tr.dir).checkpoint(start)
     rec = records.get(start - 1)
     if rec is None:
         raise TrainError(f"{path}: the ledger has no record of step {start - 1} to check it against", exit_code=1)
@@ -156,20 +146,39 @@ def _first_difference(rec: dict, want: dict):
     return None
 
 
-def _attest(run, first, last, backend, auditor, out, verdict, start, certified, first_mismatch=None,
-            error=None, genesis=None, run_hash=None) -> dict:
-    att = {
-        "kind": "open1b-attestation/1", "run": str(run.resolve()), "genesis": genesis, "run_hash": run_hash,
-        "range": [first, last], "verdict": verdict, "replayed_from_checkpoint_step": start,
-        "certified_steps": {str(k): v for k, v in certified.items()},
-        "first_mismatch": first_mismatch, "error": error, "auditor": auditor, "backend": backend,
-        "hardware": {"machine": platform.machine(), "processor": platform.processor(),
-                     "system": f"{platform.system()} {platform.release()}", "python": platform.python_version()},
-        "software": f"mlx-open1b {__version__}", "contract_version": CONTRACT_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(backend), "plan": None,
-    }
-    seal(att)        # attestation_hash: what a collective-audit report verifies (attest.py)
+def certify(run_dir, first: int | None = None, last: int | None = None, backend: str = "cpu_ref",
+            auditor: str = "anonymous", key=None, plan_file=None, auditor_index: int | None = None,
+            out=None, progress=None) -> dict:
+    """Replay and certify a range (from --range, or auditor `auditor_index`'s range of a plan) and
+    return the sealed (and, with a key, signed) attestation; written atomically to `out`."""
+    run = load_run(run_dir)
+    plan_ref = None
+    if plan_file is not None:
+        if auditor_index is None:
+            raise AttestError("--plan needs --auditor I (which of the plan's ranges to certify)")
+        plan = load_plan(plan_file, run)
+        a, b = planned_range(plan, auditor_index, plan_file)
+        if first is not None and (first, last) != (a, b):
+            raise AttestError(f"--range {first}:{last} differs from auditor {auditor_index}'s planned range {a}:{b}")
+        first, last = a, b
+        if not RunDir(run.dir).checkpoint(a).is_dir():
+            raise AttestError(f"{plan_file}: range {a}:{b} (auditor {auditor_index}) starts from checkpoint "
+                              f"ckpt-{a:08d}, which {run.dir} does not have")
+        checkpoint_meta(run, a)
+        plan_ref = {"hash": plan["plan_hash"], "auditor": auditor_index, "range": [a, b]}
+    elif auditor_index is not None:
+        raise AttestError("--auditor I selects a range of a plan: give --plan FILE too")
+    if first is None or last is None:
+        raise AttestError("give --range A:B or --plan FILE --auditor I")
+    if not (0 <= first <= last < run.steps):
+        raise AttestError(f"range {first}:{last}: the run has steps 0-{run.steps - 1}")
+    signer = load_private_key(key) if key is not None and not hasattr(key, "sign") else key
+    att = audit(run.dir, first, last, backend=backend, auditor=auditor, progress=progress)
+    att["plan"] = plan_ref
+    if signer is not None:
+        sign(att, signer)
+    else:
+        seal(att)
     if out is not None:
         write_json_atomic(out, att)
     return att

@@ -1,0 +1,143 @@
+"""A run directory: what a training run writes, and the one place that finds and reads it.
+
+    RUN/run.json           RunInfo: the run's configuration, contract version, corpus and genesis hash
+    RUN/ledger.jsonl       the chained step records (ledger.py), one per optimizer step
+    RUN/ckpt-<step:08d>/   checkpoints (checkpoint.py)
+
+run.json is written once, when the run starts, and never changes. Its config is hashed into the
+genesis (ledger.genesis_hash) that every ledger record chains from, so it is written in the oldest
+version of the config's JSON form that expresses it (the rule in config.py, at _ADDED_KEYS); the
+version is inferred from the keys when run.json is read (RunInfo.config_version), never written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from .checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints, select_checkpoint
+from .config import RunConfig, config_version
+from .fsutil import write_json_atomic
+from .ledger import Ledger, LedgerError, read_records, verify_chain
+
+RUN_FILE = "run.json"
+LEDGER_FILE = "ledger.jsonl"
+
+
+class RunDirError(Exception):
+    """A directory that is not a readable run; the message names it. exit_code for the CLI (2: not
+    a run directory, 1: the run's own files are broken)."""
+
+    def __init__(self, msg: str, exit_code: int = 2):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """run.json: the run's identity, fixed when it starts."""
+    config: RunConfig
+    contract_version: int        # CONTRACT_VERSION the run was started under
+    created_by: str              # "mlx-open1b <version>"
+    corpus_dir: str              # the prepared corpus (resolved path)
+    manifest_fingerprint: str    # data.stream.manifest_fingerprint of its manifest
+    tokenizer_sha256: str
+    genesis: str                 # ledger.genesis_hash of the config, corpus, tokenizer and contract
+    config_version: int = 1      # the version of the config's JSON form (config.py); read, never written
+
+    def to_json(self) -> dict:
+        """run.json's object, its keys in the order they have always been written."""
+        return {"config": self.config.to_json(), "contract_version": self.contract_version,
+                "created_by": self.created_by, "corpus_dir": self.corpus_dir,
+                "manifest_fingerprint": self.manifest_fingerprint, "tokenizer_sha256": self.tokenizer_sha256,
+                "genesis": self.genesis}
+
+    @classmethod
+    def from_json(cls, d) -> "RunInfo":
+        """ValueError naming the field of a run.json object that is missing or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        fields = {}
+        for f in dataclasses.fields(cls):
+            if f.name in ("config", "config_version"):
+                continue
+            want = int if f.name == "contract_version" else str
+            v = d.get(f.name)
+            if not isinstance(v, want) or isinstance(v, bool):
+                raise ValueError(f"{f.name}: expected {want.__name__}, got {v!r}")
+            fields[f.name] = v
+        if not isinstance(d.get("config"), dict):
+            raise ValueError(f"config: expected an object, got {d.get('config')!r}")
+        return cls(config=RunConfig.from_json(d["config"]), config_version=config_version(d["config"]), **fields)
+
+
+class RunDir:
+    """The files of one run directory: its run.json, its ledger and its checkpoints."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        self.run_file = self.path / RUN_FILE
+        self.ledger_file = self.path / LEDGER_FILE
+
+    # ------------------------------------------------------------------ run.json
+    def exists(self) -> bool:
+        """Whether a run was started here (it has a run.json)."""
+        return self.run_file.is_file()
+
+    def info(self, error=RunDirError) -> RunInfo:
+        """run.json, parsed and typed; `error` (a class taking (message, exit_code=)) otherwise."""
+        if not self.exists():
+            raise error(f"{self.path}: not a run directory (no {RUN_FILE})", exit_code=2)
+        try:
+            return RunInfo.from_json(json.loads(self.run_file.read_text()))
+        except (ValueError, UnicodeDecodeError) as e:       # JSONDecodeError and ConfigError included
+            raise error(f"{self.run_file}: malformed ({e})", exit_code=1) from None
+
+    def create(self, info: RunInfo) -> None:
+        """Start the run: the directory and its run.json (written atomically)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_file, info.to_json())
+
+    # ------------------------------------------------------------------ the ledger
+    def ledger(self, genesis: str) -> Ledger:
+        """The ledger for appending (its records verified from the genesis on opening)."""
+        return Ledger(self.ledger_file, genesis)
+
+    def verify_ledger(self, genesis: str) -> str:
+        """The run hash: the ledger's chain verified from the genesis (ledger.LedgerError otherwise)."""
+        return verify_chain(self.ledger_file, genesis)
+
+    def records(self) -> list[dict]:
+        """The ledger's records in file order (not verified: see verify_ledger)."""
+        return read_records(self.ledger_file)
+
+    def params_hash_after(self, step: int, genesis: str, error=RunDirError) -> tuple[str | None, str | None]:
+        """(the parameter hash the verified ledger records after step - 1, the run hash); None for the
+        hash at step 0 or where the ledger has no such record, (None, None) without a ledger."""
+        if not self.ledger_file.exists():
+            return None, None
+        try:
+            run_hash = self.verify_ledger(genesis)
+        except LedgerError as e:
+            raise error(f"the run's ledger does not verify: {e}", exit_code=1) from None
+        if step == 0:
+            return None, run_hash
+        rec = next((r for r in self.records() if r["step"] == step - 1), None)
+        return (None if rec is None else rec["hashes"]["params"]), run_hash
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, step: int) -> pathlib.Path:
+        """The directory of the checkpoint of `step` (the state after steps 0..step-1)."""
+        return checkpoint_dir(self.path, step)
+
+    def checkpoints(self) -> list[tuple[int, pathlib.Path]]:
+        """[(step, directory)] of the complete checkpoints, ascending (not verified)."""
+        return list_checkpoints(self.path)
+
+    def latest_checkpoint(self, at_or_before: int | None = None) -> tuple[int, pathlib.Path] | None:
+        """The newest checkpoint (with step <= at_or_before if given), or None."""
+        return latest_checkpoint(self.path, at_or_before)
+
+    def select_checkpoint(self, step: int | None = None, error=CheckpointError) -> int:
+        """`step` if the run has its checkpoint, the latest checkpoint's step for None; else `error`."""
+        return select_checkpoint(self.path, step, error)
