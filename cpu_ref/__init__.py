@@ -18,7 +18,7 @@ from .xent import xent_forward, xent_backward, XENT_CHUNK
 from .quant import (gemm_i8, gemm_i8_has_vnni, hadamard_rows, qlinear_backward, qlinear_forward,
                     quant_tensor, quant_weight_rows)
 
-from ..arrays import functional_ops as _functional_ops
+from mlx_open1b.arrays import functional_ops as _functional_ops
 
 add, scale, adamw = _functional_ops(add_inplace, scale_inplace, adamw_step)
 

@@ -13,7 +13,7 @@ import pathlib
 
 import numpy as np
 
-from ..opargs import BF16, F32, I32, check, positive, writable  # noqa: F401  (re-exported)
+from mlx_open1b.opargs import BF16, F32, I32, check, positive, writable  # noqa: F401  (re-exported)
 
 _here = pathlib.Path(__file__).resolve().parent
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opargs
+from mlx_open1b import opargs
 from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _forward = declare("o1b_attention_forward", c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f32,

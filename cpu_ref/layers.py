@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opargs
+from mlx_open1b import opargs
 from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _emb_fwd = declare("o1b_embedding_forward", c_i64, c_i64, ptr, ptr, ptr)

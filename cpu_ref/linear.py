@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opargs
+from mlx_open1b import opargs
 from ._lib import c_i64, declare, p, ptr
 
 _forward = declare("o1b_linear_forward", c_i64, c_i64, c_i64, ptr, ptr, ptr)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opargs
-from ..opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
+from mlx_open1b import opargs
+from mlx_open1b.opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _map = declare("o1b_map", c_int, c_i64, ptr, ptr)

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import opargs
+from mlx_open1b import opargs
 from ._lib import c_f32, c_i64, declare, p, ptr
 
 _adamw = declare("o1b_adamw_step", c_i64, ptr, ptr, ptr, ptr, *([c_f32] * 9))

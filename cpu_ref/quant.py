@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opargs
+from mlx_open1b import opargs
 from ._lib import c_i64, declare, p, ptr
 import ctypes
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..contract import INIT_SIGMA
-from .. import opargs
+from mlx_open1b.contract import INIT_SIGMA
+from mlx_open1b import opargs
 from ._lib import c_f32, c_i64, c_u32, c_u64, declare, ptr
 
 _fill = declare("o1b_philox_fill", c_u64, c_u32, c_u64, c_u32, c_i64, ptr)

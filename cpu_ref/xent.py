@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opargs
+from mlx_open1b import opargs
 from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
 _forward = declare("o1b_xent_forward_chunked", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, c_f32,

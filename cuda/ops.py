@@ -23,9 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..contract import CONTRACT_VERSION, INIT_SIGMA
-from .. import arrays, opargs
-from ..opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
+from mlx_open1b.contract import CONTRACT_VERSION, INIT_SIGMA
+from mlx_open1b import arrays, opargs
+from mlx_open1b.opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 
 NAME = "cuda"

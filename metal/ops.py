@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
-from .. import arrays, opargs
-from ..opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
+from mlx_open1b.contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from mlx_open1b import arrays, opargs
+from mlx_open1b.opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime, slabs
 from .runtime import available  # noqa: F401  (re-exported)
 

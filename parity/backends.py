@@ -14,7 +14,7 @@ import importlib
 import inspect
 from typing import Any
 
-from ..contract import CONTRACT_VERSION
+from mlx_open1b.contract import CONTRACT_VERSION
 
 KNOWN = ("cpu_ref", "metal", "cuda", "spec")
 _extra: dict[str, Any] = {}
@@ -60,7 +60,7 @@ def load(name: str):
         return _extra[name]
     if name == "cpu_ref":
         try:
-            from .. import cpu_ref
+            from mlx_open1b import cpu_ref
         except ImportError as e:
             raise BackendUnavailable(f"cpu_ref: {e}") from None
         if cpu_ref.contract_version() != CONTRACT_VERSION:

@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import __version__
-from ..contract import CONTRACT_VERSION
-from ..fsutil import write_json_atomic
+from mlx_open1b import __version__
+from mlx_open1b.contract import CONTRACT_VERSION
+from mlx_open1b.fsutil import write_json_atomic
 from . import backends as _bk
 from .cases import OPS, make_case, execute
 from .runner import normalize
@@ -95,7 +95,7 @@ def machine_info(backend: str | None = None) -> dict:
                                                     "torch")},
             "gpu": _gpu_info()}
     try:
-        from .. import cpu_ref
+        from mlx_open1b import cpu_ref
         info["cpu_ref"] = {"simd": cpu_ref.simd_name(), "threads": cpu_ref.get_num_threads()}
     except ImportError:
         pass
@@ -130,15 +130,15 @@ def op_hashes(backend_obj, ops: Sequence[str], cases: int, seed: int, progress=N
 def train_ledger(backend: str, steps: int, data_dir=None, log: Callable[[str], None] | None = None) -> dict:
     """The tiny preset trained for `steps` steps on `backend` in a temporary run directory; the
     default corpus is prepared into a temporary directory unless data_dir is given."""
-    from ..config import preset
-    from ..train import LEDGER_FILE, Trainer
+    from mlx_open1b.config import preset
+    from mlx_open1b.train import LEDGER_FILE, Trainer
     log = log or (lambda m: None)
     with tempfile.TemporaryDirectory(prefix="open1b-parity-") as tmp:
         tmp = pathlib.Path(tmp)
         if data_dir is None:
-            from ..data.corpus import default_sources
-            from ..data.prepare import prepare
-            from ..data.tokenizer import Tokenizer
+            from mlx_open1b.data.corpus import default_sources
+            from mlx_open1b.data.prepare import prepare
+            from mlx_open1b.data.tokenizer import Tokenizer
             log("preparing the embedded default corpus (~10 s)")
             data_dir = tmp / "data"
             prepare(default_sources(), data_dir, Tokenizer.load(None))

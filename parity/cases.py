@@ -23,13 +23,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..contract import NORM_BLOCK, STREAM_TESTS, XENT_CHUNK
-from ..spec import arith as A
-from ..spec import attention as _sp_att
-from ..spec import layers as _sp_lay
-from ..spec import quant as _sp_q
-from ..spec import xent as _sp_xent
-from ..spec.optim import philox_block
+from mlx_open1b.contract import NORM_BLOCK, STREAM_TESTS, XENT_CHUNK
+from mlx_open1b.spec import arith as A
+from mlx_open1b.spec import attention as _sp_att
+from mlx_open1b.spec import layers as _sp_lay
+from mlx_open1b.spec import quant as _sp_q
+from mlx_open1b.spec import xent as _sp_xent
+from mlx_open1b.spec.optim import philox_block
 
 F32, U16, U32, I32, I8 = np.float32, np.uint16, np.uint32, np.int32, np.int8
 

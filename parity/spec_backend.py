@@ -12,16 +12,16 @@ from typing import Sequence
 
 import numpy as np
 
-from ..contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
-from .. import opargs
-from ..hostmath import adamw_scalars
-from ..spec import arith as A
-from ..spec import attention as _att
-from ..spec import layers as _lay
-from ..spec import mathfn as _mf
-from ..spec import optim as _opt
-from ..spec import quant as _q
-from ..spec import xent as _xent
+from mlx_open1b.contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from mlx_open1b import opargs
+from mlx_open1b.hostmath import adamw_scalars
+from mlx_open1b.spec import arith as A
+from mlx_open1b.spec import attention as _att
+from mlx_open1b.spec import layers as _lay
+from mlx_open1b.spec import mathfn as _mf
+from mlx_open1b.spec import optim as _opt
+from mlx_open1b.spec import quant as _q
+from mlx_open1b.spec import xent as _xent
 
 NAME = "spec"
 F32 = np.float32
@@ -195,5 +195,5 @@ def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax:
 
 
 # the functional forms the model program and trainer use on device arrays (same arithmetic)
-from ..arrays import functional_ops as _functional_ops  # noqa: E402
+from mlx_open1b.arrays import functional_ops as _functional_ops  # noqa: E402
 add, scale, adamw = _functional_ops(add_inplace, scale_inplace, adamw_step)
