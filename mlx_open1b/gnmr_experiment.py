@@ -15,6 +15,7 @@ import numpy as np
 from .config import RunConfig
 from .fsutil import write_json_atomic
 from .gnmr import GNMRConfig, units
+from .report import Plot, trailing_mean
 from .rundir import RunDir
 from .train import Trainer
 
@@ -111,7 +112,6 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
 
 def plot(curves: dict) -> str:
     """Training CE (trailing mean) and held-out mixture CE per arm, two SVG panels stacked."""
-    from .report import Plot, trailing_mean
     a = Plot("gnmr-train", "training CE (trailing mean of 20 steps)", "step", "CE (nats)")
     b = Plot("gnmr-heldout", "held-out mixture CE", "step", "CE (nats)")
     for arm, (xs, ce, ev) in curves.items():

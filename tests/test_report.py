@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from mlx_open1b.checkpoint import list_checkpoints, load_checkpoint
 from mlx_open1b.cli.main import cli
 from mlx_open1b.model import ParamLayout
-from mlx_open1b.png import FONT, Canvas, encode_png, rasterize, rgb, text_mask
+from mlx_open1b.report.png import FONT, Canvas, encode_png, rasterize, rgb, text_mask
 from mlx_open1b.report import ReportError, Plot, figures, load_run_data, render, write_report
 from mlx_open1b.train import Trainer
 

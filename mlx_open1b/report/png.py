@@ -1,4 +1,4 @@
-"""PNG figures without a plotting library: a small anti-aliased rasterizer of report.Plot into a
+"""PNG figures without a plotting library: a small anti-aliased rasterizer of a Plot (plot.py) into a
 numpy RGB canvas, and a minimal PNG encoder (signature, IHDR, IDAT, IEND; zlib + CRC-32).
 
 `rasterize(plot, scale)` draws what `Plot.svg()` draws, in the same geometry (scaled): grid, frame,
@@ -12,6 +12,8 @@ import struct
 import zlib
 
 import numpy as np
+
+from .axes import thin, tick_label
 
 _GLYPHS = (  # char:rows, each row an octal digit (bits left to right = 4, 2, 1)
     "0:75557 1:26227 2:71747 3:71317 4:55711 5:74717 6:74757 7:71122 8:75757 9:75717 A:25755 B:65656 "
@@ -133,7 +135,6 @@ def _dash(d, s):
 
 def rasterize(plot, scale: int = 2) -> np.ndarray:
     """The plot as an (H, W, 3) uint8 image, `scale` pixels per SVG unit."""
-    from .report import _fmt, thin
     s = scale
     fr = plot.frame()
     L, T, pw, ph, sx, sy = fr["L"], fr["T"], fr["pw"], fr["ph"], fr["sx"], fr["sy"]
@@ -143,12 +144,12 @@ def rasterize(plot, scale: int = 2) -> np.ndarray:
     grid = c.mask()
     for t in fr["yticks"]:
         c.polyline(grid, [(L * s, sy(t) * s), ((L + pw) * s, sy(t) * s)], s)
-        c.text(_fmt(t), (L - 5) * s, (sy(t) + 4) * s, fs, anchor="end")
+        c.text(tick_label(t), (L - 5) * s, (sy(t) + 4) * s, fs, anchor="end")
     c.blend(grid, "#e6e6e6")
     grid = c.mask()
     for t in fr["xticks"]:
         c.polyline(grid, [(sx(t) * s, T * s), (sx(t) * s, (T + ph) * s)], s)
-        c.text(_fmt(t), sx(t) * s, (T + ph + 15) * s, fs, anchor="middle")
+        c.text(tick_label(t), sx(t) * s, (T + ph + 15) * s, fs, anchor="middle")
     c.blend(grid, "#f0f0f0")
     for it in plot.items:
         m, kind = c.mask(), it[0]
