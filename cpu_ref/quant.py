@@ -18,7 +18,7 @@ _fwd = declare("o1b_qlinear_forward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ctyp
 _bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
                restype=ctypes.c_int)
 
-QMAX, QB, Q_MAX_P = opargs.QMAX, opargs.QB, opargs.Q_MAX_P
+from mlx_open1b.contract import Q_MAX_P, QB, QMAX  # noqa: E402,F401  (QB, Q_MAX_P re-exported)
 
 
 def _ok(rc: int) -> None:

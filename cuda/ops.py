@@ -23,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mlx_open1b.contract import CONTRACT_VERSION, INIT_SIGMA
+from mlx_open1b.contract import (CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, Q_MAX_P, QB, QMAX,  # noqa: F401
+                                 QMAX4, XENT_CHUNK)                                             # (re-exported)
 from mlx_open1b import arrays, opargs
 from mlx_open1b.opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
@@ -31,9 +32,6 @@ from . import runtime
 NAME = "cuda"
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
 GEMM_TILE = 16       # linear.cu's TILE
-NORM_BLOCK = 4096    # CONTRACT.md §9 (reduce.cu)
-XENT_CHUNK = 1024    # CONTRACT.md §9 (the host loop below walks these chunks)
-ATTN_BLOCK = 64      # CONTRACT.md §9 (attention.cu)
 
 i64, i32, u32, u64, f32 = np.int64, np.int32, np.uint32, np.uint64, np.float32
 
@@ -479,7 +477,6 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 # ------------------------------------------------------------------ int8 quantized linear (§6.9)
 # qmax 7 / 31 are the simulated int4 / int6 paths: the kernels that depend on the level bound take it
 # as an argument.
-QMAX, QMAX4, QB, Q_MAX_P = opargs.QMAX, opargs.QMAX4, opargs.QB, opargs.Q_MAX_P
 Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per absmax partial (no result depends on it)
 _NO_F32 = np.zeros(1, np.float32)
 _NO_U8 = np.zeros(1, np.uint8)

@@ -20,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mlx_open1b.contract import CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from mlx_open1b.contract import (CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, Q_MAX_P, QB, QMAX,  # noqa: F401
+                                 QMAX4, XENT_CHUNK)                                             # (re-exported)
 from mlx_open1b import arrays, opargs
 from mlx_open1b.opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime, slabs
@@ -552,7 +553,6 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 # simulated int4 / int6 paths (qmax = 7 / 31: the same kernels with the template argument QMAX)
 # ---------------------------------------------------------------------------------------------
 I8, I32, U8 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)
-QMAX, QMAX4, QB, Q_MAX_P = opargs.QMAX, opargs.QMAX4, opargs.QB, opargs.Q_MAX_P
 QUANT_BLOCK = 4096          # elements per thread of the absmax's first pass (any split is exact)
 
 

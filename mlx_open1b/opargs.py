@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import arrays
-from .contract import NORM_BLOCK
+from .contract import NORM_BLOCK, Q_MAX_P, QB, QMAX, QMAX4, QMAX6
 from .hostmath import adamw_scalars
 
 BF16 = np.dtype(np.uint16)   # bf16 is held as its 16 bits (CONTRACT.md §1)
@@ -384,13 +384,6 @@ def philox(seed: int, stream: int, index0: int, sub: int = 0) -> tuple[int, int,
 
 # ------------------------------------------------------------------ §6.9 int8 quantized linear
 I8 = np.dtype(np.int8)
-#: Contraction lengths (after padding to a multiple of QB) are at most Q_MAX_P, so that
-#: |sum of products| <= Q_MAX_P * 127^2 < 2^31 and int32 accumulation is exact.
-QMAX, QB, Q_MAX_P = 127, 128, 1 << 17
-#: The simulated int4 path (CONTRACT.md §6.9, §9): levels -7 ... 7 in int8 containers.
-QMAX4 = 7
-#: The simulated int6 path (CONTRACT.md §6.9, §9): levels -31 ... 31 in int8 containers.
-QMAX6 = 31
 #: The level bounds a quantized op accepts as its qmax: int8 and the simulated int6 and int4 paths.
 QMAX_CHOICES = (QMAX, QMAX6, QMAX4)
 

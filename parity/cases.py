@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mlx_open1b.contract import NORM_BLOCK, STREAM_TESTS, XENT_CHUNK
+from mlx_open1b.contract import NORM_BLOCK, Q_MAX_P, QB, QMAX, QMAX4, QMAX6, STREAM_TESTS, XENT_CHUNK
 from mlx_open1b.spec import arith as A
 from mlx_open1b.spec import attention as _sp_att
 from mlx_open1b.spec import layers as _sp_lay
@@ -655,9 +655,6 @@ def _trunc_normal(rng, i, op):
 
 
 # ------------------------------------------------------------------------- §6.9 int8 quantized linear
-QMAX, QB, Q_MAX_P = _sp_q.QMAX, _sp_q.QB, 1 << 17     # levels, Hadamard block, longest contraction
-QMAX4 = _sp_q.QMAX4                                   # the simulated int4 path's levels (qlinear4_* ops)
-QMAX6 = _sp_q.QMAX6                                   # the simulated int6 path's levels (qlinear6_* ops)
 #: the largest exponent of a "tiny" quantization input: absmax < 2^(e+1), so div(absmax, qmax) flushes
 _TINY_EHI = {QMAX: -120, QMAX6: -123, QMAX4: -125}
 #: contraction lengths around the Hadamard block and SIMD widths (16, 32, 64 int8 lanes)

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mlx_open1b.contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, XENT_CHUNK
+from mlx_open1b.contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, QMAX, XENT_CHUNK
 from mlx_open1b import opargs
 from mlx_open1b.hostmath import adamw_scalars
 from mlx_open1b.spec import arith as A
@@ -183,12 +183,12 @@ def quant_tensor(x):
     return q.reshape(x.shape), F32(s)
 
 
-def qlinear_forward(x, w, qmax: int = opargs.QMAX):
+def qlinear_forward(x, w, qmax: int = QMAX):
     opargs.qlinear_forward(x, w)
     return _q.qlinear_forward(x, w, opargs.qmax(qmax))
 
 
-def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax: int = opargs.QMAX):
+def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax: int = QMAX):
     opargs.qlinear_backward(dy, x, w)
     dx, dw = _q.qlinear_backward(dy, x, w, opargs.qmax(qmax))
     return (dx if need_dx else None), (dw if need_dw else None)

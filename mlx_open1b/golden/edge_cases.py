@@ -30,7 +30,7 @@ import functools
 
 import numpy as np
 
-from ..contract import XENT_CHUNK
+from ..contract import Q_MAX_P, XENT_CHUNK
 from ..parity.cases import Case, CaseRNG, case_seed
 from ..spec import arith as A
 from ..spec import attention as _sp_att
@@ -237,7 +237,7 @@ def _gemms() -> list[tuple[str, dict]]:
 
 
 # ------------------------------------------------------------------------- int8 conversions and ties
-I2F_K = 1 << 17         # Q_MAX_P: the longest contraction
+I2F_K = Q_MAX_P         # the longest contraction
 I2F_SPACING = 24        # a weight of 1 every 24 columns: t = 24 / QW_COEF ~ 135 > 127, clipped to 127
 I2F_E = -3              # activation levels q are x = q * 2^-3 (s_x = 2^-3 exactly)
 

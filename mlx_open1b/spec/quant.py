@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import contract
+from ..contract import QB, QMAX, QMAX4, QMAX6
+
 from .arith import F32, add, bf16_to_f32, div, f32, flush, from_bits, mul, store, sub
 
-QMAX = 127
-QB = 128
-QW_COEF = np.float32(float.fromhex("0x1.6b7612p-3"))     # 2/sqrt(127) rounded to fp32
-QMAX4 = 7                                                  # the simulated int4 path (§6.9)
-QW_COEF4 = np.float32(float.fromhex("0x1.83091ep-1"))    # 2/sqrt(7) rounded to fp32
-QMAX6 = 31                                                 # the simulated int6 path (§6.9)
-QW_COEF6 = np.float32(float.fromhex("0x1.6fd4e8p-2"))    # 2/sqrt(31) rounded to fp32
+QW_COEF, QW_COEF4, QW_COEF6 = (np.float32(c) for c in (contract.QW_COEF, contract.QW_COEF4, contract.QW_COEF6))
 COEF = {QMAX: QW_COEF, QMAX4: QW_COEF4, QMAX6: QW_COEF6}
-INV_QB = np.float32(2.0 ** -7)
+INV_QB = np.float32(contract.INV_QB)
 NAN = from_bits(np.uint32(0x7FC00000))
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contract import XENT_CHUNK
+
 from .arith import F32, add, bf16_to_f32, f32, f32_to_bf16, flush, maximum, mul, store, sub
 from .mathfn import exp, log
 
-XENT_CHUNK = 1024
 
 
 def gemm_nt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
