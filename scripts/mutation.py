@@ -105,8 +105,15 @@ def load_catalogue(path=CATALOGUE) -> list[Mutant]:
         missing = {"id", "area", "file", "find", "replace", "description", "tests"} - set(raw)
         if unknown or missing:
             raise CatalogueError(f"{where}: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+        bad = [k for k in ("id", "area", "file", "find", "replace", "description", "equivalent")
+               if not isinstance(raw.get(k, ""), str)]
+        if bad or not isinstance(raw.get("timeout", 0), (int, float)):
+            raise CatalogueError(f"{where}: {', '.join(bad) or 'timeout'} of the wrong type")
         if raw["id"] in seen:
             raise CatalogueError(f"{where}: duplicate id")
+        rel = pathlib.PurePosixPath(raw["file"])
+        if rel.is_absolute() or ".." in rel.parts:      # the harness writes only inside its scratch copy
+            raise CatalogueError(f"{where}: file must be a path inside the repository, got {raw['file']!r}")
         if raw["area"] not in AREAS:
             raise CatalogueError(f"{where}: area {raw['area']!r} not one of {', '.join(AREAS)}")
         if raw["find"] == raw["replace"] or not raw["find"]:
@@ -120,16 +127,12 @@ def load_catalogue(path=CATALOGUE) -> list[Mutant]:
     return out
 
 
-def occurrences(text: str, find: str) -> int:
-    return text.count(find)
-
-
 def stale_reason(root: pathlib.Path, m: Mutant) -> str:
     """'' if the mutant's text occurs exactly once in its file under root, else why not."""
     f = root / m.file
     if not f.is_file():
         return f"{m.file} does not exist"
-    n = occurrences(f.read_text(), m.find)
+    n = f.read_text().count(m.find)
     return "" if n == 1 else f"the text occurs {n} times in {m.file} (must be exactly once)"
 
 

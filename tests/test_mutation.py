@@ -153,7 +153,10 @@ def test_catalogue_checks(tmp_path):
                       (good.replace('replace = "b"', 'replace = "a"'), "differ"),
                       (good.replace('tests = ["t.py"]', 'tests = []'), "non-empty list"),
                       (good.replace('description = "d"\n', ""), "missing ['description']"),
-                      (good + 'colour = "red"\n', "unknown fields ['colour']"), ("", "no [[mutant]]")):
+                      (good + 'colour = "red"\n', "unknown fields ['colour']"), ("", "no [[mutant]]"),
+                      (good.replace('"x.c"', '"../x.c"'), "a path inside the repository"),
+                      (good.replace('"x.c"', '"/etc/x.c"'), "a path inside the repository"),
+                      (good + "equivalent = 3\n", "equivalent of the wrong type")):
         p.write_text(bad)
         with pytest.raises(mutation.CatalogueError, match=__import__("re").escape(what)):
             mutation.load_catalogue(p)
