@@ -129,6 +129,7 @@ class BackendReport:
     training: dict | None = None  # {"steps", "compared", "first", "seconds", "not_run", "genesis", "records"}
     seconds: float = 0.0
     full: bool = False
+    expected: int = 0             # cases selected: a report that compared fewer is not a pass
 
     @property
     def failed_ops(self) -> list[str]:
@@ -139,9 +140,30 @@ class BackendReport:
         return bool(self.training and self.training.get("first"))
 
     @property
+    def incomplete(self) -> str | None:
+        """Why this report compared fewer cases than were selected (an op the backend lacks), or
+        compared nothing at all; None when every selected case was compared."""
+        if self.not_run is not None:
+            return None
+        if self.cases < self.expected:
+            why = [f"{op}: {line.not_run}" for op, line in self.ops.items()
+                   if line.not_run and line.not_run != "no case selected"]
+            return (f"compared {self.cases} of {self.expected} selected cases"
+                    + (f" ({'; '.join(why[:3])})" if why else ""))
+        if not self.cases and not (self.training and self.training.get("compared")):
+            return "no case was compared"
+        return None
+
+    @property
+    def verdict(self) -> str:
+        if self.failed_ops or self.training_failed:
+            return "DIFFERENT"
+        return "INCOMPLETE" if self.incomplete else "EQUAL"
+
+    @property
     def ok(self) -> bool:
-        """Everything that ran was equal (ops missing on the backend are reported, not failed)."""
-        return self.not_run is None and not self.failed_ops and not self.training_failed
+        """Every selected case was compared and everything that ran was equal."""
+        return self.not_run is None and self.verdict == "EQUAL"
 
     @property
     def cases(self) -> int:
@@ -152,7 +174,7 @@ class BackendReport:
             return f"{op}: {describe_failure(self.ops[op].first)}"
         if self.training_failed:
             return f"training: {self.training['first']['detail']}"
-        return None
+        return self.incomplete
 
 
 def _short(h) -> str:
@@ -287,6 +309,7 @@ def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases:
     rep.where, rep.device = describe(name)
     cases = cases or _Cases(golden, full)
     chosen = [gc for gc in cases.selected if select is None or select(gc)]
+    rep.expected = len(chosen)
     for op in golden.data.get("ops", []):
         rep.ops[op] = OpLine(op)
     for n, gc in enumerate(chosen, 1):
@@ -406,10 +429,11 @@ def format_report(reports: list[BackendReport], golden: _golden.Golden, full: bo
             res = (f"DIFFERS: {tr['first']['detail']}" if tr["first"]
                    else f"equal (run hash {_short(tr['records'][-1]['hash'])})")
             lines.append(f"  {label:<{w}}  {tr['compared']:>5}  {tr['seconds']:>7.2f}  {res}")
-        lines.append(f"  result: {'EQUAL' if rep.ok else 'DIFFERENT'} ({rep.cases} cases"
-                     + (f", {tr['compared']} steps" if tr and not tr["not_run"] else "") + ")")
+        lines.append(f"  result: {rep.verdict} ({rep.cases} cases"
+                     + (f", {tr['compared']} steps" if tr and not tr["not_run"] else "") + ")"
+                     + (f": {rep.incomplete}" if rep.verdict == "INCOMPLETE" else ""))
     ran = [r for r in reports if not r.not_run]
-    summary = ", ".join(f"{r.backend} {'EQUAL' if r.ok else 'DIFFERENT'} ({r.where})" for r in ran) or "nothing ran"
+    summary = ", ".join(f"{r.backend} {r.verdict} ({r.where})" for r in ran) or "nothing ran"
     lines += ["", f"summary: {summary}"]
     return "\n".join(lines)
 
@@ -520,12 +544,13 @@ def first_contact(requested: str, *, skip: bool = False, log: Callable[[str], No
         remember_pass(key, rep)
         log(f"{backend}: {rep.cases} cases equal to the golden answers ({rep.seconds:.1f} s)")
         return backend
-    what = rep.first_failure() or rep.not_run or "unknown"
+    what = (("First difference: " if rep.verdict == "DIFFERENT" else "Not a pass: ")
+            + (rep.first_failure() or rep.not_run or "unknown"))
     hint = f"`open1b selftest --backend {backend}` prints every op"
     if requested == "auto":
         log(f"warning: {backend} on {key['device']} failed the self-test, so --backend auto uses cpu_ref (bit-"
-            f"identical, slower). First difference: {what}. {hint}.")
+            f"identical, slower). {what}. {hint}.")
         return "cpu_ref"
     raise SelftestRefused(f"--backend {backend}: {key['device']} failed the self-test, so it is not used and "
-                          f"nothing was written. First difference: {what}. {hint}; --backend cpu_ref runs the "
+                          f"nothing was written. {what}. {hint}; --backend cpu_ref runs the "
                           f"C reference; --skip-selftest runs on the device unchecked.")

@@ -124,6 +124,44 @@ def test_malformed_golden_file_is_refused(tmp_path, edit, says):
     assert path in str(e.value)
 
 
+def _drop(pred):
+    return lambda d: d.update(cases=[c for c in d["cases"] if not pred(c)])
+
+
+def _set(which, **fields):
+    return lambda d: next(c for c in d["cases"] if c["key"] == which).update(fields)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: [c.update(quick=False) for c in d["cases"]], "edge case 'mul_tiny' must be key edge/mul_tiny, op "
+                                                            "scalar_mul, quick"),
+    (lambda d: [c.update(quick=False) for c in d["cases"] if c["kind"] == "parity"],
+     "op exp: quick cases [], expected quick_indices [0, 1, 2]"),
+    (lambda d: d.update(quick_indices=[]), "quick_indices [] is not a non-empty list"),
+    (lambda d: d.update(cases_per_op=0), "cases_per_op 0 is not a positive integer"),
+    (lambda d: d["ops"].pop(), "its op list is not this package's"),
+    (_set("exp/3", op="no_such_op", key="no_such_op/3"), "case 3 (no_such_op/3): op 'no_such_op' is not a contract op"),
+    (_set("exp/3", key="exp/4"), "case 3 (exp/4): its key is not"),
+    (_drop(lambda c: c["op"] == "log" and c["kind"] == "parity"), "op log: cases [], expected 0..7"),
+    (_drop(lambda c: c["key"] == "log/5"), "op log: cases [0, 1, 2, 3, 4, 6, 7], expected 0..7"),
+    (_set("edge/mul_tiny", name="no_such_case", key="edge/no_such_case"),
+     "edge case 'no_such_case' is not one this package knows"),
+    (_set("edge/mul_tiny", op="scalar_add"), "edge case 'mul_tiny' must be key edge/mul_tiny, op scalar_mul"),
+    (_set("edge/mul_tiny", quick=False), "edge case 'mul_tiny' must be key"),
+    (_drop(lambda c: c["key"] == "edge/sub_tiny"), "edge case sub_tiny missing"),
+    (lambda d: d["cases"].append(dict(next(c for c in d["cases"] if c["key"] == "edge/sub_tiny"))),
+     "edge case 'sub_tiny' appears twice"),
+    (_set("exp/0", kind="special"), "kind 'special' is neither"),
+])
+def test_golden_file_that_covers_less_than_the_package_checks_is_refused(tmp_path, edit, says):
+    """A file without quick cases, with an op or edge case this package does not know, or missing
+    one it does, would let a device pass on fewer cases than a first contact is meant to run."""
+    path = _edited(tmp_path, edit)
+    with pytest.raises(G.GoldenError, match=re.escape(says)) as e:
+        G.load(path)
+    assert path in str(e.value)
+
+
 # ------------------------------------------------------------------------- the edge cases
 def _round32(q: Fraction) -> np.float32:
     """An exact rational rounded to the nearest fp32, ties to even (normal range)."""

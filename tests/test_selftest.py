@@ -10,6 +10,7 @@ with faults planted by monkeypatching a backend op or by the emulators' modelled
 results; Metal's division is done in integers, so a faulty divider changes nothing there."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -223,6 +224,49 @@ def test_first_contact_falls_back_under_auto_and_refuses_an_explicit_backend(cac
         assert e.value.exit_code == 3
         assert S.first_contact("metal", skip=True) == "metal"
     assert not cache.exists() or not list(cache.iterdir())                      # a failure is never cached
+
+
+def test_golden_file_with_no_quick_case_or_an_unknown_op_is_refused_not_passed(tmp_path, cache):
+    """Such a file would compare nothing on some op: the CLI exits 2 naming it, and a first contact
+    neither passes nor caches a pass."""
+    d = json.loads(G.FILE.read_bytes())
+    for c in d["cases"]:
+        c["quick"] = False
+    (tmp_path / "noquick.json").write_bytes(G.dumps(d))
+    res = CliRunner().invoke(cli, ["selftest", "--backend", "cpu_ref", "--golden", str(tmp_path / "noquick.json")])
+    assert res.exit_code == 2 and str(tmp_path / "noquick.json") in res.output and "EQUAL" not in res.output
+    d = json.loads(G.FILE.read_bytes())
+    for c in d["cases"]:
+        if c["op"] == "exp":
+            c["op"] = "no_backend_has_this"
+            c["key"] = c["key"].replace("exp", c["op"], 1) if c["kind"] == "parity" else c["key"]
+    (tmp_path / "unknown.json").write_bytes(G.dumps(d))
+    with S.assume_hardware("metal"), pytest.raises(G.GoldenError, match="not a contract op"):
+        S.first_contact("metal", golden_path=tmp_path / "unknown.json")
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_run_that_compares_fewer_cases_than_selected_is_not_a_pass(monkeypatch, cache):
+    """Zero cases compared is INCOMPLETE, not EQUAL; so is a backend that lacks an op: auto falls
+    back, an explicit backend is refused, both naming the op."""
+    none_quick = G.Golden(GOLDEN.path, GOLDEN.sha256, GOLDEN.data,
+                          [dataclasses.replace(c, quick=False) for c in GOLDEN.cases])
+    rep = S.run_backend("cpu_ref", none_quick)
+    assert rep.cases == 0 and not rep.ok and rep.verdict == "INCOMPLETE"
+    assert "result: INCOMPLETE (0 cases): no case was compared" in S.format_report([rep], none_quick, False)
+    from mlx_open1b.parity import backends as PB
+    real = PB.resolve
+    monkeypatch.setattr(PB, "resolve", lambda b, op: None if op == "log" else real(b, op))
+    _narrow(monkeypatch, lambda gc: gc.op in ("exp", "log"))
+    with S.assume_hardware("metal"):
+        log = []
+        assert S.first_contact("auto", log=log.append) == "cpu_ref"
+        n = {op: sum(1 for c in GOLDEN.select(False) if c.op == op) for op in ("exp", "log")}
+        assert (f"Not a pass: compared {n['exp']} of {n['exp'] + n['log']} selected cases (log: metal has no "
+                f"function for log)") in log[-1]
+        with pytest.raises(S.SelftestRefused, match="log: metal has no function for log"):
+            S.first_contact("metal")
+    assert not cache.exists() or not list(cache.iterdir())
 
 
 def test_broken_golden_file_stops_the_first_contact(tmp_path):

@@ -244,8 +244,60 @@ def load(path=None) -> Golden:
         out.append(GoldenCase(key=c["key"], op=c["op"], kind=c["kind"], index=c["index"], name=c.get("name"),
                               seed=c["seed"], desc=c["desc"], inputs=c["inputs"], outputs=dict(outputs or {}),
                               error=c.get("error"), quick=c["quick"]))
+    _check_coverage(path, d, out)
     tr = d.get("training")
     if not (isinstance(tr, dict) and isinstance(tr.get("records"), list) and isinstance(tr.get("genesis"), str)
             and all(isinstance(r, dict) and isinstance(r.get("hash"), str) for r in tr["records"])):
         raise _bad(path, "the training section is missing or malformed")
     return Golden(path=path, sha256=hashlib.sha256(raw).hexdigest(), data=d, cases=out)
+
+
+def _check_coverage(path, d: dict, cases: list) -> None:
+    """The file covers what this package checks, no more and no less: every contract op
+    (parity.cases.OPS) with cases 0..cases_per_op-1, the quick ones being quick_indices (never
+    none), and every edge case of edge_cases.py once, quick, with its op. A file that covers less
+    would let a device pass on fewer cases than a first contact is meant to run."""
+    from ..parity.cases import OPS
+    from .edge_cases import edge_ops
+    per_op, quick = d.get("cases_per_op"), d.get("quick_indices")
+    if not (type(per_op) is int and per_op >= 1):
+        raise _bad(path, f"cases_per_op {per_op!r} is not a positive integer")
+    if not (isinstance(quick, list) and quick and all(type(i) is int and 0 <= i < per_op for i in quick)
+            and len(set(quick)) == len(quick)):
+        raise _bad(path, f"quick_indices {quick!r} is not a non-empty list of distinct case indices below "
+                         f"cases_per_op ({per_op})")
+    if d.get("ops") != list(OPS):
+        raise _bad(path, "its op list is not this package's contract ops (parity.cases.OPS)")
+    parity: dict = {op: [] for op in OPS}
+    edge_want = edge_ops()
+    edge_seen: set = set()
+    for n, c in enumerate(cases):
+        where = f"case {n} ({c.key})"
+        if c.kind == "parity":
+            if c.op not in parity:
+                raise _bad(path, f"{where}: op {c.op!r} is not a contract op of this package")
+            if c.key != f"{c.op}/{c.index}":
+                raise _bad(path, f"{where}: its key is not '<op>/<index>' ({c.op}/{c.index})")
+            parity[c.op].append(c)
+        elif c.kind == "edge":
+            if c.name not in edge_want:
+                raise _bad(path, f"{where}: edge case {c.name!r} is not one this package knows")
+            if c.name in edge_seen:
+                raise _bad(path, f"{where}: edge case {c.name!r} appears twice")
+            if c.op != edge_want[c.name] or c.key != f"edge/{c.name}" or not c.quick:
+                raise _bad(path, f"{where}: edge case {c.name!r} must be key edge/{c.name}, op "
+                                 f"{edge_want[c.name]}, quick")
+            edge_seen.add(c.name)
+        else:
+            raise _bad(path, f"{where}: kind {c.kind!r} is neither 'parity' nor 'edge'")
+    for op, mine in parity.items():
+        idx = sorted(c.index for c in mine)
+        if idx != list(range(per_op)):
+            raise _bad(path, f"op {op}: cases {idx}, expected 0..{per_op - 1} (cases_per_op)")
+        q = sorted(c.index for c in mine if c.quick)
+        if q != sorted(quick):
+            raise _bad(path, f"op {op}: quick cases {q}, expected quick_indices {sorted(quick)}")
+    missing = [n for n in edge_want if n not in edge_seen]
+    if missing:
+        raise _bad(path, f"edge case{'s' * (len(missing) > 1)} {', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''} missing")

@@ -374,6 +374,11 @@ def names() -> list[str]:
     return [n for n, _ in _all()]
 
 
+def edge_ops() -> dict:
+    """name -> the op each edge case runs, in order."""
+    return {n: d["op"] for n, d in _all()}
+
+
 def edge_case(name: str) -> Case:
     """A fresh Case (its own copies of the inputs) for the edge case `name`."""
     for index, (n, d) in enumerate(_all()):
