@@ -96,10 +96,15 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     cases = S._Cases(golden, full)
     cases.prepare(progress)
     reports = []
-    for name in names:
-        if not tty:
-            click.echo(f"selftest: {name} ...", err=True)
-        reports.append(S.run_backend(name, golden, full, cases=cases, data_dir=data_dir, progress=progress))
+    try:
+        for name in names:
+            if not tty:
+                click.echo(f"selftest: {name} ...", err=True)
+            reports.append(S.run_backend(name, golden, full, cases=cases, data_dir=data_dir, progress=progress))
+    except G.GoldenError as e:          # the file is at fault, not a backend: no verdict
+        if tty:
+            click.echo("", err=True)
+        _fail(str(e), e.exit_code)
     if tty:
         click.echo("\r" + " " * 100 + "\r", err=True, nl=False)
     click.echo(S.format_report(reports, golden, full))

@@ -208,15 +208,21 @@ def _ref_outputs(case, reference: str, cache: dict):
     return cache[reference]
 
 
-def _locate(case, j: int, got, want: str, backend: str, cache: dict) -> dict:
-    """The first differing element of output j against a reference that reproduces the golden digest."""
+def _locate(case, j: int, got, want: str, backend: str, cache: dict, gc=None, path=None) -> dict:
+    """The first differing element of output j against a reference that reproduces the golden
+    digest. When every reference that runs here computes another digest, the recorded one is not
+    what this package computes: the golden file is at fault, not the device (GoldenError)."""
     from .parity.bundle import array_hash
     from .parity.runner import compare_outputs
+    ran = []
     for reference in ("cpu_ref", "spec"):
         if reference == backend:
             continue
         outs = _ref_outputs(case, reference, cache)
-        if outs is None or array_hash(outs[j]) != want:
+        if outs is None:
+            continue
+        ran.append(reference)
+        if array_hash(outs[j]) != want:
             continue
         d = compare_outputs(outs[j], got)
         if d is None:
@@ -224,12 +230,19 @@ def _locate(case, j: int, got, want: str, backend: str, cache: dict) -> dict:
         if d["kind"] == "value":
             return dict(d, located_by=reference)
         return {"kind": "other", "detail": f"output {case.outputs[j]}: {d['detail']}"}
+    else:
+        if ran and gc is not None:
+            raise _golden.file_error(path, f"op {gc.op}, case {gc.key}: the digest of output {case.outputs[j]} "
+                                           f"({_short(want)}) is not what {' or '.join(ran)} computes here, so the file "
+                                           f"is corrupted or was made by another version of the package (not a "
+                                           f"verdict on the device)")
     return {"kind": "hash", "detail": "no reference here reproduces the golden digest, so the element is not named",
             "got": None, "want": want}
 
 
-def _run_case(gc, case, fn, backend: str) -> tuple[dict | None, dict, float]:
-    """(failure or None, bundle row, seconds in fn)."""
+def _run_case(gc, case, fn, backend: str, path=None) -> tuple[dict | None, dict, float]:
+    """(failure or None, bundle row, seconds in fn); GoldenError when the golden file, not the
+    backend, is at fault (its inputs or digest are not this package's)."""
     from .parity.bundle import array_hash
     from .parity.cases import execute
     from .parity.runner import normalize
@@ -237,9 +250,10 @@ def _run_case(gc, case, fn, backend: str) -> tuple[dict | None, dict, float]:
            "inputs": case.input_hash()}
     base = {"case": gc.key, "desc": gc.desc}
     if row["inputs"] != gc.inputs:
-        why = (f"this install generates other inputs for the case (sha256 {_short(row['inputs'])}, golden "
-               f"{_short(gc.inputs)}); not compared")
-        return dict(base, kind="inputs", detail=why), row, 0.0
+        raise _golden.file_error(path, f"op {gc.op}, case {gc.key}: this install generates other inputs for it "
+                                       f"(sha256 {_short(row['inputs'])}, the file {_short(gc.inputs)}), so the file "
+                                       f"is corrupted or was made by another version of the package (not a verdict "
+                                       f"on the device)")
     t0 = time.perf_counter()
     try:
         outs = normalize(case.op, execute(fn, case))
@@ -260,7 +274,7 @@ def _run_case(gc, case, fn, backend: str) -> tuple[dict | None, dict, float]:
     for j, (name, h) in enumerate(zip(case.outputs, hashes)):
         want = gc.outputs.get(name, "missing")
         if h != want:
-            d = _locate(case, j, outs[j], want, backend, cache)   # execute() ran on copies of the inputs
+            d = _locate(case, j, outs[j], want, backend, cache, gc, path)   # execute() ran on copies of the inputs
             d.setdefault("output", name)
             if d["kind"] == "hash":
                 d["got"] = h
@@ -321,12 +335,10 @@ def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases:
             continue
         try:
             case = cases.case(gc)
-        except Exception as e:   # noqa: BLE001 - a golden case this install cannot build is not compared
-            line.failed += 1
-            line.first = line.first or {"case": gc.key, "desc": gc.desc, "kind": "inputs",
-                                        "detail": f"this install cannot build the case ({type(e).__name__}: {e})"}
-            continue
-        fail, row, dt = _run_case(gc, case, fn, name)
+        except Exception as e:   # noqa: BLE001 - a golden case this install cannot build: the file's fault
+            raise _golden.file_error(golden.path, f"op {gc.op}, case {gc.key}: this install cannot build it "
+                                                  f"({type(e).__name__}: {e})") from None
+        fail, row, dt = _run_case(gc, case, fn, name, golden.path)
         line.cases += 1
         line.seconds += dt
         rep.rows.setdefault(gc.op if gc.kind == "parity" else f"edge:{gc.name}", []).append(row)

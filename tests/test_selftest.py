@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -107,34 +108,42 @@ def test_faulty_cpu_ref_is_located_through_the_spec_and_fails_the_cli(monkeypatc
     assert "result: DIFFERENT" in res.output and "summary: cpu_ref DIFFERENT (CPU)" in res.output
 
 
-def _golden_with(tmp_path, key: str, field: str, value) -> pathlib.Path:
+def _flip_hex(h: str) -> str:
+    return ("1" if h[0] == "0" else "0") + h[1:]
+
+
+@pytest.mark.parametrize("key, field, says", [
+    ("exp/1", "outputs", "op exp, case exp/1: the digest of output y"),
+    ("edge/mul_tiny", "inputs", "op scalar_mul, case edge/mul_tiny: this install generates other inputs"),
+])
+def test_a_corrupted_golden_file_is_blamed_on_the_file_not_the_device(tmp_path, cache, monkeypatch, key, field,
+                                                                      says, default_corpus):
+    """One edited digest (no reference here computes it) or one input hash (this install makes
+    other inputs): exit 2 naming the file, op and case; a first contact neither falls back nor
+    refuses the device, and caches nothing."""
     d = json.loads(G.FILE.read_bytes())
     case = next(c for c in d["cases"] if c["key"] == key)
     if field == "outputs":
-        case["outputs"] = {k: value for k in case["outputs"]}
+        case["outputs"] = {k: _flip_hex(v) for k, v in case["outputs"].items()}
     else:
-        case[field] = value
+        case["inputs"] = _flip_hex(case["inputs"])
     path = tmp_path / "golden.json"
     path.write_bytes(G.dumps(d))
-    return path
-
-
-def test_digest_no_reference_reproduces_is_reported_by_digest(tmp_path):
-    path = _golden_with(tmp_path, "exp/1", "outputs", "0" * 64)
-    rep = S.run_backend("cpu_ref", G.load(path), select=EXP_ONLY)
-    f = rep.ops["exp"].first
-    assert f["case"] == "exp/1" and f["kind"] == "hash" and f["want"] == "0" * 64
-    assert "no reference here reproduces the golden digest" in S.describe_failure(f)
-
-
-@pytest.mark.parametrize("field, value, says", [
-    ("inputs", "1" * 64, "edge/mul_tiny: this install generates other inputs"),
-    ("name", "no_such_case", "edge/mul_tiny: this install cannot build the case (KeyError"),
-])
-def test_cases_this_install_does_not_generate_fail_and_say_so(tmp_path, field, value, says):
-    path = _golden_with(tmp_path, "edge/mul_tiny", field, value)
     res = CliRunner().invoke(cli, ["selftest", "--backend", "cpu_ref", "--golden", str(path)])
-    assert res.exit_code == 1 and says in res.output, res.output
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert str(path) in res.output and says in res.output and "not a verdict on the device" in res.output
+    assert "DIFFERENT" not in res.output and "Traceback" not in res.output
+    _narrow(monkeypatch, lambda gc: gc.key == key)
+    with S.assume_hardware("metal"):
+        for requested in ("auto", "metal"):
+            with pytest.raises(G.GoldenError, match=re.escape(says)):
+                S.first_contact(requested, golden_path=path)
+    assert not cache.exists() or not list(cache.iterdir())
+    monkeypatch.setattr(G, "FILE", path)                  # the package's file corrupted: train stops, exit 2
+    with S.assume_hardware("metal"):
+        res = _train(CliRunner(), tmp_path / "run", default_corpus, "auto")
+    assert res.exit_code == 2 and "cannot check the device before using it" in res.output and says in res.output
+    assert not (tmp_path / "run").exists()
 
 
 def test_usage_errors_exit_2(monkeypatch):
@@ -145,9 +154,13 @@ def test_usage_errors_exit_2(monkeypatch):
         assert res.exit_code == 2 and says in res.output, res.output
     from mlx_open1b.parity import backends as PB
 
+    real = PB.load
+
     def unavailable(name):
-        raise PB.BackendUnavailable(f"{name}: no device and no emulator here")
-    monkeypatch.setattr(PB, "_gpu_ops", unavailable)
+        if name in ("metal", "cuda"):
+            raise PB.BackendUnavailable(f"{name}: no device and no emulator here")
+        return real(name)
+    monkeypatch.setattr(PB, "load", unavailable)
     res = r.invoke(cli, ["selftest", "--backend", "cuda"])
     assert res.exit_code == 2 and "cuda: no device and no emulator here" in res.output
     res = r.invoke(cli, ["selftest", "--backend", "all"])

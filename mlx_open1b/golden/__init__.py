@@ -202,7 +202,7 @@ _CASE_FIELDS = {"key": str, "op": str, "kind": str, "index": int, "seed": str, "
                 "quick": bool}
 
 
-def _bad(path, what: str) -> GoldenError:
+def file_error(path, what: str) -> GoldenError:
     return GoldenError(f"golden file {path}: {what}; reinstall the package or rewrite it with "
                        f"`open1b selftest --regenerate`")
 
@@ -213,22 +213,22 @@ def load(path=None) -> Golden:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise _bad(path, "missing") from None
+        raise file_error(path, "missing") from None
     except OSError as e:
-        raise _bad(path, f"unreadable ({e.strerror or e})") from None
+        raise file_error(path, f"unreadable ({e.strerror or e})") from None
     try:
         d = json.loads(raw.decode("ascii"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(path, f"not valid JSON ({e})") from None
+        raise file_error(path, f"not valid JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         fmt = d.get("format") if isinstance(d, dict) else None
-        raise _bad(path, f"not a golden known-answer file (format {fmt!r}, expected {FORMAT!r})")
+        raise file_error(path, f"not a golden known-answer file (format {fmt!r}, expected {FORMAT!r})")
     if d.get("contract_version") != CONTRACT_VERSION:
-        raise _bad(path, f"made under contract v{d.get('contract_version')}, this package implements "
+        raise file_error(path, f"made under contract v{d.get('contract_version')}, this package implements "
                          f"v{CONTRACT_VERSION}")
     cases = d.get("cases")
     if not isinstance(cases, list) or not cases:
-        raise _bad(path, "no cases")
+        raise file_error(path, "no cases")
     out = []
     for n, c in enumerate(cases):
         bad = [f for f, t in _CASE_FIELDS.items() if not isinstance(c, dict) or not isinstance(c.get(f), t)]
@@ -240,7 +240,7 @@ def load(path=None) -> Golden:
             bad = ["name"]
         if bad:
             key = c.get("key") if isinstance(c, dict) else repr(c)[:40]
-            raise _bad(path, f"case {n} ({key}): field {bad[0]!r} missing or malformed")
+            raise file_error(path, f"case {n} ({key}): field {bad[0]!r} missing or malformed")
         out.append(GoldenCase(key=c["key"], op=c["op"], kind=c["kind"], index=c["index"], name=c.get("name"),
                               seed=c["seed"], desc=c["desc"], inputs=c["inputs"], outputs=dict(outputs or {}),
                               error=c.get("error"), quick=c["quick"]))
@@ -248,7 +248,7 @@ def load(path=None) -> Golden:
     tr = d.get("training")
     if not (isinstance(tr, dict) and isinstance(tr.get("records"), list) and isinstance(tr.get("genesis"), str)
             and all(isinstance(r, dict) and isinstance(r.get("hash"), str) for r in tr["records"])):
-        raise _bad(path, "the training section is missing or malformed")
+        raise file_error(path, "the training section is missing or malformed")
     return Golden(path=path, sha256=hashlib.sha256(raw).hexdigest(), data=d, cases=out)
 
 
@@ -261,13 +261,13 @@ def _check_coverage(path, d: dict, cases: list) -> None:
     from .edge_cases import edge_ops
     per_op, quick = d.get("cases_per_op"), d.get("quick_indices")
     if not (type(per_op) is int and per_op >= 1):
-        raise _bad(path, f"cases_per_op {per_op!r} is not a positive integer")
+        raise file_error(path, f"cases_per_op {per_op!r} is not a positive integer")
     if not (isinstance(quick, list) and quick and all(type(i) is int and 0 <= i < per_op for i in quick)
             and len(set(quick)) == len(quick)):
-        raise _bad(path, f"quick_indices {quick!r} is not a non-empty list of distinct case indices below "
+        raise file_error(path, f"quick_indices {quick!r} is not a non-empty list of distinct case indices below "
                          f"cases_per_op ({per_op})")
     if d.get("ops") != list(OPS):
-        raise _bad(path, "its op list is not this package's contract ops (parity.cases.OPS)")
+        raise file_error(path, "its op list is not this package's contract ops (parity.cases.OPS)")
     parity: dict = {op: [] for op in OPS}
     edge_want = edge_ops()
     edge_seen: set = set()
@@ -275,29 +275,29 @@ def _check_coverage(path, d: dict, cases: list) -> None:
         where = f"case {n} ({c.key})"
         if c.kind == "parity":
             if c.op not in parity:
-                raise _bad(path, f"{where}: op {c.op!r} is not a contract op of this package")
+                raise file_error(path, f"{where}: op {c.op!r} is not a contract op of this package")
             if c.key != f"{c.op}/{c.index}":
-                raise _bad(path, f"{where}: its key is not '<op>/<index>' ({c.op}/{c.index})")
+                raise file_error(path, f"{where}: its key is not '<op>/<index>' ({c.op}/{c.index})")
             parity[c.op].append(c)
         elif c.kind == "edge":
             if c.name not in edge_want:
-                raise _bad(path, f"{where}: edge case {c.name!r} is not one this package knows")
+                raise file_error(path, f"{where}: edge case {c.name!r} is not one this package knows")
             if c.name in edge_seen:
-                raise _bad(path, f"{where}: edge case {c.name!r} appears twice")
+                raise file_error(path, f"{where}: edge case {c.name!r} appears twice")
             if c.op != edge_want[c.name] or c.key != f"edge/{c.name}" or not c.quick:
-                raise _bad(path, f"{where}: edge case {c.name!r} must be key edge/{c.name}, op "
+                raise file_error(path, f"{where}: edge case {c.name!r} must be key edge/{c.name}, op "
                                  f"{edge_want[c.name]}, quick")
             edge_seen.add(c.name)
         else:
-            raise _bad(path, f"{where}: kind {c.kind!r} is neither 'parity' nor 'edge'")
+            raise file_error(path, f"{where}: kind {c.kind!r} is neither 'parity' nor 'edge'")
     for op, mine in parity.items():
         idx = sorted(c.index for c in mine)
         if idx != list(range(per_op)):
-            raise _bad(path, f"op {op}: cases {idx}, expected 0..{per_op - 1} (cases_per_op)")
+            raise file_error(path, f"op {op}: cases {idx}, expected 0..{per_op - 1} (cases_per_op)")
         q = sorted(c.index for c in mine if c.quick)
         if q != sorted(quick):
-            raise _bad(path, f"op {op}: quick cases {q}, expected quick_indices {sorted(quick)}")
+            raise file_error(path, f"op {op}: quick cases {q}, expected quick_indices {sorted(quick)}")
     missing = [n for n in edge_want if n not in edge_seen]
     if missing:
-        raise _bad(path, f"edge case{'s' * (len(missing) > 1)} {', '.join(missing[:4])}"
+        raise file_error(path, f"edge case{'s' * (len(missing) > 1)} {', '.join(missing[:4])}"
                          f"{' ...' if len(missing) > 4 else ''} missing")
