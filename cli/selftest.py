@@ -22,6 +22,23 @@ def _backends(choice: str) -> list[str]:
     return [resolve(choice)]
 
 
+def _check_writable(path: str, option: str) -> None:
+    """Exit 2 now, not after the checking, when `path` cannot be written (atomically: a temporary
+    file beside it, renamed; missing folders are created)."""
+    import os
+    import pathlib
+    p = pathlib.Path(path)
+    if p.is_dir():
+        _fail(f"{option} {path}: is a directory")
+    folder = p.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        _fail(f"{option} {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        _fail(f"{option} {path}: the folder {folder} is not writable")
+
+
 def _bundle_path(path: str, backend: str, several: bool) -> str:
     if not several:
         return path
@@ -63,7 +80,14 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     if regenerate:
         if bundle_path or full or golden_path or backend != "auto":
             _fail("--regenerate takes only --out (and --data)")
-        path = G.regenerate(out, data_dir, log=lambda m: click.echo(m, err=True))
+        path = out if out is not None else str(G.FILE)
+        _check_writable(path, "--out")
+        data = G.dumps(G.compute(data_dir, log=lambda m: click.echo(m, err=True)))
+        from mlx_open1b.fsutil import write_bytes_atomic
+        try:
+            write_bytes_atomic(path, data)
+        except OSError as e:
+            _fail(f"--out {path}: cannot write it ({e.strerror or e})")
         click.echo(f"wrote {path}")
         return
     if out:
@@ -75,6 +99,9 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     except G.GoldenError as e:
         _fail(str(e), e.exit_code)
     names = _backends(backend)
+    if bundle_path:
+        for name in names:
+            _check_writable(_bundle_path(bundle_path, name, len(names) > 1), "--bundle")
     if backend not in ("auto", "all"):
         from mlx_open1b.parity.backends import BackendUnavailable, load
         try:
@@ -112,6 +139,9 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         ran = [r for r in reports if not r.not_run]
         for r in ran:
             p = _bundle_path(bundle_path, r.backend, len(ran) > 1)
-            S.write_bundle(p, r, golden)
+            try:
+                S.write_bundle(p, r, golden)
+            except OSError as e:
+                _fail(f"--bundle {p}: cannot write it ({e.strerror or e})")
             click.echo(f"bundle {p} ({r.backend})", err=True)
     sys.exit(0 if all(r.ok for r in reports if not r.not_run) else 1)

@@ -116,6 +116,7 @@ def _edited(tmp_path, edit) -> str:
     (lambda d: d["cases"].clear(), "no cases"),
     (lambda d: d.pop("training"), "training section"),
     (lambda d: d["training"]["records"][2].pop("hash"), "training section"),
+    (lambda d: d["training"]["records"].clear(), "the training section has no ledger records"),
 ])
 def test_malformed_golden_file_is_refused(tmp_path, edit, says):
     path = _edited(tmp_path, edit)

@@ -167,6 +167,23 @@ def test_usage_errors_exit_2(monkeypatch):
     assert res.exit_code == 0 and "metal: not run: metal: no device" in res.output and "cpu_ref EQUAL" in res.output
 
 
+def test_an_unwritable_bundle_or_out_path_is_refused_before_any_work(tmp_path):
+    """--bundle and --regenerate's --out under a regular file (not a folder): exit 2 naming the
+    path, before the checking or the computing starts, without a traceback."""
+    blocker = tmp_path / "file.json"
+    blocker.write_text("{}")
+    r = CliRunner()
+    for args, option in ((["--backend", "cpu_ref", "--bundle", str(blocker / "b.json")], "--bundle"),
+                         (["--backend", "all", "--bundle", str(blocker / "sub" / "b.json")], "--bundle"),
+                         (["--regenerate", "--out", str(blocker / "g.json")], "--out")):
+        res = r.invoke(cli, ["selftest", *args])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        assert f"error: {option} {blocker}" in res.output and f"{blocker} is not a directory" in res.output
+        assert "result:" not in res.output and "golden:" not in res.output and "Traceback" not in res.output
+    res = r.invoke(cli, ["selftest", "--backend", "cpu_ref", "--bundle", str(tmp_path)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
 def test_full_set_compares_training_records_and_names_the_first_difference(monkeypatch, default_corpus):
     rep = S.run_backend("cpu_ref", GOLDEN, full=True, steps=2, data_dir=default_corpus, select=EXP_ONLY)
     assert rep.ok and rep.ops["exp"].cases == G.CASES_PER_OP + 1 and rep.training["compared"] == 2

@@ -249,6 +249,8 @@ def load(path=None) -> Golden:
     if not (isinstance(tr, dict) and isinstance(tr.get("records"), list) and isinstance(tr.get("genesis"), str)
             and all(isinstance(r, dict) and isinstance(r.get("hash"), str) for r in tr["records"])):
         raise file_error(path, "the training section is missing or malformed")
+    if not tr["records"]:
+        raise file_error(path, "the training section has no ledger records (--full compares them)")
     return Golden(path=path, sha256=hashlib.sha256(raw).hexdigest(), data=d, cases=out)
 
 
