@@ -1,13 +1,8 @@
 """The training loop: one optimizer step at a time, every step hashed into the chained ledger.
 
-A step (0-based index t) is a pure function of the state after step t-1 and the canonical data
-stream (CONTRACT.md §7, §10):
-  1. M microbatches of the step's windows (the phase's M, by consumed tokens);
-  2. per microbatch: loss and gradient (the model program); the step's gradient is the tree fold
-     of the microbatch gradients over microbatch index, times the reciprocal 1/M; the loss the same;
-  3. the pre-clip global norm; the spike protocol; clipping at clip_norm;
-  4. AdamW with the token-anchored learning rate (weight decay on linear layers and the LM head);
-  5. a ledger record with the batch, gradient, parameter and optimizer-state hashes.
+The step itself (CONTRACT.md §12) is step.py's, shared with the distributed trainer; this module
+holds the run around it: the state, checkpoints, the ledger, held-out evaluation.
+
 The state lives in the backend's arrays (`ops.to_device`: mx.array on metal, cupy on cuda, numpy
 on cpu_ref); each step moves to the host only what it hashes (the gradient, the parameters and
 moments) and a few scalars. Checkpoints hold everything the next step needs (params, moments,
@@ -17,9 +12,7 @@ ledger of an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import pathlib
 import sys
 import time
@@ -33,19 +26,11 @@ from .contract import CONTRACT_VERSION
 from .data.format import Manifest
 from .data.stream import Stream, heldout_windows, manifest_fingerprint
 from .fsutil import write_json_atomic
-from .hostmath import f32, reciprocal
 from .ledger import Ledger, genesis_hash
+from .step import LocalReduce, Reduce, TrainError, take_step
 
 RUN_FILE = "run.json"
 LEDGER_FILE = "ledger.jsonl"
-
-
-class TrainError(RuntimeError):
-    """Training cannot go on; the message names the step and the cause. exit_code for the CLI."""
-
-    def __init__(self, msg: str, exit_code: int = 3):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 _WARNED: set = set()
@@ -103,67 +88,6 @@ def get_backend(name: str):
             raise TrainError(f"backend {name!r} is not available here: {why}", exit_code=2)
         return ops
     raise TrainError(f"unknown backend {name!r} (backends: cpu_ref, metal, cuda)", exit_code=2)
-
-
-class TreeFold:
-    """The binary-carry fold of CONTRACT.md §7 over arrays, lower index on the left; `add` is the
-    backend's elementwise contract add: in place on its first argument (returning None, like
-    ops.add_inplace) or returning the sum (like arrays.add_into)."""
-
-    def __init__(self, add):
-        self.add, self.stack = add, []
-
-    def _add(self, lower, v):
-        r = self.add(lower, v)
-        return lower if r is None else r
-
-    def push(self, v: np.ndarray, level: int = 0) -> None:
-        """Push the next value in index order; a value at level L stands for an aligned block of
-        2^L leaves already folded by this same tree (CONTRACT.md §7), e.g. a worker's partial."""
-        while self.stack and self.stack[-1][0] == level:
-            _, lower = self.stack.pop()
-            v, level = self._add(lower, v), level + 1
-        self.stack.append((level, v))
-
-    def result(self) -> np.ndarray:
-        acc = self.stack[0][1]
-        for _, v in self.stack[1:]:
-            acc = self._add(acc, v)
-        return acc
-
-
-def scalar_sqrt_of(ops):
-    """The contract's host-side fp32 square root of a backend (cpu_ref keeps it in its optim module)."""
-    return getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
-
-
-def norm_from_partials(partials, ops) -> float:
-    """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
-    ops.global_norm of the whole gradient (CONTRACT.md §7)."""
-    joined = arrays.concat(partials)
-    if arrays.kind(joined) == arrays.NUMPY:
-        joined = np.ascontiguousarray(joined, np.float32)
-    return float(scalar_sqrt_of(ops)(ops.treefold(joined)))
-
-
-def adamw_tensors(ops, tcfg, lr: float, step: int, tensors, n: int, like):
-    """AdamW over (decayed, p, g, m, v) flat-buffer slices covering n elements in buffer order
-    (weight decay on the decayed ones). In place where the kind of `like` (the parameter buffer)
-    allows it (numpy, cupy) -> None; on mx.arrays each tensor's new slices are joined into new
-    buffers -> (params, m, v)."""
-    in_place, k, offs = arrays.writable(like), arrays.kind(like), 0
-    new = None if in_place else [arrays.FlatBuffer(n, dt, k) for dt in (np.uint16, np.float32, np.float32)]
-    for decayed, p, g, m, v in tensors:
-        kw = dict(lr=lr, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.eps,
-                  weight_decay=tcfg.weight_decay if decayed else 0.0, step=step)
-        flat = [a.reshape(-1) for a in (p, g, m, v)]
-        if in_place:
-            ops.adamw_step(*flat, **kw)
-        else:
-            for buf, a in zip(new, ops.adamw(*flat, **kw)):
-                buf.write(offs, a)
-        offs += p.size
-    return None if in_place else tuple(b.result() for b in new)
 
 
 @dataclasses.dataclass
@@ -371,79 +295,14 @@ class Trainer:
     def compute_step(self) -> dict:
         """Advance the state by one optimizer step and return its ledger record (no hash yet)."""
         t0 = time.perf_counter()
-        record = self._compute_step()
+        record = take_step(self, self._reducer())
         self.timing["steps"] += time.perf_counter() - t0
         self.timing["n"] += 1
         return record
 
-    def _compute_step(self) -> dict:
-        st, ops, t = self.state, self.ops, self.state.step
-        M, tokens = self.tcfg.tokens_per_step(self.model_cfg, st.consumed)
-        mb = self.tcfg.microbatch_seqs
-        w0 = self.stream.windows_emitted
-        windows = self.stream.next_windows(M * mb)
-        batch_hash = self._hash("batch", [("windows", windows, "u32")])
-        self._gnmr_begin()
-        fold, losses, ces, zls = TreeFold(functools.partial(arrays.add_into, ops)), [], [], []
-        for i in range(M):
-            loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
-            losses.append(loss), ces.append(ce), zls.append(zl)
-            fold.push(g)
-        grads = arrays.scale_into(ops, fold.result(), reciprocal(M))
-        rM = reciprocal(M)
-        loss = float(np.float32(ops.treefold(np.array(losses, np.float32))) * np.float32(rM))
-        ce = float(np.float32(ops.treefold(np.array(ces, np.float32))) * np.float32(rM))
-        zl = float(np.float32(ops.treefold(np.array(zls, np.float32))) * np.float32(rM))
-        if not math.isfinite(loss):
-            raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
-                             f"The last checkpoint is intact; inspect the data or lower the learning rate.")
-        grad_hash = self._hash("grads", list(self._tensors(arrays.to_host(grads), "f32")))
-        partials = self._norm_partials((name, a) for name, a, _ in self._tensors(grads, "f32"))
-        norm = norm_from_partials(list(partials.values()), ops)      # = ops.global_norm (§7)
-        spike = not (norm <= self.tcfg.spike_threshold)
-        skipped = st.skip_left > 0
-        clipped = False
-        lr = f32(self.tcfg.lr_at(st.consumed + tokens))
-        if not skipped and math.isfinite(norm):
-            coef = ops.clip_coef(norm, self.tcfg.clip_norm)
-            if coef < 1.0:
-                grads = arrays.scale_into(ops, grads, coef)
-                clipped = True
-            st.adam_t += 1
-            self._adamw(st, grads, lr)
-        elif not math.isfinite(norm):
-            raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
-        st.skip_left = self.tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
-        st.step, st.consumed = t + 1, st.consumed + tokens
-        st.stream = self.stream.state()
-        record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
-                  "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
-                  "spike": spike, "microbatches": M,
-                  "hashes": {"batch": batch_hash, "grads": grad_hash, "params": self.param_hash(st.params),
-                             "opt_state": self.opt_hash(st)}}
-        self._gnmr_end(partials, st.consumed, record)
-        return record
-
-    def _norm_partials(self, tensors) -> dict:
-        """{name: the §7 sum-of-squares block partials (host fp32)} of (name, array) pairs; from
-        device arrays the partials come to the host in one transfer."""
-        parts = {name: self.ops.sumsq_blocks(a) for name, a in tensors}
-        if not parts or not arrays.is_device(next(iter(parts.values()))):
-            return parts
-        flat = arrays.to_host(arrays.concat(list(parts.values())))
-        out, at = {}, 0
-        for name, a in parts.items():
-            out[name], at = flat[at:at + a.size], at + a.size
-        return out
-
-    def _adamw(self, st: TrainState, grads, lr: float) -> None:
-        """AdamW on every tensor (weight decay on the decayed ones)."""
-        slices = lambda buf, dt: (a for _, a, _ in self._tensors(buf, dt))    # noqa: E731
-        tensors = zip((d for _, _, d in self.shapes), slices(st.params, "bf16"), slices(grads, "f32"),
-                      slices(st.m, "f32"), slices(st.v, "f32"))
-        new = adamw_tensors(self.ops, self.tcfg, lr, st.adam_t, tensors, st.params.size, st.params)
-        if new is not None:
-            st.params, st.m, st.v = new
+    def _reducer(self) -> Reduce:
+        """This process's part in the step (step.py): every microbatch and every tensor."""
+        return LocalReduce(self.shapes, self.model_cfg.n_params())
 
     def heldout_ce(self) -> dict:
         """Held-out CE per source (the first eval_windows probe windows) and the mixture CE

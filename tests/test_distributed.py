@@ -20,7 +20,8 @@ from mlx_open1b.distributed import (ShardingError, check_worker_count, dyadic_bl
 from mlx_open1b.distributed.collectives import CommError, route
 from mlx_open1b.hostmath import reciprocal
 from mlx_open1b.spec import optim as spec_optim
-from mlx_open1b.train import Trainer, TreeFold
+from mlx_open1b.step import TreeFold
+from mlx_open1b.train import Trainer
 
 from data_helpers import make_corpus
 
@@ -53,8 +54,17 @@ a = json.loads(sys.argv[1])
 cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
 if cfg is not None and os.environ.get("O1B_TEST_SEED"):        # a worker started with another config
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(os.environ["O1B_TEST_SEED"])))
+die = tuple(a["die_at"]) if a.get("die_at") else None      # (rank, step): that worker dies mid-step
+
+
+def after_microbatches(rank, step):
+    if (rank, step) == die:
+        os._exit(17)
+
+
 h, tr = worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.get("resume", False),
-                    timeout=a.get("timeout", 60.0), backend=a.get("backend", "cpu_ref"))
+                    timeout=a.get("timeout", 60.0), backend=a.get("backend", "cpu_ref"),
+                    after_microbatches=after_microbatches)
 if a.get("backend", "cpu_ref") != "cpu_ref":
     from mlx_open1b import arrays
     kinds = " ".join(sorted({arrays.kind(x) for x in (tr.state.params, tr.state.m, tr.state.v)}))
@@ -69,9 +79,9 @@ def worker_script(tmp_path_factory):
     return f
 
 
-def _args(run, cfg=None, corpus=None, steps=4, resume=False, timeout=60.0, backend="cpu_ref"):
+def _args(run, cfg=None, corpus=None, steps=4, resume=False, timeout=60.0, backend="cpu_ref", die_at=None):
     return json.dumps({"run": str(run), "cfg": cfg.to_json() if cfg else None, "corpus": str(corpus) if corpus else None,
-                       "steps": steps, "resume": resume, "timeout": timeout, "backend": backend})
+                       "steps": steps, "resume": resume, "timeout": timeout, "backend": backend, "die_at": die_at})
 
 
 def _env(**extra):
@@ -371,8 +381,8 @@ def test_killed_worker_stops_every_worker_and_the_run_resumes(tmp_path, corpus, 
     Trainer(single, cfg, corpus).train(5)
     run = tmp_path / "run"
     timeout = 30.0
-    res, took = launch(3, worker_script, _args(run, cfg, corpus, steps=5, timeout=timeout),
-                       OPEN1B_TEST_WORKER_EXIT="1:2")        # rank 1 dies in the middle of step 2
+    res, took = launch(3, worker_script, _args(run, cfg, corpus, steps=5, timeout=timeout,
+                                               die_at=(1, 2)))  # rank 1 dies in the middle of step 2
     assert res[1][0] == 17
     for rank in (0, 2):
         code, _, err = res[rank]
@@ -434,9 +444,28 @@ def test_missing_rendezvous(tmp_path, corpus, worker_script):
     assert not (tmp_path / "r").exists()
 
 
+# Run at the start of every Python process of a CLI run (sitecustomize on PYTHONPATH): rank 1 dies
+# in the middle of step 1, after its microbatches and before the reduce-scatter, as a killed worker would.
+_DIE_IN_STEP_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    from mlx_open1b.distributed import trainer as _trainer
+    _init = _trainer.DistributedTrainer.__init__
+
+    def _dying(self, *args, **kw):
+        kw["after_microbatches"] = lambda rank, step: step == 1 and os._exit(17)
+        _init(self, *args, **kw)
+    _trainer.DistributedTrainer.__init__ = _dying
+"""
+
+
 def test_cli_nproc(tmp_path, default_corpus):
     """`open1b train --nproc 2` (torchrun under the hood) writes the ledger of `open1b train`, also
     when a worker dies on the way and the run is resumed."""
+    dying = tmp_path / "dying"
+    dying.mkdir()
+    (dying / "sitecustomize.py").write_text(_DIE_IN_STEP_1)
+
     def cli(*args, **env):
         return subprocess.run([sys.executable, "-m", "mlx_open1b.cli.main", "train", "--data", str(default_corpus),
                                "--steps", "3", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -444,7 +473,8 @@ def test_cli_nproc(tmp_path, default_corpus):
     r1 = cli("--out", str(tmp_path / "one"), "--threads", "2")
     assert r1.returncode == 0, r1.stderr[-3000:]
     two = tmp_path / "two"
-    r2 = cli("--out", str(two), "--nproc", "2", OPEN1B_TEST_WORKER_EXIT="1:1")
+    r2 = cli("--out", str(two), "--nproc", "2",
+             PYTHONPATH=os.pathsep.join([str(dying)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     assert r2.returncode == 3, r2.stderr[-3000:]
     # the survivor either sees the lost connection or is stopped by torchrun, which stops every
     # worker when one fails; either way it says so and names the step

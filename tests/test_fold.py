@@ -16,10 +16,10 @@ from mlx_open1b.distributed.collectives import owner_fold
 from mlx_open1b.distributed.sharding import dyadic_blocks, microbatch_range
 from mlx_open1b.spec import arith as A
 from mlx_open1b.spec import optim as S
-from mlx_open1b.train import TreeFold
+from mlx_open1b.step import TreeFold
 
 COUNTS = range(1, 41)
-ADD = functools.partial(arrays.add_into, cpu_ref)        # the trainer's add (train.py, distributed)
+ADD = functools.partial(arrays.add_into, cpu_ref)        # the step's add (step.py)
 
 
 def grads(M: int, n: int = 96, seed: int = 0) -> list[np.ndarray]:

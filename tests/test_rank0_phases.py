@@ -24,11 +24,18 @@ a = json.loads(sys.argv[1])
 open(os.path.join(a["dir"], "ready." + os.environ["RANK"]), "w").close()
 while sum(f.startswith("ready.") for f in os.listdir(a["dir"])) < int(os.environ["WORLD_SIZE"]):
     time.sleep(0.01)
+
+
+def phase_hook(rank, what):         # the test's faults: a rank slow in its phases, a rank dying in one
+    if a.get("slow") and rank == a["slow"][0]:
+        time.sleep(a["slow"][1])
+    if a.get("die") and rank == a["die"][0] and a["die"][1] in what:
+        os._exit(17)
 """
 
 _PHASE_WORKER = _BARRIER + """
 from mlx_open1b.distributed.collectives import Comm, CommError
-comm = Comm.init_from_env("cpu_ref", a["timeout"])
+comm = Comm.init_from_env("cpu_ref", a["timeout"], phase_hook=phase_hook)
 t0 = time.monotonic()
 try:
     with comm.phase("writing the checkpoint of step 2"):
@@ -46,11 +53,11 @@ _TRAIN_WORKER = _BARRIER + """
 from mlx_open1b.config import RunConfig
 from mlx_open1b.distributed import worker_main
 cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
-worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], timeout=a["timeout"])
+worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], timeout=a["timeout"], phase_hook=phase_hook)
 """
 
 
-def _launch(n, script, args: dict, tmp, store: str, **env):
+def _launch(n, script, args: dict, tmp, store: str):
     """n workers with torchrun's environment; store "agent": the test process hosts the TCPStore as
     torchrun's agent would (it outlives rank 0), "rank0": rank 0 hosts it (a launch without an
     agent). [(exit code, stdout, stderr)] by rank, and the seconds until all exited."""
@@ -65,7 +72,7 @@ def _launch(n, script, args: dict, tmp, store: str, **env):
     t0, procs = time.monotonic(), []
     for r in range(n):
         e = _env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra, **env)
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
         procs.append(subprocess.Popen([sys.executable, str(tmp / "w.py"), args], env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     out = [(p, *p.communicate(timeout=300)) for p in procs]
@@ -89,8 +96,8 @@ def test_rank0_that_dies_in_a_phase_is_reported(tmp_path, store):
     """Rank 0 dies 1 s into its phase. With the store outside it (torchrun), rank 1 sees the
     heartbeat stop and reports it after the timeout; with the store inside rank 0, at once."""
     timeout = 4.0
-    res, took = _launch(2, _PHASE_WORKER, {"timeout": timeout, "work": 1.0}, tmp_path, store,
-                        OPEN1B_TEST_PHASE_EXIT="0:checkpoint")
+    res, took = _launch(2, _PHASE_WORKER, {"timeout": timeout, "work": 1.0, "die": [0, "checkpoint"]}, tmp_path,
+                        store)
     assert res[0][0] == 17
     code, _, err = res[1]
     assert code == 3 and "error: waiting for rank 0 (writing the checkpoint of step 2)" in err, err[-2000:]
@@ -111,8 +118,8 @@ def test_slow_rank0_phases_same_run_directory(tmp_path, corpus):
     single = tmp_path / "single"
     h = Trainer(single, cfg, corpus).train(2)
     run = tmp_path / "run"
-    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 2, "timeout": 5.0}
-    res, took = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent", OPEN1B_TEST_PHASE_DELAY="0:8")
+    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 2, "timeout": 5.0, "slow": [0, 8]}
+    res, took = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent")
     for code, _, err in res:
         assert code == 0, err[-3000:]
     assert f"run hash {h}" in res[0][1]
@@ -125,9 +132,9 @@ def test_slow_rank0_phases_same_run_directory(tmp_path, corpus):
 def test_rank0_that_dies_writing_a_checkpoint_is_reported(tmp_path, corpus):
     cfg = dist_cfg(checkpoint_every=2, eval_every=0)
     run = tmp_path / "run"
-    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 4, "timeout": 5.0}
-    res, took = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent",
-                        OPEN1B_TEST_PHASE_EXIT="0:checkpoint of step 2")
+    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 4, "timeout": 5.0,
+            "die": [0, "checkpoint of step 2"]}
+    res, took = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent")
     assert res[0][0] == 17
     code, _, err = res[1]
     assert code == 3, err[-3000:]

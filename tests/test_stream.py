@@ -2,13 +2,16 @@
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
+from mlx_open1b import cpu_ref, step
+from mlx_open1b.config import TrainConfig
 from mlx_open1b.data.format import DataError, read_shard
-from mlx_open1b.data.schedule import Schedule, WorkerLoader, worker_microbatches
 from mlx_open1b.data.stream import Stream, Words, heldout_windows, mix_thresholds, permutation
+from mlx_open1b.distributed.reduce import DistributedReduce
 
 from data_helpers import EOT, make_corpus, mix_counts
 
@@ -62,33 +65,60 @@ def test_epoch_rollover_changes_order(corpus):
     assert e0 != e1 and e1 != e2                        # a new permutation each epoch
 
 
+class _Recorder:
+    """A model that records the windows of each microbatch it is given (zero loss and gradient)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def loss_and_grad(self, params, windows):
+        self.seen.append(windows)
+        return 0.0, 0.0, 0.0, np.zeros(1, np.float32)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_workers_union_equals_single_stream(corpus, world):
-    sched = Schedule(microbatch_windows=2, microbatches=6, phases=((3, 4),))
-    single = Stream(corpus, 42, 10).next_windows(sum(len(sched.step_windows(t)) for t in range(5)))
-    loaders = [WorkerLoader(Stream(corpus, 42, 10), sched, r, world) for r in range(world)]
+    """A step's microbatch gets the same windows at every worker count: each worker reads the step's
+    windows from its own stream, as step.take_step does, and computes the microbatches its reducer
+    gives it (worker r of N: [floor(M r / N), floor(M (r+1) / N)), CONTRACT.md §7) with the step's
+    own microbatch loop; together they compute each microbatch once, on the single stream's windows,
+    across a change of M (by consumed tokens); the stream position stays worker-independent."""
+    mb, seq_len = 2, 10
+    tcfg = TrainConfig(microbatch_seqs=mb, phases=((0, 6), (3 * 6 * mb * seq_len, 4)))
+    model_cfg = types.SimpleNamespace(seq_len=seq_len)
+    workers = []
+    for r in range(world):
+        comm = types.SimpleNamespace(rank=r, world=world)
+        tr = types.SimpleNamespace(ops=cpu_ref, state=types.SimpleNamespace(params=None), model=_Recorder(), timing={})
+        workers.append((Stream(corpus, 42, seq_len), DistributedReduce(comm, cpu_ref, [("x", (1,), False)], {}), tr))
+    single, consumed, Ms = Stream(corpus, 42, seq_len), 0, []
     for t in range(5):
+        M, tokens = tcfg.tokens_per_step(model_cfg, consumed)
+        consumed += tokens
+        Ms.append(M)
+        want = single.next_windows(M * mb)
         got = {}
-        for r, ld in enumerate(loaders):
-            part = ld.next_step()
-            M = sched.microbatches_at(t)
-            assert sorted(part) == list(worker_microbatches(M, r, world))   # the schedule's worker
-            for i, w in part.items():
+        for r, (stream, reduce, tr) in enumerate(workers):
+            tr.model.seen.clear()
+            _, scalars = step._microbatches(tr, reduce.blocks(M), stream.next_windows(M * mb), mb)
+            assert sorted(scalars) == list(range(M * r // world, M * (r + 1) // world)), (t, r)
+            for i, w in zip(sorted(scalars), tr.model.seen):
                 assert i not in got
                 got[i] = w
-        assert sorted(got) == list(range(sched.microbatches_at(t)))
+        assert sorted(got) == list(range(M))
         for i, w in got.items():
-            wr = sched.microbatch_windows_of(t, i)
-            assert np.array_equal(w, single[wr.start:wr.stop]), (t, i)
-    states = [json.dumps(ld.stream.state(), sort_keys=True) for ld in loaders]
+            assert np.array_equal(w, want[i * mb:(i + 1) * mb]), (t, i)
+    assert Ms == [6, 6, 6, 4, 4]                        # the phase change after three steps of 6
+    states = [json.dumps(s.state(), sort_keys=True) for s, _, _ in workers] + [json.dumps(single.state(), sort_keys=True)]
     assert len(set(states)) == 1                        # the position is worker-independent
 
 
 def test_worker_microbatches_are_contiguous_and_cover():
     for M in (1, 5, 6, 48):
-        for R in (1, 2, 3, 4, 7):
-            ranges = [worker_microbatches(M, r, R) for r in range(R)]
-            assert [i for rg in ranges for i in rg] == list(range(M))
+        for R in range(1, min(M, 7) + 1):
+            runs = [DistributedReduce(types.SimpleNamespace(rank=r, world=R), cpu_ref, [("x", (1,), False)], {}).blocks(M)
+                    for r in range(R)]
+            assert [i for rr in runs for s, n in rr for i in range(s, s + n)] == list(range(M))
 
 
 def _resume_in_subprocess(corpus, state, n):

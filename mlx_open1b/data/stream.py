@@ -5,7 +5,7 @@ the mix generator picks the source of each next document with probability propor
 share / mean document length; per source and epoch a permutation orders the shards; per shard a
 permutation orders its documents. Documents are joined with the end-of-text separator and cut
 into consecutive windows of seq_len + 1 tokens. Nothing depends on workers, ranks or machines:
-parallelism is applied afterwards (schedule.py) by choosing who materializes which window.
+every worker of a distributed run reads every window of a step and computes its own microbatches.
 
 The position is a small JSON record (`Stream.state()`): windows emitted, mix draws, per source
 (epoch, shard position, document position), and the document being cut with its offset. A

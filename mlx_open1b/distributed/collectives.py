@@ -43,15 +43,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import arrays
-from ..train import TreeFold, norm_from_partials, scalar_sqrt_of  # noqa: F401  (re-exported)
+from ..step import TreeFold, norm_from_partials  # noqa: F401  (norm_from_partials re-exported)
 from .sharding import Shard
-
-# test hooks for Comm.phase: "RANK:SECONDS" makes that rank take SECONDS longer in every phase it
-# works in (a slow disk); "RANK:TEXT" makes it die (os._exit) inside the first phase whose
-# description contains TEXT, as a crashed rank 0 would while writing a checkpoint
-PHASE_DELAY_ENV = "OPEN1B_TEST_PHASE_DELAY"
-PHASE_EXIT_ENV = "OPEN1B_TEST_PHASE_EXIT"
-
 
 class DistError(RuntimeError):
     """The process group cannot be set up (missing or failed rendezvous); exit_code for the CLI."""
@@ -161,11 +154,13 @@ def cpu_count() -> int:
 class Comm:
     """The process group, as byte-moving collectives on numpy or cupy arrays (results in the kind
     given). Every call either returns or raises CommError; `seconds` accumulates the time spent
-    inside collectives (waiting included)."""
+    inside collectives (waiting included). phase_hook(rank, what), when given, runs at the end of
+    every phase this rank works in, inside its heartbeat (tests make a rank slow or die there)."""
 
     def __init__(self, rank: int, world: int, local_rank: int = 0, local_world: int = 1, device: str = "cpu",
-                 backend: str = "gloo", timeout_s: float = 120.0):
+                 backend: str = "gloo", timeout_s: float = 120.0, phase_hook=None):
         self.rank, self.world = rank, world
+        self.phase_hook = phase_hook
         self.local_rank, self.local_world = local_rank, local_world
         self.device, self.backend, self.timeout_s = device, backend, timeout_s
         self.seconds = 0.0
@@ -175,7 +170,7 @@ class Comm:
 
     # ---- setting up
     @classmethod
-    def init_from_env(cls, compute_backend: str = "cpu_ref", timeout_s: float = 120.0) -> "Comm":
+    def init_from_env(cls, compute_backend: str = "cpu_ref", timeout_s: float = 120.0, phase_hook=None) -> "Comm":
         """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
         MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE): NCCL when the compute backend is
         cuda and torch sees a GPU, gloo otherwise."""
@@ -208,7 +203,7 @@ class Comm:
         except Exception as e:  # noqa: BLE001 - every rendezvous failure becomes one clear error
             raise DistError(f"rendezvous at {where} failed for rank {rank} of {world} workers within "
                             f"{timeout_s:g} s ({backend}): {CommError('init', e).cause}") from None
-        return cls(rank, world, local_rank, local_world, device, backend, timeout_s)
+        return cls(rank, world, local_rank, local_world, device, backend, timeout_s, phase_hook)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -242,7 +237,8 @@ class Comm:
             try:
                 with _Heartbeat(self._kv(), f"beat/{self.rank}", self._beat_every()):
                     yield
-                    self._test_hooks(what)
+                    if self.phase_hook is not None:
+                        self.phase_hook(self.rank, what)
                 ok = True
             finally:                # done, failed or not: a failure travels in the collective that follows
                 try:
@@ -285,13 +281,6 @@ class Comm:
                     time.sleep(poll)
         finally:
             self.seconds += time.perf_counter() - t0
-
-    def _test_hooks(self, what: str) -> None:
-        delay, die = os.environ.get(PHASE_DELAY_ENV, ""), os.environ.get(PHASE_EXIT_ENV, "")
-        if delay.partition(":")[0] == str(self.rank):
-            time.sleep(float(delay.partition(":")[2]))
-        if die.partition(":")[0] == str(self.rank) and die.partition(":")[2] in what:
-            os._exit(17)
 
     # ---- plumbing
     def _call(self, op: str, fn):

@@ -1,21 +1,9 @@
 """Data-parallel training on torch.distributed with the bits of one device (DESIGN §5, §9).
 
-N workers run one step together; the step is the single-device step of mlx_open1b/train.py,
-computed differently but with identical bits (the ledger records are identical, record for record):
+N workers run one step together: the step of mlx_open1b/step.py, the same code as on one device,
+with the workers' reducer (reduce.py: who computes which microbatches and owns which tensors, the
+all-to-all and the gathers), so the ledger records are identical, record for record.
 
-  1. every worker reads the step's M*mb windows from the canonical stream (the stream state stays
-     identical everywhere) and computes its microbatches [w*M//N, (w+1)*M//N), folding them as
-     aligned dyadic blocks of the step's microbatch tree (sharding.dyadic_blocks);
-  2. reduce-scatter by data movement: one all_to_all_single routes every block partial's slice of
-     each owner's parameter range to that owner, which pushes the partials by microbatch index
-     into the tree fold of CONTRACT.md §7 (collectives.owner_fold) and multiplies by 1/M;
-  3. per-microbatch loss, CE and z-loss, the owners' tensor hashes of their gradient tensors and
-     their sum-of-squares block partials are all-gathered: every worker folds the same scalars,
-     combines the gradient hash, and folds the norm partials in canonical tensor order, so the
-     pre-clip norm and every decision that follows (spike, skip, clip) are the same everywhere;
-  4. each owner clips and applies AdamW to its own tensors (moments exist only on their owner),
-     and the bf16 parameters are all-gathered;
-  5. the parameter and optimizer-state hashes combine the owners' tensor hashes.
 Rank 0 alone writes: run.json, the ledger, checkpoints (the moments are gathered to it, and the
 format is the single-device one, so a run resumes at any worker count). Rank 0 alone reads the run
 directory: at start-up it broadcasts the state (parameters, moments to their owners, counters and
@@ -31,9 +19,7 @@ is still reported within it (collectives.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import os
 import signal
 import sys
@@ -47,15 +33,11 @@ from ..config import ConfigError, RunConfig
 from ..contract import CONTRACT_VERSION
 from ..data.format import DataError, Manifest
 from ..data.stream import Stream, manifest_fingerprint
-from ..hostmath import f32, reciprocal
 from ..ledger import LedgerError, genesis_hash
-from ..train import RUN_FILE, Trainer, TrainError, TrainState, TreeFold, adamw_tensors, get_backend, resolve_backend
-from .collectives import Comm, CommError, DistError, cpu_count, norm_from_partials, owner_fold, route
-from .sharding import ShardingError, check_worker_count, dyadic_blocks, microbatch_range, shard_tensors
-
-# test hook: "RANK:STEP" makes that worker die (os._exit) in the middle of that step, after its
-# microbatches and before the reduce-scatter, as a crashed or killed worker would
-TEST_EXIT_ENV = "OPEN1B_TEST_WORKER_EXIT"
+from ..train import RUN_FILE, Trainer, TrainError, TrainState, get_backend, resolve_backend
+from .collectives import Comm, CommError, DistError, cpu_count
+from .reduce import DistributedReduce
+from .sharding import ShardingError, check_worker_count
 
 _STARTUP_ERRORS = (TrainError, DataError, ConfigError, CheckpointError, LedgerError, ShardingError, OSError,
                    ValueError, KeyError)
@@ -78,12 +60,14 @@ def _flat(d, prefix="") -> dict:
 
 class DistributedTrainer(Trainer):
     """A Trainer whose steps run on all workers of `comm`; every worker constructs one with the
-    same arguments (rank 0 opens or creates the run directory)."""
+    same arguments (rank 0 opens or creates the run directory). after_microbatches(rank, step):
+    see DistributedReduce."""
 
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
-                 backend: str = "cpu_ref", resume: bool = False, log=None):
+                 backend: str = "cpu_ref", resume: bool = False, log=None, after_microbatches=None):
         backend = resolve_backend(backend)
         self.comm = comm
+        self.after_microbatches = after_microbatches
         self._sharded = False
         self._in_checkpoint = False
         self.last_checkpoint = None
@@ -204,9 +188,8 @@ class DistributedTrainer(Trainer):
         """Rank 0's state to every worker: counters and stream position, the parameters, and each
         owner's slices of the Adam moments."""
         comm, rank = self.comm, self.comm.rank
-        sizes = [int(np.prod(s)) for _, s, _ in self.shapes]
-        self.shards = shard_tensors(sizes, comm.world)
-        self.own = self.shards[rank]
+        self.reduce = DistributedReduce(comm, self.ops, self.shapes, self.timing, self.after_microbatches)
+        self.shards, self.own = self.reduce.shards, self.reduce.mine
         P = self.model_cfg.n_params()
         st = self.state if rank == 0 else None
         meta = comm.broadcast_object(None if st is None else
@@ -238,170 +221,8 @@ class DistributedTrainer(Trainer):
         self.last_checkpoint = meta["step"]
         self._sharded = True
 
-    # ------------------------------------------------------------------ owned tensors and hashes
-    def _owned(self, buf: np.ndarray, local: bool):
-        """(name, shape, decayed, view) of this rank's tensors in `buf`: the full parameter buffer
-        (local=False) or a buffer of this rank's elements only (local=True)."""
-        offs = 0 if local else self.own.lo
-        for name, shape, decayed in self.shapes[self.own.t0:self.own.t1]:
-            n = int(np.prod(shape))
-            yield name, shape, decayed, buf[offs:offs + n]
-            offs += n
-
-    def _digests(self, items) -> dict:
-        t0 = time.perf_counter()
-        d = hashing.tensor_digests(items)
-        self.timing["hash"] += time.perf_counter() - t0
-        return d
-
-    def _state_hashes(self) -> tuple[str, str]:
-        """(params hash, opt_state hash) from every owner's tensor hashes."""
-        st = self.state
-        own_p = arrays.to_host(st.params[self.own.lo:self.own.hi])
-        dp = self._digests([(n, a.reshape(s), "bf16") for n, s, _, a in self._owned(own_p, True)])
-        do = self._digests([("m." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(arrays.to_host(st.m), True)]
-                           + [("v." + n, a.reshape(s), "f32") for n, s, _, a in self._owned(arrays.to_host(st.v), True)])
-        allp, allo = {}, {}
-        for p, o in self.comm.all_gather_object((dp, do)):
-            allp.update(p)
-            allo.update(o)
-        allo.update(self._digests([("adam_t", np.array([st.adam_t], np.int64), "i64"),
-                                   ("skip_left", np.array([st.skip_left], np.int64), "i64")]))
-        t0 = time.perf_counter()
-        out = (hashing.collection_hash_from_tensor_hashes("params", allp),
-               hashing.collection_hash_from_tensor_hashes("opt_state", allo))
-        self.timing["hash"] += time.perf_counter() - t0
-        return out
-
-    # ------------------------------------------------------------------ one step
-    def _wire(self, a):
-        """An array as the collectives move it: numpy as it is; cupy as it is when the process
-        group runs on the GPU (NCCL, by DLPack), else a host copy; an mx.array through a host copy
-        (gloo reads host memory)."""
-        if arrays.kind(a) == arrays.MLX or (arrays.kind(a) == arrays.CUPY and self.comm.device == "cpu"):
-            return arrays.to_host(a)
-        return a
-
-    def _unwire(self, a, like):
-        """A received array in the kind of `like` (the state's)."""
-        return self.ops.to_device(a) if arrays.is_device(like) and not arrays.is_device(a) else a
-
-    def _reduce_scatter(self, parts: list, M: int):
-        """This owner's slice of the step's averaged gradient (f32, own.size elements)."""
-        N, own = self.comm.world, self.own
-        blocks = [dyadic_blocks(*microbatch_range(M, N, w)) for w in range(N)]
-        send, send_counts = route(parts, self.shards)
-        recv = self._unwire(self.comm.all_to_all(self._wire(send), send_counts, [len(b) * own.size for b in blocks]),
-                            send)
-        t0 = time.perf_counter()
-        if own.size == 0:
-            return self.ops.to_device(np.zeros(0, np.float32)) if arrays.is_device(send) else np.zeros(0, np.float32)
-        arrivals, off = [], 0
-        for w in range(N):
-            for start, level in blocks[w]:
-                arrivals.append((start, level, recv[off:off + own.size]))
-                off += own.size
-        g = owner_fold(arrivals, M, functools.partial(arrays.add_into, self.ops))
-        g = arrays.scale_into(self.ops, g, reciprocal(M))
-        self.timing["reduce"] += time.perf_counter() - t0
-        return g
-
-    def _compute_step(self) -> dict:
-        st, ops, t, comm = self.state, self.ops, self.state.step, self.comm
-        M, tokens = self.tcfg.tokens_per_step(self.model_cfg, st.consumed)
-        mb = self.tcfg.microbatch_seqs
-        w0 = self.stream.windows_emitted
-        windows = self.stream.next_windows(M * mb)
-        batch_hash = self._hash("batch", [("windows", windows, "u32")])
-        lo, hi = microbatch_range(M, comm.world, comm.rank)
-        self._gnmr_begin()
-        t0 = time.perf_counter()
-        parts, scalars = [], {}
-        for start, level in dyadic_blocks(lo, hi):
-            fold = TreeFold(functools.partial(arrays.add_into, ops))
-            for i in range(start, start + (1 << level)):
-                loss, ce, zl, g = self.model.loss_and_grad(st.params, windows[i * mb:(i + 1) * mb])
-                scalars[i] = (loss, ce, zl)
-                fold.push(g)
-            parts.append(fold.result())
-        self.timing["compute"] += time.perf_counter() - t0
-        hook = os.environ.get(TEST_EXIT_ENV)
-        if hook and hook == f"{comm.rank}:{t}":
-            os._exit(17)
-        grads = self._reduce_scatter(parts, M)
-        del parts
-        owned_g = list(self._owned(grads, True))
-        digests = self._digests([(n, a.reshape(s), "f32") for n, s, _, a in self._owned(arrays.to_host(grads), True)])
-        sumsq = list(self._norm_partials((n, a) for n, _, _, a in owned_g).values())
-        gathered = comm.all_gather_object({"scalars": scalars, "grads": digests, "sumsq": sumsq,
-                                           "names": [n for n, _, _, _ in owned_g]})
-        allsc, alld, partials, named = {}, {}, [], {}
-        for g in gathered:                       # rank order = canonical tensor order of the partials
-            allsc.update(g["scalars"])
-            alld.update(g["grads"])
-            partials.extend(g["sumsq"])
-            named.update(zip(g["names"], g["sumsq"]))
-        rM = reciprocal(M)
-        loss, ce, zl = (float(np.float32(ops.treefold(np.array([allsc[i][k] for i in range(M)], np.float32)))
-                              * np.float32(rM)) for k in range(3))
-        if not math.isfinite(loss):
-            raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
-                             f"The last checkpoint is intact; inspect the data or lower the learning rate.")
-        grad_hash = hashing.collection_hash_from_tensor_hashes("grads", alld)
-        norm = norm_from_partials(partials, ops)
-        spike = not (norm <= self.tcfg.spike_threshold)
-        skipped = st.skip_left > 0
-        clipped = False
-        lr = f32(self.tcfg.lr_at(st.consumed + tokens))
-        if not skipped and math.isfinite(norm):
-            t0 = time.perf_counter()
-            coef = ops.clip_coef(norm, self.tcfg.clip_norm)
-            if coef < 1.0:
-                if grads.size:
-                    grads = arrays.scale_into(ops, grads, coef)
-                clipped = True
-            st.adam_t += 1
-            self._adamw_owned(st, grads, lr)
-            self.timing["optim"] += time.perf_counter() - t0
-            self._gather_params(st)
-        elif not math.isfinite(norm):
-            raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
-        st.skip_left = self.tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
-        st.step, st.consumed = t + 1, st.consumed + tokens
-        st.stream = self.stream.state()
-        params_hash, opt_hash = self._state_hashes()
-        self.timing["comm"] = comm.seconds
-        record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
-                  "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
-                  "spike": spike, "microbatches": M,
-                  "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
-        self._gnmr_end(named, st.consumed, record)       # every worker: the same inputs, the same decisions
-        return record
-
-    def _adamw_owned(self, st: TrainState, grads, lr: float) -> None:
-        """AdamW on this rank's tensors (in place on numpy/cupy; on mx.arrays new buffers: the own
-        parameter range, kept for the all-gather, and the moments)."""
-        tensors = ((d, p, g, m, v) for (_, _, d, p), (_, _, _, g), (_, _, _, m), (_, _, _, v) in zip(
-            self._owned(st.params, False), self._owned(grads, True), self._owned(st.m, True), self._owned(st.v, True)))
-        new = adamw_tensors(self.ops, self.tcfg, lr, st.adam_t, tensors, self.own.size, st.params)
-        if new is not None:
-            self._own_params, st.m, st.v = new
-
-    def _gather_params(self, st: TrainState) -> None:
-        """Every owner's updated parameters to every worker (all-gather, data movement only)."""
-        comm, in_place = self.comm, arrays.writable(st.params)
-        mine = st.params[self.own.lo:self.own.hi] if in_place else self._own_params
-        pieces = comm.all_gather(self._wire(mine), [sh.size for sh in self.shards])
-        if in_place:
-            for sh, piece in zip(self.shards, pieces):
-                if sh.rank != comm.rank and sh.size:
-                    st.params[sh.lo:sh.hi] = self._unwire(piece, st.params)
-            return
-        full = arrays.FlatBuffer(st.params.size, np.uint16, arrays.kind(st.params))
-        for sh, piece in zip(self.shards, pieces):
-            if sh.size:
-                full.write(sh.lo, mine if sh.rank == comm.rank else self._unwire(piece, st.params))
-        st.params = full.result()
+    def _reducer(self) -> DistributedReduce:
+        return self.reduce
 
     def _last_checkpoint(self) -> str:
         later = " or, if rank 0 finished writing it, the next" if self._in_checkpoint and self.comm.rank else ""
@@ -416,9 +237,7 @@ class DistributedTrainer(Trainer):
         """Compute the next step on every worker; rank 0 appends the ledger record; checkpoint when due."""
         t = self.state.step
         try:
-            record = self.compute_step()
-            if self.tcfg.eval_every and (self.state.step % self.tcfg.eval_every == 0):
-                record["eval"] = self.heldout_ce()
+            record = self.add_eval(self.compute_step())
             if self.comm.rank == 0:
                 record["hash"] = self.ledger.append(record)
             if self.state.step % self.tcfg.checkpoint_every == 0:
@@ -521,16 +340,18 @@ def _raise_terminated(signum, frame):
 
 def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps: int | None = None,
                backend: str = "cpu_ref", resume: bool = False, timeout: float = 120.0, threads: int = 0,
-               progress=None, on_start=None, log=None, close: bool = True) -> tuple[str, DistributedTrainer]:
+               progress=None, on_start=None, log=None, close: bool = True, after_microbatches=None,
+               phase_hook=None) -> tuple[str, DistributedTrainer]:
     """This process's part of a distributed run (the environment of torchrun): join the process
     group, build the trainer, train until `steps` (default: the token budget). Returns (run hash,
     trainer). Kernel threads default to the CPUs divided by the workers on this node (threads never
     change a bit). on_start(trainer, total_steps) and progress(record, tokens/s) run on rank 0.
-    close=False leaves the process group up (trainer.comm) for the caller."""
+    close=False leaves the process group up (trainer.comm) for the caller. after_microbatches and
+    phase_hook: see DistributedReduce and Comm."""
     from .. import cpu_ref
     from ..config import steps_for_tokens
     backend = resolve_backend(backend)          # 'auto' -> this machine's GPU backend (or cpu_ref)
-    comm = Comm.init_from_env(backend, timeout)
+    comm = Comm.init_from_env(backend, timeout, phase_hook=phase_hook)
     if comm.device.startswith("cuda"):            # the cuda backend's kernels on this worker's GPU too
         import cupy
         cupy.cuda.Device(int(comm.device.split(":")[1])).use()
@@ -544,7 +365,8 @@ def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps:
         pass
     old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM,)}
     try:
-        tr = DistributedTrainer(comm, run_dir, cfg, corpus_dir, backend=backend, resume=resume, log=log)
+        tr = DistributedTrainer(comm, run_dir, cfg, corpus_dir, backend=backend, resume=resume, log=log,
+                                after_microbatches=after_microbatches)
         total = steps if steps is not None else steps_for_tokens(tr.tcfg, tr.model_cfg, tr.tcfg.total_tokens)
         if on_start and comm.rank == 0:
             on_start(tr, total)

@@ -1,0 +1,298 @@
+"""The training step of CONTRACT.md §12, written once for one process and for N workers.
+
+A step (0-based index t) is a pure function of the state after step t-1 and the canonical data
+stream (CONTRACT.md §7, §10):
+  1. M microbatches of the step's windows (the phase's M, by consumed tokens);
+  2. per microbatch: loss and gradient (the model program); the step's gradient is the tree fold
+     of the microbatch gradients over microbatch index, times the reciprocal 1/M; the loss the same;
+  3. the pre-clip global norm; the spike protocol; clipping at clip_norm;
+  4. AdamW with the token-anchored learning rate (weight decay on linear layers and the LM head);
+  5. a ledger record with the batch, gradient, parameter and optimizer-state hashes.
+
+What one process and N workers do differently is a reducer's (`Reduce`): which microbatches this
+process computes (each run of them folded into one partial by the tree fold), how the partials meet
+in the step's fold over microbatch index, which tensors this process owns (it clips and updates
+only those) and how the per-microbatch scalars, tensor hashes and norm partials reach every
+process. `LocalReduce` is one process: every microbatch in one fold, every tensor its own, nothing
+to move. The workers' reducer (distributed/reduce.py) only moves bytes; every add, product and
+decision is made here, in the same order at any worker count, so the bits are the same.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from . import arrays, hashing
+from .hostmath import f32, reciprocal
+
+
+class TrainError(RuntimeError):
+    """Training cannot go on; the message names the step and the cause. exit_code for the CLI."""
+
+    def __init__(self, msg: str, exit_code: int = 3):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+# ---------------------------------------------------------------------- the reductions of §7
+class TreeFold:
+    """The binary-carry fold of CONTRACT.md §7 over arrays, lower index on the left; `add` is the
+    backend's elementwise contract add: in place on its first argument (returning None, like
+    ops.add_inplace) or returning the sum (like arrays.add_into)."""
+
+    def __init__(self, add):
+        self.add, self.stack = add, []
+
+    def _add(self, lower, v):
+        r = self.add(lower, v)
+        return lower if r is None else r
+
+    def push(self, v: np.ndarray, level: int = 0) -> None:
+        """Push the next value in index order; a value at level L stands for an aligned block of
+        2^L leaves already folded by this same tree (CONTRACT.md §7), e.g. a worker's partial."""
+        while self.stack and self.stack[-1][0] == level:
+            _, lower = self.stack.pop()
+            v, level = self._add(lower, v), level + 1
+        self.stack.append((level, v))
+
+    def result(self) -> np.ndarray:
+        acc = self.stack[0][1]
+        for _, v in self.stack[1:]:
+            acc = self._add(acc, v)
+        return acc
+
+
+def scalar_sqrt_of(ops):
+    """The contract's host-side fp32 square root of a backend (cpu_ref keeps it in its optim module)."""
+    return getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
+
+
+def norm_partials(ops, tensors) -> dict:
+    """{name: the §7 sum-of-squares block partials (host fp32)} of (name, array) pairs; from
+    device arrays the partials come to the host in one transfer."""
+    parts = {name: ops.sumsq_blocks(a) for name, a in tensors}
+    if not parts or not arrays.is_device(next(iter(parts.values()))):
+        return parts
+    flat = arrays.to_host(arrays.concat(list(parts.values())))
+    out, at = {}, 0
+    for name, a in parts.items():
+        out[name], at = flat[at:at + a.size], at + a.size
+    return out
+
+
+def norm_from_partials(partials, ops) -> float:
+    """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
+    ops.global_norm of the whole gradient (CONTRACT.md §7)."""
+    joined = arrays.concat(partials)
+    if arrays.kind(joined) == arrays.NUMPY:
+        joined = np.ascontiguousarray(joined, np.float32)
+    return float(scalar_sqrt_of(ops)(ops.treefold(joined)))
+
+
+def adamw_tensors(ops, tcfg, lr: float, step: int, tensors, n: int, like):
+    """AdamW over (decayed, p, g, m, v) flat-buffer slices covering n elements in buffer order
+    (weight decay on the decayed ones). In place where the kind of `like` (the parameter buffer)
+    allows it (numpy, cupy) -> None; on mx.arrays each tensor's new slices are joined into new
+    buffers -> (params, m, v)."""
+    in_place, k, offs = arrays.writable(like), arrays.kind(like), 0
+    new = None if in_place else [arrays.FlatBuffer(n, dt, k) for dt in (np.uint16, np.float32, np.float32)]
+    for decayed, p, g, m, v in tensors:
+        kw = dict(lr=lr, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.eps,
+                  weight_decay=tcfg.weight_decay if decayed else 0.0, step=step)
+        flat = [a.reshape(-1) for a in (p, g, m, v)]
+        if in_place:
+            ops.adamw_step(*flat, **kw)
+        else:
+            for buf, a in zip(new, ops.adamw(*flat, **kw)):
+                buf.write(offs, a)
+        offs += p.size
+    return None if in_place else tuple(b.result() for b in new)
+
+
+def tensor_views(shapes, buf) -> Iterator[tuple]:
+    """(name, shape, decayed, flat view) of consecutive tensors `shapes` ((name, shape, decayed),
+    buffer order) in `buf`, the first at element 0."""
+    offs = 0
+    for name, shape, decayed in shapes:
+        n = int(np.prod(shape))
+        yield name, shape, decayed, buf[offs:offs + n]
+        offs += n
+
+
+# ---------------------------------------------------------------------- who does what
+class Reduce(Protocol):
+    """One process's part in the step. `size`: the elements of the tensors this process owns (a
+    contiguous range of the parameter buffer of whole tensors, canonical order)."""
+    size: int
+
+    def blocks(self, M: int) -> list[tuple[int, int]]:
+        """The microbatches this process computes, as (first, count) runs in index order; the
+        step folds each run into one partial with the tree fold."""
+
+    def fold(self, parts: list, M: int, step: int):
+        """The tree fold over microbatch index 0 … M-1 of every process's partials, restricted to
+        the tensors this process owns (its `size` elements); before the 1/M."""
+
+    def own(self, buf):
+        """This process's range of a full parameter-sized buffer."""
+
+    def tensors(self, buf) -> Iterator[tuple]:
+        """(name, shape, decayed, flat view) of this process's tensors in a buffer of its range."""
+
+    def gather(self, obj) -> list:
+        """`obj` of every process, in rank order (= canonical order of the owned tensors)."""
+
+    def share_params(self, st, new) -> None:
+        """After AdamW on the owned tensors (new: adamw_tensors' (params, m, v) of this range, or
+        None when it updated st in place): every process's state holds all updated parameters."""
+
+
+class LocalReduce:
+    """One process: every microbatch in one tree fold, every tensor owned, nothing moved."""
+
+    def __init__(self, shapes, size: int):
+        self.shapes, self.size = shapes, size
+
+    def blocks(self, M: int) -> list[tuple[int, int]]:
+        return [(0, M)]
+
+    def fold(self, parts: list, M: int, step: int):
+        (whole,) = parts
+        return whole
+
+    def own(self, buf):
+        return buf
+
+    def tensors(self, buf):
+        return tensor_views(self.shapes, buf)
+
+    def gather(self, obj) -> list:
+        return [obj]
+
+    def share_params(self, st, new) -> None:
+        if new is not None:
+            st.params, st.m, st.v = new
+
+
+# ---------------------------------------------------------------------- the step
+def _spent(timing: dict, key: str, t0: float) -> None:
+    timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _hashed(timing: dict, fn, *args):
+    """fn(*args), its time counted as hashing."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    _spent(timing, "hash", t0)
+    return out
+
+
+def take_step(tr, reduce: Reduce) -> dict:
+    """Advance tr.state (the trainer's: state, stream, model, configs, backend ops, timing) by one
+    optimizer step, this process's part given by `reduce`; returns the ledger record (no hash)."""
+    st, ops, tcfg, t = tr.state, tr.ops, tr.tcfg, tr.state.step
+    M, tokens = tcfg.tokens_per_step(tr.model_cfg, st.consumed)
+    mb = tcfg.microbatch_seqs
+    w0 = tr.stream.windows_emitted
+    windows = tr.stream.next_windows(M * mb)
+    batch_hash = _hashed(tr.timing, hashing.collection_hash, "batch", [("windows", windows, "u32")])
+    tr._gnmr_begin()
+    parts, scalars = _microbatches(tr, reduce.blocks(M), windows, mb)
+    total = reduce.fold(parts, M, t)
+    del parts
+    grads = arrays.scale_into(ops, total, reciprocal(M)) if total.size else total
+    (loss, ce, zl), grad_hash, partials = _gather_step(tr, reduce, M, scalars, grads)
+    if not math.isfinite(loss):
+        raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
+                         f"The last checkpoint is intact; inspect the data or lower the learning rate.")
+    norm = norm_from_partials(list(partials.values()), ops)      # = ops.global_norm (§7)
+    spike = not (norm <= tcfg.spike_threshold)
+    skipped = st.skip_left > 0
+    clipped = False
+    lr = f32(tcfg.lr_at(st.consumed + tokens))
+    if not skipped and math.isfinite(norm):
+        t0 = time.perf_counter()
+        coef = ops.clip_coef(norm, tcfg.clip_norm)
+        if coef < 1.0:
+            if grads.size:                  # a worker may own no tensor
+                grads = arrays.scale_into(ops, grads, coef)
+            clipped = True
+        st.adam_t += 1
+        new = adamw_tensors(ops, tcfg, lr, st.adam_t, _adamw_views(reduce, st, grads), reduce.size, st.params)
+        _spent(tr.timing, "optim", t0)
+        reduce.share_params(st, new)
+    elif not math.isfinite(norm):
+        raise TrainError(f"step {t}: gradient norm is {norm}; the run stops here (last checkpoint intact)")
+    st.skip_left = tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
+    st.step, st.consumed = t + 1, st.consumed + tokens
+    st.stream = tr.stream.state()
+    params_hash, opt_hash = _state_hashes(tr, reduce, st)
+    record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
+              "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
+              "spike": spike, "microbatches": M,
+              "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
+    tr._gnmr_end(partials, st.consumed, record)        # every process: the same inputs, the same decisions
+    return record
+
+
+def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
+    """(one tree-folded gradient per run of `blocks`, {microbatch index: (loss, ce, zloss)})."""
+    t0, ops, params = time.perf_counter(), tr.ops, tr.state.params
+    parts, scalars = [], {}
+    for start, n in blocks:
+        fold = TreeFold(functools.partial(arrays.add_into, ops))
+        for i in range(start, start + n):
+            loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
+            scalars[i] = (loss, ce, zl)
+            fold.push(g)
+        parts.append(fold.result())
+    _spent(tr.timing, "compute", t0)
+    return parts, scalars
+
+
+def _gather_step(tr, reduce: Reduce, M: int, scalars: dict, grads):
+    """The step's means (loss, ce, zloss), the gradient hash and {name: norm partials} of every
+    tensor in canonical order, the same on every process."""
+    ops = tr.ops
+    digests = _hashed(tr.timing, hashing.tensor_digests,
+                      [(n, a.reshape(s), "f32") for n, s, _, a in reduce.tensors(arrays.to_host(grads))])
+    sumsq = norm_partials(ops, ((n, a) for n, _, _, a in reduce.tensors(grads)))
+    every, alld, partials = {}, {}, {}
+    for sc, d, p in reduce.gather((scalars, digests, sumsq)):
+        every.update(sc)
+        alld.update(d)
+        partials.update(p)
+    rM = reciprocal(M)
+    means = tuple(float(np.float32(ops.treefold(np.array([every[i][k] for i in range(M)], np.float32)))
+                        * np.float32(rM)) for k in range(3))
+    return means, hashing.collection_hash_from_tensor_hashes("grads", alld), partials
+
+
+def _adamw_views(reduce: Reduce, st, grads):
+    """(decayed, p, g, m, v) of the owned tensors: p in the full parameter buffer, g, m, v in
+    buffers of the owned range."""
+    own = reduce.tensors
+    return ((d, p, g, m, v) for (_, _, d, p), (*_, g), (*_, m), (*_, v) in zip(
+        own(reduce.own(st.params)), own(grads), own(st.m), own(st.v)))
+
+
+def _state_hashes(tr, reduce: Reduce, st) -> tuple[str, str]:
+    """(params hash, opt_state hash) after the update, from every owner's tensor hashes."""
+    own_p = arrays.to_host(reduce.own(st.params))
+    dp = _hashed(tr.timing, hashing.tensor_digests,
+                 [(n, a.reshape(s), "bf16") for n, s, _, a in reduce.tensors(own_p)])
+    do = _hashed(tr.timing, hashing.tensor_digests,
+                 [("m." + n, a.reshape(s), "f32") for n, s, _, a in reduce.tensors(arrays.to_host(st.m))]
+                 + [("v." + n, a.reshape(s), "f32") for n, s, _, a in reduce.tensors(arrays.to_host(st.v))])
+    allp, allo = {}, {}
+    for p, o in reduce.gather((dp, do)):
+        allp.update(p)
+        allo.update(o)
+    allo.update(_hashed(tr.timing, hashing.tensor_digests, [("adam_t", np.array([st.adam_t], np.int64), "i64"),
+                                                            ("skip_left", np.array([st.skip_left], np.int64), "i64")]))
+    return (_hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "params", allp),
+            _hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "opt_state", allo))
