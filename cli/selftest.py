@@ -39,6 +39,16 @@ def _check_writable(path: str, option: str) -> None:
         _fail(f"{option} {path}: the folder {folder} is not writable")
 
 
+def _check_corpus(data_dir: str, genesis: str | None) -> None:
+    """Exit 2 unless --data is a prepared corpus (with genesis: the golden run's corpus)."""
+    from mlx_open1b import golden as G
+    from mlx_open1b.data.format import DataError
+    try:
+        G.check_corpus(data_dir, genesis)
+    except DataError as e:
+        _fail(f"--data {data_dir}: {e}")
+
+
 def _bundle_path(path: str, backend: str, several: bool) -> str:
     if not several:
         return path
@@ -76,12 +86,15 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     golden file."""
     from mlx_open1b import golden as G
     from mlx_open1b import selftest as S
+    from mlx_open1b.data.format import DataError
     tty = sys.stderr.isatty()
     if regenerate:
         if bundle_path or full or golden_path or backend != "auto":
             _fail("--regenerate takes only --out (and --data)")
         path = out if out is not None else str(G.FILE)
         _check_writable(path, "--out")
+        if data_dir:
+            _check_corpus(data_dir, None)
         data = G.dumps(G.compute(data_dir, log=lambda m: click.echo(m, err=True)))
         from mlx_open1b.fsutil import write_bytes_atomic
         try:
@@ -98,6 +111,8 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         golden = G.load(golden_path)
     except G.GoldenError as e:
         _fail(str(e), e.exit_code)
+    if data_dir:
+        _check_corpus(data_dir, golden.training["genesis"])
     names = _backends(backend)
     if bundle_path:
         for name in names:
@@ -132,6 +147,10 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         if tty:
             click.echo("", err=True)
         _fail(str(e), e.exit_code)
+    except DataError as e:              # the corpus, not a backend
+        if tty:
+            click.echo("", err=True)
+        _fail(f"--data {data_dir}: {e}" if data_dir else f"the default corpus: {e}")
     if tty:
         click.echo("\r" + " " * 100 + "\r", err=True, nl=False)
     click.echo(S.format_report(reports, golden, full))

@@ -398,7 +398,9 @@ def _run_training(name: str, golden: _golden.Golden, data_dir, steps, progress) 
 
     try:
         _golden.train_records(name, steps, data_dir, on_step=on_step, log=progress)
-    except (TrainError, DataError, OSError) as e:
+    except DataError:
+        raise                        # the corpus, not the backend: the caller's usage error
+    except (TrainError, OSError) as e:
         tr["first"] = {"step": tr["compared"], "detail": f"training stopped: {e}"}
     except Exception as e:   # noqa: BLE001 - a backend that fails while training is a failure
         tr["first"] = {"step": tr["compared"], "detail": f"training raised {type(e).__name__}: {e}"}

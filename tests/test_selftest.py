@@ -184,6 +184,32 @@ def test_an_unwritable_bundle_or_out_path_is_refused_before_any_work(tmp_path):
     assert res.exit_code == 2 and "Traceback" not in res.output
 
 
+def test_data_that_is_not_the_golden_runs_corpus_is_a_usage_error(tmp_path, default_corpus, monkeypatch):
+    """--data at an empty folder, or at a corpus other than the embedded default one: exit 2
+    naming the folder, before any case runs (not 'cpu_ref DIFFERENT')."""
+    def never(*a, **k):
+        raise AssertionError("the check started")
+    monkeypatch.setattr(S, "run_backend", never)
+    monkeypatch.setattr(G, "compute", never)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    m = json.loads((default_corpus / "manifest.json").read_text())
+    m["sources"][0]["share"], m["sources"][1]["share"] = m["sources"][1]["share"], m["sources"][0]["share"]
+    (other / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner()
+    for data, says in ((empty, "no manifest"), (other, "is not the embedded default corpus the golden run")):
+        res = r.invoke(cli, ["selftest", "--backend", "cpu_ref", "--full", "--data", str(data)])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        assert f"error: --data {data}" in res.output and says in res.output
+        assert "result:" not in res.output and "DIFFERENT" not in res.output and "Traceback" not in res.output
+    for data, says in ((empty, "no manifest"), (other, "is not the embedded default corpus (its sources")):
+        res = r.invoke(cli, ["selftest", "--regenerate", "--out", str(tmp_path / "g.json"), "--data", str(data)])
+        assert res.exit_code == 2 and f"error: --data {data}" in res.output and says in res.output, res.output
+        assert not (tmp_path / "g.json").exists()
+
+
 def test_full_set_compares_training_records_and_names_the_first_difference(monkeypatch, default_corpus):
     rep = S.run_backend("cpu_ref", GOLDEN, full=True, steps=2, data_dir=default_corpus, select=EXP_ONLY)
     assert rep.ok and rep.ops["exp"].cases == G.CASES_PER_OP + 1 and rep.training["compared"] == 2

@@ -146,6 +146,32 @@ def train_records(backend: str, steps: int, data_dir=None, on_step=None, log=Non
         return tr.genesis, records
 
 
+def check_corpus(data_dir, genesis: str | None = None) -> None:
+    """DataError unless data_dir holds a prepared corpus that is the embedded default one: with
+    genesis, the one the golden run trained on (the tiny preset on it has that genesis); without,
+    its sources and tokenizer are the default corpus's (regenerating). Another corpus is a usage
+    error, not a backend difference."""
+    from ..config import preset
+    from ..data.format import DataError, Manifest
+    from ..data.stream import manifest_fingerprint
+    from ..ledger import genesis_hash
+    m = Manifest.load(data_dir)
+    if genesis is None:
+        from ..data.corpus import default_sources
+        from ..data.tokenizer import Tokenizer
+        want = [(s.name, float(s.share), list(s.inputs)) for s in default_sources()]
+        have = [(s.name, float(s.share), list(s.inputs)) for s in m.sources]
+        if have != want or m.tokenizer_sha256 != Tokenizer.load(None).sha256:
+            raise DataError(f"{data_dir} is not the embedded default corpus (its sources or tokenizer differ); "
+                            f"leave --data out to prepare that corpus")
+        return
+    mine = genesis_hash(preset(PRESET).to_json(), manifest_fingerprint(m), m.tokenizer_sha256, CONTRACT_VERSION)
+    if mine != genesis:
+        raise DataError(f"{data_dir} is not the embedded default corpus the golden run trained on (the {PRESET} "
+                        f"preset on it has genesis {mine[:12]}…, the golden run {genesis[:12]}…); leave --data out "
+                        f"to prepare that corpus")
+
+
 def compute_training(steps: int = STEPS, data_dir=None, log=None) -> dict:
     genesis, records = train_records(REFERENCE, steps, data_dir, log=log)
     return {"preset": PRESET, "corpus": "the embedded default corpus", "backend": REFERENCE, "steps": steps,
