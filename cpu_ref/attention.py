@@ -31,22 +31,15 @@ def _run_forward(fn, name, q, k, v, window, scale):
 
 
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32.
-
-    scale is rounded to float32 (pass e.g. 1/sqrt(D) computed by the caller)."""
     return _run_forward(_forward, "attention_forward", q, k, v, window, scale)
 
 
 def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """As attention_forward, with each 64-key block's P·V product in int8 (CONTRACT.md §6.10):
-    value rows quantized per key, the block's weights per query row, exact int32 accumulation."""
     return _run_forward(_forward_i8, "attention_forward_i8", q, k, v, window, scale)
 
 
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
-    """dout (B,T,H,D) fp32, q, k, v as in the forward, o and lse from the forward
-    -> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
     dq = np.empty((B, T, H, D), np.float32)
     dk = np.empty((B, T, G, D), np.float32)

@@ -17,7 +17,6 @@ _swiglu_bwd = declare("o1b_swiglu_backward", c_i64, c_i64, ptr, ptr, ptr)
 
 
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
-    """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
     N, V, C = opargs.embedding_forward(tokens, wte)
     out = np.empty((N, C), np.float32)
     _emb_fwd(N, C, p(tokens), p(wte), p(out))
@@ -25,7 +24,6 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
 
 
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
-    """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
     N, V, C = opargs.embedding_backward(tokens, dout, V)
     dwte = np.empty((V, C), np.float32)
     if _emb_bwd(N, V, C, p(tokens), p(dout), p(dwte)) != 0:
@@ -34,7 +32,6 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
 
 
 def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
-    """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
     N, C = opargs.rmsnorm_forward(x, g, eps)
     y = np.empty_like(x)
     rstd = np.empty(N, np.float32)
@@ -43,7 +40,6 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
 
 
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
-    """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
     N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     dx = np.empty_like(x)
     dg = np.empty(C, np.float32) if g is not None else None
@@ -52,7 +48,6 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
 
 
 def rope_tables(T: int, D: int, theta: float):
-    """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
     T, D = opargs.rope_tables(T, D, theta)
     cos = np.empty((T, D // 2), np.float32)
     sin = np.empty((T, D // 2), np.float32)
@@ -68,7 +63,6 @@ def _rope(x, cos, sin, backward, name):
 
 
 def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x (B, T, R, D) fp32 (R = heads), rotate-half pairs (i, i + D/2) at position t."""
     return _rope(x, cos, sin, False, "x")
 
 
@@ -77,7 +71,6 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
 
 
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
-    """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
     N, F = opargs.swiglu_forward(h)
     out = np.empty((N, F), np.float32)
     _swiglu_fwd(N, F, p(h), p(out))

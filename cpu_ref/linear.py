@@ -11,7 +11,6 @@ _backward = declare("o1b_linear_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, p
 
 
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
     N, K, M = opargs.linear_forward(x, w)
     y = np.empty((N, M), np.float32)
     _forward(N, K, M, p(x), p(w), p(y))
@@ -20,7 +19,6 @@ def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                     need_dw: bool = True):
-    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
     N, K, M = opargs.linear_backward(dy, x, w)
     dx = np.empty((N, K), np.float32) if need_dx else None
     dw = np.empty((M, K), np.float32) if need_dw else None

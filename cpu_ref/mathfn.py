@@ -43,7 +43,6 @@ def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def div_int(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The contract's div elementwise by its integer definition (CONTRACT.md §3), which equals div."""
     return _div(1, a, b)
 
 
@@ -57,7 +56,6 @@ def i2f_acc(v: np.ndarray) -> np.ndarray:
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
     opargs.f32_to_bf16(x)
     y = np.empty(x.shape, BF16)
     _to_bf16(x.size, p(x), p(y))
@@ -72,12 +70,10 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
 
 
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
-    """a += b elementwise (a is the lower-index operand of a fold)."""
     n = opargs.add_inplace(a, b)
     _add_inplace(n, p(a), p(b))
 
 
 def scale_inplace(a: np.ndarray, s: float) -> None:
-    """a *= s elementwise, s rounded to float32 first."""
     n = opargs.scale_inplace(a)
     _scale_inplace(n, p(a), float(np.float32(s)))

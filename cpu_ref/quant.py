@@ -27,7 +27,6 @@ def _ok(rc: int) -> None:
 
 
 def quant_weight_rows(w: np.ndarray):
-    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32 (per-output-row step sizes)."""
     M, K = opargs.quant_weight_rows(w)
     q = np.empty((M, K), np.int8)
     s = np.empty(M, np.float32)
@@ -36,7 +35,6 @@ def quant_weight_rows(w: np.ndarray):
 
 
 def quant_tensor(x: np.ndarray):
-    """x (any shape) bf16 or fp32 -> q (same shape) int8, s fp32 (per-tensor scale)."""
     f32 = x.dtype == np.float32
     n = opargs.quant_tensor(x, opargs.F32 if f32 else opargs.BF16)
     q = np.empty(x.shape, np.int8)
@@ -46,7 +44,6 @@ def quant_tensor(x: np.ndarray):
 
 
 def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a (I, P) int8, b (J, P) int8 -> C (I, J) int32, C = a b^T exactly."""
     I, J, P = opargs.gemm_i8(a, b)
     c = np.empty((I, J), np.int32)
     _gemm(I, J, P, p(a), p(b), p(c))
@@ -59,7 +56,6 @@ def gemm_i8_has_vnni() -> bool:
 
 
 def hadamard_rows(f: np.ndarray) -> np.ndarray:
-    """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
     f = np.array(f, np.float32, copy=True, order="C")
     R, C = opargs.hadamard_rows(f)
     _had(R, C, p(f))
@@ -67,8 +63,6 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
 
 
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7 / 31:
-    the simulated int4 / int6 paths, levels -7 ... 7 / -31 ... 31)."""
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     y = np.empty((N, M), np.float32)
@@ -78,8 +72,6 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                      need_dw: bool = True, qmax: int = QMAX):
-    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
-    qmax = 7 / 31: the simulated int4 / int6 paths, all four operands on levels -qmax ... qmax)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
     dx = np.empty((N, K), np.float32) if need_dx else None

@@ -12,15 +12,12 @@ _tn = declare("o1b_trunc_normal", c_u64, c_u32, c_u64, c_f32, c_i64, ptr)
 
 
 def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
-    """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
     out = np.empty((int(n), 4), np.uint32)
     _fill(*opargs.philox(seed, stream, index0, sub), int(n), out.ctypes.data)
     return out
 
 
 def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
-    """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
-    function of (seed, stream, index0 + i)."""
     out = np.empty(int(n), np.float32)
     seed, stream, index0, _ = opargs.philox(seed, stream, index0)
     _tn(seed, stream, index0, float(np.float32(sigma)), int(n), out.ctypes.data)

@@ -30,6 +30,11 @@ def contract_version() -> int:
     return int(contract_version_c())
 
 
+def available() -> tuple[bool, str]:
+    """Always (the library is built, or importing cpu_ref failed): what runs the kernels."""
+    return True, f"C reference, {get_num_threads()} threads, SIMD {simd_name()}"
+
+
 @contextlib.contextmanager
 def settings(threads: int | None = None, simd: int | None = None, gemm_fast: bool | None = None):
     """Temporarily change threads, the SIMD cap or the GEMM implementation (tests use this to

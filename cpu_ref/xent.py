@@ -47,13 +47,9 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
 
 
 def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
-    """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 (rounded to float32)
-    -> loss (N,), lse (N,), ce (N,) float32, loss = ce + zcoef lse^2 per row."""
     return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
 
 
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
                   lse: np.ndarray, dloss: np.ndarray):
-    """lse (N,) float32 from xent_forward, dloss (N,) float32 -> dh (N, C), dw (V, C) float32.
-    dz[n,v] = (softmax_v (1 + 2 zcoef lse) - [v == target]) dloss[n], rounded to bf16 for the GEMMs."""
     return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)

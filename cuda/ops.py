@@ -1,31 +1,26 @@
-"""The CUDA backend: every contract op through the kernels of cuda/*.cu.
+"""The CUDA backend: every op of the interface (mlx_open1b/backend.py) through the kernels of
+cuda/*.cu.
 
-Same function names, signatures, argument checks and return types as mlx_open1b.cpu_ref (bf16 held
-as uint16), so the model program and the trainer run with `ops=mlx_open1b.cuda.ops`. Arguments are
-checked with the C reference's checks (mlx_open1b.opargs) before any kernel launch. On a machine
-with CuPy and a GPU the kernels run through cupy.RawModule; elsewhere the same kernel sources and
-the same launch code run on the CPU emulator (cuda/emu), on numpy memory. `available()` says which.
-
-Every op returns the kind of arrays it was given (mlx_open1b.arrays): given any cupy array among
-its array arguments (lists of arrays included) it works on the device and returns cupy arrays —
-nothing goes through the host but token ids (range-checked by opargs, bucketed for the embedding
-backward), the smallest level of gemm_i8's operands (opargs' check) and the scalar results
-(treefold, global_norm, clip_coef, scalar_*), which are Python floats. Given numpy only, the
-inputs are copied to the device and the outputs back (cupy.asarray / .get()), numpy out as before.
-`to_device` makes cupy arrays (numpy ones where emulated). The kernels never see the difference, so
-the bits are the same either way.
+On a machine with CuPy and a GPU the kernels run through cupy.RawModule; elsewhere the same kernel
+sources and the same launch code run on the CPU emulator (cuda/emu), on numpy memory. `available()`
+says which. Its device arrays are cupy arrays (`to_device`; numpy ones where emulated). Given any
+cupy array an op works on the device and nothing goes through the host but token ids (range-checked
+by opargs, bucketed for the embedding backward), the smallest level of gemm_i8's operands (opargs'
+check) and the scalar results; given numpy only, the inputs are copied to the device and the
+outputs back (cupy.asarray / .get()). The kernels update in place, so add, scale and adamw run
+them on copies (mlx_open1b.derived_ops). The kernels never see the difference, so the bits are the
+same either way.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import threading
-from typing import Sequence
 
 import numpy as np
 
 from mlx_open1b.contract import (CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, Q_MAX_P, QB, QMAX,  # noqa: F401
                                  QMAX4, XENT_CHUNK)                                             # (re-exported)
-from mlx_open1b import arrays, opargs
+from mlx_open1b import arrays, derived_ops, opargs
 from mlx_open1b.opargs import F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime
 
@@ -37,7 +32,6 @@ i64, i32, u32, u64, f32 = np.int64, np.int32, np.uint32, np.uint64, np.float32
 
 
 def available() -> tuple[bool, str]:
-    """(usable, how): a real CUDA device through CuPy, or the CPU emulator, or why neither."""
     return runtime.describe()
 
 
@@ -46,13 +40,10 @@ def contract_version() -> int:
 
 
 def to_device(a):
-    """The backend's array holding the values of a: cupy on a GPU (a cupy array as is), the numpy
-    array itself where the kernels are emulated."""
     return _dev(a)
 
 
 def to_host(a):
-    """A numpy array with the values of a (a itself when it is numpy)."""
     return arrays.to_host(a)
 
 
@@ -86,28 +77,24 @@ def _host(a):
     return arrays.to_host(a)
 
 
-def _up(a):
-    """A numpy argument of a device-mode op, on the device (lists and tuples item by item)."""
-    return arrays.map_numpy(_dev, a)
+@contextlib.contextmanager
+def _op_mode(device: bool, values):
+    """Around an op: device mode (its results stay on the device, _host) iff it was given a device
+    array. An in-place op keeps its numpy arguments (written back by _inplace_back)."""
+    old = getattr(_mode, "device", False)
+    _mode.device = device
+    try:
+        yield
+    finally:
+        _mode.device = old
 
 
-def _returns_given_kind(op, in_place: bool = False):
-    """Wrap a public op: device mode (results stay on the device) while it runs iff any of its
-    array arguments, or the arrays in a list or tuple argument, is a device array; then its numpy
-    arguments are moved up first, so nested calls and joins see one kind. In-place ops keep their
-    arguments (a numpy buffer they update is written back by _inplace_back)."""
-    @functools.wraps(op)
-    def wrapper(*args, **kwargs):
-        old = getattr(_mode, "device", False)
-        device = arrays.any_device(args + tuple(kwargs.values())) is not None
-        if device and not in_place:
-            args, kwargs = _up(args), {k: _up(v) for k, v in kwargs.items()}
-        _mode.device = device
-        try:
-            return op(*args, **kwargs)
-        finally:
-            _mode.device = old
-    return wrapper
+_given_kind = derived_ops.returns_given_kind(_dev, _op_mode)
+
+
+def _in_place(op):
+    """_given_kind for an op that writes its array arguments in place (numpy or cupy)."""
+    return _given_kind(op, in_place=True)
 
 
 def _launch1d(file: str, kernel: str, n: int, *args) -> None:
@@ -136,17 +123,18 @@ def _map(index: int, x: np.ndarray) -> np.ndarray:
     return _host(y)
 
 
-exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_map)
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = map(_given_kind, opargs.map_functions(_map))
 
 
+@_given_kind
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
     opargs.f32_to_bf16(x)
     y = _empty(x.shape, np.uint16)
     _launch1d("mathfn.cu", "o1b_f32_to_bf16_array", x.size, i64(x.size), _dev(x), y)
     return _host(y)
 
 
+@_given_kind
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
     opargs.bf16_to_f32(x)
     y = _empty(x.shape, np.float32)
@@ -161,16 +149,16 @@ def _inplace_back(a: np.ndarray, d) -> None:
         a[...] = arrays.to_host(d)
 
 
+@_in_place
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
-    """a += b elementwise (a is the lower-index operand of a fold)."""
     n = opargs.add_inplace(a, b)
     da = _dev(a)
     _launch1d("mathfn.cu", "o1b_add_inplace", n, i64(n), da, _dev(b))
     _inplace_back(a, da)
 
 
+@_in_place
 def scale_inplace(a: np.ndarray, s: float) -> None:
-    """a *= s elementwise, s rounded to float32 first."""
     n = opargs.scale_inplace(a)
     da = _dev(a)
     _launch1d("mathfn.cu", "o1b_scale_inplace", n, i64(n), da, f32(s))
@@ -184,11 +172,11 @@ def _scalar(op: int, a: float, b: float = 0.0) -> float:
     return float(arrays.to_host(out)[0])
 
 
-scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = opargs.scalar_functions(_scalar)
+scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = map(_given_kind, opargs.scalar_functions(_scalar))
 
 
+@_given_kind
 def div_int(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """div(a, b) elementwise by the contract's integer definition (CONTRACT.md §3)."""
     n = opargs.div_int(a, b)
     y = _empty(a.shape, np.float32)
     _launch1d("mathfn.cu", "o1b_binary", n, i32(5), i64(n), _dev(a), _dev(b), y)
@@ -196,17 +184,17 @@ def div_int(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ linear (§6.1)
+@_given_kind
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
     N, K, M = opargs.linear_forward(x, w)
     y = _empty((N, M), np.float32)
     _gemm(N, M, K, _dev(x), K, 1, _dev(w), 1, K, y, M, False)
     return _host(y)
 
 
+@_given_kind
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                     need_dw: bool = True):
-    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
     N, K, M = opargs.linear_backward(dy, x, w)
     ddy = _dev(dy)
     dx = dw = None
@@ -220,16 +208,16 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool 
 
 
 # ------------------------------------------------------------------ layers (§6.2–§6.5)
+@_given_kind
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
-    """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
     N, V, C = opargs.embedding_forward(tokens, wte)
     out = _empty((N, C), np.float32)
     _launch1d("embedding.cu", "o1b_embedding_forward", N * C, i64(N), i64(C), _dev(tokens), _dev(wte), out)
     return _host(out)
 
 
+@_given_kind
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
-    """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
     N, V, C = opargs.embedding_backward(tokens, dout, V)
     # the stable counting sort of positions by token, on the host (data movement only; the index
     # arrays go to the device with the launch)
@@ -248,8 +236,8 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
 _NO_GAIN = np.zeros(1, np.uint16)
 
 
+@_given_kind
 def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
-    """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
     N, C = opargs.rmsnorm_forward(x, g, eps)
     y = _empty((N, C), np.float32)
     rstd = _empty((N,), np.float32)
@@ -258,8 +246,8 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     return _host(y), _host(rstd)
 
 
+@_given_kind
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
-    """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
     N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     ddy, xd, drstd = _dev(dy), _dev(x), _dev(rstd)
     dx = _empty((N, C), np.float32)
@@ -272,8 +260,8 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
     return _host(dx), _host(dg)
 
 
+@_given_kind
 def rope_tables(T: int, D: int, theta: float):
-    """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
     T, D = opargs.rope_tables(T, D, theta)
     cos_t = _empty((T, D // 2), np.float32)
     sin_t = _empty((T, D // 2), np.float32)
@@ -290,23 +278,25 @@ def _rope(x, cos_t, sin_t, backward, name):
     return _host(y)
 
 
+@_given_kind
 def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x (B, T, R, D) fp32 (R = heads), rotate-half pairs (i, i + D/2) at position t."""
     return _rope(x, cos, sin, False, "x")
 
 
+@_given_kind
 def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return _rope(dy, cos, sin, True, "dy")
 
 
+@_given_kind
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
-    """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
     N, F = opargs.swiglu_forward(h)
     out = _empty((N, F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_forward", N * F, i64(N), i64(F), _dev(h), out)
     return _host(out)
 
 
+@_given_kind
 def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
     dh = _empty((N, 2 * F), np.float32)
@@ -315,10 +305,10 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ optimizer and reductions (§6.7, §7)
+@_in_place
 def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float,
                beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                step: int) -> None:
-    """One AdamW step in place on bf16 params p_ with fp32 moments m, v; `step` is 1-based."""
     n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
     dp, dm, dv = _dev(p_), _dev(m), _dev(v)
     _launch1d("adamw.cu", "o1b_adamw_step", n, i64(n), dp, _dev(g), dm, dv, *(f32(s) for s in scalars))
@@ -327,38 +317,39 @@ def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, l
     _inplace_back(v, dv)
 
 
+# the kernels update in place: the functional forms run them on copies of the kind given
+add, scale, adamw = map(_given_kind, derived_ops.functional_ops(add_inplace, scale_inplace, adamw_step))
+
+
+@_given_kind
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
-    """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
     nb = opargs.sumsq_blocks(x, NORM_BLOCK)
     out = _empty((nb,), np.float32)
     _launch1d("reduce.cu", "o1b_sumsq_blocks", nb, i64(x.size), _dev(x), out)
     return _host(out)
 
 
+@_given_kind
 def treefold(values: np.ndarray) -> float:
-    """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
     n = opargs.treefold(values)
     out = _empty((1,), np.float32)
     _launch1d("reduce.cu", "o1b_treefold", 1, i64(n), _dev(values if values.size else np.zeros(1, F32)), out)
     return float(np.float32(arrays.to_host(out)[0]))
 
 
-def global_norm(tensors: Sequence[np.ndarray]) -> float:
-    """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
-    parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
-    return scalar_sqrt(treefold(arrays.concat(parts)))
+global_norm = _given_kind(derived_ops.global_norm_of(sumsq_blocks, treefold, scalar_sqrt))
 
 
+@_given_kind
 def clip_coef(norm: float, max_norm: float) -> float:
-    """div(max_norm, add(norm, 1e-6)) in float32; the caller scales only when it is < 1."""
     out = _empty((1,), np.float32)
     _launch1d("reduce.cu", "o1b_clip_coef", 1, f32(norm), f32(max_norm), out)
     return float(arrays.to_host(out)[0])
 
 
 # ------------------------------------------------------------------ random (§5)
+@_given_kind
 def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
-    """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
     seed, stream, index0, sub = opargs.philox(seed, stream, index0, sub)
     args = (u64(seed), u32(stream), u64(index0), u32(sub))
     out = _empty((int(n), 4), np.uint32)
@@ -366,9 +357,8 @@ def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> 
     return _host(out)
 
 
+@_given_kind
 def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
-    """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
-    function of (seed, stream, index0 + i)."""
     seed, stream, index0, _ = opargs.philox(seed, stream, index0)
     args = (u64(seed), u32(stream), u64(index0))
     out = _empty((int(n),), np.float32)
@@ -377,8 +367,8 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 
 
 # ------------------------------------------------------------------ attention (§6.6)
+@_given_kind
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
@@ -390,9 +380,10 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, 
     return _host(o), _host(lse)
 
 
+@_given_kind
 def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """§6.10: attention_forward with each block's P·V product in int8 (the value rows quantized once,
-    one thread per key row) -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
+    """The value rows quantized once (o1b_attention_vquant, one thread per key row), then one thread
+    per query row as in attention_forward."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
@@ -407,10 +398,9 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
     return _host(o), _host(lse)
 
 
+@_given_kind
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
-    """dout (B,T,H,D) fp32, q, k, v as in the forward, o and lse from the forward
-    -> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
     dq = _empty((B, T, H, D), np.float32)
     dk = _empty((B, T, G, D), np.float32)
@@ -462,15 +452,14 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
     return _host(dh), _host(dw)
 
 
+@_given_kind
 def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
-    """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 (rounded to float32)
-    -> loss (N,), lse (N,), ce (N,) float32, loss = ce + zcoef lse^2 per row."""
     return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
 
 
+@_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
                   lse: np.ndarray, dloss: np.ndarray):
-    """lse (N,) float32 from xent_forward, dloss (N,) float32 -> dh (N, C), dw (V, C) float32."""
     return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
 
 
@@ -532,15 +521,15 @@ def _rotated_levels(q, R: int, Rp: int, C: int, qmax: int = QMAX):
     return out, _q_tensor(Rp * C, f, True, out, qmax)
 
 
+@_given_kind
 def quant_weight_rows(w: np.ndarray):
-    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32 (per-output-row step sizes)."""
     M, K = opargs.quant_weight_rows(w)
     q, s, _ = _q_weight(M, K, _dev(w), False)
     return _host(q), _host(s)[:M].copy()
 
 
+@_given_kind
 def quant_tensor(x: np.ndarray):
-    """x (any shape) bf16 or fp32 -> q (same shape) int8, s fp32 (per-tensor scale)."""
     f32_ = x.dtype == np.float32
     n = opargs.quant_tensor(x, opargs.F32 if f32_ else opargs.BF16)
     q = _empty(x.shape, np.int8)
@@ -548,8 +537,8 @@ def quant_tensor(x: np.ndarray):
     return _host(q), _host(sc)[0]
 
 
+@_given_kind
 def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a (I, P) int8, b (J, P) int8 -> C (I, J) int32, C = a b^T exactly."""
     I, J, P = opargs.gemm_i8(a, b)
     return _host(_gemm_i8(I, J, P, _dev(a), P, 1, _dev(b), P, 1))
 
@@ -559,8 +548,8 @@ def gemm_i8_has_vnni() -> bool:
     return False
 
 
+@_given_kind
 def hadamard_rows(f: np.ndarray) -> np.ndarray:
-    """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
     xp = arrays.module(arrays.kind(f)) if arrays.is_device(f) else np
     f = xp.array(f, np.float32, copy=True, order="C")
     R, C = opargs.hadamard_rows(f)
@@ -569,9 +558,8 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
     return _host(d)
 
 
+@_given_kind
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7 / 31:
-    the simulated int4 / int6 paths, levels -7 ... 7 / -31 ... 31)."""
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     qx = _empty((N, K), np.int8)
@@ -583,10 +571,9 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
     return _host(y)
 
 
+@_given_kind
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                      need_dw: bool = True, qmax: int = QMAX):
-    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
-    qmax = 7 / 31: the simulated int4 / int6 paths, all four operands on levels -qmax ... qmax)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
     Mp, Np = _pad_qb(M), _pad_qb(N)
@@ -638,18 +625,3 @@ def from_torch(t):
     import cupy
     return cupy.from_dlpack(t)
 
-
-# ------------------------------------------------------------------ kinds in, kinds out
-# Every public op returns the kind it was given (module docstring).
-_NOT_OPS = {"available", "contract_version", "to_device", "to_host", "gemm_i8_has_vnni", "to_torch",
-            "from_torch"}
-_IN_PLACE = {"add_inplace", "scale_inplace", "adamw_step"}
-for _name, _fn in list(globals().items()):
-    if callable(_fn) and not isinstance(_fn, type) and not _name.startswith("_") and _name not in _NOT_OPS \
-            and getattr(_fn, "__module__", None) == __name__:
-        globals()[_name] = _returns_given_kind(_fn, in_place=_name in _IN_PLACE)
-del _name, _fn
-
-# add(a, b), scale(a, s), adamw(p, g, m, v, **kw) -> new arrays: the in-place ops above on copies of
-# the kind given (cupy and numpy arrays are both written in place), so the same bits
-add, scale, adamw = (_returns_given_kind(f) for f in arrays.functional_ops(add_inplace, scale_inplace, adamw_step))

@@ -1,28 +1,27 @@
-"""The Metal backend: every contract op through the Metal kernel sources of this folder.
+"""The Metal backend: every op of the interface (mlx_open1b/backend.py) through the Metal kernel
+sources of this folder.
 
-The same function names, signatures, argument checks (mlx_open1b.opargs, as cpu_ref) and return types as
-`mlx_open1b.cpu_ref`, so the model program and the trainer run with `ops=mlx_open1b.metal.ops`.
-Every op takes and returns numpy arrays or mx.arrays (bf16 held as uint16): given any mx.array it
-returns mx.arrays (on a Mac they stay on the GPU, lazily evaluated; `to_device` makes them), given
-numpy only it returns numpy. Inside, each op launches its kernels through `runtime.kernel(...)`:
-mx.fast.metal_kernel on a Mac, the emulator elsewhere (which copies mx.arrays to the host and back)
-— the same grid sizes, output shapes and template arguments either way. Host code only checks arguments, allocates,
-and moves data (bucketing positions for the embedding backward, assembling chunk rows, joining the
-slabs of a long kernel: GEMMs, attention and every row-wise or elementwise kernel whose work grows
-with the batch are launched in slabs of bounded work so that no command buffer trips the macOS GPU
-watchdog, metal/slabs.py);
-every fp32 value comes out of a kernel.
+Its device arrays are mx.arrays (`to_device`): on a Mac they stay on the GPU, lazily evaluated;
+on a Metal GPU a numpy-mode op's numpy operands go up once per op, not with every launch. The
+kernels return new arrays, so add, scale and adamw are its own and the in-place ops write their
+results back into numpy buffers (mlx_open1b.derived_ops). Each op launches its kernels through
+`runtime.kernel(...)`: mx.fast.metal_kernel on a Mac, the emulator elsewhere (which copies mx.arrays
+to the host and back) — the same grid sizes, output shapes and template arguments either way. Host
+code only checks arguments, allocates, and moves data (bucketing positions for the embedding
+backward, assembling chunk rows, joining the slabs of a long kernel: GEMMs, attention and every
+row-wise or elementwise kernel whose work grows with the batch are launched in slabs of bounded
+work so that no command buffer trips the macOS GPU watchdog, metal/slabs.py); every fp32 value
+comes out of a kernel.
 """
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+import contextlib
 
 import numpy as np
 
 from mlx_open1b.contract import (CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, Q_MAX_P, QB, QMAX,  # noqa: F401
                                  QMAX4, XENT_CHUNK)                                             # (re-exported)
-from mlx_open1b import arrays, opargs
+from mlx_open1b import arrays, derived_ops, opargs
 from mlx_open1b.opargs import BF16, F32, FUNCTIONS  # noqa: F401  (FUNCTIONS re-exported)
 from . import runtime, slabs
 from .runtime import available  # noqa: F401  (re-exported)
@@ -81,13 +80,67 @@ def contract_version() -> int:
 
 
 def to_device(a):
-    """The backend's array (mx.array) holding the values of a numpy array (an mx.array as is)."""
     return a if arrays.kind(a) == arrays.MLX else arrays.from_host(np.asarray(a), arrays.MLX)
 
 
 def to_host(a):
-    """A numpy array with the values of a (evaluates a lazy mx.array)."""
     return arrays.to_host(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# kinds in, kinds out (derived_ops.returns_given_kind): an op given any mx.array works on mx.arrays
+# only (its numpy arguments are moved up first), so every kernel launch of the op returns mx.arrays;
+# numpy only -> numpy (on a Metal GPU each numpy operand uploaded once per op: _upload)
+# ---------------------------------------------------------------------------------------------
+def _lift_numpy() -> bool:
+    """Whether a numpy-mode op's launches read device copies of its numpy operands made once per op
+    (on a Metal GPU: an operand read by every slab of a long kernel, a GEMM's A and B, attention's
+    q, k and v, the embedding table, goes up once instead of with every launch)."""
+    return runtime.real_metal()
+
+
+_uploads: dict | None = None       # while a numpy-mode op runs on the GPU: its operands' buffers, uploads
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns a's memory (a view's base, followed to the end)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _upload(a: np.ndarray):
+    """The mx.array of a view of one of the op's numpy operands, made at its first launch (the
+    operands stay alive and unchanged while the op runs, so a view is known by its memory)."""
+    key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+    got = _uploads["arrays"].get(key)
+    if got is None:
+        got = _uploads["arrays"][key] = to_device(a)
+    return got
+
+
+def _operand_roots(values) -> set:
+    roots = set()
+    arrays.map_numpy(lambda a: roots.add(id(_root(a))), list(values))
+    return roots
+
+
+@contextlib.contextmanager
+def _op_mode(device: bool, values):
+    """Around an op: a numpy-mode op on the GPU collects its operands' uploads (an op inside an op
+    shares the outer op's)."""
+    global _uploads
+    if device or _uploads is not None or not _lift_numpy():
+        yield
+        return
+    _uploads = {"roots": _operand_roots(values), "arrays": {}}
+    try:
+        yield
+    finally:
+        _uploads = None
+
+
+_given_kind = derived_ops.returns_given_kind(to_device, _op_mode)
 
 
 def _nz(a):
@@ -179,54 +232,42 @@ def _map(index: int, x: np.ndarray) -> np.ndarray:
     return y.reshape(x.shape)
 
 
-exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = opargs.map_functions(_map)
+exp, log, sin, cos, sqrt, rsqrt, sigmoid, silu, sqrt_int = map(_given_kind, opargs.map_functions(_map))
 
 
+@_given_kind
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even by integer arithmetic; NaN -> 0x7FC0; subnormals -> signed zero."""
     opargs.f32_to_bf16(x)
     (y,) = _pointwise("f32_to_bf16", [x.reshape(-1)], [], [BF16], "convert")
     return y.reshape(x.shape)
 
 
+@_given_kind
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
     opargs.bf16_to_f32(x)
     (y,) = _pointwise("bf16_to_f32", [x.reshape(-1)], [], [F32], "convert")
     return y.reshape(x.shape)
 
 
+@_given_kind
 def div_int(a, b):
-    """div(a, b) elementwise by the contract's integer definition (CONTRACT.md §3): a, b float32 of
-    one shape."""
     opargs.div_int(a, b)
     (y,) = _pointwise("div", [a.reshape(-1), b.reshape(-1)], [], [F32], "div")
     return y.reshape(a.shape)
 
 
+@_given_kind
 def add(a, b):
-    """a + b elementwise (a is the lower-index operand of a fold), as a new array."""
     opargs.add_inplace(a, b, inplace=False)
     (out,) = _pointwise("add", [a.reshape(-1), b.reshape(-1)], [], [F32], "convert")
     return out.reshape(a.shape)
 
 
+@_given_kind
 def scale(a, s: float):
-    """a * s elementwise (s rounded to float32 first), as a new array."""
     opargs.scale_inplace(a, inplace=False)
     (out,) = _pointwise("scale", [a.reshape(-1)], [_f32(s)], [F32], "convert")
     return out.reshape(a.shape)
-
-
-def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
-    """a += b elementwise on numpy arrays (mx.arrays cannot be written in place: use add)."""
-    opargs.add_inplace(a, b)
-    a.reshape(-1)[...] = arrays.to_host(add(a, b)).reshape(-1)
-
-
-def scale_inplace(a: np.ndarray, s: float) -> None:
-    """a *= s elementwise on numpy arrays, s rounded to float32 first (mx.arrays: use scale)."""
-    opargs.scale_inplace(a)
-    a.reshape(-1)[...] = arrays.to_host(scale(a, s)).reshape(-1)
 
 
 def _scalar(op: int, a: float, b: float = 0.0) -> float:
@@ -234,7 +275,7 @@ def _scalar(op: int, a: float, b: float = 0.0) -> float:
     return float(out[0])
 
 
-scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = opargs.scalar_functions(_scalar)
+scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = map(_given_kind, opargs.scalar_functions(_scalar))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,15 +295,15 @@ def _gemm(I, J, P, A, oa, sai, sap, B, ob, sbp, sbj, C0=None) -> np.ndarray:
     return _gemm_blocks(I, J, P, block)
 
 
+@_given_kind
 def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32."""
     N, K, M = opargs.linear_forward(x, w)
     return _gemm(N, M, K, x, 0, K, 1, w, 0, 1, K)
 
 
+@_given_kind
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                     need_dw: bool = True):
-    """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx (N, K) fp32, dw (M, K) fp32."""
     N, K, M = opargs.linear_backward(dy, x, w)
     dx = _gemm(N, K, M, dy, 0, M, 1, w, 0, K, 1) if need_dx else None
     dw = _gemm(M, K, N, dy, 0, 1, M, x, 0, K, 1) if need_dw else None
@@ -272,8 +313,8 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool 
 # ---------------------------------------------------------------------------------------------
 # §6.2–§6.5 layers
 # ---------------------------------------------------------------------------------------------
+@_given_kind
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
-    """tokens (N,) int32, wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
     N, V, C = opargs.embedding_forward(tokens, wte)
     wf = wte.reshape(-1)
     outs = [_run("embedding_forward", [_part(tokens, a, b), wf, _i64(C)], [((b - a, C), F32)], (C, b - a, 1),
@@ -281,8 +322,8 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     return _join(outs)
 
 
+@_given_kind
 def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
-    """dwte (V, C) fp32: each row the sum of its positions' dout rows in ascending position."""
     N, V, C = opargs.embedding_backward(tokens, dout, V)
     # the stable counting sort of positions by token (data movement only, on the host; the
     # index arrays go back to the device with the launch)
@@ -295,8 +336,8 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
     return dwte
 
 
+@_given_kind
 def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
-    """x (N, C) fp32, g (C,) bf16 or None -> y (N, C) fp32, rstd (N,) fp32."""
     N, C = opargs.rmsnorm_forward(x, g, eps)
     gg = g if g is not None else np.zeros(1, BF16)
     xf, has_g = x.reshape(-1), int(g is not None)
@@ -306,8 +347,8 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     return _join([y for y, _ in parts]), _join([r for _, r in parts])
 
 
+@_given_kind
 def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: np.ndarray):
-    """-> dx (N, C) fp32, dg (C,) fp32 (None without a gain)."""
     N, C = opargs.rmsnorm_backward(dy, x, g, rstd)
     gg = g if g is not None else np.zeros(1, BF16)
     dyf, xf, has_g = dy.reshape(-1), x.reshape(-1), int(g is not None)
@@ -321,8 +362,8 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
     return dx, dg
 
 
+@_given_kind
 def rope_tables(T: int, D: int, theta: float):
-    """cos, sin tables (T, D/2) fp32 from the contract's exp, log, cos and sin."""
     T, D = opargs.rope_tables(T, D, theta)
     cos_t, sin_t = _run("rope_tables", [_i64(T, D), _f32(theta)], [((T, D // 2), F32), ((T, D // 2), F32)],
                         (D // 2, T, 1), (32, 8, 1))
@@ -339,23 +380,25 @@ def _rope(x, cos_t, sin_t, backward, name):
     return _join(ys)
 
 
+@_given_kind
 def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x (B, T, R, D) fp32 (R = heads), rotate-half pairs (i, i + D/2) at position t."""
     return _rope(x, cos, sin, False, "x")
 
 
+@_given_kind
 def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return _rope(dy, cos, sin, True, "dy")
 
 
+@_given_kind
 def swiglu_forward(h: np.ndarray) -> np.ndarray:
-    """h (N, 2F) fp32 = [gate | up] -> out (N, F) = silu(gate) * up."""
     N, F = opargs.swiglu_forward(h)
     outs = [_run("swiglu_forward", [h[a:b].reshape(-1), _i64(F)], [((b - a, F), F32)], (F, b - a, 1), (32, 8, 1))[0]
             for a, b in slabs.item_slabs("swiglu_forward", N, F)]
     return _join(outs)
 
 
+@_given_kind
 def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
     dhs = [_run("swiglu_backward", [dout[a:b].reshape(-1), h[a:b].reshape(-1), _i64(F)], [((b - a, 2 * F), F32)],
@@ -367,8 +410,8 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # §6.6 attention
 # ---------------------------------------------------------------------------------------------
+@_given_kind
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """q (B,T,H,D) bf16, k and v (B,T,G,D) bf16 -> o (B,T,H,D) fp32, lse (B,H,T) fp32."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     return _query_rows("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1)], B, T, H, G, D, W, s)
 
@@ -385,9 +428,10 @@ def _query_rows(name: str, inputs: list, B, T, H, G, D, W, s):
     return _join(os_).reshape(B, T, H, D), _transpose(_join(ls).reshape(B, T, H), (0, 2, 1))
 
 
+@_given_kind
 def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """§6.10: attention_forward with each block's P·V product in int8 (value rows quantized once
-    per key row by attention_vquant, the block's weights per query row) -> o, lse as attention_forward."""
+    """The value rows quantized once per key row (attention_vquant), then the query rows as in
+    attention_forward."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     vf = v.reshape(-1)
     parts = [_run("attention_vquant", [_part(vf, a * D, b * D), _i64(D)], [((b - a, D), I8), ((b - a,), F32)],
@@ -397,9 +441,9 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
                        B, T, H, G, D, W, s)
 
 
+@_given_kind
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
-    """-> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D), all fp32."""
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
     sc = _f32(s)
     Di = _join([_run("attention_di", [_part(dout, a, b).reshape(-1), _part(o, a, b).reshape(-1), _i64(T, H, D)],
@@ -453,43 +497,35 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
     return dh, dw.result().reshape(V, C)
 
 
+@_given_kind
 def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
-    """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 (rounded to float32)
-    -> loss (N,), lse (N,), ce (N,) float32, loss = ce + zcoef lse^2 per row."""
     return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
 
 
+@_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
                   lse: np.ndarray, dloss: np.ndarray):
-    """lse (N,) float32 from xent_forward, dloss (N,) float32 -> dh (N, C), dw (V, C) float32."""
     return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
 
 
 # ---------------------------------------------------------------------------------------------
 # §6.7 AdamW, §7 reductions and clipping
 # ---------------------------------------------------------------------------------------------
-def adamw_step(p_: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float,
-               beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
-               step: int) -> None:
-    """One AdamW step in place on numpy bf16 params p_ with fp32 moments m, v; `step` is 1-based
-    (mx.arrays: use adamw)."""
-    opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step)     # also: writable
-    outs = adamw(p_, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
-    for dst, src in zip((p_, m, v), outs):
-        dst[...] = arrays.to_host(src)
-
-
+@_given_kind
 def adamw(p_, g, m, v, *, lr: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
           weight_decay: float = 0.0, step: int):
-    """adamw_step as new arrays: -> (p, m, v) after the step (the inputs are not changed)."""
     n, scalars = opargs.adamw(p_, g, m, v, lr, beta1, beta2, eps, weight_decay, step, inplace=False)
     sc = _f32(*scalars)
     flat = [a.reshape(-1) for a in (p_, g, m, v)]
     return tuple(_pointwise("adamw", flat, [sc], [BF16, F32, F32], "adamw"))
 
 
+# the kernels return new arrays; numpy buffers are updated by writing their results back
+add_inplace, scale_inplace, adamw_step = derived_ops.inplace_ops(add, scale, adamw)
+
+
+@_given_kind
 def sumsq_blocks(x: np.ndarray) -> np.ndarray:
-    """Per-block sums of squares of x (flattened), NORM_BLOCK elements per block."""
     nb = opargs.sumsq_blocks(x, NORM_BLOCK)
     xf, n, parts = x.reshape(-1), x.size, []
     for a, b in slabs.item_slabs("sumsq_blocks", nb, NORM_BLOCK):       # whole blocks per launch
@@ -499,21 +535,18 @@ def sumsq_blocks(x: np.ndarray) -> np.ndarray:
     return _join(parts)
 
 
+@_given_kind
 def treefold(values: np.ndarray) -> float:
-    """The binary-carry tree fold of a float32 vector (CONTRACT.md §7)."""
     n = opargs.treefold(values)
     (out,) = _run("treefold", [values, _i64(n)], [((1,), F32)], (1, 1, 1), (1, 1, 1))
     return float(out[0])
 
 
-def global_norm(tensors: Sequence[np.ndarray]) -> float:
-    """sqrt of the tree fold of all block partials, tensors in the given (canonical) order."""
-    parts = [sumsq_blocks(t) for t in opargs.global_norm(tensors)]
-    return scalar_sqrt(treefold(arrays.concat(parts)))
+global_norm = _given_kind(derived_ops.global_norm_of(sumsq_blocks, treefold, scalar_sqrt))
 
 
+@_given_kind
 def clip_coef(norm: float, max_norm: float) -> float:
-    """div(max_norm, add(norm, 1e-6)) in float32; the caller scales only when it is < 1."""
     return _scalar(5, norm, max_norm)
 
 
@@ -525,8 +558,8 @@ def _prm_random(seed, stream, index0, sub):
     return np.array([seed & 0xFFFFFFFF, seed >> 32, stream, sub, index0 & 0xFFFFFFFF, index0 >> 32], U32)
 
 
+@_given_kind
 def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> np.ndarray:
-    """(n, 4) uint32: the Philox block at (seed, stream, index0 + i, sub) for i < n."""
     _prm_random(seed, stream, index0, sub)                  # checks the arguments
     n = int(n)
     if n < 0:
@@ -536,9 +569,8 @@ def philox_blocks(seed: int, stream: int, index0: int, n: int, sub: int = 0) -> 
     return _join(outs)
 
 
+@_given_kind
 def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INIT_SIGMA) -> np.ndarray:
-    """(n,) float32 truncated normal N(0, sigma^2) cut at +-2 sigma; element i is a pure
-    function of (seed, stream, index0 + i)."""
     _prm_random(seed, stream, index0, 0)                    # checks the arguments
     n = int(n)
     if n < 0:
@@ -623,15 +655,15 @@ def _rotate(name: str, a: np.ndarray, R: int, C: int) -> np.ndarray:
     return _join(ys)
 
 
+@_given_kind
 def quant_weight_rows(w: np.ndarray):
-    """w (M, K) bf16 -> q (M, K) int8, s (M,) fp32 (per-output-row step sizes)."""
     M, K = opargs.quant_weight_rows(w)
     q, s, _ = _quant_w(w, M, K)
     return q, s
 
 
+@_given_kind
 def quant_tensor(x: np.ndarray):
-    """x (any shape) bf16 or fp32 -> q (same shape) int8, s fp32 (per-tensor scale)."""
     f32 = arrays.dtype(x) == F32
     opargs.quant_tensor(x, F32 if f32 else BF16)
     v = x if f32 else bf16_to_f32(x)
@@ -639,23 +671,22 @@ def quant_tensor(x: np.ndarray):
     return q, s[0]
 
 
+@_given_kind
 def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a (I, P) int8, b (J, P) int8 -> C (I, J) int32, C = a b^T exactly."""
     I, J, P = opargs.gemm_i8(a, b)
     return _gemm_i8(I, J, P, a, P, 1, b, P, 1)
 
 
+@_given_kind
 def hadamard_rows(f: np.ndarray) -> np.ndarray:
-    """A copy of f (R, C) fp32 rotated along its rows in blocks of QB (unnormalized)."""
     if arrays.kind(f) != arrays.MLX:
         f = np.array(f, np.float32, copy=True, order="C")
     R, C = opargs.hadamard_rows(f, inplace=False)
     return _rotate("hadamard", f, R, C)
 
 
+@_given_kind
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
-    """x (N, K) bf16, w (M, K) bf16 -> y (N, M) fp32 through int8 quantization (qmax = 7 / 31:
-    the simulated int4 / int6 paths, levels -7 ... 7 / -31 ... 31)."""
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     qx, sx = _quant_f32(bf16_to_f32(x), qmax)
@@ -664,10 +695,9 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
     return _dequant(0, acc, sx, cs=sw)
 
 
+@_given_kind
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
                      need_dw: bool = True, qmax: int = QMAX):
-    """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32 (STE, int8 + Hadamard;
-    qmax = 7 / 31: the simulated int4 / int6 paths, all four operands on levels -qmax ... qmax)."""
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
     qw, sw, clip = _quant_w(w, M, K, qmax)
@@ -688,73 +718,3 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
         dw = _dequant(2, acc, arrays.concat([sd, sX, sx]), clip=clip)
     return dx, dw
-
-
-# ---------------------------------------------------------------------------------------------
-# kinds in, kinds out: an op given any mx.array works on mx.arrays only (its numpy arguments are
-# moved up first), so every kernel launch of the op returns mx.arrays; numpy only -> numpy (on a
-# Metal GPU each numpy operand uploaded once per op: _upload)
-# ---------------------------------------------------------------------------------------------
-_IN_PLACE = {"add_inplace", "scale_inplace", "adamw_step"}     # numpy buffers written in place
-_NOT_OPS = {"available", "contract_version", "to_device", "to_host"}
-
-
-def _up(a):
-    """A numpy argument of a device-mode op as an mx.array (lists and tuples item by item)."""
-    return arrays.map_numpy(to_device, a)
-
-
-def _lift_numpy() -> bool:
-    """Whether a numpy-mode op's launches read device copies of its numpy operands made once per op
-    (on a Metal GPU: an operand read by every slab of a long kernel, a GEMM's A and B, attention's
-    q, k and v, the embedding table, goes up once instead of with every launch)."""
-    return runtime.real_metal()
-
-
-_uploads: dict | None = None       # while a numpy-mode op runs on the GPU: its operands' buffers, uploads
-
-
-def _root(a: np.ndarray) -> np.ndarray:
-    """The array that owns a's memory (a view's base, followed to the end)."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
-
-
-def _upload(a: np.ndarray):
-    """The mx.array of a view of one of the op's numpy operands, made at its first launch (the
-    operands stay alive and unchanged while the op runs, so a view is known by its memory)."""
-    key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
-    got = _uploads["arrays"].get(key)
-    if got is None:
-        got = _uploads["arrays"][key] = to_device(a)
-    return got
-
-
-def _operand_roots(values) -> set:
-    roots = set()
-    arrays.map_numpy(lambda a: roots.add(id(_root(a))), list(values))
-    return roots
-
-
-def _returns_given_kind(op):
-    @functools.wraps(op)
-    def wrapper(*args, **kwargs):
-        global _uploads
-        if arrays.any_device(args + tuple(kwargs.values())) is not None:
-            return op(*_up(args), **{k: _up(v) for k, v in kwargs.items()})
-        if _uploads is not None or not _lift_numpy():          # an op inside an op shares its uploads
-            return op(*args, **kwargs)
-        _uploads = {"roots": _operand_roots(args + tuple(kwargs.values())), "arrays": {}}
-        try:
-            return op(*args, **kwargs)
-        finally:
-            _uploads = None
-    return wrapper
-
-
-for _name, _fn in list(globals().items()):
-    if callable(_fn) and not isinstance(_fn, type) and not _name.startswith("_") and _name not in _NOT_OPS \
-            and _name not in _IN_PLACE and getattr(_fn, "__module__", None) == __name__:
-        globals()[_name] = _returns_given_kind(_fn)
-del _name, _fn

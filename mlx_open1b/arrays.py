@@ -190,31 +190,6 @@ class FlatBuffer:
         return concat([p for _, _, p in self.pieces])
 
 
-def functional_ops(add_inplace, scale_inplace, adamw_step):
-    """add(a, b), scale(a, s) and adamw(p, g, m, v, **kw) returning new arrays, built from a
-    backend's in-place ops on copies (for kinds that can be written in place: numpy, cupy). The
-    same kernels run on the same values, so the bits are those of the in-place ops."""
-    def add(a, b):
-        """a + b elementwise (a is the lower-index operand of a fold), as a new array."""
-        out = copy(a)
-        add_inplace(out, b)
-        return out
-
-    def scale(a, s: float):
-        """a * s elementwise (s rounded to float32 first), as a new array."""
-        out = copy(a)
-        scale_inplace(out, s)
-        return out
-
-    def adamw(p, g, m, v, **kw):
-        """adamw_step on copies of p, m, v -> (p, m, v) after the step."""
-        p2, m2, v2 = copy(p), copy(m), copy(v)
-        adamw_step(p2, g, m2, v2, **kw)
-        return p2, m2, v2
-
-    return add, scale, adamw
-
-
 # ------------------------------------------- a backend's update ops, in place where the kind allows
 def add_into(ops, a, b):
     """a + b by the backend's contract add (a on the left): `a` is updated in place and returned

@@ -49,7 +49,6 @@ Choices that decide bits (everything else is the ops' own contract):
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -57,7 +56,7 @@ import numpy as np
 
 from . import arrays, cpu_ref
 from .config import ModelConfig
-from .contract import STREAM_INIT
+from .contract import QMAX4, QMAX6, STREAM_INIT
 from .hostmath import f32, reciprocal
 from .spec import arith
 
@@ -197,23 +196,18 @@ class Model:
         if precision not in ("bf16", "int8", "int6", "int4"):
             raise ValueError(f"precision: expected 'bf16', 'int8', 'int6' or 'int4', got {precision!r}")
         self.cfg, self.ops, self.precision = cfg, ops, precision
-        # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands;
-        # per unit (layer, op) overridable by a controller (GNMR) through set_paths
-        self._impl = {"bf16": (ops.linear_forward, ops.linear_backward, ops.attention_forward)}
         if attention_pv not in ("int8", "fp32"):
             raise ValueError(f"attention_pv: expected 'int8' (CONTRACT.md §6.10) or 'fp32' (§6.6), got {attention_pv!r}")
-        if hasattr(ops, "qlinear_forward") and hasattr(ops, "attention_forward_i8"):
-            # the quantized paths' attention forward: §6.10's int8 P·V, or §6.6 for runs started before it
-            attn_q = ops.attention_forward_i8 if attention_pv == "int8" else ops.attention_forward
-            self._impl["int8"] = (ops.qlinear_forward, ops.qlinear_backward, attn_q)
-            if "qmax" in inspect.signature(ops.qlinear_forward).parameters:
-                # the simulated int4 / int6 paths (§6.9, QMAX4 = 7, QMAX6 = 31): GNMR's low-cost stress
-                # paths; attention keeps §6.10
-                for name, qm in (("int4", 7), ("int6", 31)):
-                    self._impl[name] = (functools.partial(ops.qlinear_forward, qmax=qm),
-                                        functools.partial(ops.qlinear_backward, qmax=qm), ops.attention_forward_i8)
-        if precision not in self._impl:
-            raise ValueError(f"precision {precision!r}: backend {getattr(ops, 'NAME', ops)} has no such path")
+        # the linear layer of the Q/K/V/O and FFN GEMMs: §6.1 (bf16) or §6.9 (int8), same operands;
+        # per unit (layer, op) overridable by a controller (GNMR) through set_paths. The quantized
+        # paths' attention forward: §6.10's int8 P·V, or §6.6 for runs started before it
+        attn_q = ops.attention_forward_i8 if attention_pv == "int8" else ops.attention_forward
+        self._impl = {"bf16": (ops.linear_forward, ops.linear_backward, ops.attention_forward),
+                      "int8": (ops.qlinear_forward, ops.qlinear_backward, attn_q)}
+        # the simulated int4 / int6 paths (§6.9): GNMR's low-cost stress paths; attention keeps §6.10
+        for name, qm in (("int4", QMAX4), ("int6", QMAX6)):
+            self._impl[name] = (functools.partial(ops.qlinear_forward, qmax=qm),
+                                functools.partial(ops.qlinear_backward, qmax=qm), ops.attention_forward_i8)
         self.paths: dict[tuple[int, str], str] = {}
         self.layout = ParamLayout(cfg)
         self.n_params = self.layout.n_params
@@ -223,8 +217,6 @@ class Model:
         self.attn_scale = f32(1.0 / math.sqrt(cfg.head_dim))   # binary64 sqrt and / correctly rounded
         self.rope_cos, self.rope_sin = ops.rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)  # (T, D/2)
         self.windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
-        # fp32 scalar multiply with the contract's flush (cpu_ref keeps it in its mathfn module)
-        self._scalar_mul = getattr(ops, "scalar_mul", None) or ops.mathfn.scalar_mul
         self._kind = arrays.NUMPY        # the kind of the params of the current call (_put)
         self._tables = {arrays.NUMPY: (self.rope_cos, self.rope_sin)}
 
@@ -304,7 +296,7 @@ class Model:
             rows = slice(b0 * T, (b0 + nb) * T)
             _, _, ce_n = self._forward(params, self._put(inputs[rows]), self._put(targets[rows]), nb, None)
             for i in range(nb):
-                out[b0 + i] = self._scalar_mul(self.ops.treefold(ce_n[i * T:(i + 1) * T]), r)
+                out[b0 + i] = self.ops.scalar_mul(self.ops.treefold(ce_n[i * T:(i + 1) * T]), r)
         return out
 
     # ---- input checks
@@ -338,7 +330,7 @@ class Model:
         ops, r = self.ops, reciprocal(loss_n.size)
         lse_h = arrays.to_host(lse_n)
         zl_n = arith.mul(np.float32(self.zcoef), arith.mul(lse_h, lse_h))
-        return tuple(float(self._scalar_mul(ops.treefold(x), r)) for x in (loss_n, ce_n, zl_n))
+        return tuple(float(ops.scalar_mul(ops.treefold(x), r)) for x in (loss_n, ce_n, zl_n))
 
     def _forward(self, params, inputs, targets, B, cache: Cache | None):
         """-> loss_n, lse_n, ce_n (N,) fp32; fills cache when one is given."""

@@ -1,5 +1,5 @@
 """The `spec` pseudo-backend: mlx_open1b/spec (the independent numpy implementation of the
-contract) behind cpu_ref's function names, arguments and returns.
+contract) behind the backend interface (mlx_open1b/backend.py), on numpy arrays.
 
 Only adapters live here, no arithmetic of its own: argument order, in-place updates, the load
 rule on scalars and arrays where the spec leaves it to the caller, and the store rule on the one
@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from mlx_open1b.contract import CLIP_EPS, CONTRACT_VERSION, INIT_SIGMA, NORM_BLOCK, QMAX, XENT_CHUNK
-from mlx_open1b import opargs
+from mlx_open1b import derived_ops, opargs
 from mlx_open1b.hostmath import adamw_scalars
 from mlx_open1b.spec import arith as A
 from mlx_open1b.spec import attention as _att
@@ -33,6 +33,14 @@ def available():
 
 def contract_version() -> int:
     return CONTRACT_VERSION
+
+
+def to_device(a):
+    return a
+
+
+def to_host(a):
+    return a
 
 
 def _f32s(x) -> np.float32:
@@ -195,5 +203,4 @@ def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax:
 
 
 # the functional forms the model program and trainer use on device arrays (same arithmetic)
-from mlx_open1b.arrays import functional_ops as _functional_ops  # noqa: E402
-add, scale, adamw = _functional_ops(add_inplace, scale_inplace, adamw_step)
+add, scale, adamw = derived_ops.functional_ops(add_inplace, scale_inplace, adamw_step)
