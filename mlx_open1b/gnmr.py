@@ -195,10 +195,10 @@ class Controller:
     def unit_norms(self, partials: dict, ops) -> np.ndarray:
         """(U,) f32: each unit's §7 global norm over its tensors (buffer order), from the tensors'
         sum-of-squares block partials {name: ops.sumsq_blocks(grad)} (the global norm's own)."""
-        sqrt = getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
         out = np.empty(len(self.units), F32)
         for i, (_, tensors, _) in enumerate(self.units):
-            out[i] = sqrt(ops.treefold(np.ascontiguousarray(np.concatenate([partials[t] for t in tensors]), F32)))
+            joined = np.ascontiguousarray(np.concatenate([partials[t] for t in tensors]), F32)
+            out[i] = ops.scalar_sqrt(ops.treefold(joined))
         return out
 
     def update(self, st: GNMRState, norms: np.ndarray, consumed_after: int) -> tuple[GNMRState, dict]:
