@@ -133,7 +133,7 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
             return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout)
         if backend == "torch":
             return _train_torch(cfg, data_dir, steps or 50, threads)
-        tr = Trainer(out, None if resume else cfg, data_dir, backend=backend, resume=resume)
+        tr = Trainer.resume(out, backend=backend) if resume else Trainer.new(out, cfg, data_dir, backend=backend)
         if resume and precision is not None and precision != tr.cfg.precision:
             _fail(f"--precision {precision}: the run in {out} trains in {tr.cfg.precision} (part of its genesis "
                   f"hash); it cannot be changed on resume", 2)

@@ -85,7 +85,7 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
         cfg = cfgs[arm]
         run = out / arm
         resume = RunDir(run).exists()
-        tr = Trainer(run, None if resume else cfg, corpus_dir, backend=backend, resume=resume)
+        tr = Trainer.resume(run, backend=backend) if resume else Trainer.new(run, cfg, corpus_dir, backend=backend)
         if resume and tr.cfg != cfg:
             raise ValueError(f"{run}: holds a run of another configuration; remove it or choose another --out")
         log(f"arm {arm}: steps {tr.state.step} -> {steps}")

@@ -12,7 +12,6 @@ ledger of an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -20,17 +19,14 @@ import time
 import numpy as np
 
 from . import __version__, arrays, hashing
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .contract import CONTRACT_VERSION
 from .data.format import Manifest
 from .data.stream import Stream, heldout_windows, manifest_fingerprint
-from .fsutil import write_json_atomic
-from .ledger import Ledger, genesis_hash
+from .ledger import genesis_hash
+from .rundir import RunDir, RunInfo
 from .step import LocalReduce, Reduce, TrainError, take_step
-
-RUN_FILE = "run.json"
-LEDGER_FILE = "ledger.jsonl"
 
 
 _WARNED: set = set()
@@ -105,27 +101,32 @@ class TrainState:
 
 
 class Trainer:
+    """One process's training of a run: Trainer.new starts one, Trainer.resume continues it from its
+    latest checkpoint, Trainer.replay opens it read-only at a checkpoint to recompute its steps (the
+    audit); the constructor takes the same choices as flags."""
+
     def __init__(self, run_dir, cfg: RunConfig | None = None, corpus_dir=None, backend: str = "cpu_ref",
                  resume: bool = False, log=None, readonly: bool = False, at_step: int | None = None):
         self.dir = pathlib.Path(run_dir)
+        self.rundir = rd = RunDir(run_dir)
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.backend = backend = resolve_backend(backend)
         self.ops = get_backend(backend)
-        run_file = self.dir / RUN_FILE
+        run_file = rd.run_file
         if resume or readonly:
-            if not run_file.exists():
+            if not rd.exists():
                 raise TrainError(f"{run_file}: no run to resume (start one without --resume)", exit_code=2)
-            info = json.loads(run_file.read_text())
-            if info.get("contract_version") != CONTRACT_VERSION:
-                raise TrainError(f"{run_file}: written under contract v{info.get('contract_version')}, "
+            info = rd.info(error=TrainError)
+            if info.contract_version != CONTRACT_VERSION:
+                raise TrainError(f"{run_file}: written under contract v{info.contract_version}, "
                                  f"this is v{CONTRACT_VERSION}; it cannot be continued bit for bit", exit_code=2)
             try:
-                self.cfg = RunConfig.from_json(info["config"]).check()
+                self.cfg = info.config.check()
             except ConfigError as e:
                 raise TrainError(f"{run_file}: {e}", exit_code=2) from None
-            corpus_dir = info["corpus_dir"]
+            corpus_dir = info.corpus_dir
         else:
-            if run_file.exists():
+            if rd.exists():
                 raise TrainError(f"{run_file}: a run already exists here; use --resume or another --out", exit_code=2)
             if cfg is None or corpus_dir is None:
                 raise TrainError("a new run needs a config and a prepared corpus", exit_code=2)
@@ -134,19 +135,16 @@ class Trainer:
         if resume or readonly:
             for key, mine in (("manifest_fingerprint", self.fingerprint), ("genesis", self.genesis),
                               ("tokenizer_sha256", self.manifest.tokenizer_sha256)):
-                if info.get(key) != mine:
-                    raise TrainError(f"{run_file}: {key} {str(info.get(key))[:16]}… does not match the corpus "
+                if getattr(info, key) != mine:
+                    raise TrainError(f"{run_file}: {key} {getattr(info, key)[:16]}… does not match the corpus "
                                      f"{self.corpus} ({mine[:16]}…)", exit_code=2)
         else:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(run_file, {
-                "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION, "created_by": f"mlx-open1b {__version__}",
-                "corpus_dir": str(self.corpus.resolve()), "manifest_fingerprint": self.fingerprint,
-                "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis})
+            rd.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
+                              self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
         from .model import init_params
         self._build_model()
         self.readonly = readonly
-        self.ledger = None if readonly else Ledger(self.dir / LEDGER_FILE, self.genesis)
+        self.ledger = None if readonly else rd.ledger(self.genesis)
         if readonly:
             self.state = self._load_latest(at_step)
         elif resume:
@@ -163,6 +161,22 @@ class Trainer:
         st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
         self._probes = None
+
+    @classmethod
+    def new(cls, run_dir, cfg: RunConfig, corpus_dir, backend: str = "cpu_ref", log=None) -> "Trainer":
+        """Start a run in run_dir (which holds none yet): its run.json, then the checkpoint of step 0."""
+        return cls(run_dir, cfg, corpus_dir, backend=backend, log=log)
+
+    @classmethod
+    def resume(cls, run_dir, backend: str = "cpu_ref", log=None) -> "Trainer":
+        """Continue the run in run_dir from its latest checkpoint (its ledger cut back to it)."""
+        return cls(run_dir, backend=backend, resume=True, log=log)
+
+    @classmethod
+    def replay(cls, run_dir, at_step: int | None = None, backend: str = "cpu_ref", log=None) -> "Trainer":
+        """The run in run_dir at its newest checkpoint at or before at_step, read-only: its steps
+        are recomputed (compute_step) and nothing is written."""
+        return cls(run_dir, backend=backend, readonly=True, at_step=at_step, log=log)
 
     def _open_corpus(self, corpus_dir) -> None:
         """The corpus of self.cfg: its manifest, fingerprint and the run's genesis hash."""
@@ -229,7 +243,7 @@ class Trainer:
         return save_checkpoint(self.dir, st.step, tensors, meta)
 
     def _load_latest(self, at_or_before: int | None = None) -> TrainState:
-        found = latest_checkpoint(self.dir, at_or_before)
+        found = self.rundir.latest_checkpoint(at_or_before)
         if found is None:
             raise TrainError(f"{self.dir}: no checkpoint to resume from", exit_code=2)
         return self.load_state(found[1])

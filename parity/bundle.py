@@ -131,7 +131,7 @@ def train_ledger(backend: str, steps: int, data_dir=None, log: Callable[[str], N
     """The tiny preset trained for `steps` steps on `backend` in a temporary run directory; the
     default corpus is prepared into a temporary directory unless data_dir is given."""
     from mlx_open1b.config import preset
-    from mlx_open1b.train import LEDGER_FILE, Trainer
+    from mlx_open1b.train import Trainer
     log = log or (lambda m: None)
     with tempfile.TemporaryDirectory(prefix="open1b-parity-") as tmp:
         tmp = pathlib.Path(tmp)
@@ -145,9 +145,9 @@ def train_ledger(backend: str, steps: int, data_dir=None, log: Callable[[str], N
         cfg = preset("tiny")
         tr = Trainer(tmp / "run", cfg, data_dir, backend=backend, log=log)
         run_hash = tr.train(int(steps))
-        lines = (tmp / "run" / LEDGER_FILE).read_text().splitlines()
+        ledger = tr.rundir.records()
     return {"preset": "tiny", "steps": int(steps), "backend": backend, "genesis": tr.genesis,
-            "run_hash": run_hash, "ledger": [json.loads(x) for x in lines if x.strip()]}
+            "run_hash": run_hash, "ledger": ledger}
 
 
 def export(path, backend: str = "cpu_ref", cases: int = 8, steps: int = 3, seed: int = 0,

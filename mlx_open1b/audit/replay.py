@@ -93,7 +93,7 @@ def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str
         raise TrainError(f"{rd.ledger_file}: the ledger is empty", exit_code=2)
     if first < 0 or last < first or last not in records:
         raise TrainError(f"steps {first}-{last}: the run has steps 0-{max(records)}", exit_code=2)
-    tr = Trainer(run, backend=backend, readonly=True, at_step=first)
+    tr = Trainer.replay(run, at_step=first, backend=backend)
     start = tr.state.step
     if start > 0:
         _check_start(tr, records, start)
@@ -119,7 +119,7 @@ def audit(run_dir, first: int, last: int, backend: str = "cpu_ref", auditor: str
 def _check_start(tr: Trainer, records: dict, start: int) -> None:
     """The checkpoint the replay starts from holds the state the ledger records after step start - 1
     (its tensors hashed afresh, as `open1b hash` checks every checkpoint)."""
-    path = RunDir(tr.dir).checkpoint(start)
+    path = tr.rundir.checkpoint(start)
     rec = records.get(start - 1)
     if rec is None:
         raise TrainError(f"{path}: the ledger has no record of step {start - 1} to check it against", exit_code=1)

@@ -19,7 +19,6 @@ is still reported within it (collectives.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -34,7 +33,8 @@ from ..contract import CONTRACT_VERSION
 from ..data.format import DataError, Manifest
 from ..data.stream import Stream, manifest_fingerprint
 from ..ledger import LedgerError, genesis_hash
-from ..train import RUN_FILE, Trainer, TrainError, TrainState, get_backend, resolve_backend
+from ..rundir import RunDir
+from ..train import Trainer, TrainError, TrainState, get_backend, resolve_backend
 from .collectives import Comm, CommError, DistError, cpu_count
 from .reduce import DistributedReduce
 from .sharding import ShardingError, check_worker_count
@@ -105,17 +105,16 @@ class DistributedTrainer(Trainer):
     def _agree(self, run_dir, cfg, corpus_dir, backend, resume):
         """Every worker's configuration, corpus and contract, compared with rank 0's before anything
         is written; then the worker count against the batch. Returns (cfg, corpus_dir)."""
-        import pathlib
         comm = self.comm
         info, err = None, None
         if resume and comm.rank == 0:       # the run's config and corpus path, from rank 0's run directory
             try:
-                run_file = pathlib.Path(run_dir) / RUN_FILE
-                if not run_file.exists():
-                    raise TrainError(f"{run_file}: no run to resume (start one without --resume)", exit_code=2)
-                info = json.loads(run_file.read_text())
-                info = {"config": info["config"], "corpus_dir": info["corpus_dir"]}
-            except (TrainError, OSError, ValueError, KeyError) as e:
+                rd = RunDir(run_dir)
+                if not rd.exists():
+                    raise TrainError(f"{rd.run_file}: no run to resume (start one without --resume)", exit_code=2)
+                ri = rd.info(error=TrainError)
+                info = {"config": ri.config, "corpus_dir": ri.corpus_dir}
+            except (TrainError, OSError) as e:
                 err = (f"{e}", getattr(e, "exit_code", 2))
         info, err = comm.broadcast_object((info, err))      # every worker, resuming or not (same collectives)
         if err is not None:
@@ -127,7 +126,7 @@ class DistributedTrainer(Trainer):
                     raise TrainError("started with --resume, rank 0 without", exit_code=2)
                 if comm.rank == 0 or corpus_dir is None:
                     corpus_dir = info["corpus_dir"]
-                cfg = RunConfig.from_json(info["config"])
+                cfg = info["config"]
             if cfg is None or corpus_dir is None:
                 raise TrainError("a new run needs a config and a prepared corpus", exit_code=2)
             cfg = cfg.check()
