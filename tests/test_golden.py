@@ -97,7 +97,7 @@ def test_broken_golden_file_is_refused_with_its_name(tmp_path, content, says):
         G.load(path)
     assert str(path) in str(e.value)
     res = CliRunner().invoke(cli, ["selftest", "--backend", "cpu_ref", "--golden", str(path)])
-    assert res.exit_code == 2 and res.exception is None or isinstance(res.exception, SystemExit)
+    assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.output
     assert str(path) in res.output and says in res.output and "Traceback" not in res.output
 
 

@@ -380,6 +380,33 @@ def test_emulated_contraction_fails_the_canaries_on_both_gpu_backends():
         assert "linear_fma_canary: y[2, 2] = " in S.describe_failure(rep.ops["linear_forward"].first)
 
 
+def test_contraction_fault_through_the_first_contact(monkeypatch, cache):
+    """A unit that fuses multiply-adds, met at first contact: --backend auto falls back to
+    cpu_ref, an explicit backend is refused; both name the op and the canary case."""
+    canaries = lambda gc: gc.name in ("exp_fma_canary_tiny", "linear_fma_canary")     # noqa: E731
+    _narrow(monkeypatch, canaries)
+    for emu, name in ((cuda_emu, "cuda"), (metal_emu, "metal")):
+        with emu.hardware(fault="fma"), S.assume_hardware(name):
+            log = []
+            assert S.first_contact("auto", log=log.append) == "cpu_ref"
+            assert f"warning: {name}" in log[-1] and "First difference: exp: edge/exp_fma_canary_tiny" in log[-1]
+            with pytest.raises(S.SelftestRefused, match=f"--backend {name}: .*First difference: exp: "
+                                                        "edge/exp_fma_canary_tiny"):
+                S.first_contact(name)
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_unit_that_flushes_to_plus_zero_leaves_both_emulators_passing():
+    """Immunity, stated: a unit that returns +0 for every tiny result whatever its sign changes no
+    bit, because the contract flushes tiny results itself and re-signs every flushed zero from the
+    operands (cuda/contract.cuh, metal/contract.metal), so the edge cases built on negative tiny
+    results (mul_tiny, div_tiny_overflow, add/sub_tiny, exp and sigmoid near 2^-126, ...) pass."""
+    for emu, name in ((cuda_emu, "cuda"), (metal_emu, "metal")):
+        with emu.hardware(fault="flush_unsigned"):
+            rep = S.run_backend(name, GOLDEN, select=lambda gc: gc.kind == "edge")
+        assert rep.ok and rep.cases == len(E.names()), (name, rep.first_failure())
+
+
 def test_metal_division_is_immune_to_a_faulty_divider():
     """Metal divides in integers (CONTRACT.md §3), so the modelled divider's rounding never shows."""
     divides = lambda gc: gc.name in ("div_tiny_overflow", "sigmoid_divisor_above_2^126", "rsqrt_subnormal")  # noqa
