@@ -49,19 +49,9 @@ _assumed: set = set()
 
 
 def on_hardware(backend: str) -> bool:
-    """Whether `backend` runs on a real device here (not on its CPU emulator)."""
-    if backend in _assumed:
-        return True
-    try:
-        if backend == "metal":
-            from .metal.runtime import real_metal
-            return bool(real_metal())
-        if backend == "cuda":
-            from .cuda.runtime import real_cuda
-            return bool(real_cuda())
-    except Exception:   # noqa: BLE001 - no usable runtime: not hardware
-        return False
-    return False
+    """Whether the GPU backend `backend` runs on a real device here (not on its CPU emulator)."""
+    from .backend import on_device
+    return backend in _assumed or (backend in GPU_BACKENDS and on_device(backend))
 
 
 @contextlib.contextmanager
@@ -78,13 +68,13 @@ def assume_hardware(*backends: str):
 
 
 def resolve(requested: str) -> str:
-    """--backend's value as a backend name: 'auto' as mlx_open1b.train.resolve_backend, or the
-    first backend assume_hardware names."""
+    """--backend's value as a backend name: 'auto' as mlx_open1b.backend.resolve, or the first
+    backend assume_hardware names."""
     if requested == "auto":
         for name in GPU_BACKENDS:
             if name in _assumed:
                 return name
-    from .train import resolve_backend
+    from .backend import resolve as resolve_backend
     return resolve_backend(requested)
 
 
@@ -492,24 +482,123 @@ def _dist_version(*names) -> str | None:
     return None
 
 
-def _cuda_driver() -> str | None:
+def _driver_build(proc: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA driver's build version (e.g. 550.54.15): NVML when pynvml imports, else the
+    kernel module's line in /proc (Linux); None when neither says."""
     try:
-        import cupy
-        return f"driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()}"
-    except Exception:   # noqa: BLE001
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:   # noqa: BLE001 - no NVML here: the next source
+        pass
+    try:
+        import re
+        m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d[\w.\-]*)", pathlib.Path(proc).read_text())
+        return m.group(1) if m else None
+    except OSError:
         return None
 
 
-def cache_key(backend: str, golden: _golden.Golden) -> dict:
-    """What a cached pass is valid for: the device, OS, driver, library, package, contract and golden file."""
-    where, device = describe(backend)
-    key = {"backend": backend, "where": where, "device": device, "os": platform.platform(),
-           "package": __version__, "contract": CONTRACT_VERSION, "golden_sha256": golden.sha256}
+def cuda_identity(device: int | None = None, cupy=None) -> dict:
+    """The CUDA stack a pass is valid for: the device (index, name, compute capability, PCI bus
+    id, UUID), the driver (its CUDA version and build), the CUDA runtime and NVRTC versions. Fields
+    that cannot be read say so; device None: the current device. cupy: the module (tests pass a fake)."""
+    def text(v):
+        return v.decode(errors="replace") if isinstance(v, bytes) else v
+
+    ident: dict = {"device_index": device}
+    if cupy is None:
+        try:
+            import cupy
+        except Exception as e:   # noqa: BLE001 - no CuPy: the key says so
+            ident["cupy"] = f"not importable ({type(e).__name__})"
+            ident["driver_build"] = _driver_build()
+            return ident
+    rt = cupy.cuda.runtime
+
+    def q(field, fn):
+        try:
+            ident[field] = fn()
+        except Exception as e:   # noqa: BLE001
+            ident[field] = f"unknown ({type(e).__name__})"
+
+    if device is None:
+        q("device_index", rt.getDevice)
+    i = ident["device_index"]
+    props: dict = {}
+    q("_props", lambda: props.update(rt.getDeviceProperties(i)))
+    ident.pop("_props")
+    q("name", lambda: text(props["name"]))
+    q("compute_capability", lambda: f"{props['major']}.{props['minor']}")
+    q("pci_bus_id", lambda: text(rt.deviceGetPCIBusId(i)))
+    q("uuid", lambda: bytes(props["uuid"]).hex() if isinstance(props.get("uuid"), (bytes, bytearray))
+      else text(props["uuid"]))
+    q("driver", rt.driverGetVersion)
+    q("runtime", rt.runtimeGetVersion)
+    q("nvrtc", lambda: ".".join(str(x) for x in cupy.cuda.nvrtc.getVersion()))
+    ident["driver_build"] = _driver_build()
+    return ident
+
+
+def metal_identity() -> dict:
+    """The Metal device a pass is valid for (mx.metal.device_info(): name, architecture), when MLX
+    runs on one."""
+    try:
+        import mlx.core as mx
+        info = mx.metal.device_info()
+        return {k: str(info[k]) for k in ("device_name", "architecture") if k in info}
+    except Exception as e:   # noqa: BLE001
+        return {"device_info": f"unknown ({type(e).__name__})"}
+
+
+#: the files of a backend whose bytes a pass depends on: the kernels and the Python that builds and
+#: launches them (an editable checkout's edit invalidates the cached pass)
+KERNEL_FILES = {"metal": ("*.metal", "*.py"), "cuda": ("*.cu", "*.cuh", "*.py")}
+
+
+def backend_dir(backend: str) -> pathlib.Path | None:
+    """The folder of the mlx_open1b.<backend> package (not imported)."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(f"mlx_open1b.{backend}")
+    except (ImportError, ValueError):
+        return None
+    locs = list(spec.submodule_search_locations or []) if spec else []
+    return pathlib.Path(locs[0]) if locs else None
+
+
+def kernel_sources_sha256(backend: str, directory=None) -> str | None:
+    """SHA-256 over the names and bytes of the backend's KERNEL_FILES (sorted by name)."""
+    d = pathlib.Path(directory) if directory is not None else backend_dir(backend)
+    if d is None or not d.is_dir():
+        return None
+    h = hashlib.sha256()
+    files = sorted({f for pat in KERNEL_FILES.get(backend, ()) for f in d.glob(pat) if f.is_file()})
+    for f in files:
+        data = f.read_bytes()
+        h.update(f"{f.name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def cache_key(backend: str, golden: _golden.Golden, device: int | None = None) -> dict:
+    """What a cached pass is valid for: the device (CUDA: the one with index `device`, default the
+    current one), OS, driver, libraries (CUDA: runtime and NVRTC), the backend's kernel sources,
+    package, contract and golden file."""
+    where, described = describe(backend)
+    key = {"backend": backend, "where": where, "device": described, "os": platform.platform(),
+           "package": __version__, "contract": CONTRACT_VERSION, "golden_sha256": golden.sha256,
+           "kernels_sha256": kernel_sources_sha256(backend)}
     if backend == "metal":
         key["mlx"] = _dist_version("mlx")
+        key["metal"] = metal_identity() if on_hardware("metal") and "metal" not in _assumed else None
     else:
         key["cupy"] = _dist_version("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy")
-        key["driver"] = _cuda_driver()
+        key["cuda"] = cuda_identity(device)
     return key
 
 

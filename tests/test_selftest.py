@@ -263,9 +263,106 @@ def test_first_contact_runs_only_on_hardware_and_caches_a_pass(cache, monkeypatc
         assert S.first_contact("metal") == "metal" and calls == ["metal", "metal"]   # not this key's pass
         calls.pop()
         key = S.cache_key("metal", GOLDEN)
-        monkeypatch.setattr(S, "cache_key", lambda b, g: dict(key, mlx="9.9.9"))  # another library version
+        monkeypatch.setattr(S, "cache_key", lambda b, g, d=None: dict(key, mlx="9.9.9"))  # another library version
         assert S.first_contact("metal") == "metal" and calls == ["metal", "metal"]
     assert S.resolve("auto") == "cpu_ref"
+
+
+class _FakeCudaRuntime:
+    """cupy.cuda.runtime as a CUDA machine answers it (the values are placeholders)."""
+
+    def __init__(self, **v):
+        self.v = dict(current=0, driver=12040, runtime=12040, name=b"NVIDIA H200", major=9, minor=0,
+                      bus="0000:{:02X}:00.0", uuid=b"\x01" * 16)
+        self.v.update(v)
+
+    def getDevice(self):
+        return self.v["current"]
+
+    def getDeviceProperties(self, i):
+        return {"name": self.v["name"], "major": self.v["major"], "minor": self.v["minor"], "uuid": self.v["uuid"]}
+
+    def deviceGetPCIBusId(self, i):
+        return self.v["bus"].format(0x10 + i)
+
+    def driverGetVersion(self):
+        return self.v["driver"]
+
+    def runtimeGetVersion(self):
+        return self.v["runtime"]
+
+
+def _fake_cupy(nvrtc=(12, 4), **v):
+    from types import SimpleNamespace
+    return SimpleNamespace(cuda=SimpleNamespace(runtime=_FakeCudaRuntime(**v),
+                                                nvrtc=SimpleNamespace(getVersion=lambda: nvrtc)))
+
+
+def test_cuda_identity_reads_device_driver_runtime_and_nvrtc():
+    ident = S.cuda_identity(None, cupy=_fake_cupy(current=1))
+    assert {k: ident[k] for k in ("device_index", "name", "compute_capability", "pci_bus_id", "uuid", "driver",
+                                  "runtime", "nvrtc")} == {
+        "device_index": 1, "name": "NVIDIA H200", "compute_capability": "9.0", "pci_bus_id": "0000:11:00.0",
+        "uuid": "01" * 16, "driver": 12040, "runtime": 12040, "nvrtc": "12.4"}
+    assert S.cuda_identity(3, cupy=_fake_cupy())["pci_bus_id"] == "0000:13:00.0"
+    broken = _fake_cupy()
+    del broken.cuda.nvrtc.getVersion
+    assert S.cuda_identity(0, cupy=broken)["nvrtc"] == "unknown (AttributeError)"
+
+
+def test_driver_build_from_nvml_or_proc(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+    proc = tmp_path / "version"
+    proc.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+                    "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    monkeypatch.setitem(sys.modules, "pynvml", None)                   # no NVML: the kernel module's line
+    assert S._driver_build(str(proc)) == "550.54.15"
+    assert S._driver_build(str(tmp_path / "absent")) is None
+    nvml = SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                           nvmlSystemGetDriverVersion=lambda: b"560.35.03")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert S._driver_build(str(proc)) == "560.35.03"
+
+
+@pytest.mark.parametrize("change", [
+    dict(driver=12060), dict(runtime=12060), dict(nvrtc=(12, 6)), dict(name=b"NVIDIA H100"), dict(major=8),
+    dict(bus="0001:{:02X}:00.0"), dict(uuid=b"\x02" * 16), dict(current=1),
+])
+def test_cuda_pass_is_cached_per_device_driver_runtime_and_nvrtc(cache, monkeypatch, change):
+    """A pass cached for one CUDA stack is not reused when the driver, runtime, NVRTC, device
+    (name, compute capability, PCI bus, UUID) or device index differ."""
+    real = S.cuda_identity
+    fake = [_fake_cupy()]
+    monkeypatch.setattr(S, "cuda_identity", lambda device=None: real(device, cupy=fake[0]))
+    calls = []
+    run = S.run_backend
+    monkeypatch.setattr(S, "run_backend", lambda *a, **k: calls.append(a[0]) or run(*a, **dict(k, select=EXP_ONLY)))
+    with S.assume_hardware("cuda"):
+        assert S.first_contact("cuda") == "cuda" and S.first_contact("cuda") == "cuda" and calls == ["cuda"]
+        fake[0] = _fake_cupy(**change)
+        assert S.first_contact("cuda") == "cuda" and calls == ["cuda", "cuda"]
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_an_edited_kernel_source_invalidates_a_cached_pass(cache, monkeypatch, tmp_path):
+    """An editable checkout: a pass cached before a kernel (or its launch code) changed is not
+    reused after; the hash covers metal's .metal and cuda's .cu, .cuh and .py files."""
+    import shutil
+    for name in ("metal", "cuda"):
+        shutil.copytree(S.backend_dir(name), tmp_path / name, ignore=shutil.ignore_patterns("emu", "__pycache__"))
+    monkeypatch.setattr(S, "backend_dir", lambda b: tmp_path / b)
+    calls = []
+    run = S.run_backend
+    monkeypatch.setattr(S, "run_backend", lambda *a, **k: calls.append(a[0]) or run(*a, **dict(k, select=EXP_ONLY)))
+    for name, edited in (("metal", "gemm.metal"), ("cuda", "contract.cuh"), ("cuda", "linear.cu"), ("cuda", "ops.py")):
+        with S.assume_hardware(name):
+            S.first_contact(name)
+            n = len(calls)
+            assert S.first_contact(name) == name and len(calls) == n                    # cached
+            with open(tmp_path / name / edited, "a") as f:
+                f.write("\n")
+            assert S.first_contact(name) == name and len(calls) == n + 1, edited          # checked again
 
 
 def test_first_contact_falls_back_under_auto_and_refuses_an_explicit_backend(cache, monkeypatch):
