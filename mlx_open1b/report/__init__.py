@@ -18,8 +18,9 @@ from .data import (ReportError, checkpoint_norms, gnmr_active, grad_stats, load_
                    trailing_mean, windows)
 from .figures import FIGURE_IDS, figures
 from .page import render, write_report
+from .axes import thin
 from .plot import PALETTE, Plot, shade
 
 __all__ = ["FIGURE_IDS", "PALETTE", "Plot", "ReportError", "checkpoint_norms", "figures", "gnmr_active", "grad_stats",
-           "load_run_data", "milestones", "render", "shade", "summarize", "trailing_mean", "windows",
+           "load_run_data", "milestones", "render", "shade", "summarize", "thin", "trailing_mean", "windows",
            "write_report"]
