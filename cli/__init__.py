@@ -14,16 +14,28 @@ SKIP_SELFTEST_HELP = ("skip the check of a real Metal or CUDA device against the
                       "selftest` themselves: a device that fails it computes other bits than every other machine")
 
 
-def backend_option(extra: tuple = (), help: str | None = None):
+def backend_option(extra: tuple = (), help: str | None = None, workers: bool = False):
     """--backend (default auto: metal on Apple silicon, cuda on an NVIDIA GPU, else cpu_ref; every
     backend gives the same bits) and --skip-selftest. The command receives the resolved name, after
     the first-contact check (mlx_open1b.selftest.first_contact): a real device that fails it is
-    replaced by cpu_ref under auto and stops the command (exit 3, nothing written) when named."""
+    replaced by cpu_ref under auto and stops the command (exit 3, nothing written) when named.
+
+    workers: the command also runs distributed (train): with --nproc N the check covers every
+    local device the N workers will use, before any is started; in a torchrun worker it covers the
+    worker's own device (LOCAL_RANK), and a failure does not stop that worker alone: the command
+    receives it as selftest_refusal (None when it passed) and every worker stops at the start-up
+    agreement, so none waits for a worker that is gone."""
     def deco(f):
         @functools.wraps(f)
         def run(*args, backend, skip_selftest, **kwargs):
+            refusal = None
             if backend not in extra:
-                backend = _first_contact(backend, skip_selftest)
+                if workers:
+                    backend, refusal = _first_contact_workers(backend, skip_selftest, kwargs.get("nproc"))
+                else:
+                    backend = _first_contact(backend, skip_selftest)
+            if workers:
+                kwargs["selftest_refusal"] = refusal
             return f(*args, backend=backend, **kwargs)
         run = click.option("--skip-selftest", is_flag=True, help=SKIP_SELFTEST_HELP)(run)
         return click.option("--backend", type=click.Choice(list(BACKENDS) + list(extra)), default="auto",
@@ -34,12 +46,38 @@ def backend_option(extra: tuple = (), help: str | None = None):
     return deco
 
 
-def _first_contact(requested: str, skip: bool) -> str:
+def _first_contact_workers(requested: str, skip: bool, nproc) -> tuple[str, str | None]:
+    """(backend, refusal) for a command that may run distributed (backend_option(workers=True))."""
+    import os
+
+    from mlx_open1b.distributed import in_worker_env
+    from mlx_open1b.selftest import SelftestRefused, local_devices, resolve
+    if not in_worker_env():
+        devices = local_devices(resolve(requested), nproc=nproc) if nproc is not None else None
+        return _first_contact(requested, skip, devices), None
+    name = resolve(requested)
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK") or os.environ.get("RANK") or 0)
+    except ValueError:
+        local_rank = 0                   # the rendezvous reports the malformed environment
+    try:
+        return _first_contact(name, skip, local_devices(name, local_rank=local_rank), raise_refusal=True), None
+    except SelftestRefused as e:
+        why = str(e)
+        if requested == "auto":
+            why += (" (--backend auto: one torchrun worker cannot fall back to cpu_ref alone, so every worker "
+                    "stops; `open1b train --nproc N` checks every device first and falls back for all)")
+        return name, why
+
+
+def _first_contact(requested: str, skip: bool, devices=None, raise_refusal: bool = False) -> str:
     from mlx_open1b.golden import GoldenError
     from mlx_open1b.selftest import SelftestRefused, first_contact
     try:
-        return first_contact(requested, skip=skip, log=lambda m: click.echo(m, err=True))
+        return first_contact(requested, skip=skip, log=lambda m: click.echo(m, err=True), devices=devices)
     except SelftestRefused as e:
+        if raise_refusal:
+            raise
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except GoldenError as e:

@@ -65,7 +65,7 @@ class _Progress:
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="model and recipe preset")
 @click.option("--steps", type=int, default=None, help="optimizer steps to reach (default: the preset's token budget)")
-@backend_option(extra=("torch",),
+@backend_option(extra=("torch",), workers=True,
                 help="auto: metal on Apple silicon, cuda on an NVIDIA GPU, else cpu_ref; cpu_ref: the C reference; "
                      "metal, cuda: the GPU kernels (bit-identical to cpu_ref; emulated on the CPU where no GPU is "
                      "present); torch: the non-reproducible PyTorch baseline")
@@ -90,7 +90,8 @@ class _Progress:
               help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an "
                    "error; work a rank does alone (rank 0 writing a checkpoint) may take longer, as long as its "
                    "heartbeat goes on")
-def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec, nproc, dist_timeout):
+def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec, nproc, dist_timeout,
+          selftest_refusal=None):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     import dataclasses
 
@@ -130,7 +131,8 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
                            seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
                            gnmr_spec=gnmr_spec)
         if worker:
-            return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout)
+            return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout,
+                                 selftest_refusal)
         if backend == "torch":
             return _train_torch(cfg, data_dir, steps or 50, threads)
         tr = Trainer.resume(out, backend=backend) if resume else Trainer.new(out, cfg, data_dir, backend=backend)
@@ -190,7 +192,8 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     per = threads or max(1, cpu_count() // nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "mlx_open1b.cli.main", "train", "--preset", preset_name, "--backend", backend, "--out", str(out),
-           "--threads", str(per), "--dist-timeout", repr(float(timeout))]
+           "--threads", str(per), "--dist-timeout", repr(float(timeout)),
+           "--skip-selftest"]                 # this process checked every local device the workers use
     for flag, val in (("--steps", steps), ("--seed", seed), ("--precision", precision), ("--gnmr", gnmr_spec),
                       ("--data", None if data_dir is None else str(pathlib.Path(data_dir).resolve()))):
         if val is not None:
@@ -207,7 +210,7 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
 
 
 def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend: str, threads: int,
-                  precision, timeout: float) -> None:
+                  precision, timeout: float, selftest_refusal: str | None = None) -> None:
     """One torchrun worker of a distributed run (RANK, WORLD_SIZE, MASTER_ADDR... set by torchrun)."""
     import os
 
@@ -229,7 +232,8 @@ def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend
 
     try:
         h, tr = run_worker(out, cfg, data_dir, steps=steps, backend=backend, resume=resume, timeout=timeout,
-                           threads=threads, on_start=on_start, progress=lambda rec, tok_s: prog["p"](rec, tok_s))
+                           threads=threads, on_start=on_start, progress=lambda rec, tok_s: prog["p"](rec, tok_s),
+                           startup_error=None if selftest_refusal is None else (selftest_refusal, 3))
     except (TrainError, DistError, DataError, ConfigError, CheckpointError, LedgerError) as e:
         click.echo(f"error: [rank {rank}/{world}] {e}", err=True)
         sys.stdout.flush()

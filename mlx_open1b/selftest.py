@@ -626,34 +626,97 @@ def remember_pass(key: dict, rep: BackendReport) -> pathlib.Path | None:
     return path
 
 
+def local_devices(backend: str, *, nproc: int | None = None, local_rank: int | None = None) -> list[int] | None:
+    """The CUDA devices a command will use on this machine, as the distributed workers pick them
+    (LOCAL_RANK modulo the device count): one worker's (local_rank), those of nproc workers, or
+    None (one process: the current device). Only CUDA has several; an emulated backend counts as
+    having as many devices as asked for."""
+    if backend != "cuda" or (nproc is None and local_rank is None):
+        return None
+    count = None
+    try:
+        from .cuda.runtime import real_cuda
+        if real_cuda() and "cuda" not in _assumed:
+            import cupy
+            count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:   # noqa: BLE001 - no count: as many as asked for
+        count = None
+    if local_rank is not None:
+        return [local_rank % count if count else local_rank]
+    return list(range(min(nproc, count) if count else nproc))
+
+
+@contextlib.contextmanager
+def _on_device(backend: str, device: int | None):
+    """Run the check on CUDA device `device` (the current one when None, or when emulated)."""
+    if backend != "cuda" or device is None or "cuda" in _assumed:
+        yield
+        return
+    import cupy
+    try:
+        with cupy.cuda.Device(device):
+            yield
+    finally:
+        try:                             # the workers need the memory this process checked with
+            cupy.get_default_memory_pool().free_all_blocks()
+        except Exception:   # noqa: BLE001
+            pass
+
+
+def _where(key: dict) -> str:
+    """The device of a cache key in words (a CUDA device by its index and name)."""
+    c = key.get("cuda") or {}
+    if isinstance(c.get("device_index"), int):
+        name = c.get("name")
+        if isinstance(name, str) and not name.startswith("unknown") and key.get("where") == "hardware":
+            return f"CUDA device {c['device_index']} ({name})"
+        return f"{key['device']} [device {c['device_index']}]"
+    return key["device"]
+
+
+def check_device(backend: str, golden: _golden.Golden, device: int | None = None, *,
+                 log: Callable[[str], None] | None = None, select: Callable | None = None) -> tuple[str, str | None]:
+    """(the device in words, None when it passes — now or by a cached pass — else why not)."""
+    log = log or (lambda m: None)
+    key = cache_key(backend, golden, device)
+    where = _where(key)
+    if passed_before(key):
+        return where, None
+    log(f"first contact with {backend} on {where}: checking it against the golden known answers "
+        f"(quick set; once per device, driver and version; --skip-selftest skips it)")
+    with _on_device(backend, device):
+        rep = run_backend(backend, golden, full=False, select=select)
+    if rep.ok:
+        remember_pass(key, rep)
+        log(f"{backend}: {rep.cases} cases equal to the golden answers ({rep.seconds:.1f} s)")
+        return where, None
+    return where, (("First difference: " if rep.verdict == "DIFFERENT" else "Not a pass: ")
+                   + (rep.first_failure() or rep.not_run or "unknown"))
+
+
 def first_contact(requested: str, *, skip: bool = False, log: Callable[[str], None] | None = None,
-                  golden_path=None, select: Callable | None = None) -> str:
+                  golden_path=None, select: Callable | None = None, devices: list[int] | None = None) -> str:
     """The backend a command uses for --backend `requested`. On a real Metal or CUDA device the
     quick set runs first unless a pass is cached for this exact key; on a mismatch 'auto' falls back
     to cpu_ref (with a warning naming the op) and an explicit name raises SelftestRefused. A
-    missing or broken golden file raises golden.GoldenError. skip: no check (--skip-selftest)."""
+    missing or broken golden file raises golden.GoldenError. skip: no check (--skip-selftest).
+    devices: the CUDA devices to check (local_devices; default the current one): every one must
+    pass, so that all the workers of a run use the backend or none does."""
     log = log or (lambda m: None)
     backend = resolve(requested)
     if skip or backend not in GPU_BACKENDS or not on_hardware(backend):
         return backend
     golden = _golden.load(golden_path)
-    key = cache_key(backend, golden)
-    if passed_before(key):
-        return backend
-    log(f"first contact with {backend} on {key['device']}: checking it against the golden known answers "
-        f"(quick set; once per device, driver and version; --skip-selftest skips it)")
-    rep = run_backend(backend, golden, full=False, select=select)
-    if rep.ok:
-        remember_pass(key, rep)
-        log(f"{backend}: {rep.cases} cases equal to the golden answers ({rep.seconds:.1f} s)")
-        return backend
-    what = (("First difference: " if rep.verdict == "DIFFERENT" else "Not a pass: ")
-            + (rep.first_failure() or rep.not_run or "unknown"))
-    hint = f"`open1b selftest --backend {backend}` prints every op"
-    if requested == "auto":
-        log(f"warning: {backend} on {key['device']} failed the self-test, so --backend auto uses cpu_ref (bit-"
-            f"identical, slower). {what}. {hint}.")
-        return "cpu_ref"
-    raise SelftestRefused(f"--backend {backend}: {key['device']} failed the self-test, so it is not used and "
-                          f"nothing was written. {what}. {hint}; --backend cpu_ref runs the "
-                          f"C reference; --skip-selftest runs on the device unchecked.")
+    for device in (devices or [None]) if backend == "cuda" else [None]:
+        where, what = check_device(backend, golden, device, log=log, select=select)
+        if what is None:
+            continue
+        hint = f"`open1b selftest --backend {backend}` prints every op"
+        if requested == "auto":
+            log(f"warning: {backend} on {where} failed the self-test, so --backend auto uses cpu_ref (bit-"
+                f"identical, slower). {what}. {hint}.")
+            return "cpu_ref"
+        raise SelftestRefused(f"--backend {backend}: {where} failed the self-test, so it is not used and "
+                              f"nothing was written. {what}. {hint}; --backend cpu_ref runs the "
+                              f"C reference; --skip-selftest runs on the device unchecked.")
+    return backend

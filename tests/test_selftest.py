@@ -10,6 +10,7 @@ with faults planted by monkeypatching a backend op or by the emulators' modelled
 results; Metal's division is done in integers, so a faulty divider changes nothing there."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -456,6 +457,138 @@ def test_cli_refuses_a_failing_device_before_writing_and_falls_back_under_auto(t
         res = r.invoke(cli, ["train", "--backend", "metal", "--skip-selftest", "--out", str(tmp_path / "skip"),
                              "--data", str(default_corpus), "--steps", "0"])
         assert res.exit_code == 0 and "backend metal" in res.output and "self-test" not in res.output, res.output
+
+
+# ------------------------------------------------------------------------- distributed runs
+def _faulty_device(monkeypatch, bad: int) -> None:
+    """CUDA device `bad` fuses multiply-adds (the emulator's unit while that device is checked)."""
+    real = S._on_device
+
+    @contextlib.contextmanager
+    def on_device(backend, device):
+        with real(backend, device), (cuda_emu.hardware(fault="fma") if device == bad else contextlib.nullcontext()):
+            yield
+    monkeypatch.setattr(S, "_on_device", on_device)
+
+
+def test_nproc_checks_every_local_device_before_launching_the_workers(tmp_path, monkeypatch, cache, default_corpus):
+    """`open1b train --nproc 2`: the parent checks CUDA devices 0 and 1 (a cache entry each) and
+    starts the workers with --skip-selftest; device 1 failing stops --backend cuda before any
+    worker starts (exit 3), and under auto every worker gets cpu_ref."""
+    import subprocess
+    pytest.importorskip("torch")
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: launched.append(cmd) or 0)
+    _narrow(monkeypatch, lambda gc: gc.name == "exp_fma_canary_tiny")
+    r = CliRunner()
+    with S.assume_hardware("cuda"):
+        res = _train(r, tmp_path / "ok", default_corpus, "cuda", "--nproc", "2")
+        assert res.exit_code == 0, res.output
+        assert sorted(json.loads(f.read_text())["key"]["cuda"]["device_index"] for f in cache.iterdir()) == [0, 1]
+        cmd = launched.pop()
+        assert "--skip-selftest" in cmd and cmd[cmd.index("--backend") + 1] == "cuda"
+        for f in cache.iterdir():
+            f.unlink()
+        _faulty_device(monkeypatch, 1)
+        res = _train(r, tmp_path / "refused", default_corpus, "cuda", "--nproc", "2")
+        assert res.exit_code == 3 and "[device 1] failed the self-test" in res.output and not launched, res.output
+        res = _train(r, tmp_path / "auto", default_corpus, "auto", "--nproc", "2")
+        assert res.exit_code == 0 and "[device 1] failed the self-test" in res.output, res.output
+        cmd = launched.pop()
+        assert "--skip-selftest" in cmd and cmd[cmd.index("--backend") + 1] == "cpu_ref"
+
+
+def test_a_torchrun_worker_checks_its_own_device_and_hands_a_refusal_to_the_agreement(tmp_path, monkeypatch, cache,
+                                                                                       default_corpus):
+    """A hand-launched torchrun worker checks the device it will use (LOCAL_RANK) and does not stop
+    alone when it fails: run_worker gets the refusal as its start-up error (exit code 3), with the
+    device backend (so its process group is the others'), under auto too."""
+    import mlx_open1b.distributed as D
+    from types import SimpleNamespace
+    got = []
+
+    def fake_run_worker(out, cfg, data_dir, **kw):
+        got.append(kw)
+        return "0" * 64, SimpleNamespace(comm=SimpleNamespace(rank=1))
+    monkeypatch.setattr(D, "run_worker", fake_run_worker)
+    _narrow(monkeypatch, lambda gc: gc.name == "exp_fma_canary_tiny")
+    _faulty_device(monkeypatch, 1)
+    r = CliRunner()
+    for local_rank, backend, extra, refused in (("0", "cuda", (), False), ("1", "cuda", (), True),
+                                                ("1", "auto", (), True), ("1", "cuda", ("--skip-selftest",), False)):
+        monkeypatch.setenv("RANK", local_rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with S.assume_hardware("cuda"):
+            res = _train(r, tmp_path / "run", default_corpus, backend, *extra)
+        assert res.exit_code == 0, res.output
+        kw = got.pop()
+        assert kw["backend"] == "cuda", (local_rank, backend)
+        if not refused:
+            assert kw["startup_error"] is None, (local_rank, backend, extra)
+            continue
+        msg, code = kw["startup_error"]
+        assert code == 3 and "[device 1] failed the self-test" in msg and "exp_fma_canary_tiny" in msg
+        assert ("cannot fall back to cpu_ref alone" in msg) == (backend == "auto")
+    keys = [json.loads(f.read_text())["key"] for f in cache.iterdir()]
+    assert [k["cuda"]["device_index"] for k in keys] == [0]                       # only device 0 passed
+
+
+_WORKER_SITE = """
+import os
+if os.environ.get("RANK") == "1":          # rank 1 takes the metal emulator for its device
+    import numpy as np
+    import mlx_open1b.metal.ops as MO
+    from mlx_open1b import selftest as S
+    S._assumed.add("metal")
+    if os.environ.get("O1B_TEST_FAULTY") == "1":
+        real_exp = MO.exp
+        def exp(*a, **k):
+            y = np.array(real_exp(*a, **k), copy=True)
+            y.reshape(-1).view(np.uint32)[0] ^= np.uint32(1)
+            return y
+        MO.exp = exp
+    real_run = S.run_backend
+    S.run_backend = lambda *a, **k: real_run(*a, **dict(k, select=lambda gc: gc.op == "exp"))
+"""
+
+
+def test_hand_launched_workers_stop_together_on_a_refused_or_mixed_backend(tmp_path, default_corpus):
+    """Two workers with torchrun's environment (no agent): rank 1's device fails the self-test ->
+    both stop at the start-up agreement with exit 3 naming rank 1; rank 1 on a passing device under
+    auto while rank 0 has none (cpu_ref) -> both stop with exit 2: the backends differ."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    pytest.importorskip("torch.distributed")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_WORKER_SITE)
+
+    def launch(backend, out, **env):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = []
+        for rank in range(2):
+            e = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                     LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     XDG_CACHE_HOME=str(tmp_path / "cache"),
+                     PYTHONPATH=os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p]), **env)
+            procs.append(subprocess.Popen([sys.executable, "-m", "mlx_open1b.cli.main", "train", "--backend", backend,
+                                           "--out", str(tmp_path / out), "--data", str(default_corpus), "--steps", "1",
+                                           "--dist-timeout", "60"], env=e, cwd=tmp_path, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        return [(p.returncode, err) for p, (_, err) in ((p, p.communicate(timeout=300)) for p in procs)]
+
+    for code, err in launch("metal", "refused", O1B_TEST_FAULTY="1"):
+        assert code == 3 and "workers cannot start: rank 1: --backend metal:" in err, err[-3000:]
+        assert "failed the self-test" in err and "exp: exp/0" in err, err[-3000:]
+    for code, err in launch("auto", "mixed"):
+        assert code == 2 and "workers disagree" in err and "rank 1: backend 'metal' (rank 0: 'cpu_ref')" in err, \
+            err[-3000:]
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "mixed").exists()
 
 
 # ------------------------------------------------------------------------- faults of the modelled fp32 unit

@@ -64,7 +64,8 @@ class DistributedTrainer(Trainer):
     see DistributedReduce."""
 
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
-                 backend: str = "cpu_ref", resume: bool = False, log=None, after_microbatches=None):
+                 backend: str = "cpu_ref", resume: bool = False, log=None, after_microbatches=None,
+                 startup_error: tuple[str, int] | None = None):
         backend = resolve_backend(backend)
         self.comm = comm
         self.after_microbatches = after_microbatches
@@ -72,7 +73,7 @@ class DistributedTrainer(Trainer):
         self._in_checkpoint = False
         self.last_checkpoint = None
         try:
-            cfg, corpus_dir = self._agree(run_dir, cfg, corpus_dir, backend, resume)
+            cfg, corpus_dir = self._agree(run_dir, cfg, corpus_dir, backend, resume, startup_error)
             err = None
             # rank 0 initializes the parameters and writes the first checkpoint (or loads the last)
             with comm.phase("opening the run"):
@@ -102,9 +103,11 @@ class DistributedTrainer(Trainer):
             msg = "; ".join(f"rank {r}: {m}" for r, (m, _) in bad[:4])
             raise TrainError(f"{what} failed: {msg}", exit_code=bad[0][1][1])
 
-    def _agree(self, run_dir, cfg, corpus_dir, backend, resume):
-        """Every worker's configuration, corpus and contract, compared with rank 0's before anything
-        is written; then the worker count against the batch. Returns (cfg, corpus_dir)."""
+    def _agree(self, run_dir, cfg, corpus_dir, backend, resume, startup_error=None):
+        """Every worker's configuration, corpus, contract and backend, compared with rank 0's before
+        anything is written; then the worker count against the batch. Returns (cfg, corpus_dir).
+        startup_error (message, exit code): this worker cannot start (its device failed the
+        self-test); every worker stops here with it."""
         comm = self.comm
         info, err = None, None
         if resume and comm.rank == 0:       # the run's config and corpus path, from rank 0's run directory
@@ -121,6 +124,8 @@ class DistributedTrainer(Trainer):
             raise TrainError(f"rank 0 cannot resume: {err[0]}", exit_code=err[1])
         ident, err = None, None
         try:
+            if startup_error is not None:
+                raise TrainError(*startup_error)
             if resume:
                 if info is None:
                     raise TrainError("started with --resume, rank 0 without", exit_code=2)
@@ -340,13 +345,14 @@ def _raise_terminated(signum, frame):
 def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps: int | None = None,
                backend: str = "cpu_ref", resume: bool = False, timeout: float = 120.0, threads: int = 0,
                progress=None, on_start=None, log=None, close: bool = True, after_microbatches=None,
-               phase_hook=None) -> tuple[str, DistributedTrainer]:
+               phase_hook=None, startup_error: tuple[str, int] | None = None) -> tuple[str, DistributedTrainer]:
     """This process's part of a distributed run (the environment of torchrun): join the process
     group, build the trainer, train until `steps` (default: the token budget). Returns (run hash,
     trainer). Kernel threads default to the CPUs divided by the workers on this node (threads never
     change a bit). on_start(trainer, total_steps) and progress(record, tokens/s) run on rank 0.
     close=False leaves the process group up (trainer.comm) for the caller. after_microbatches and
-    phase_hook: see DistributedReduce and Comm."""
+    phase_hook: see DistributedReduce and Comm. startup_error (message, exit code): this worker
+    cannot run (its device failed the self-test): every worker stops at the start-up agreement."""
     from .. import cpu_ref
     from ..config import steps_for_tokens
     backend = resolve_backend(backend)          # 'auto' -> this machine's GPU backend (or cpu_ref)
@@ -365,7 +371,7 @@ def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps:
     old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM,)}
     try:
         tr = DistributedTrainer(comm, run_dir, cfg, corpus_dir, backend=backend, resume=resume, log=log,
-                                after_microbatches=after_microbatches)
+                                after_microbatches=after_microbatches, startup_error=startup_error)
         total = steps if steps is not None else steps_for_tokens(tr.tcfg, tr.model_cfg, tr.tcfg.total_tokens)
         if on_start and comm.rank == 0:
             on_start(tr, total)
