@@ -1,14 +1,13 @@
 """`open1b`: the command-line tool. Later issues add train, data, audit, parity, report."""
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import platform
 import sys
 
 import click
 
-from mlx_open1b import __version__
+from mlx_open1b import __version__, backend
 from mlx_open1b.contract import CONTRACT_VERSION
 
 
@@ -17,47 +16,6 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _backends() -> list[tuple[str, str, str]]:
-    """(name, status, detail) for every backend this install knows."""
-    rows = []
-    try:
-        from mlx_open1b import cpu_ref
-        rows.append(("cpu_ref", "available", f"C reference, {cpu_ref.get_num_threads()} threads, "
-                                             f"SIMD {cpu_ref.simd_name()}"))
-    except ImportError as e:   # not built
-        rows.append(("cpu_ref", "unavailable", str(e)))
-    try:
-        mx = importlib.import_module("mlx.core")
-        metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
-        detail = "Apple GPU via mx.fast.metal_kernel" if metal else "mlx installed, no Metal device"
-        if metal:
-            from mlx_open1b.metal import runtime as metal_runtime
-            why = metal_runtime.mlx_problem(mx)          # too old an mlx: the reason, not "available"
-            metal, detail = why is None, why or detail
-    except ImportError:
-        metal, detail = False, "mlx not installed (pip install 'mlx-open1b[metal]')"
-    rows.append(("metal", "available" if metal else _emulated("metal"), detail))
-    try:
-        from mlx_open1b.cuda import runtime as cuda_runtime
-        cuda, detail = cuda_runtime.cuda_status()        # a device that compiles and runs a kernel
-        if not cuda and detail.startswith("cupy is not importable"):
-            detail = "cupy not installed (pip install 'mlx-open1b[cuda]')"
-    except Exception as e:  # noqa: BLE001
-        cuda, detail = False, str(e).splitlines()[0]
-    rows.append(("cuda", "available" if cuda else _emulated("cuda"), detail))
-    return rows
-
-
-def _emulated(name: str) -> str:
-    """'emulated' where the backend's kernel sources run on its CPU emulator (for tests and parity
-    checks, not speed), else 'unavailable'."""
-    try:
-        ok, _ = importlib.import_module(f"mlx_open1b.{name}.ops").available()
-    except Exception:   # noqa: BLE001
-        ok = False
-    return "emulated" if ok else "unavailable"
 
 
 def _cpu_features() -> str:
@@ -86,26 +44,26 @@ def info() -> None:
     click.echo(f"open1b {__version__}  (arithmetic contract v{CONTRACT_VERSION})")
     click.echo(f"python {platform.python_version()} on {platform.system()} {platform.machine()}")
     click.echo("backends:")
-    for name, status, detail in _backends():
+    rows = backend.status()
+    for name, status, detail in rows:
         click.echo(f"  {name:8s} {status:12s} {detail}")
-    from mlx_open1b.train import resolve_backend
-    auto = resolve_backend('auto')
+    auto = backend.resolve("auto")
     click.echo(f"  default (--backend auto): {auto}; 'emulated' backends run their kernel "
                "sources on the CPU (bit-identical, slow)")
     if auto == "cpu_ref":
-        click.echo(f"  cuda not picked: {dict((r[0], r[2]) for r in _backends())['cuda']}")
+        click.echo(f"  cuda not picked: {dict((r[0], r[2]) for r in rows)['cuda']}")
     try:
-        from mlx_open1b import cpu_ref
-        if cpu_ref.contract_version() != CONTRACT_VERSION:
-            click.echo(f"error: C reference implements contract v{cpu_ref.contract_version()}, "
-                       f"the package v{CONTRACT_VERSION}; rebuild with `pip install -e .`", err=True)
-            sys.exit(2)
+        cpu_ref, broken = backend.load("cpu_ref"), None
+    except backend.BackendUnavailable as e:
+        cpu_ref, broken = None, e
+    if cpu_ref is not None:
         click.echo(f"cpu features: {_cpu_features()} (kernels use: {cpu_ref.simd_name()})")
-    except ImportError:
-        pass
     click.echo("libraries:")
     for dist in ("numpy", "click", "mlx", "cupy-cuda12x", "cupy-cuda13x", "torch", "pyarrow", "tokenizers"):
         click.echo(f"  {dist:14s} {_version(dist) or '-'}")
+    if broken is not None:          # the reference every other backend is held to: a broken install
+        click.echo(f"error: {broken}", err=True)
+        sys.exit(broken.exit_code)
 
 
 from mlx_open1b.cli.data import data  # noqa: E402

@@ -64,7 +64,7 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
         try:
             loaded.append((n, load(n)))
         except BackendUnavailable as e:
-            _fail(f"--backends: backend {n!r} cannot run here: {e}")
+            _fail(f"--backends: {e}")
     ops = _split(ops_opt)
     if ops is not None:
         unknown = [o for o in ops if o not in OPS]

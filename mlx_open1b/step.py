@@ -66,11 +66,6 @@ class TreeFold:
         return acc
 
 
-def scalar_sqrt_of(ops):
-    """The contract's host-side fp32 square root of a backend (cpu_ref keeps it in its optim module)."""
-    return getattr(ops, "scalar_sqrt", None) or ops.optim.scalar_sqrt
-
-
 def norm_partials(ops, tensors) -> dict:
     """{name: the §7 sum-of-squares block partials (host fp32)} of (name, array) pairs; from
     device arrays the partials come to the host in one transfer."""
@@ -90,7 +85,7 @@ def norm_from_partials(partials, ops) -> float:
     joined = arrays.concat(partials)
     if arrays.kind(joined) == arrays.NUMPY:
         joined = np.ascontiguousarray(joined, np.float32)
-    return float(scalar_sqrt_of(ops)(ops.treefold(joined)))
+    return float(ops.scalar_sqrt(ops.treefold(joined)))
 
 
 def adamw_tensors(ops, tcfg, lr: float, step: int, tensors, n: int, like):

@@ -26,64 +26,8 @@ from .data.format import Manifest
 from .data.stream import Stream, heldout_windows, manifest_fingerprint
 from .ledger import genesis_hash
 from .rundir import RunDir, RunInfo
+from .backend import load as get_backend, resolve as resolve_backend  # noqa: F401  (training's names for them)
 from .step import LocalReduce, Reduce, TrainError, take_step
-
-
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    """One line on stderr, once per process (resolve_backend runs for every command and worker)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(f"warning: {message}", file=sys.stderr)
-
-
-def resolve_backend(name: str) -> str:
-    """A backend name, with 'auto' resolved: metal where MLX runs on a Metal GPU (Apple silicon),
-    cuda where CuPy sees an NVIDIA GPU, cpu_ref elsewhere. Every backend gives the same bits, so
-    'auto' picks the fastest hardware, never a different result. (The emulators are never chosen
-    automatically: they are for testing.)"""
-    if name != "auto":
-        return name
-    try:
-        from .metal import runtime as metal_runtime
-        if metal_runtime.real_metal():
-            ok, why = metal_runtime.available()
-            if ok:
-                return "metal"
-            _warn_once(f"--backend auto does not use the Metal GPU: {why}")
-    except Exception:   # noqa: BLE001 - no usable MLX/Metal: try the next
-        pass
-    try:
-        from .cuda import runtime as cuda_runtime
-        if cuda_runtime.real_cuda():
-            return "cuda"
-    except Exception:   # noqa: BLE001
-        pass
-    return "cpu_ref"
-
-
-def get_backend(name: str):
-    """The op module of a backend: cpu_ref, or mlx_open1b.metal.ops / mlx_open1b.cuda.ops when
-    they import and report themselves available (on the GPU or through their CPU emulators);
-    'auto' as resolve_backend."""
-    name = resolve_backend(name)
-    if name == "cpu_ref":
-        from . import cpu_ref
-        return cpu_ref
-    if name in ("metal", "cuda"):
-        import importlib
-        try:
-            ops = importlib.import_module(f"mlx_open1b.{name}.ops")
-        except Exception as e:   # noqa: BLE001 - any import failure makes the backend unavailable
-            raise TrainError(f"backend {name!r} is not available here: mlx_open1b.{name}.ops cannot be imported "
-                             f"({type(e).__name__}: {e})", exit_code=2) from None
-        ok, why = ops.available()
-        if not ok:
-            raise TrainError(f"backend {name!r} is not available here: {why}", exit_code=2)
-        return ops
-    raise TrainError(f"unknown backend {name!r} (backends: cpu_ref, metal, cuda)", exit_code=2)
 
 
 @dataclasses.dataclass

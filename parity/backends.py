@@ -1,27 +1,24 @@
-"""Backends by name: cpu_ref (always), metal and cuda (when their ops module imports and reports
-itself available), and the `spec` pseudo-backend (mlx_open1b/spec behind cpu_ref's API).
+"""The backends the parity harness compares: the backends of mlx_open1b.backend (cpu_ref, metal,
+cuda, loaded by its one loader), the `spec` pseudo-backend (mlx_open1b/spec behind the backend
+interface) and any registered one.
 
-A backend is any object with cpu_ref's op functions (numpy in, numpy-convertible out).
-`register(name, obj)` adds one (tests plant a faulty backend this way). A few parity ops are
-variants of an API function called with a fixed keyword argument (VARIANTS: the simulated int4
-and int6 paths are the qlinear functions with qmax=7 and qmax=31); `resolve` finds them by the
-function's signature.
+`register(name, obj)` adds one (tests plant a faulty backend this way); a registered object need
+not have every op of the interface: an op it lacks is reported missing. A few parity ops are
+variants of an interface function called with a fixed keyword argument (VARIANTS: the simulated
+int4 and int6 paths are the qlinear functions with qmax=7 and qmax=31); `resolve` finds them by
+the function's signature.
 """
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from typing import Any
 
-from mlx_open1b.contract import CONTRACT_VERSION
+from mlx_open1b import backend as _backend
+from mlx_open1b.backend import BackendUnavailable  # noqa: F401  (re-exported: the harness's callers catch it)
 
-KNOWN = ("cpu_ref", "metal", "cuda", "spec")
+KNOWN = _backend.BACKENDS + ("spec",)
 _extra: dict[str, Any] = {}
-
-
-class BackendUnavailable(RuntimeError):
-    """The backend cannot run here; the message says why."""
 
 
 def register(name: str, backend: Any) -> None:
@@ -32,47 +29,16 @@ def unregister(name: str) -> None:
     _extra.pop(name, None)
 
 
-def _gpu_ops(name: str):
-    modname = f"mlx_open1b.{name}.ops"
-    try:
-        mod = importlib.import_module(modname)
-    except ModuleNotFoundError as e:
-        if e.name in (modname, f"mlx_open1b.{name}"):
-            raise BackendUnavailable(f"{modname} is not in this install yet") from None
-        raise BackendUnavailable(f"{modname} cannot be imported: {e}") from None
-    except Exception as e:   # noqa: BLE001 - an import that fails for any reason makes it unavailable
-        raise BackendUnavailable(f"{modname} cannot be imported: {type(e).__name__}: {e}") from None
-    avail = getattr(mod, "available", None)
-    if avail is None:
-        raise BackendUnavailable(f"{modname} has no available() function")
-    try:
-        ok, why = avail()
-    except Exception as e:   # noqa: BLE001
-        raise BackendUnavailable(f"{modname}.available() raised {type(e).__name__}: {e}") from None
-    if not ok:
-        raise BackendUnavailable(f"{name}: {why}")
-    return mod
-
-
 def load(name: str):
     """The backend object for `name`, or BackendUnavailable saying why not."""
     if name in _extra:
         return _extra[name]
-    if name == "cpu_ref":
-        try:
-            from mlx_open1b import cpu_ref
-        except ImportError as e:
-            raise BackendUnavailable(f"cpu_ref: {e}") from None
-        if cpu_ref.contract_version() != CONTRACT_VERSION:
-            raise BackendUnavailable(f"cpu_ref implements contract v{cpu_ref.contract_version()}, the package "
-                                     f"v{CONTRACT_VERSION}; rebuild with `pip install -e .`")
-        return cpu_ref
-    if name in ("metal", "cuda"):
-        return _gpu_ops(name)
     if name == "spec":
         from . import spec_backend
         return spec_backend
-    raise BackendUnavailable(f"unknown backend {name!r} (known: {', '.join(names())})")
+    if name not in KNOWN:
+        raise BackendUnavailable(f"unknown backend {name!r} (known: {', '.join(names())})")
+    return _backend.load(name)
 
 
 def names() -> list[str]:
@@ -86,17 +52,14 @@ def status() -> list[tuple[str, bool, str]]:
         try:
             b = load(n)
         except BackendUnavailable as e:
-            rows.append((n, False, str(e)))
+            rows.append((n, False, e.reason))
             continue
         detail = "registered"
-        av = getattr(b, "available", None)
-        if callable(av):
+        if callable(getattr(b, "available", None)):
             try:
-                detail = str(av()[1])
-            except Exception:   # noqa: BLE001
+                detail = str(b.available()[1])
+            except Exception:   # noqa: BLE001 - a registered backend's own report
                 pass
-        elif n == "cpu_ref":
-            detail = f"C reference, {b.get_num_threads()} threads, SIMD {b.simd_name()}"
         rows.append((n, True, detail))
     return rows
 
@@ -128,16 +91,13 @@ def accepts(fn, names) -> bool:
 
 
 def resolve(backend: Any, op: str):
-    """The backend's function for op; scalar_* may live in a submodule (cpu_ref keeps them in its
-    mathfn and optim modules); a VARIANTS op is its base function with the keywords bound, where
-    that function takes them. None when the backend does not have the op."""
+    """The backend's function for op; a VARIANTS op is its base function with the keywords bound,
+    where that function takes them. None when the backend does not have the op (a registered
+    backend may lack some; the interface's backends have every one)."""
     fn = getattr(backend, op, None)
     if fn is None and op in VARIANTS:
         base, kw = VARIANTS[op]
         f = getattr(backend, base, None)
         if f is not None and accepts(f, kw):
             fn = functools.partial(f, **kw)
-    if fn is None and op.startswith("scalar_"):
-        for sub in ("mathfn", "optim"):
-            fn = fn or getattr(getattr(backend, sub, None), op, None)
     return fn

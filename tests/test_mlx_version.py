@@ -135,12 +135,12 @@ def test_info_and_auto_name_the_problem(fake_metal, monkeypatch, capsys):
     import mlx.core as mx
     from click.testing import CliRunner
     from mlx_open1b.cli.main import cli
-    from mlx_open1b import train
+    from mlx_open1b import backend
     fake_metal("0.31.2")
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
-    monkeypatch.setattr(train, "_WARNED", set())
-    assert train.resolve_backend("auto") in ("cpu_ref", "cuda")
-    assert train.resolve_backend("auto") in ("cpu_ref", "cuda")
+    monkeypatch.setattr(backend, "_WARNED", set())
+    assert backend.resolve("auto") in ("cpu_ref", "cuda")
+    assert backend.resolve("auto") in ("cpu_ref", "cuda")
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --backend auto does not use the Metal GPU: mlx 0.31.2 is installed")
     out = CliRunner().invoke(cli, ["info"]).output
