@@ -202,11 +202,13 @@ def _short(h) -> str:
 
 
 class Comparison:
-    """Result of compare(a, b): .contract_mismatch (exit 2), .differences (exit 1), .lines."""
+    """Result of compare(a, b): .contract_mismatch (exit 2), .differences (exit 1), .lines;
+    .not_compared: what one bundle has and the other did not run (not a difference)."""
 
     def __init__(self):
         self.contract_mismatch = None
         self.differences: list[dict] = []
+        self.not_compared: list[str] = []
         self.notes: list[str] = []
         self.cases = self.identical_cases = 0
         self.per_op: dict[str, int] = {}
@@ -243,15 +245,24 @@ def compare(a: dict, b: dict, names=("A", "B")) -> Comparison:
     if a.get("seed") != b.get("seed"):
         r.notes.append(f"note: different case seeds ({na} {a.get('seed')}, {nb} {b.get('seed')}): the cases are not the same")
     oa, ob = a["ops"], b["ops"]
-    for op in list(oa) + [o for o in ob if o not in oa]:
-        if op not in oa or op not in ob:
-            r.differences.append({"where": "op", "op": op,
-                                  "detail": f"op {op} is only in bundle {na if op in oa else nb}"})
-            continue
+    # A row one bundle has and the other did not run (an op it was not asked for, such as a
+    # selftest bundle's edge cases, or a case index at or beyond its cases_per_op) is not compared;
+    # a row missing from a bundle that ran that op and that many cases is a difference.
+    for n, ops in ((na, [o for o in oa if o not in ob]), (nb, [o for o in ob if o not in oa])):
+        if ops:
+            r.not_compared.append(f"{len(ops)} op{'s' * (len(ops) > 1)} only in {n} ({', '.join(ops[:3])}"
+                                  f"{', …' if len(ops) > 3 else ''})")
+    beyond = [0, 0]
+    for op in [o for o in oa if o in ob]:
         ca, cb = {c["case"]: c for c in oa[op]}, {c["case"]: c for c in ob[op]}
-        if len(ca) != len(cb):
-            r.differences.append({"where": "op", "op": op,
-                                  "detail": f"{op}: {len(ca)} cases in {na}, {len(cb)} in {nb} (the common ones are compared)"})
+        for side, (mine, other, n_mine, n_other, ran) in enumerate(((ca, cb, na, nb, b.get("cases_per_op")),
+                                                                  (cb, ca, nb, na, a.get("cases_per_op")))):
+            for i in sorted(set(mine) - set(other), key=str):
+                if isinstance(ran, int) and isinstance(i, int) and i >= ran:
+                    beyond[side] += 1
+                else:
+                    r.differences.append({"where": "op", "op": op, "detail": f"{op}: case {i} is in {n_mine}, "
+                                                                             f"missing from {n_other}"})
         for i in sorted(set(ca) & set(cb)):
             x, y = ca[i], cb[i]
             r.cases += 1
@@ -277,10 +288,13 @@ def compare(a: dict, b: dict, names=("A", "B")) -> Comparison:
                 r.per_op[op] = r.per_op.get(op, 0) + 1
             else:
                 r.identical_cases += 1
+    for n, k in zip(names, beyond):
+        if k:
+            r.not_compared.append(f"{k} case{'s' * (k > 1)} only in {n} (beyond the other bundle's cases per op)")
     ta, tb = a.get("training"), b.get("training")
     if ta is None or tb is None:
         if ta is not None or tb is not None:
-            r.differences.append({"where": "ledger", "detail": f"only bundle {na if ta else nb} has a training ledger"})
+            r.not_compared.append(f"the training ledger, only in {na if ta else nb}")
     else:
         la, lb = ta.get("ledger", []), tb.get("ledger", [])
         if ta.get("genesis") != tb.get("genesis"):
@@ -298,8 +312,17 @@ def compare(a: dict, b: dict, names=("A", "B")) -> Comparison:
                                                 + (f"; also {', '.join(fields[1:4])}" if len(fields) > 1 else "")})
                 break
         if len(la) != len(lb):
-            r.differences.append({"where": "ledger", "detail": f"ledger lengths differ: {len(la)} records ({na}), "
-                                                                f"{len(lb)} ({nb}); the common ones are compared"})
+            short_n, short_t, short_l = (na, ta, la) if len(la) < len(lb) else (nb, tb, lb)
+            if short_t.get("steps") == len(short_l):         # it trained fewer steps: the rest was not run
+                r.not_compared.append(f"ledger records {len(short_l)}-{max(len(la), len(lb)) - 1}, only in "
+                                      f"{nb if short_t is ta else na} ({short_n} trained {len(short_l)} steps)")
+            else:
+                r.differences.append({"where": "ledger", "detail": f"ledger lengths differ: {len(la)} records "
+                                                                    f"({na}), {len(lb)} ({nb}); {short_n} says it "
+                                                                    f"trained {short_t.get('steps')} steps"})
+    if not r.cases and not r.ledger_records and not r.differences:
+        r.differences.append({"where": "bundle", "detail": "the bundles have no case and no ledger record in common: "
+                                                           "nothing was compared"})
     return r
 
 
@@ -314,6 +337,8 @@ def format_comparison(r: Comparison, a: dict, b: dict, names=("A", "B")) -> str:
     if differing:
         ops_line += f", {differing} differ (" + ", ".join(f"{o}: {n}" for o, n in r.per_op.items()) + ")"
     lines.append(ops_line)
+    if r.not_compared:
+        lines.append("not compared (run by one bundle only): " + "; ".join(r.not_compared))
     ta, tb = a.get("training"), b.get("training")
     led = [d for d in r.differences if d["where"] == "ledger"]
     if ta and tb:

@@ -80,6 +80,58 @@ def test_cpu_ref_and_cuda_pass_the_quick_set_and_their_bundles_compare_identical
     assert b["selftest"]["equal"] and "edge:exp_fma_canary_tiny" in b["ops"] and b["training"] is None
 
 
+def test_a_quick_selftest_bundle_compares_identical_with_an_export_of_the_same_backend(tmp_path, default_corpus):
+    """The selftest bundle has edge cases the export did not run, the export a ledger the quick set
+    did not train: those are 'not compared', not differences; the common cases are compared."""
+    r = CliRunner()
+    res = r.invoke(cli, ["selftest", "--backend", "cpu_ref", "--bundle", str(tmp_path / "st.json")])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(cli, ["parity", "export", str(tmp_path / "ex.json"), "--cases", "3", "--steps", "2",
+                         "--data", str(default_corpus)])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(cli, ["parity", "compare", str(tmp_path / "st.json"), str(tmp_path / "ex.json")])
+    assert res.exit_code == 0 and "result: IDENTICAL" in res.output, res.output
+    n_edge = len(E.names())
+    assert f"{3 * len(GOLDEN.data['ops'])} cases: {3 * len(GOLDEN.data['ops'])} identical" in res.output
+    assert f"not compared (run by one bundle only): {n_edge} ops only in A (edge:" in res.output
+    assert "the training ledger, only in B" in res.output
+
+
+def _bundle(cases_per_op: int, ops: dict, steps: int | None = None, ledger: int | None = None) -> dict:
+    """A parity bundle made by hand (sealed as an export seals it)."""
+    from mlx_open1b.parity.bundle import FORMAT, canonical
+    rows = {op: [{"case": i, "seed": f"0x{i:016x}", "desc": "", "inputs": f"{i:064x}",
+                  "outputs": {"y": f"{i + 7:064x}"}} for i in idx] for op, idx in ops.items()}
+    training = None if steps is None else {
+        "preset": "tiny", "steps": steps, "backend": "cpu_ref", "genesis": "g", "run_hash": "h",
+        "ledger": [{"step": k, "hash": f"{k:064x}"} for k in range(steps if ledger is None else ledger)]}
+    b = {"format": FORMAT, "contract_version": 1, "backend": "cpu_ref", "seed": 0, "cases_per_op": cases_per_op,
+         "ops": rows, "training": training}
+    import hashlib
+    b["bundle_sha256"] = hashlib.sha256(canonical(b)).hexdigest()
+    return b
+
+
+@pytest.mark.parametrize("a, b, differs, says", [
+    # rows the other bundle did not run: not compared
+    ((3, {"exp": [0, 1, 2], "edge:x": [0]}), (3, {"exp": [0, 1, 2]}), False, "1 op only in A (edge:x)"),
+    ((8, {"exp": range(8)}), (3, {"exp": [0, 1, 2]}), False, "5 cases only in A (beyond the other"),
+    ((3, {"exp": [0, 1, 2]}, 4), (3, {"exp": [0, 1, 2]}, 2), False, "ledger records 2-3, only in A (B trained 2"),
+    ((3, {"exp": [0, 1, 2]}), (3, {"exp": [0, 1, 2]}, 2), False, "the training ledger, only in B"),
+    # rows the other bundle ran and lost: differences
+    ((3, {"exp": [0, 1, 2]}), (3, {"exp": [0, 2]}), True, "exp: case 1 is in A, missing from B"),
+    ((3, {"exp": [0, 1, 2]}, 4), (3, {"exp": [0, 1, 2]}, 4, 2), True, "ledger lengths differ: 4 records (A), 2 (B)"),
+    ((3, {"edge:x": [0]}), (3, {"exp": [0, 1, 2]}), True, "nothing was compared"),
+])
+def test_parity_compare_tells_rows_not_run_from_rows_lost(a, b, differs, says):
+    from mlx_open1b.parity.bundle import compare, format_comparison
+    ba, bb = _bundle(*a), _bundle(*b)
+    r = compare(ba, bb)
+    text = format_comparison(r, ba, bb)
+    assert (r.exit_code == 1) == differs and says in text, text
+    assert ("result: DIFFERENT" in text) == differs
+
+
 def test_metal_passes_the_edge_cases():
     rep = S.run_backend("metal", GOLDEN, select=lambda gc: gc.kind == "edge")
     assert rep.ok and rep.cases == len(E.names()) and rep.where == "emulated"
