@@ -218,6 +218,46 @@ def test_exp_canaries_differ_when_the_polynomial_is_contracted():
     assert np.array_equal(_u(case.args[0][:x.size]), _u(x))
 
 
+def _exp_reduction_fused(x) -> np.float32:
+    """CONTRACT.md §4's exp with only the argument reduction contracted (nf and r as fused
+    multiply-adds), the Horner steps rounded one by one."""
+    x = F32(x)
+    nf = F32(_fma(x, SM._c("0x1.715476p0"), SM.MAGIC) - SM.MAGIC)
+    r = _fma(-nf, SM._c("0x1.7f7d1cp-20"), _fma(-nf, SM._c("0x1.62e4p-1"), x))
+    p = SM.EXP_COEFS[0]
+    for c in SM.EXP_COEFS[1:]:
+        p = F32(F32(p * r) + c)
+    return F32(p * F32(2.0 ** int(nf)))
+
+
+def test_exp_reduction_canaries_differ_when_only_the_argument_reduction_is_contracted():
+    x = np.array(E.EXP_REDUCTION_CANARY_BITS, U32).view(F32)
+    y = cpu_ref.exp(x)
+    assert np.array_equal(_u([_exp_unfused(v) for v in x]), _u(y))
+    assert (_u([_exp_reduction_fused(v) for v in x]) != _u(y)).all()
+    n = len(E.EXP_FMA_CANARY_BITS)
+    assert np.array_equal(_u(E.edge_case("exp_fma_canary_tiny").args[0][n:n + x.size]), _u(x))
+
+
+def test_qlinear_backward_edge_case_reaches_the_largest_accumulators():
+    """dx's int32 accumulators are +-127^2 * Q_MAX_P (the bound of CONTRACT.md §9) in rows 0 and 1;
+    summed in fp32 one product at a time they come out otherwise."""
+    from mlx_open1b.contract import Q_MAX_P
+    case = E.edge_case("qlinear_backward_max_accumulators")
+    dy, x, w = case.args
+    qw, sw, _ = SQ.quant_weight_rows(w, with_clip=True)
+    g = SQ.mul(SQ.bf16_to_f32(dy), sw[None, :]).T
+    qa, _ = SQ.quant_tensor_f32(SQ.hadamard_rows(g))
+    qb, _ = SQ.quant_tensor_f32(SQ.hadamard_rows(qw.astype(np.int64), integer=True).astype(F32))
+    assert np.abs(qa[:, :2]).min() == 127 and np.abs(qb[:, 0]).min() == 127
+    acc = SQ.gemm_i8(qa.T, qb.T)[:, 0].astype(np.int64)
+    assert acc[:2].tolist() == [127 ** 2 * Q_MAX_P, -127 ** 2 * Q_MAX_P] and 127 ** 2 * Q_MAX_P > 2 ** 30
+    products = (qa[:, 0].astype(F32) * qb[:, 0].astype(F32)).astype(F32)
+    assert float(np.add.accumulate(products, dtype=F32)[-1]) != float(acc[0])
+    dx = cpu_ref.qlinear_backward(dy, x, w)[0]
+    assert np.isfinite(dx).all() and (dx[:2, 0] != 0).all()
+
+
 def _fused_dot(xs, ws) -> np.float32:
     """sum over k of x[k] w[k] from +0 with fused multiply-adds: the exact product and sum, one
     rounding, a tiny result flushed to the zero of its sign."""
@@ -320,7 +360,8 @@ def test_edge_cases_are_deterministic_and_cover_the_ops_they_name():
     assert {c.op for _, c in a} <= set(OPS)
     for op in ("scalar_add", "scalar_sub", "scalar_mul", "scalar_div", "scalar_sqrt", "exp", "linear_forward",
                "linear_backward", "gemm_i8", "qlinear_forward", "quant_tensor", "attention_forward",
-               "attention_backward", "attention_forward_i8", "xent_forward", "xent_backward", "f32_to_bf16"):
+               "attention_backward", "attention_forward_i8", "xent_forward", "xent_backward", "f32_to_bf16",
+               "qlinear_backward"):
         assert any(c.op == op for _, c in a), op
 
 

@@ -12,11 +12,12 @@ where a GPU's fp32 unit, compiler or conversion instructions part from the contr
   the divisor passes 2^126;
 - contraction: linear-layer sums and exp arguments where fma(a, b, c) differs from
   add(mul(a, b), c) (the GEMM rows of CONTRACT.md §6.1's table; exp inputs found by search, the
-  Horner steps of §4 fused);
+  Horner steps of §4 fused, or only its argument reduction);
 - conversions: round-to-nearest-even ties of fp32 -> bf16, of sums and products, of the int8
   accumulator's i2f (2^24 + 1, 2^24 + 3, 2^25 + 2, ... through the int8 layer's dequantization;
   2^31 - 1 itself is out of reach: |acc| <= 127^2 * 2^17 < 2^31 - 1 for every valid GEMM), and
-  int8 rounding ties of the per-tensor quantization;
+  int8 rounding ties of the per-tensor quantization; the int8 backward's accumulators at that
+  bound, +-127^2 * 2^17 (an accumulator of fewer than 32 bits, or of fp32, differs);
 - shapes: a 7x5x9 GEMM, an attention row across a 64-key block boundary (plain and sliding
   window), a cross-entropy row across an XENT_CHUNK boundary.
 
@@ -30,7 +31,7 @@ import functools
 
 import numpy as np
 
-from ..contract import Q_MAX_P, XENT_CHUNK
+from ..contract import Q_MAX_P, QB, XENT_CHUNK
 from ..parity.cases import Case, CaseRNG, case_seed
 from ..spec import arith as A
 from ..spec import attention as _sp_att
@@ -46,6 +47,14 @@ TINY = 2.0 ** -126
 EXP_FMA_CANARY_BITS = (0xC19F47AE, 0xC18C7AE1, 0xC16A147B, 0xC13FD70A, 0xC115EB85, 0xC0CE6666, 0xC0733333,
                        0xBFE147AE, 0x3E8F5C29, 0x401EB852, 0x40A5C28F, 0x40EC7AE1, 0x4110CCCD, 0x41375C29,
                        0x415A8F5C, 0x41826666, 0x419947AE)
+#: exp inputs where fusing only the argument reduction (nf = fma(x, log2(e), MAGIC) - MAGIC and
+#: r = fma(-nf, c2, fma(-nf, c1, x)), the Horner steps unfused) gives another result: a compiler
+#: that contracts only there passes the canaries above on some inputs (found by a search of 48M
+#: random inputs in [-87, 88], where about one in 800,000 differs; the first eight round nf the
+#: other way, the rest differ in r; tests/test_golden.py re-checks each against an exact model)
+EXP_REDUCTION_CANARY_BITS = (0xC2A2E3BC, 0xC26A48A4, 0xC240B1E6, 0xC1CFF1B4, 0x40D2B77C, 0x416E7150, 0x4227BDDB,
+                             0x4283013C, 0xC2A4F9CA, 0xC291934F, 0xC2662699, 0xC247A803, 0xC20515EE, 0x41C79AC5,
+                             0x42479B27, 0x426627AC, 0x42918BD1)
 #: the int8 layer's accumulators: ties of i2f at three scales (to the even neighbour, down and up),
 #: values that round, and the same negated
 I2F_TARGETS = (2 ** 24 + 1, 2 ** 24 + 3, 2 ** 25 + 2, 2 ** 25 + 6, 2 ** 26 + 4, 2 ** 26 + 12, 2 ** 26 + 5,
@@ -161,10 +170,11 @@ def _primitives() -> list[tuple[str, dict]]:
 # ------------------------------------------------------------------------- functions of §4
 def _functions() -> list[tuple[str, dict]]:
     canary = _bits(*EXP_FMA_CANARY_BITS)
+    reduction = _bits(*EXP_REDUCTION_CANARY_BITS)
     # exp(x) near -87.34 ends in mul(p, 2^-126): products on both sides of 2^-126
     x_low = np.arange(-87.5, -87.15, 2.0 ** -7, dtype=np.float64).astype(F32)
     thresholds = _bits(0x42B17217, 0x42B17218, 0xC2CE0000, 0xC2CE0001, 0xC2AEAC4F, 0xC2AEAC50, 0xC2AEAC51)
-    exp_x = np.concatenate([canary, x_low, thresholds])
+    exp_x = np.concatenate([canary, reduction, x_low, thresholds])
     # sigmoid(x) = div(1, add(1, exp(-x))): for x in [-89, -86] the divisor passes 2^126 and the
     # quotient 2^-126; an ordinary sweep has inexact quotients that round up (as many that round down)
     sig_x = np.concatenate([np.arange(-89.0, -86.0, 2.0 ** -5), np.arange(-12.0, 12.0, 0.1875)]).astype(F32)
@@ -172,8 +182,8 @@ def _functions() -> list[tuple[str, dict]]:
                                         ONE_M, ONE_P, 2.0, 0.5)], F32)
     return [
         ("exp_fma_canary_tiny", dict(op="exp", args=(exp_x,), outputs=("y",),
-                                     desc=f"{canary.size} contraction canaries, {x_low.size} results near 2^-126, "
-                                          "thresholds")),
+                                     desc=f"{canary.size} contraction canaries, {reduction.size} argument-"
+                                          f"reduction canaries, {x_low.size} results near 2^-126, thresholds")),
         ("sigmoid_divisor_above_2^126", dict(op="sigmoid", args=(sig_x,), outputs=("y",), desc=f"n={sig_x.size}")),
         ("silu_tiny", dict(op="silu", args=(sig_x.copy(),), outputs=("y",), desc=f"n={sig_x.size}")),
         ("log_subnormal", dict(op="log", args=(log_x,), outputs=("y",), desc=f"n={log_x.size}")),
@@ -295,6 +305,24 @@ def i2f_layer() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, w, acc
 
 
+BIG_ACC_K = 24          # a weight row of 1.0 and 23 zeros: t = 24 / QW_COEF ~ 135, clipped to level 127
+
+
+@functools.lru_cache(maxsize=1)
+def big_acc_layer() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """dy (3, Q_MAX_P), x (3, BIG_ACC_K), w (Q_MAX_P, BIG_ACC_K) bf16 for qlinear_backward whose dx
+    accumulators are the largest there are, +-127^2 * Q_MAX_P (~0.98 * 2^31): dy and the weights are
+    nonzero only at the first row of each QB-block of the contraction, so the rotation (§6.9) makes
+    both operands flat and both quantize to +-127 at every position (dy's row 2, -0.5, to about half)."""
+    M = Q_MAX_P
+    dyf = np.zeros((3, M), F32)
+    dyf[:, ::QB] = np.array([1.0, -1.0, -0.5], F32)[:, None]
+    wf = np.zeros((M, BIG_ACC_K), F32)
+    wf[::QB, 0] = 1.0
+    x = _f(*[(k % 5) - 2.0 for k in range(3 * BIG_ACC_K)]).reshape(3, BIG_ACC_K)
+    return _bf16(dyf), _bf16(x), _bf16(wf)
+
+
 def _quant_ties() -> list[tuple[str, dict]]:
     k = np.arange(-253, 254, 2)                         # odd: k/2 is a tie of level()
     v = np.concatenate([k / 2.0, [127.0, -127.0, 0.0]]) * 2.0 ** -5
@@ -306,6 +334,9 @@ def _quant_ties() -> list[tuple[str, dict]]:
                                         desc=f"n={xf.size} bf16")),
         ("qlinear_i2f_ties", dict(op="qlinear_forward", args=(x, w), outputs=("y",),
                                   desc="accumulators " + ", ".join(str(t) for t in I2F_TARGETS))),
+        ("qlinear_backward_max_accumulators", dict(op="qlinear_backward", args=big_acc_layer(), outputs=("dx", "dw"),
+                                                   desc=f"N=3 M={Q_MAX_P} K={BIG_ACC_K}: dx accumulators "
+                                                        f"+-127^2 * {Q_MAX_P}")),
     ]
 
 
