@@ -170,3 +170,26 @@ def test_bad_input():
         C.exp(np.zeros((4, 4), np.float32)[:, ::2])
     with pytest.raises(ValueError, match=r"x: expected an array \(numpy, mx.array or cupy\)"):
         C.exp([1.0, 2.0])
+
+
+def test_a_subnormal_sum_is_flushed_before_the_next_add_uses_it():
+    """CONTRACT §3: add flushes its result, so a tiny sum never reaches the next operation. In the
+    tree fold of (1.5·2^-126, -2^-126, 2^-125) the first pair sums to 2^-127 exactly, which add
+    flushes to +0, so the fold is add(+0, 2^-125) = 2^-125; an add that kept the subnormal would
+    give 1.25·2^-125 (representable, so no later rounding hides it). The C tree fold runs in the
+    calling thread without the kernels' FTZ|DAZ mode, so only the contract helper's own flush
+    decides it; the same for the numpy spec and both emulators."""
+    from mlx_open1b.spec import optim as spec_optim
+    v = np.array([1.5 * 2.0 ** -126, -(2.0 ** -126), 2.0 ** -125], np.float32)
+    kept = np.float32(1.25 * 2.0 ** -125)
+    assert np.float32(np.float32(v[0] + v[1]) + v[2]) == kept     # the fault this test is for is visible
+    want = np.float32(2.0 ** -125)
+    for name, fold in (("cpu_ref", C.treefold), ("spec", lambda x: spec_optim.treefold(list(x)))):
+        got = np.float32(fold(v.copy()))
+        assert got.view(np.uint32) == want.view(np.uint32), f"{name}: {float(got)!r}"
+    # the same through the spec's primitive: the sum that must flush, and its sign (+0: the exact
+    # sum is positive)
+    s = A.add(v[0], v[1])
+    assert np.asarray(s, np.float32).view(np.uint32) == 0
+    s = A.add(-v[0], -v[1])
+    assert np.asarray(s, np.float32).view(np.uint32) == 0x80000000
