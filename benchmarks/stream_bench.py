@@ -1,4 +1,4 @@
-"""Stream throughput and resident memory on a synthetic corpus (issue 3's benchmark).
+"""Stream throughput and resident memory on a synthetic corpus (the data pipeline's benchmark).
 
     python benchmarks/stream_bench.py --tokens 1.2e9 --dir /tmp/o1b_stream_bench
 

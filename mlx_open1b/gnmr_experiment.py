@@ -1,4 +1,4 @@
-"""The GNMR experiment (issue 8, the shape of the seed's Table 1 at our scale): one preset trained on the
+"""The GNMR experiment (the shape of the seed's Table 1 at our scale): one preset trained on the
 same tokens with a fixed low-cost path (int4, or int6 with low="int6"), GNMR low-cost/recovery
 (int4 → int8, or int6 → int8), fixed int8 and bf16; per arm the held-out mixture CE, the final training CE, GNMR's promotion ratio (recovered
 unit-steps / all unit-steps) and hit-maxO rate (steps whose active set is full), and a plot.

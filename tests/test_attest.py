@@ -1,4 +1,4 @@
-"""Collective audit (issue 9): plans, sealed/signed attestations, the coverage report, rejections
+"""Collective audit: plans, sealed/signed attestations, the coverage report, rejections
 and bad input. One micro run of 12 steps (checkpoints every 2 steps) is shared by the tests."""
 import copy
 import json

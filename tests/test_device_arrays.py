@@ -1,4 +1,4 @@
-"""The backends' device arrays end to end (issue 5: the metal backend works on mx.array, the cuda
+"""The backends' device arrays end to end (the metal backend works on mx.array, the cuda
 backend on cupy arrays): ops return the kind they are given, the model program keeps every
 activation and gradient on the device, the trainer keeps its state there, and the bits are those
 of the numpy path and the C reference.

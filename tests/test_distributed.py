@@ -1,4 +1,4 @@
-"""Distributed data-parallel training (issue 7): the same ledger, record for record and bit for bit,
+"""Distributed data-parallel training: the same ledger, record for record and bit for bit,
 at any worker count; elastic resume; a lost worker stops every worker; bad input fails before any
 step. Workers are real processes on gloo (torchrun, or a direct launch with torchrun's environment)."""
 import dataclasses

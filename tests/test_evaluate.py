@@ -1,4 +1,4 @@
-"""Evaluation (issue 9): the lm-eval adapter's log-likelihoods are the model program's own forward
+"""Evaluation: the lm-eval adapter's log-likelihoods are the model program's own forward
 pass; the offline task set runs; bad input fails clearly."""
 import json
 

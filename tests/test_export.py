@@ -1,4 +1,4 @@
-"""Export (issue 9): the weights load in plain MLX and in PyTorch bit for bit, and reproduce the
+"""Export: the weights load in plain MLX and in PyTorch bit for bit, and reproduce the
 model program's logits within an argued tolerance."""
 import json
 import math

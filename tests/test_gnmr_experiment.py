@@ -1,4 +1,4 @@
-"""The GNMR experiment command (issue 8): four arms on the same tokens (low-cost path int4 or int6),
+"""The GNMR experiment command: four arms on the same tokens (low-cost path int4 or int6),
 the summary's numbers are the ledgers', the plot is valid SVG."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Evaluation through lm-eval-harness itself (issue 9): `lm_eval.simple_evaluate` on the adapter and
+"""Evaluation through lm-eval-harness itself: `lm_eval.simple_evaluate` on the adapter and
 tasks built from the shipped offline files gives exactly the adapter's own log-likelihoods,
 rolling log-likelihoods and generations, and the same accuracies and bits per byte as our
 evaluate(). Fully offline (the `json` dataset builder on the shipped jsonl files).

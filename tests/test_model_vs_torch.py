@@ -1,5 +1,5 @@
 """The whole model's gradient (C reference, bf16 path) against a float64 PyTorch computation of
-the same architecture (issue 4: the external reference)."""
+the same architecture (a reference outside the project's own code)."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""Ingest / prepare / verify / inspect and `open1b data` (issue 3, DESIGN §6).
+"""Ingest / prepare / verify / inspect and `open1b data` (DESIGN §6).
 
 Two tokenizers: ByteTok (token = UTF-8 byte + 1, separator 0) makes token counts exact and
 obvious for the shard and held-out rules; a real byte-level BPE trained here on a few strings

@@ -1,4 +1,4 @@
-"""The run report (issue 9): a self-contained HTML page whose figures are all present and
+"""The run report: a self-contained HTML page whose figures are all present and
 well-formed SVG, and whose summary numbers are the ledger's; one PNG per figure that decodes."""
 import json
 import re
