@@ -2,11 +2,29 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
+from typing import NoReturn
 
 import click
 
 BACKENDS = ("auto", "cpu_ref", "metal", "cuda")
+
+
+def fail(error, code: int | None = None, *, at_once: bool = False) -> NoReturn:
+    """Stop the command: `error: <error>` on stderr, then exit with `code`, by default the error's
+    own exit_code (an Open1bError's; 2, bad input, for a message or any other exception). Every
+    command ends a failure here, so the form of the message and the codes are the same everywhere.
+    at_once: leave through os._exit after flushing, for a distributed worker whose process group may
+    be broken (a normal exit could wait on it forever)."""
+    click.echo(f"error: {error}", err=True)
+    code = getattr(error, "exit_code", 2) if code is None else code
+    if at_once:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
 
 SKIP_SELFTEST_HELP = ("skip the check of a real Metal or CUDA device against the golden known answers (it runs "
                       "before the first use of a device, driver and version, takes seconds, and is cached). Only "
@@ -78,9 +96,6 @@ def _first_contact(requested: str, skip: bool, devices=None, raise_refusal: bool
     except SelftestRefused as e:
         if raise_refusal:
             raise
-        click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
+        fail(e)
     except GoldenError as e:
-        click.echo(f"error: cannot check the device before using it: {e} (--skip-selftest uses it unchecked)",
-                   err=True)
-        sys.exit(e.exit_code)
+        fail(f"cannot check the device before using it: {e} (--skip-selftest uses it unchecked)", e.exit_code)

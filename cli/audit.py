@@ -7,16 +7,11 @@ import sys
 
 import click
 
-from mlx_open1b.cli import backend_option
+from mlx_open1b.cli import backend_option, fail
 
 from mlx_open1b.cli.train import audit as replay_cmd
 
 SUBCOMMANDS = ("replay", "plan", "run", "report", "keygen")
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
 
 
 class _AuditGroup(click.Group):
@@ -73,7 +68,7 @@ def plan_cmd(run, auditors, overlap, out):
     try:
         plan = write_plan(run, auditors, overlap, out)
     except _errors() as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     click.echo(f"plan {out}: {plan['steps']} steps of {run} (run hash {plan['run_hash'][:16]}…), "
                f"{auditors} auditors, overlap {overlap}")
     for r in plan["ranges"]:
@@ -109,14 +104,14 @@ def run_cmd(run, range_, plan_file, auditor_index, name, backend, key, out):
         try:
             first, last = _parse_range(range_)
         except ValueError:
-            _fail(f"--range: expected A:B, got {range_!r}")
+            fail(f"--range: expected A:B, got {range_!r}")
     try:
         att = certify(run, first, last, backend=backend, auditor=name, key=key, plan_file=plan_file,
                       auditor_index=auditor_index,
                       progress=(lambda t, n: click.echo(f"\rreplayed step {t}/{n}", err=True, nl=False))
                       if sys.stderr.isatty() else None)
     except _errors() as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     a, b = att["range"]
     out = out or f"attestation-{a}-{b}.json"
     from mlx_open1b.fsutil import write_json_atomic
@@ -154,7 +149,7 @@ def report_cmd(run, attestations, plans, trust, require_signed, allow_prefix, js
     try:
         rep = report(run, list(attestations), plans, list(trust) or None, require_signed, allow_prefix)
     except _errors() as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     click.echo(format_report(rep))
     if json_out:
         from mlx_open1b.fsutil import write_json_atomic
@@ -171,7 +166,7 @@ def keygen_cmd(out):
     try:
         pub = generate_key(out)
     except _errors() as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     click.echo(pub)
     click.echo(f"private key written to {out} (keep it; publish the public key above)", err=True)
 

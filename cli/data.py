@@ -7,6 +7,7 @@ import time
 
 import click
 
+from mlx_open1b.cli import fail
 from mlx_open1b.data.format import MANIFEST, DataError, Manifest
 
 # seed and sequence length `inspect --window` uses when none are given
@@ -21,8 +22,7 @@ class _DataGroup(click.Group):
         try:
             return super().invoke(ctx)
         except DataError as e:
-            click.echo(f"error: {e}", err=True)
-            ctx.exit(2)
+            fail(e)
 
 
 @click.group(cls=_DataGroup)

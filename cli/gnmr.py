@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from mlx_open1b.cli import backend_option
+from mlx_open1b.cli import backend_option, fail
 
 from mlx_open1b.config import PRESETS, ConfigError, preset
 
@@ -40,7 +40,7 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_eve
     """Fixed low (int4 or int6), GNMR low/int8, fixed int8 and bf16 on the same tokens: held-out CE
     per arm, the promotion ratio and the hit-maxO rate; writes OUT/summary.json and OUT/curves.svg."""
     from mlx_open1b import cpu_ref
-    from mlx_open1b.cli.train import _default_corpus, _fail
+    from mlx_open1b.cli.train import _default_corpus
     from mlx_open1b.data.format import DataError
     from mlx_open1b.gnmr import GNMRConfig, GNMRError
     from mlx_open1b.gnmr_experiment import arms_for, run_experiment, table
@@ -50,10 +50,10 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_eve
     chosen = list(all_arms) if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
     bad = [a for a in chosen if a not in all_arms]
     if bad or not chosen:
-        _fail(f"--arms: unknown {', '.join(bad) or '(none given)'} (arms with --low {low}: "
-              f"{', '.join(all_arms)})", 2)
+        fail(f"--arms: unknown {', '.join(bad) or '(none given)'} (arms with --low {low}: "
+             f"{', '.join(all_arms)})", 2)
     if steps < 1:
-        _fail(f"--steps must be >= 1, got {steps}", 2)
+        fail(f"--steps must be >= 1, got {steps}", 2)
     try:
         g = GNMRConfig.parse(gnmr_spec)
         base = preset(preset_name)
@@ -61,15 +61,15 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_eve
             base = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_every=eval_every))
         if spike_skip is not None:
             if spike_skip < 0:
-                _fail(f"--spike-skip must be >= 0, got {spike_skip}", 2)
+                fail(f"--spike-skip must be >= 0, got {spike_skip}", 2)
             base = dataclasses.replace(base, train=dataclasses.replace(base.train, spike_skip=spike_skip))
         data = pathlib.Path(data_dir) if data_dir else _default_corpus(pathlib.Path("runs") / "data-default")
         summary = run_experiment(out, base, data, steps, g, arms=chosen, backend=backend,
                                  log=lambda m: click.echo(m, err=True), low=low)
     except (GNMRError, ConfigError, DataError, ValueError) as e:
-        _fail(str(e), 2)
+        fail(e, 2)
     except TrainError as e:
-        _fail(str(e), e.exit_code)
+        fail(e)
     click.echo(table(summary))
     click.echo(f"wrote {pathlib.Path(out) / 'summary.json'} and {pathlib.Path(out) / 'curves.svg'}", err=True)
     sys.stdout.flush()

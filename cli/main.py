@@ -1,13 +1,13 @@
-"""`open1b`: the command-line tool. Later issues add train, data, audit, parity, report."""
+"""`open1b`: the command-line tool; each command group lives in its own module and is added here."""
 from __future__ import annotations
 
 import importlib.metadata
 import platform
-import sys
 
 import click
 
 from mlx_open1b import __version__, backend
+from mlx_open1b.cli import fail
 from mlx_open1b.contract import CONTRACT_VERSION
 
 
@@ -62,8 +62,7 @@ def info() -> None:
     for dist in ("numpy", "click", "mlx", "cupy-cuda12x", "cupy-cuda13x", "torch", "pyarrow", "tokenizers"):
         click.echo(f"  {dist:14s} {_version(dist) or '-'}")
     if broken is not None:          # the reference every other backend is held to: a broken install
-        click.echo(f"error: {broken}", err=True)
-        sys.exit(broken.exit_code)
+        fail(broken)
 
 
 from mlx_open1b.cli.data import data  # noqa: E402

@@ -5,10 +5,7 @@ import sys
 
 import click
 
-
-def _fail(msg: str, code: int = 2) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
+from mlx_open1b.cli import fail
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -54,22 +51,22 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
                        "(the numpy implementation of the contract)", err=True)
             names = names + ["spec"]
     if not names:
-        _fail("--backends: no backend given")
+        fail("--backends: no backend given")
     if len(set(names)) != len(names):
-        _fail(f"--backends: a backend is named twice ({','.join(names)})")
+        fail(f"--backends: a backend is named twice ({','.join(names)})")
     if len(names) < 2:
-        _fail(f"--backends: need at least two backends to compare, got {names[0]}")
+        fail(f"--backends: need at least two backends to compare, got {names[0]}")
     loaded = []
     for n in names:
         try:
             loaded.append((n, load(n)))
         except BackendUnavailable as e:
-            _fail(f"--backends: {e}")
+            fail(f"--backends: {e}")
     ops = _split(ops_opt)
     if ops is not None:
         unknown = [o for o in ops if o not in OPS]
         if unknown or not ops:
-            _fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
+            fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
     tty = sys.stderr.isatty()
 
     def progress(op, res):
@@ -105,14 +102,14 @@ def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
     if ops is not None:
         unknown = [o for o in ops if o not in OPS]
         if unknown or not ops:
-            _fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
+            fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
     try:
         b = export_bundle(file, backend=backend, cases=cases, steps=steps, seed=seed, ops=ops, data_dir=data_dir,
                           log=lambda m: click.echo(m, err=True) if sys.stderr.isatty() else None)
     except BackendUnavailable as e:
-        _fail(f"--backend: {e}")
+        fail(f"--backend: {e}")
     except (TrainError, DataError) as e:
-        _fail(f"training run: {e}", getattr(e, "exit_code", 2))
+        fail(f"training run: {e}", e.exit_code)
     n = sum(len(v) for v in b["ops"].values())
     errs = sum(1 for v in b["ops"].values() for c in v if "error" in c)
     tr = b["training"]
@@ -133,10 +130,10 @@ def compare_cmd(a, b) -> None:
     try:
         ba, bb = load_bundle(a), load_bundle(b)
     except BundleError as e:
-        _fail(str(e))
+        fail(e)
     r = compare_bundles(ba, bb)
     click.echo(format_comparison(r, ba, bb))
     if r.contract_mismatch:
-        click.echo(f"error: contract versions differ: {a} is v{ba.get('contract_version')}, {b} is "
-                   f"v{bb.get('contract_version')}", err=True)
+        fail(f"contract versions differ: {a} is v{ba.get('contract_version')}, {b} is "
+             f"v{bb.get('contract_version')}", r.exit_code)
     sys.exit(r.exit_code)

@@ -1,16 +1,9 @@
 """`open1b report`, `open1b export`, `open1b eval`: what a user of a published run needs."""
 from __future__ import annotations
 
-import sys
-
 import click
 
-from mlx_open1b.cli import backend_option
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
+from mlx_open1b.cli import backend_option, fail
 
 
 @click.command()
@@ -33,7 +26,7 @@ def report(run, out, max_checkpoints, png, png_scale):
     try:
         path = write_report(run, out, max_checkpoints, png, png_scale)
     except (ReportError, CheckpointError, ConfigError) as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     click.echo(f"report {path}")
 
 
@@ -60,7 +53,7 @@ def export(run, step, fmt, out):
     try:
         path = do_export(run, step, fmt, out)
     except ExportError as e:
-        _fail(str(e), e.exit_code)
+        fail(e)
     click.echo(f"exported {path} ({fmt})")
 
 
@@ -85,7 +78,7 @@ def eval_(run, step, tasks, backend, limit, tokenizer, json_out):
         lm = Open1BLM(run, step, backend, tokenizer=tokenizer)
         res = evaluate(lm, names, limit)
     except (EvalError, DataError) as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     click.echo(f"{run} checkpoint step {lm.step} on {backend} (run hash {lm.run_hash})")
     for name, m in res.items():
         click.echo(f"  {name:6s} " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

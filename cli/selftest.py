@@ -5,12 +5,9 @@ import sys
 
 import click
 
+from mlx_open1b.cli import fail
+
 CHOICES = ("auto", "cpu_ref", "metal", "cuda", "all")
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
 
 
 def _backends(choice: str) -> list[str]:
@@ -29,14 +26,14 @@ def _check_writable(path: str, option: str) -> None:
     import pathlib
     p = pathlib.Path(path)
     if p.is_dir():
-        _fail(f"{option} {path}: is a directory")
+        fail(f"{option} {path}: is a directory")
     folder = p.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        _fail(f"{option} {path}: {folder} is not a directory")
+        fail(f"{option} {path}: {folder} is not a directory")
     if not os.access(folder, os.W_OK | os.X_OK):
-        _fail(f"{option} {path}: the folder {folder} is not writable")
+        fail(f"{option} {path}: the folder {folder} is not writable")
 
 
 def _check_corpus(data_dir: str, genesis: str | None) -> None:
@@ -46,7 +43,7 @@ def _check_corpus(data_dir: str, genesis: str | None) -> None:
     try:
         G.check_corpus(data_dir, genesis)
     except DataError as e:
-        _fail(f"--data {data_dir}: {e}")
+        fail(f"--data {data_dir}: {e}")
 
 
 def _bundle_path(path: str, backend: str, several: bool) -> str:
@@ -90,7 +87,7 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     tty = sys.stderr.isatty()
     if regenerate:
         if bundle_path or full or golden_path or backend != "auto":
-            _fail("--regenerate takes only --out (and --data)")
+            fail("--regenerate takes only --out (and --data)")
         path = out if out is not None else str(G.FILE)
         _check_writable(path, "--out")
         if data_dir:
@@ -100,17 +97,17 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         try:
             write_bytes_atomic(path, data)
         except OSError as e:
-            _fail(f"--out {path}: cannot write it ({e.strerror or e})")
+            fail(f"--out {path}: cannot write it ({e.strerror or e})")
         click.echo(f"wrote {path}")
         return
     if out:
-        _fail("--out is for --regenerate (the golden file to write); --bundle writes a parity bundle")
+        fail("--out is for --regenerate (the golden file to write); --bundle writes a parity bundle")
     if data_dir and not full:
-        _fail("--data is for --full (the training steps)")
+        fail("--data is for --full (the training steps)")
     try:
         golden = G.load(golden_path)
     except G.GoldenError as e:
-        _fail(str(e), e.exit_code)
+        fail(e)
     if data_dir:
         _check_corpus(data_dir, golden.training["genesis"])
     names = _backends(backend)
@@ -122,7 +119,7 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         try:
             load(names[0])
         except BackendUnavailable as e:
-            _fail(f"--backend {backend}: {e}")
+            fail(f"--backend {backend}: {e}")
 
     import time
     last = [time.monotonic()]
@@ -146,11 +143,11 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     except G.GoldenError as e:          # the file is at fault, not a backend: no verdict
         if tty:
             click.echo("", err=True)
-        _fail(str(e), e.exit_code)
+        fail(e)
     except DataError as e:              # the corpus, not a backend
         if tty:
             click.echo("", err=True)
-        _fail(f"--data {data_dir}: {e}" if data_dir else f"the default corpus: {e}")
+        fail(f"--data {data_dir}: {e}" if data_dir else f"the default corpus: {e}")
     if tty:
         click.echo("\r" + " " * 100 + "\r", err=True, nl=False)
     click.echo(S.format_report(reports, golden, full))
@@ -161,6 +158,6 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
             try:
                 S.write_bundle(p, r, golden)
             except OSError as e:
-                _fail(f"--bundle {p}: cannot write it ({e.strerror or e})")
+                fail(f"--bundle {p}: cannot write it ({e.strerror or e})")
             click.echo(f"bundle {p} ({r.backend})", err=True)
     sys.exit(0 if all(r.ok for r in reports if not r.not_run) else 1)

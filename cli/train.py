@@ -7,16 +7,11 @@ import time
 
 import click
 
-from mlx_open1b.cli import backend_option
+from mlx_open1b.cli import backend_option, fail
 
 from mlx_open1b.config import PRESETS, ConfigError, preset
 from mlx_open1b.data.format import DataError
 from mlx_open1b.rundir import RunDir, RunDirError
-
-
-def _fail(msg: str, code: int) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
 
 
 def _default_corpus(path: pathlib.Path) -> pathlib.Path:
@@ -102,10 +97,10 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
     out = pathlib.Path(out)
     worker = in_worker_env()
     if nproc is not None and worker:
-        _fail("--nproc: this process is already a distributed worker (RANK and WORLD_SIZE are set); "
-              "the launcher decides the worker count", 2)
+        fail("--nproc: this process is already a distributed worker (RANK and WORLD_SIZE are set); "
+             "the launcher decides the worker count", 2)
     if (nproc is not None or worker) and backend == "torch":
-        _fail("--backend torch: the PyTorch baseline runs in one process (no --nproc, no torchrun)", 2)
+        fail("--backend torch: the PyTorch baseline runs in one process (no --nproc, no torchrun)", 2)
     if not worker:
         cpu_ref.set_num_threads(threads)
     try:
@@ -118,14 +113,14 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
             cfg = dataclasses.replace(cfg, precision=precision)
         if gnmr_spec is not None:
             if resume:
-                _fail("--gnmr: a run's controller is part of its configuration (genesis); it cannot be set on "
-                      "--resume", 2)
+                fail("--gnmr: a run's controller is part of its configuration (genesis); it cannot be set on "
+                     "--resume", 2)
             from mlx_open1b.gnmr import GNMRConfig, GNMRError
             try:
                 cfg = dataclasses.replace(cfg, gnmr=GNMRConfig.parse(gnmr_spec))
                 cfg.check()
             except GNMRError as e:
-                _fail(str(e), 2)
+                fail(e, 2)
         if nproc is not None:
             return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
                            seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
@@ -137,8 +132,8 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
             return _train_torch(cfg, data_dir, steps or 50, threads)
         tr = Trainer.resume(out, backend=backend) if resume else Trainer.new(out, cfg, data_dir, backend=backend)
         if resume and precision is not None and precision != tr.cfg.precision:
-            _fail(f"--precision {precision}: the run in {out} trains in {tr.cfg.precision} (part of its genesis "
-                  f"hash); it cannot be changed on resume", 2)
+            fail(f"--precision {precision}: the run in {out} trains in {tr.cfg.precision} (part of its genesis "
+                 f"hash); it cannot be changed on resume", 2)
         total = steps if steps is not None else steps_for_tokens(tr.tcfg, tr.model_cfg, tr.tcfg.total_tokens)
         click.echo(f"run {out}: preset {tr.cfg.preset} ({tr.cfg.precision}), {tr.model_cfg.n_params():,} parameters, "
                    f"steps {tr.state.step} -> {total}, backend {backend}, {cpu_ref.get_num_threads()} threads", err=True)
@@ -146,9 +141,9 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
         click.echo("", err=True)
         click.echo(f"run hash {h}")
     except TrainError as e:
-        _fail(str(e), e.exit_code)
+        fail(e)
     except (DataError, ConfigError) as e:
-        _fail(str(e), 2)
+        fail(e, 2)
 
 
 def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
@@ -161,8 +156,8 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
     except RunDirError:
         return                       # the trainer reports an unreadable run.json
     if precision != have:
-        _fail(f"--precision {precision}: the run in {out} trains in {have} (part of its genesis hash); it cannot "
-              f"be changed on resume", 2)
+        fail(f"--precision {precision}: the run in {out} trains in {have} (part of its genesis hash); it cannot "
+             f"be changed on resume", 2)
 
 
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
@@ -174,21 +169,21 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
     if nproc < 1:
-        _fail(f"--nproc must be >= 1, got {nproc}", 2)
+        fail(f"--nproc must be >= 1, got {nproc}", 2)
     import importlib.util
     if importlib.util.find_spec("torch") is None:
-        _fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
+        fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
     rd = RunDir(out)
     if resume and rd.exists():
         try:
             cfg = rd.info().config
         except RunDirError as e:
-            _fail(str(e), 2)
+            fail(e, 2)
         _check_resume_precision(out, resume, precision)
     try:
         check_worker_count(nproc, cfg.train.phases)
     except ShardingError as e:
-        _fail(f"--nproc {nproc}: {e}", 2)
+        fail(f"--nproc {nproc}: {e}", 2)
     per = threads or max(1, cpu_count() // nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "mlx_open1b.cli.main", "train", "--preset", preset_name, "--backend", backend, "--out", str(out),
@@ -206,7 +201,7 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
         ck = rd.checkpoints()
         where = (f"the last checkpoint in {out} is step {ck[-1][0]} (intact): continue with "
                  f"`open1b train --resume --out {out} --nproc N` at any valid N") if ck else f"{out} holds no checkpoint"
-        _fail(f"distributed training stopped (torchrun exit code {rc}; the workers' errors are above); {where}", 3)
+        fail(f"distributed training stopped (torchrun exit code {rc}; the workers' errors are above); {where}", 3)
 
 
 def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend: str, threads: int,
@@ -235,10 +230,7 @@ def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend
                            threads=threads, on_start=on_start, progress=lambda rec, tok_s: prog["p"](rec, tok_s),
                            startup_error=None if selftest_refusal is None else (selftest_refusal, 3))
     except (TrainError, DistError, DataError, ConfigError, CheckpointError, LedgerError) as e:
-        click.echo(f"error: [rank {rank}/{world}] {e}", err=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(getattr(e, "exit_code", 2))     # at once: never wait on a broken process group
+        fail(f"[rank {rank}/{world}] {e}", getattr(e, "exit_code", 2), at_once=True)  # never wait on a broken group
     if tr.comm.rank == 0:
         click.echo("", err=True)
         click.echo(f"run hash {h}")
@@ -250,7 +242,7 @@ def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
     try:
         import torch
     except ImportError:
-        _fail("--backend torch needs PyTorch: pip install 'mlx-open1b[torch]'", 2)
+        fail("--backend torch needs PyTorch: pip install 'mlx-open1b[torch]'", 2)
     from mlx_open1b.data.stream import Stream
     from mlx_open1b.model import init_params
     from mlx_open1b.torch_model import TorchTrainer
@@ -285,14 +277,14 @@ def audit(run, steps, backend, auditor, out):
         a, _, b = steps.partition("-")
         first, last = int(a), int(b or a)
     except ValueError:
-        _fail(f"--steps: expected A-B or A, got {steps!r}", 2)
+        fail(f"--steps: expected A-B or A, got {steps!r}", 2)
     out = out or f"attestation-{first}-{last}.json"
     try:
         att = do_audit(run, first, last, backend=backend, auditor=auditor, out=out,
                        progress=(lambda t, n: click.echo(f"\rreplayed step {t}/{n}", err=True, nl=False))
                        if sys.stderr.isatty() else None)
     except (TrainError, CheckpointError, DataError) as e:
-        _fail(str(e), getattr(e, "exit_code", 2))
+        fail(e)
     click.echo("", err=True)
     if att["verdict"] == "certified":
         click.echo(f"certified: steps {first}-{last} of {run} (replayed from checkpoint step "
@@ -318,5 +310,5 @@ def hash_(run):
     try:
         r = run_hash(run)
     except (LedgerError, CheckpointError, TrainError) as e:
-        _fail(str(e), getattr(e, "exit_code", 1))
+        fail(e, getattr(e, "exit_code", 1))
     click.echo(f"{r['run_hash']}  ({r['steps']} steps; checkpoints verified at steps {r['checkpoints_checked']})")

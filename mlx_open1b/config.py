@@ -10,11 +10,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .errors import Open1bError
 from .gnmr import GNMRConfig, GNMRError
 from .hostmath import cos_pi_f64
 
 
-class ConfigError(ValueError):
+class ConfigError(Open1bError, ValueError):
     """A configuration that cannot work; the message names the field."""
 
 

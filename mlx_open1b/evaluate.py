@@ -49,6 +49,7 @@ import pathlib
 import numpy as np
 
 from . import arrays
+from .errors import Open1bError
 
 try:                                                   # optional: lm-eval-harness
     from lm_eval.api.model import LM as _LMBase
@@ -58,10 +59,8 @@ except Exception:   # noqa: BLE001 - absent or broken install: plain object
 TASKS = {"arith": "multiple_choice", "facts": "multiple_choice", "code": "multiple_choice", "text": "rolling"}
 
 
-class EvalError(Exception):
-    def __init__(self, msg: str, exit_code: int = 2):
-        super().__init__(msg)
-        self.exit_code = exit_code
+class EvalError(Open1bError):
+    """An evaluation that cannot run; the message names the run, step or file."""
 
 
 def _args(req):

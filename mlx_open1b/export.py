@@ -46,6 +46,7 @@ import numpy as np
 from . import __version__
 from .checkpoint import CheckpointError, load_checkpoint, read_safetensors, write_safetensors
 from .config import ModelConfig
+from .errors import Open1bError
 from .rundir import RunDir
 
 FORMAT = "open1b-export/1"
@@ -61,12 +62,8 @@ NOT_MAPPED = [
 ]
 
 
-class ExportError(Exception):
+class ExportError(Open1bError):
     """An export that cannot be made or read; the message names the file, step or tensor."""
-
-    def __init__(self, msg: str, exit_code: int = 2):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 # ------------------------------------------------------------------------------- names

@@ -17,6 +17,7 @@ import pathlib
 
 from .checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints, select_checkpoint
 from .config import RunConfig, config_version
+from .errors import Open1bError
 from .fsutil import write_json_atomic
 from .ledger import Ledger, LedgerError, read_records, verify_chain
 
@@ -24,13 +25,9 @@ RUN_FILE = "run.json"
 LEDGER_FILE = "ledger.jsonl"
 
 
-class RunDirError(Exception):
+class RunDirError(Open1bError):
     """A directory that is not a readable run; the message names it. exit_code for the CLI (2: not
     a run directory, 1: the run's own files are broken)."""
-
-    def __init__(self, msg: str, exit_code: int = 2):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 @dataclasses.dataclass(frozen=True)

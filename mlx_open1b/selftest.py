@@ -30,6 +30,7 @@ from typing import Callable
 
 from . import __version__
 from .contract import CONTRACT_VERSION
+from .errors import Open1bError
 from . import golden as _golden
 
 GPU_BACKENDS = ("metal", "cuda")
@@ -38,7 +39,7 @@ ALL = ("cpu_ref", "metal", "cuda")
 REFUSED_EXIT = 3
 
 
-class SelftestRefused(RuntimeError):
+class SelftestRefused(Open1bError, RuntimeError):
     """An explicitly requested device failed the self-test; nothing was run or written."""
 
     exit_code = REFUSED_EXIT

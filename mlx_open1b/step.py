@@ -27,15 +27,14 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from . import arrays, hashing
+from .errors import Open1bError
 from .hostmath import f32, reciprocal
 
 
-class TrainError(RuntimeError):
+class TrainError(Open1bError, RuntimeError):
     """Training cannot go on; the message names the step and the cause. exit_code for the CLI."""
 
-    def __init__(self, msg: str, exit_code: int = 3):
-        super().__init__(msg)
-        self.exit_code = exit_code
+    exit_code = 3
 
 
 # ---------------------------------------------------------------------- the reductions of §7

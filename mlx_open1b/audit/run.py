@@ -7,17 +7,14 @@ import pathlib
 from dataclasses import dataclass, field
 
 from ..checkpoint import META_FILE, _meta_hash
+from ..errors import Open1bError
 from ..ledger import LedgerError
 from ..rundir import RunDir
 
 
-class AttestError(Exception):
+class AttestError(Open1bError):
     """Bad input for a plan, an audit or a report; the message names the file, step or field.
     exit_code for the CLI (2: bad input, 1: the run's own artifacts are broken)."""
-
-    def __init__(self, msg: str, exit_code: int = 2):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 @dataclass

@@ -20,13 +20,14 @@ import pathlib
 import numpy as np
 import pyarrow as pa
 
+from ..errors import Open1bError
 from ..fsutil import atomic_path, write_json_atomic
 
 FORMAT = "open1b-data/1"
 MANIFEST = "manifest.json"
 
 
-class DataError(Exception):
+class DataError(Open1bError):
     """A prepared corpus or a source is unusable; the message names the file or source."""
 
 

@@ -43,15 +43,12 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import arrays
+from ..errors import Open1bError
 from ..step import TreeFold, norm_from_partials  # noqa: F401  (norm_from_partials re-exported)
 from .sharding import Shard
 
-class DistError(RuntimeError):
+class DistError(Open1bError, RuntimeError):
     """The process group cannot be set up (missing or failed rendezvous); exit_code for the CLI."""
-
-    def __init__(self, msg: str, exit_code: int = 2):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 class CommError(RuntimeError):

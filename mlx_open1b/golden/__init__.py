@@ -28,6 +28,7 @@ import time
 from typing import Callable
 
 from ..contract import CONTRACT_VERSION
+from ..errors import Open1bError
 
 FORMAT = "open1b-golden/1"
 FILE = pathlib.Path(__file__).resolve().with_name("known_answers.json")
@@ -41,7 +42,7 @@ PRESET = "tiny"
 STEPS = 20
 
 
-class GoldenError(ValueError):
+class GoldenError(Open1bError, ValueError):
     """The golden file is missing, unreadable or malformed; the message names the file."""
 
     exit_code = 2

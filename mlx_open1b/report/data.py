@@ -13,17 +13,14 @@ import pathlib
 import numpy as np
 
 from ..checkpoint import CheckpointError, load_checkpoint
+from ..errors import Open1bError
 from ..ledger import LedgerError
 from ..model import ParamLayout
 from ..rundir import RunDir, RunInfo
 
 
-class ReportError(Exception):
+class ReportError(Open1bError):
     """The run cannot be reported on; the message names the file and step."""
-
-    def __init__(self, msg: str, exit_code: int = 2):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 def load_run_data(run_dir, max_checkpoints: int = 64) -> dict:
