@@ -38,9 +38,10 @@ check_python() {
     "$PY" -c 'import sys' >/dev/null 2>&1 || die "PYTHON=$PY does not run a Python program" 3
 }
 
-find_carried() {   # O1B_DATA and O1B_WHEELS default to what the folder .device/ carries
+find_carried() {   # O1B_DATA and O1B_WHEELS default to what the folder .device/ carries (O1B_DATA set
+                   # but empty: no corpus, prepare one here)
     local d
-    if [ -z "${O1B_DATA:-}" ]; then
+    if [ -z "${O1B_DATA+set}" ]; then
         for d in .device/data .device/data.tar.xz .device/data.tar.gz .device/data.tar; do
             if [ -e "$d" ]; then
                 O1B_DATA="$PWD/$d"
@@ -145,6 +146,51 @@ selftest() {       # selftest BACKEND MODE(full|quick|skip): `open1b selftest --
     echo "selftest ${args[*]}" >"$RES/selftest-args.txt"
     "$PY" -m mlx_open1b.cli.main selftest "${args[@]}" 2>&1 | tee "$RES/selftest.txt"
     rc selftest "${PIPESTATUS[0]}"
+}
+
+installed_check() {   # installed_check BACKEND(metal|cuda) EMULATED(0|1): the installed package works, and
+                      # the backend runs on its device (not its CPU emulator) unless EMULATED is 1
+    "$PY" - "$1" "$2" <<'EOF' || die "the installed package does not work (see above)" 3
+import importlib
+import sys
+import mlx_open1b, mlx_open1b.cpu_ref as c
+from mlx_open1b.contract import CONTRACT_VERSION
+assert c.contract_version() == CONTRACT_VERSION, (c.contract_version(), CONTRACT_VERSION)
+name, emulated = sys.argv[1], sys.argv[2]
+ops = importlib.import_module(f"mlx_open1b.{name}.ops")
+runtime = importlib.import_module(f"mlx_open1b.{name}.runtime")
+ok, why = ops.available()
+print(f"open1b {mlx_open1b.__version__}, contract v{CONTRACT_VERSION}, cpu_ref SIMD {c.simd_name()}, {c.get_num_threads()} threads")
+print(f"{name} backend: {why}")
+assert ok, why
+real = runtime.real_metal() if name == "metal" else runtime.real_cuda()
+if emulated != "1" and not real:
+    raise SystemExit(f"the {name} backend would run on its CPU emulator, not the GPU: {why}")
+EOF
+    OPEN1B=("$PY" -m mlx_open1b.cli.main)
+}
+
+parity_stage() {      # parity_stage BACKEND: every op (or O1B_OPS) on cpu_ref and BACKEND, $CASES cases each
+    stage "parity: $1 vs cpu_ref, ${O1B_OPS:-every op}, $CASES cases each"
+    "${OPEN1B[@]}" parity run --backends "cpu_ref,$1" --cases "$CASES" ${OPS[@]+"${OPS[@]}"} --json "$RES/parity.json" \
+        | tee "$RES/parity.txt"
+    rc parity "${PIPESTATUS[0]}"
+    [ "$(cat "$RES/rc/parity")" -le 1 ] || die "parity run could not run (exit $(cat "$RES/rc/parity"))" 3
+}
+
+ledgers_stage() {     # ledgers_stage BACKEND: the tiny preset, $STEPS steps on cpu_ref and on BACKEND
+                      # (parity export of each), then the two bundles compared
+    local b rc_export=0
+    for b in cpu_ref "$1"; do
+        stage "tiny preset, $STEPS steps on $b (parity export: $EXPORT_CASES cases per op + the run's ledger)"
+        "${OPEN1B[@]}" parity export "$RES/bundle-$b.json" --backend "$b" --cases "$EXPORT_CASES" --steps "$STEPS" \
+            --data "$DATA" ${OPS[@]+"${OPS[@]}"} || rc_export=$?
+    done
+    rc export "$rc_export"
+    [ "$rc_export" = 0 ] || die "parity export failed (exit $rc_export)"
+    stage "compare the bundles"
+    "${OPEN1B[@]}" parity compare "$RES/bundle-cpu_ref.json" "$RES/bundle-$1.json" | tee "$RES/compare.txt"
+    rc compare "${PIPESTATUS[0]}"
 }
 
 summary() {        # summary BACKEND: the table of every stage's verdict and timing; its exit status

