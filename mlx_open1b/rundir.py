@@ -108,6 +108,21 @@ class RunDir:
         """The ledger's records in file order (not verified: see verify_ledger)."""
         return read_records(self.ledger_file)
 
+    def verified_records(self, error, nothing_to: str,
+                         unverified: str = "the run's ledger does not verify") -> tuple[RunInfo, str, list[dict]]:
+        """(run.json, the run hash, the records) of a run whose ledger verifies from its genesis and
+        is not empty; otherwise `error` (the caller's error class): `unverified` and the cause (exit 1),
+        or that an empty ledger leaves nothing to `nothing_to`."""
+        info = self.info(error=error)
+        try:
+            run_hash = self.verify_ledger(info.genesis)
+        except LedgerError as e:
+            raise error(f"{unverified}: {e}", exit_code=1) from None
+        records = self.records()
+        if not records:
+            raise error(f"{self.ledger_file}: the ledger is empty: nothing to {nothing_to}")
+        return info, run_hash, records
+
     def params_hash_after(self, step: int, genesis: str, error=RunDirError) -> tuple[str | None, str | None]:
         """(the parameter hash the verified ledger records after step - 1, the run hash); None for the
         hash at step 0 or where the ledger has no such record, (None, None) without a ledger."""

@@ -345,16 +345,9 @@ def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases:
     return rep
 
 
-def _flat(d, prefix=""):
-    if isinstance(d, dict):
-        for k in sorted(d):
-            yield from _flat(d[k], f"{prefix}.{k}" if prefix else str(k))
-    else:
-        yield prefix, d
-
-
 def _record_difference(k: int, want: dict, got: dict) -> str:
-    fw, fg = dict(_flat(want)), dict(_flat(got))
+    from .parity.bundle import flat_items
+    fw, fg = dict(flat_items(want)), dict(flat_items(got))
     fields = [f for f in list(fw) + [f for f in fg if f not in fw]
               if f not in ("hash", "prev") and fw.get(f, "missing") != fg.get(f, "missing")]
     f = fields[0] if fields else ("prev" if fw.get("prev") != fg.get("prev") else "hash")

@@ -8,6 +8,7 @@ from different machines agree iff every output and every ledger record is bit-id
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import importlib
@@ -127,13 +128,16 @@ def op_hashes(backend_obj, ops: Sequence[str], cases: int, seed: int, progress=N
     return out
 
 
-def train_ledger(backend: str, steps: int, data_dir=None, log: Callable[[str], None] | None = None) -> dict:
-    """The tiny preset trained for `steps` steps on `backend` in a temporary run directory; the
-    default corpus is prepared into a temporary directory unless data_dir is given."""
+@contextlib.contextmanager
+def temp_trainer(backend: str, data_dir=None, log: Callable[[str], None] | None = None, train_log=None,
+                 preset_name: str = "tiny"):
+    """A Trainer of a preset (tiny) on `backend` in a temporary run directory, on the embedded
+    default corpus (prepared into a temporary directory unless data_dir is given); `train_log`
+    gets the trainer's progress lines (default: `log`)."""
     from mlx_open1b.config import preset
     from mlx_open1b.train import Trainer
     log = log or (lambda m: None)
-    with tempfile.TemporaryDirectory(prefix="open1b-parity-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="open1b-tiny-") as tmp:
         tmp = pathlib.Path(tmp)
         if data_dir is None:
             from mlx_open1b.data.corpus import default_sources
@@ -142,8 +146,12 @@ def train_ledger(backend: str, steps: int, data_dir=None, log: Callable[[str], N
             log("preparing the embedded default corpus (~10 s)")
             data_dir = tmp / "data"
             prepare(default_sources(), data_dir, Tokenizer.load(None))
-        cfg = preset("tiny")
-        tr = Trainer(tmp / "run", cfg, data_dir, backend=backend, log=log)
+        yield Trainer(tmp / "run", preset(preset_name), data_dir, backend=backend, log=train_log or log)
+
+
+def train_ledger(backend: str, steps: int, data_dir=None, log: Callable[[str], None] | None = None) -> dict:
+    """The tiny preset trained for `steps` steps on `backend` (temp_trainer)."""
+    with temp_trainer(backend, data_dir, log) as tr:
         run_hash = tr.train(int(steps))
         ledger = tr.rundir.records()
     return {"preset": "tiny", "steps": int(steps), "backend": backend, "genesis": tr.genesis,
@@ -189,10 +197,11 @@ def intact(bundle: dict) -> bool:
     return hashlib.sha256(canonical(rest)).hexdigest() == bundle.get("bundle_sha256")
 
 
-def _flat(d, prefix=""):
+def flat_items(d, prefix=""):
+    """(dotted key, value) of every leaf of nested dicts, keys sorted."""
     if isinstance(d, dict):
         for k in sorted(d):
-            yield from _flat(d[k], f"{prefix}.{k}" if prefix else str(k))
+            yield from flat_items(d[k], f"{prefix}.{k}" if prefix else str(k))
     else:
         yield prefix, d
 
@@ -302,7 +311,7 @@ def compare(a: dict, b: dict, names=("A", "B")) -> Comparison:
         for k, (x, y) in enumerate(zip(la, lb)):
             r.ledger_records += 1
             if x != y:
-                fx, fy = dict(_flat(x)), dict(_flat(y))
+                fx, fy = dict(flat_items(x)), dict(flat_items(y))
                 fields = [f for f in list(fx) + [f for f in fy if f not in fx]
                           if f not in ("hash", "prev") and fx.get(f, "missing") != fy.get(f, "missing")]
                 field = fields[0] if fields else ("prev" if fx.get("prev") != fy.get("prev") else "hash")

@@ -3,8 +3,36 @@
 # summary. Written for bash 3.2 (macOS's /bin/bash): no associative arrays, no mapfile, and an
 # empty array is expanded as ${a[@]+"${a[@]}"} under set -u.
 #
-# The caller sets WHO (its name), PY (the interpreter), RES (the report folder), T0=$SECONDS and
-# runs from the checkout's top folder.
+# The caller sets WHO (its name), STEPS and EMULATED, runs from the checkout's top folder, sources
+# this file and calls `setup NAME "$@"` (the interpreter PY, the shared settings, the report folder RES).
+
+setup() {   # setup NAME "$@": the settings both checks share (the caller set WHO, STEPS, EMULATED), their
+            # arguments, and the report folder $RES (O1B_RESULTS, $OUT, or /tmp/open1b-NAME.XXXXXX)
+    local name=$1 arg
+    shift
+    PY=${PYTHON:-python3}
+    CASES=${O1B_CASES:-25}
+    EXPORT_CASES=${O1B_EXPORT_CASES:-4}
+    SELFTEST=${O1B_SELFTEST:-full}
+    [ "$EMULATED" = 1 ] && SELFTEST=${O1B_SELFTEST:-quick}
+    case $SELFTEST in full|quick|skip) ;; *) echo "$WHO: O1B_SELFTEST=$SELFTEST (expected full, quick or skip)" >&2; exit 2 ;; esac
+    PREFLIGHT_ONLY=0
+    for arg in "$@"; do
+        case $arg in
+            --preflight-only) PREFLIGHT_ONLY=1 ;;
+            -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+            *) echo "$WHO: unknown argument $arg (see --help)" >&2; exit 2 ;;
+        esac
+    done
+    RES=${O1B_RESULTS:-${OUT:-}}
+    [ -n "$RES" ] || RES=$(mktemp -d "/tmp/open1b-$name.XXXXXX")
+    mkdir -p "$RES"
+    : >"$RES/timings.tsv"
+    rm -rf "$RES/rc" "$RES/FAILED"
+    T0=$SECONDS
+    OPS=()
+    if [ -n "${O1B_OPS:-}" ]; then OPS=(--ops "$O1B_OPS"); fi
+}
 
 stage() {   # stage TITLE: print it; the time of the stage before goes to $RES/timings.tsv
     _stage_end

@@ -38,31 +38,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHO=mac_check
-PY=${PYTHON:-python3}
-CASES=${O1B_CASES:-25}
 STEPS=${O1B_STEPS:-20}
-EXPORT_CASES=${O1B_EXPORT_CASES:-4}
 EMULATED=${O1B_MAC_CHECK_EMULATED:-0}
-SELFTEST=${O1B_SELFTEST:-full}
-[ "$EMULATED" = 1 ] && SELFTEST=${O1B_SELFTEST:-quick}
-case $SELFTEST in full|quick|skip) ;; *) echo "$WHO: O1B_SELFTEST=$SELFTEST (expected full, quick or skip)" >&2; exit 2 ;; esac
-PREFLIGHT_ONLY=0
-for arg in "$@"; do
-    case $arg in
-        --preflight-only) PREFLIGHT_ONLY=1 ;;
-        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "$WHO: unknown argument $arg (see --help)" >&2; exit 2 ;;
-    esac
-done
-RES=${O1B_RESULTS:-${OUT:-}}
-[ -n "$RES" ] || RES=$(mktemp -d /tmp/open1b-mac-check.XXXXXX)
-mkdir -p "$RES"
-: >"$RES/timings.tsv"
-rm -rf "$RES/rc" "$RES/FAILED"
-T0=$SECONDS
 . scripts/check_lib.sh
-OPS=()
-[ -n "${O1B_OPS:-}" ] && OPS=(--ops "$O1B_OPS")
+setup mac-check "$@"
 if [ "$EMULATED" = 1 ]; then
     export O1B_METAL_EMULATE=1          # the metal backend on its CPU emulator, even on a Mac
 fi

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from ..checkpoint import META_FILE, _meta_hash
 from ..errors import Open1bError
-from ..ledger import LedgerError
 from ..rundir import RunDir
 
 
@@ -41,14 +40,7 @@ class RunView:
 def load_run(run_dir) -> RunView:
     """The run's genesis (run.json) and its ledger, chain verified; steps must be 0..N-1."""
     rd = RunDir(run_dir)
-    info = rd.info(error=AttestError)
-    try:
-        final = rd.verify_ledger(info.genesis)
-    except LedgerError as e:
-        raise AttestError(f"the run's ledger does not verify: {e}", exit_code=1) from None
-    records = rd.records()
-    if not records:
-        raise AttestError(f"{rd.ledger_file}: the ledger is empty: nothing to audit")
+    info, final, records = rd.verified_records(AttestError, "audit")
     for i, r in enumerate(records):
         if r["step"] != i:
             raise AttestError(f"{rd.ledger_file}: line {i + 1} is step {r['step']}, expected {i} "

@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-import tempfile
 import time
 from typing import Callable
 
@@ -125,19 +124,8 @@ def train_records(backend: str, steps: int, data_dir=None, on_step=None, log=Non
     """Train the tiny preset on the embedded default corpus for `steps` steps on `backend` in a
     temporary run directory (the corpus prepared into one unless data_dir is given); calls
     on_step(k, record) after each step, which may return False to stop. Returns (genesis, records)."""
-    from ..config import preset
-    from ..train import Trainer
-    log = log or (lambda m: None)
-    with tempfile.TemporaryDirectory(prefix="open1b-golden-") as tmp:
-        tmp = pathlib.Path(tmp)
-        if data_dir is None:
-            from ..data.corpus import default_sources
-            from ..data.prepare import prepare
-            from ..data.tokenizer import Tokenizer
-            log("preparing the embedded default corpus (~10 s)")
-            data_dir = tmp / "data"
-            prepare(default_sources(), data_dir, Tokenizer.load(None))
-        tr = Trainer(tmp / "run", preset(PRESET), data_dir, backend=backend, log=lambda m: None)
+    from ..parity.bundle import temp_trainer
+    with temp_trainer(backend, data_dir, log, train_log=lambda m: None, preset_name=PRESET) as tr:
         records = []
         for k in range(steps):
             tr.step()

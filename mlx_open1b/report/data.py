@@ -14,7 +14,6 @@ import numpy as np
 
 from ..checkpoint import CheckpointError, load_checkpoint
 from ..errors import Open1bError
-from ..ledger import LedgerError
 from ..model import ParamLayout
 from ..rundir import RunDir, RunInfo
 
@@ -28,14 +27,8 @@ def load_run_data(run_dir, max_checkpoints: int = 64) -> dict:
     per-checkpoint weight norms."""
     rd = RunDir(run_dir)
     run = rd.path
-    info = rd.info(error=ReportError)
-    try:
-        run_hash = rd.verify_ledger(info.genesis)
-    except LedgerError as e:
-        raise ReportError(f"the run's ledger does not verify, no report is written: {e}", exit_code=1) from None
-    records = rd.records()
-    if not records:
-        raise ReportError(f"{rd.ledger_file}: the ledger is empty: nothing to report")
+    info, run_hash, records = rd.verified_records(
+        ReportError, "report", unverified="the run's ledger does not verify, no report is written")
     times = _step_times(run, records)
     norms = checkpoint_norms(run, info, records, max_checkpoints)
     return {"dir": run, "info": info, "records": records, "run_hash": run_hash, "times": times, "norms": norms}
