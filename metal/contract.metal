@@ -11,7 +11,7 @@
 //     exponents of the operands (o1b_mul_tiny); div is computed in integers altogether (o1b_div).
 //   - no contraction into fused multiply-add: every fp32 + - * of the backend is one operator in
 //     one statement of o1b_add or o1b_mul below (the other helpers and the kernels call them; a
-//     source-text test, tests/test_metal_source.py, holds the sources to this), so nothing can be
+//     source-text test, tests/backends/test_metal_source.py, holds the sources to this), so nothing can be
 //     contracted even where the pragma below does not exist (it is Metal 3.2; MLX compiles Metal
 //     3.1 on macOS 14); the kernels are built with math_mode "safe".
 //   - no library math function at all: sqrt is the contract's integer definition (§3), exp, log,

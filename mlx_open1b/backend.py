@@ -3,7 +3,7 @@
 A backend is a module that provides every name of `Backend` below, with the signature written
 there: `mlx_open1b.cpu_ref` (the C reference), `mlx_open1b.metal.ops` and `mlx_open1b.cuda.ops`
 (their kernel sources on the device, or on the CPU emulators), and the parity harness's `spec`
-(mlx_open1b/spec behind these names). tests/test_backend_interface.py holds each to it, so the
+(mlx_open1b/spec behind these names). tests/ops/test_backend_interface.py holds each to it, so the
 core calls every op on every backend without probing. What a backend adds beyond the interface
 (cpu_ref's thread and SIMD settings, cuda's torch interop) is its own and documented there.
 

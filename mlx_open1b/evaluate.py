@@ -36,7 +36,7 @@ this module registers it; the `lm_eval` command line does not import it):
     simple_evaluate(model="open1b", model_args="run_dir=RUN,step=S", tasks=["open1b_arith"],
                     task_manager=lm_eval.tasks.TaskManager(include_path=DIR))
 
-tests/test_lm_eval_integration.py runs both, offline, when lm-eval is installed
+tests/report/test_lm_eval_integration.py runs both, offline, when lm-eval is installed
 (`pip install 'mlx-open1b[eval]'`; it is not in the test extra).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A type-aware scan of the Metal sources for fp32 arithmetic operators (tests/test_metal_source.py).
+"""A type-aware scan of the Metal sources for fp32 arithmetic operators (tests/backends/test_metal_source.py).
 
 The Metal backend keeps every fp32 `+ - * /` inside the contract header's primitive helpers, one
 operator per statement, so that no result depends on whether the compiler honours

@@ -12,7 +12,7 @@
  *
  * This file is the portable code (and the public entry points). Where the CPU has AVX-512 VNNI
  * (and the SIMD level is not capped below 2), the layer and the int8 GEMM run in quant_vnni.c
- * instead: the same values in fewer passes; tests/test_quant.py holds both to the numpy spec.
+ * instead: the same values in fewer passes; tests/ops/test_quant.py holds both to the numpy spec.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -19,7 +19,7 @@
  *     flushing of emu.hardware()). EMU_FTZ selects how they treat subnormals: 0 IEEE gradual
  *     underflow, 1 flush inputs and results with tininess detected after rounding (x86-like), 2
  *     flush with tininess detected before rounding. The contract helpers must give the same bits in
- *     all three (tests/test_cuda_backend.py runs them), which is what makes CuPy's -ftz=true harmless.
+ *     all three (tests/backends/test_cuda_backend.py runs them), which is what makes CuPy's -ftz=true harmless.
  */
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700   /* macOS only offers the ucontext routines under this (untested there) */

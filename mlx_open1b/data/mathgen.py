@@ -6,7 +6,7 @@ Philox4x32-10 blocks at (seed, STREAM_MATH_TEXT, index=i, sub=0, 1, 2, ...), con
 choices are unbiased (rejection sampling). The text is made with Python ints and str formatting
 only: no floating point, no true division (`/` appears only inside string literals; exact
 quotients are checked and taken with divmod/`//`), no `random` module, no hash() or set order,
-so the bytes are identical on every platform and Python version. tests/test_mathgen.py checks
+so the bytes are identical on every platform and Python version. tests/data/test_mathgen.py checks
 this module's syntax tree for float literals, true division and float() calls.
 
 Kinds of documents: long multiplication, long division with remainder, order of operations,

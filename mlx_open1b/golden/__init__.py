@@ -15,7 +15,7 @@ report still names the op, the case and the output.
 
 `compute()` rebuilds the set and `regenerate()` writes it atomically (`open1b selftest
 --regenerate`); the bytes are a pure function of the package's code (no time stamps, no machine
-data), so tests/test_golden.py regenerates it and fails when the shipped file differs.
+data), so tests/backends/test_golden.py regenerates it and fails when the shipped file differs.
 """
 from __future__ import annotations
 

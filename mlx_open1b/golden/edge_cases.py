@@ -42,7 +42,7 @@ F32, U16, U32, I32 = np.float32, np.uint16, np.uint32, np.int32
 #: the smallest normal, 2^-126
 TINY = 2.0 ** -126
 #: exp inputs where the Horner steps of CONTRACT.md §4's exp, computed as fused multiply-adds,
-#: give another result (found by a search over [-20, 20]; tests/test_golden.py re-checks each one
+#: give another result (found by a search over [-20, 20]; tests/backends/test_golden.py re-checks each one
 #: against an exact fused model)
 EXP_FMA_CANARY_BITS = (0xC19F47AE, 0xC18C7AE1, 0xC16A147B, 0xC13FD70A, 0xC115EB85, 0xC0CE6666, 0xC0733333,
                        0xBFE147AE, 0x3E8F5C29, 0x401EB852, 0x40A5C28F, 0x40EC7AE1, 0x4110CCCD, 0x41375C29,
@@ -51,7 +51,7 @@ EXP_FMA_CANARY_BITS = (0xC19F47AE, 0xC18C7AE1, 0xC16A147B, 0xC13FD70A, 0xC115EB8
 #: r = fma(-nf, c2, fma(-nf, c1, x)), the Horner steps unfused) gives another result: a compiler
 #: that contracts only there passes the canaries above on some inputs (found by a search of 48M
 #: random inputs in [-87, 88], where about one in 800,000 differs; the first eight round nf the
-#: other way, the rest differ in r; tests/test_golden.py re-checks each against an exact model)
+#: other way, the rest differ in r; tests/backends/test_golden.py re-checks each against an exact model)
 EXP_REDUCTION_CANARY_BITS = (0xC2A2E3BC, 0xC26A48A4, 0xC240B1E6, 0xC1CFF1B4, 0x40D2B77C, 0x416E7150, 0x4227BDDB,
                              0x4283013C, 0xC2A4F9CA, 0xC291934F, 0xC2662699, 0xC247A803, 0xC20515EE, 0x41C79AC5,
                              0x42479B27, 0x426627AC, 0x42918BD1)

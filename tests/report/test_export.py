@@ -15,7 +15,7 @@ from mlx_open1b.model import ParamLayout
 from mlx_open1b.train import Trainer
 
 from data_helpers import make_corpus
-from test_train import micro_cfg
+from runs import micro_cfg
 
 torch = pytest.importorskip("torch")
 mx = pytest.importorskip("mlx.core")

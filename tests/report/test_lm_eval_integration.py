@@ -16,7 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (optional: pip install "
-                              "'mlx-open1b[eval]'); the adapter's own tests are tests/test_evaluate.py")
+                              "'mlx-open1b[eval]'); the adapter's own tests are tests/report/test_evaluate.py")
 
 import numpy as np  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402

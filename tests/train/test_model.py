@@ -379,6 +379,6 @@ def test_bad_inputs_are_named():
         Model(ModelConfig(**{**CFG.__dict__, "window": 99}))
 
 
-# Numbers for the report: `pytest -s tests/test_model.py` prints them.
+# Numbers for the report: `pytest -s tests/train/test_model.py` prints them.
 def _record(kind, params_kind, **numbers):
     print(f"\n[{kind}/{params_kind}] " + ", ".join(f"{k}={v:.3g}" for k, v in numbers.items()))

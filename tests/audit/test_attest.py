@@ -13,7 +13,7 @@ from mlx_open1b.cli.main import cli
 from mlx_open1b.train import Trainer
 
 from data_helpers import make_corpus
-from test_train import micro_cfg
+from runs import micro_cfg
 
 STEPS = 12
 

@@ -15,19 +15,7 @@ from mlx_open1b.gnmr import GNMRConfig
 from mlx_open1b.train import TrainError, Trainer
 
 from data_helpers import make_corpus
-
-MICRO = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                    ffn_hidden=48, seq_len=16, window=8, global_every=2)
-# sensitive thresholds so that the controller acts within a few steps of a tiny run
-SENSITIVE = GNMRConfig(alpha=1.02, alpha_init=1.02, warm=0.0, beta=1.02, max_o=2, lock=3, window=2)
-
-
-def gnmr_cfg(gnmr=SENSITIVE, **train):
-    t = dict(seed=7, microbatch_seqs=2, phases=((0, 2),), total_tokens=4000, peak_lr=1e-2, warmup_tokens=64,
-             checkpoint_every=2, eval_every=0, eval_windows=2)
-    t.update(train)
-    return RunConfig(MICRO, TrainConfig(**t), "micro", precision="int8", gnmr=gnmr)
-
+from runs import MICRO, SENSITIVE, forge_records, gnmr_cfg
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -111,7 +99,6 @@ def test_audit_replays_and_checks_the_decisions(tmp_path, corpus):
     assert att["verdict"] == "certified" and att["run_hash"] == h
     assert run_hash(run)["run_hash"] == h
     # a decision the controller did not take, in a re-chained ledger: the replay names it
-    from test_audit_replay import forge_records
     import shutil
     shutil.copytree(run, tmp_path / "forged")
     forge_records(tmp_path / "forged", {3: lambda r: r["gnmr"].update(next=r["gnmr"]["next"][1:] or ["layers.0.qkv"])})

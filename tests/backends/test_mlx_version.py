@@ -11,7 +11,7 @@ import pytest
 
 from mlx_open1b.metal import runtime
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("text,want", [

@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("o1b_mutation", REPO / "scripts" / "mutation.py")
 mutation = importlib.util.module_from_spec(_spec)
 sys.modules["o1b_mutation"] = mutation      # dataclasses look their module up by name

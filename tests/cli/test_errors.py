@@ -22,7 +22,7 @@ from mlx_open1b.rundir import RunDirError
 from mlx_open1b.selftest import SelftestRefused
 from mlx_open1b.step import TrainError
 
-CLI = pathlib.Path(__file__).resolve().parent.parent / "cli"
+CLI = pathlib.Path(__file__).resolve().parents[2] / "cli"
 
 # (class, its default exit code, the builtin base callers may still catch it by)
 ERRORS = [(TrainError, 3, RuntimeError), (BackendUnavailable, 2, RuntimeError), (SelftestRefused, 3, RuntimeError),

@@ -16,7 +16,7 @@ import pytest
 
 import msl_scan
 
-METAL = pathlib.Path(__file__).resolve().parent.parent / "metal"
+METAL = pathlib.Path(__file__).resolve().parents[2] / "metal"
 HEADER = "contract.metal"
 PRIMITIVES = {"o1b_add", "o1b_mul"}      # the only functions that apply an fp32 operator
 

@@ -14,7 +14,7 @@ import pytest
 
 from data_helpers import make_corpus
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = {"device_check": ROOT / "scripts" / "device_check.sh", "mac_check": ROOT / "scripts" / "mac_check.sh"}
 EMULATED = {"device_check": "O1B_DEVICE_CHECK_EMULATED", "mac_check": "O1B_MAC_CHECK_EMULATED"}
 

@@ -10,7 +10,8 @@ from mlx_open1b.ledger import genesis_hash
 from mlx_open1b.rundir import RunDir, RunDirError
 from mlx_open1b.train import TrainError, Trainer
 
-from test_train import corpus, micro_cfg  # noqa: F401 - corpus is a fixture
+from runs import micro_cfg
+from test_train import corpus  # noqa: F401 - corpus is a fixture
 
 
 @pytest.fixture()

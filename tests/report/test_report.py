@@ -21,7 +21,7 @@ from mlx_open1b.report import ReportError, Plot, figures, load_run_data, render,
 from mlx_open1b.train import Trainer
 
 from data_helpers import make_corpus
-from test_train import micro_cfg
+from runs import micro_cfg
 
 FIGURES = ["fig-loss", "fig-gradnorm", "fig-gradhist", "fig-lr", "fig-batch", "fig-update", "fig-wq", "fig-wk",
            "fig-wv", "fig-emb", "fig-zloss"]

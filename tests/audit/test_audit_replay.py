@@ -22,8 +22,7 @@ from mlx_open1b.ledger import canonical, canonical_dumps, read_records, record_h
 from mlx_open1b.train import TrainError, Trainer
 
 from data_helpers import make_corpus
-from test_gnmr_training import gnmr_cfg
-from test_train import micro_cfg
+from runs import forge_records, gnmr_cfg, micro_cfg
 
 STEPS = 8      # checkpoints every 2 steps: ckpt-s holds the state after ledger step s - 1
 
@@ -50,21 +49,6 @@ def copy_run(runs, name, tmp_path):
 
 
 # ----------------------------------------------------------------------------- forging
-def forge_records(run, edits: dict) -> str:
-    """Apply edits {step: fn(record)} to the ledger and re-chain every record from the genesis;
-    returns the new run hash."""
-    prev = json.loads((run / "run.json").read_text())["genesis"]
-    lines = []
-    for rec in read_records(run / "ledger.jsonl"):
-        rec = {k: v for k, v in rec.items() if k not in ("prev", "hash")}
-        if rec["step"] in edits:
-            edits[rec["step"]](rec)
-        rec = canonical(rec)
-        rec["prev"] = prev
-        rec["hash"] = prev = record_hash(rec)
-        lines.append(canonical_dumps(rec) + "\n")
-    (run / "ledger.jsonl").write_text("".join(lines))
-    return prev
 
 
 def resave_checkpoint(run, step: int, edit) -> dict:

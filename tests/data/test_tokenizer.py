@@ -12,7 +12,7 @@ from mlx_open1b.data import tokenizer as T
 from mlx_open1b.data.format import DataError
 from mlx_open1b.data.tokenizer import EOT, Tokenizer
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

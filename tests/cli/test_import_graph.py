@@ -11,7 +11,7 @@ import ast
 import pathlib
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "mlx_open1b"
 
 

@@ -170,8 +170,7 @@ def test_functional_ops_and_in_place_errors():
 def test_trainer_state_stays_on_the_device(tmp_path):
     """A metal run keeps params and moments as mx.arrays between steps, writes the cpu_ref run's
     ledger and checkpoints byte for byte, and resumes from them."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_train import micro_cfg
+    from runs import micro_cfg
     from data_helpers import make_corpus
     from mlx_open1b.train import Trainer
     corpus = tmp_path / "corpus"

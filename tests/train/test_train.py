@@ -19,16 +19,9 @@ from mlx_open1b.ledger import LedgerError, verify_chain
 from mlx_open1b.train import TrainError, Trainer
 
 from data_helpers import make_corpus
+from runs import micro_cfg
 
 
-def micro_cfg(**train):
-    model = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                        ffn_hidden=48, seq_len=16, window=8, global_every=2)
-    t = dict(seed=7, microbatch_seqs=2, phases=((0, 2), (200, 3)), total_tokens=4000, peak_lr=1e-2,
-             warmup_tokens=64, checkpoint_every=2, eval_every=4, eval_windows=2,
-             spike_threshold=2.0, spike_skip=2)
-    t.update(train)
-    return RunConfig(model, TrainConfig(**t), "micro")
 
 
 @pytest.fixture()
@@ -139,7 +132,7 @@ def test_edited_ledger_line_is_located(tmp_path, corpus):
 _KILLED_RUN = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_train import micro_cfg
+from runs import micro_cfg
 from mlx_open1b.train import Trainer
 import pathlib
 run = pathlib.Path({run!r})
@@ -207,7 +200,7 @@ def test_killed_run_resumes_to_the_same_bits(tmp_path, corpus):
     full = tmp_path / "full"
     Trainer(full, micro_cfg(checkpoint_every=1), corpus).train(KILL_STEPS)
     run = tmp_path / "killed"
-    code = _KILLED_RUN.format(tests=os.path.dirname(__file__), run=str(run), corpus=str(corpus))
+    code = _KILLED_RUN.format(tests=os.path.dirname(os.path.dirname(__file__)), run=str(run), corpus=str(corpus))
     rng = np.random.default_rng(0)
     for mode in ("step", "checkpoint", "step"):
         start, after = _kill_mid_run(code, run, mode, rng)
