@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from mlx_open1b.metal.emu import hwmodel
+from mlx_open1b.metal.emu import counters, hwmodel
 
 PRELUDE_PATH = pathlib.Path(__file__).resolve().parent / "prelude.h"
 CXX = "g++"
@@ -114,13 +114,15 @@ def kernel_names(source: str) -> list[str]:
 
 
 def _build(source: str, name: str, ftz: int, ucontext: bool,
-           hw: hwmodel.Hardware = hwmodel.Hardware()) -> tuple[ctypes.CDLL, pathlib.Path]:
+           hw: hwmodel.Hardware = hwmodel.Hardware(), count: bool = False) -> tuple[ctypes.CDLL, pathlib.Path]:
     kernels = kernel_names(source)
     if not kernels:
         raise EmuCompileError(f"{name}: no `extern \"C\" __global__ void` kernel in the source")
     text = (f"#define EMU_FTZ {ftz}\n" + ("#define EMU_UCONTEXT 1\n" if ucontext else "")
             + "#define O1B_HW_DAZ (EMU_FTZ != 0)\n#define O1B_HW_FTZ EMU_FTZ\n" + hw.defines()
+            + (counters.HOOKS if count else "")
             + hwmodel.hwfloat_text() + "#line 1 \"emu/prelude.h\"\n" + PRELUDE_PATH.read_text()
+            + (counters.CUDA_OPS if count else "")
             + f"\n#line 1 \"{name}\"\n" + source
             + "\n#line 1 \"<emulator trampolines>\"\n" + "".join(f"EMU_KERNEL({k})\n" for k in kernels))
     flags = CXXFLAGS
@@ -135,8 +137,8 @@ def _build(source: str, name: str, ftz: int, ucontext: bool,
                 src = pathlib.Path(tmp) / "module.cpp"
                 src.write_text(text)
                 tmp_so = out.parent / f".{key}.{os.getpid()}.tmp.so"
-                proc = subprocess.run([CXX, *flags, "-o", str(tmp_so), str(src)],
-                                      capture_output=True, text=True)
+                proc = (counters.compile_unit(CXX, flags, str(src), str(tmp_so)) if count else
+                        subprocess.run([CXX, *flags, "-o", str(tmp_so), str(src)], capture_output=True, text=True))
                 if proc.returncode != 0:
                     tmp_so.unlink(missing_ok=True)
                     raise EmuCompileError(
@@ -168,9 +170,12 @@ class EmuModule:
     def library(self, hw: hwmodel.Hardware) -> tuple[ctypes.CDLL, pathlib.Path]:
         """The library of this module on the hardware `hw` (its seed is set at each launch)."""
         key = dataclasses.replace(hw, seed=0)
-        got = self._libs.get(key)
+        count = counters.active() is not None     # a counting library is a separate build
+        got = self._libs.get((key, count))
         if got is None:
-            got = self._libs[key] = _build(self.source, self.name, self.ftz, self.ucontext, key)
+            if count and hw.active:
+                raise EmuLaunchError(f"{self.name}: counting needs the plain hardware (no fault or adversarial flush)")
+            got = self._libs[(key, count)] = _build(self.source, self.name, self.ftz, self.ucontext, key, count)
         return got
 
     def get_function(self, kernel: str) -> "EmuFunction":
@@ -238,6 +243,10 @@ class EmuFunction:
         tramp = ctypes.cast(getattr(lib, f"emu_tramp_{self.kernel}"), ctypes.c_void_p).value
         with _lock:    # the scheduler state in the library is global
             lib.o1b_hw_set_seed(hw.seed)
+            if counters.active() is not None:     # counted once, never race-checked
+                with counters.launch(lib, "cuda", self.kernel, grid, block, grid[0] * grid[1] * grid[2], arrays):
+                    self._run(lib, tramp, grid, block, ptrs, False)
+                return
             if not _settings["race_check"]:
                 self._run(lib, tramp, grid, block, ptrs, False)
                 return

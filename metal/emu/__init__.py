@@ -45,7 +45,7 @@ import threading
 
 import numpy as np
 
-from . import hwmodel, msl_check
+from . import counters, hwmodel, msl_check
 
 _HERE = pathlib.Path(__file__).resolve().parent
 PRELUDE_PATH = _HERE / "prelude.h"
@@ -466,7 +466,7 @@ _lock = threading.Lock()
 _libs: dict[str, tuple[ctypes.CDLL, object]] = {}
 
 
-def _build(text: str, name: str):
+def _build(text: str, name: str, count: bool = False):
     """Compile (or load from the disk cache) the full translation unit; returns (launch fn, library)."""
     key = hashlib.sha256((compiler_id() + "\0" + " ".join(CXX_FLAGS) + "\0" + text).encode()).hexdigest()
     with _lock:
@@ -483,8 +483,9 @@ def _build(text: str, name: str):
             src.write_text(text)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
             os.close(fd)
-            res = subprocess.run([compiler(), *CXX_FLAGS, "-x", "c++", str(src), "-o", tmp],
-                                 capture_output=True, text=True)
+            res = (counters.compile_unit(compiler(), CXX_FLAGS, str(src), tmp) if count else
+                   subprocess.run([compiler(), *CXX_FLAGS, "-x", "c++", str(src), "-o", tmp],
+                                  capture_output=True, text=True))
             if res.returncode != 0:
                 os.unlink(tmp)
                 raise EmuCompileError(f"Metal kernel '{name}' does not compile (emulator, g++; "
@@ -556,10 +557,17 @@ class EmuKernel:
             raise EmuCompileError(f"Metal kernel '{self.name}' is not valid Metal (emulator source check):\n"
                                   + "\n".join(f"  {v}" for v in bad))
         hw_text = (_HW_PREFIX + hw.defines() + hwmodel.hwfloat_text() + _HW_HOOKS) if hw.active else ""
-        unit = (hw_text + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n" + _with_line_markers(self.name, text, self.header, self.source)
+        count = counters.active() is not None     # opt-in work counters (counters.py): a separate build
+        if count and hw.active:
+            raise EmuError(f"Metal kernel '{self.name}': counting needs the plain hardware (no fault or adversarial flush)")
+        if count:
+            hw_text = counters.HOOKS + counters.METAL_HW_OPS
+        unit = (hw_text + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n"
+                + (counters.metal_fma_macro(text) if count else "") + _with_line_markers(self.name, text, self.header, self.source)
                 + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
                 .replace("@NBUF@", str(max(nbuf, 1))).replace("@CALL@", call))
-        launch, lib = _build(unit, self.name)
+        launch, lib = _build(unit, self.name, count)
+        self._count_lib = lib if count else None
         if hw.active:
             lib.o1b_hw_set_seed(ctypes.c_ulonglong(hw.seed))
 
@@ -573,7 +581,7 @@ class EmuKernel:
                              f"maximum allowed threads per threadgroup (1024).")
         race = self.race_check if self.race_check is not None else os.environ.get("O1B_EMU_RACECHECK") == "1"
         outs = self._run(launch, ins, output_shapes, odt, grid3, tg3, init_value, reverse=False)
-        if race:
+        if race and not count:
             outs2 = self._run(launch, ins, output_shapes, odt, grid3, tg3, init_value, reverse=True)
             for name, a, b in zip(self.output_names, outs, outs2):
                 if a.tobytes() != b.tobytes():
@@ -611,7 +619,13 @@ class EmuKernel:
         err = ctypes.create_string_buffer(600)
         stats["launches"] += 1
         ftz = self.ftz if self.ftz is not None else os.environ.get("O1B_EMU_FTZ") == "1"
-        rc = launch(arr, g, t, int(reverse) | (2 if ftz else 0), err, 600)
+        if getattr(self, "_count_lib", None) is None:
+            rc = launch(arr, g, t, int(reverse) | (2 if ftz else 0), err, 600)
+        else:
+            tgd = [min(a, b) for a, b in zip(tg3, grid3)]
+            groups = int(np.prod([-(-a // max(b, 1)) for a, b in zip(grid3, tgd)]))
+            with counters.launch(self._count_lib, "metal", self.name, grid3, tg3, groups, ins + outs):
+                rc = launch(arr, g, t, int(reverse) | (2 if ftz else 0), err, 600)
         if rc != 0:
             raise EmuError(f"Metal kernel '{self.name}': {err.value.decode(errors='replace')}")
         return outs
