@@ -55,6 +55,8 @@ class Launch:
     read_unique: list               # per argument: distinct bytes loaded
     written_unique: list            # per argument: distinct bytes stored
     ops: dict                       # fp32 operations by kind (OPS)
+    loads: int = 0                  # global-memory load accesses (any width)
+    stores: int = 0                 # global-memory store accesses
 
     @property
     def bytes_issued(self) -> int:
@@ -102,7 +104,7 @@ HOOKS = r"""
 #define O1B_CNT_NS extern "C" __attribute__((no_sanitize_thread, visibility("default")))
 static uintptr_t o1b_cnt_lo[@MAX@], o1b_cnt_hi[@MAX@];
 static unsigned char *o1b_cnt_rmark[@MAX@], *o1b_cnt_wmark[@MAX@];
-static unsigned long long o1b_cnt_rbytes[@MAX@], o1b_cnt_wbytes[@MAX@];
+static unsigned long long o1b_cnt_rbytes[@MAX@], o1b_cnt_wbytes[@MAX@], o1b_cnt_naccess[2];
 static int o1b_cnt_nbuf = 0;
 static unsigned long long o1b_cnt_ops[8];
 __attribute__((no_sanitize_thread)) static inline void o1b_cnt_access(const void *p, size_t n, int w) {
@@ -111,6 +113,7 @@ __attribute__((no_sanitize_thread)) static inline void o1b_cnt_access(const void
         if (a >= o1b_cnt_lo[i] && a < o1b_cnt_hi[i]) {
             size_t off = (size_t)(a - o1b_cnt_lo[i]), m = n;
             if (off + m > (size_t)(o1b_cnt_hi[i] - o1b_cnt_lo[i])) m = (size_t)(o1b_cnt_hi[i] - o1b_cnt_lo[i]) - off;
+            o1b_cnt_naccess[w]++;
             if (w) { o1b_cnt_wbytes[i] += n; memset(o1b_cnt_wmark[i] + off, 1, m); }
             else { o1b_cnt_rbytes[i] += n; memset(o1b_cnt_rmark[i] + off, 1, m); }
             return;
@@ -154,10 +157,12 @@ O1B_CNT_NS void o1b_cnt_begin(int n, const uintptr_t *lo, const uintptr_t *hi, u
         o1b_cnt_rbytes[i] = 0; o1b_cnt_wbytes[i] = 0;
     }
     for (int k = 0; k < 8; k++) o1b_cnt_ops[k] = 0;
+    o1b_cnt_naccess[0] = o1b_cnt_naccess[1] = 0;
 }
 O1B_CNT_NS void o1b_cnt_end(unsigned long long *r, unsigned long long *w, unsigned long long *ops) {
     for (int i = 0; i < o1b_cnt_nbuf; i++) { r[i] = o1b_cnt_rbytes[i]; w[i] = o1b_cnt_wbytes[i]; }
-    for (int k = 0; k < 8; k++) ops[k] = o1b_cnt_ops[k];
+    for (int k = 0; k < 6; k++) ops[k] = o1b_cnt_ops[k];
+    ops[6] = o1b_cnt_naccess[0]; ops[7] = o1b_cnt_naccess[1];
     o1b_cnt_nbuf = 0;
 }
 #define O1B_CNT_OP(k, e) (o1b_cnt_ops[k]++, (e))
@@ -244,4 +249,4 @@ def launch(lib, backend: str, kernel: str, grid, block, groups: int, buffers):
         [int(x) for x in r[:n]], [int(x) for x in w[:n]],
         [int(np.count_nonzero(m)) if b.nbytes else 0 for m, b in zip(rmarks, buffers)],
         [int(np.count_nonzero(m)) if b.nbytes else 0 for m, b in zip(wmarks, buffers)],
-        {k: int(ops[i]) for i, k in enumerate(OPS)}))
+        {k: int(ops[i]) for i, k in enumerate(OPS)}, int(ops[6]), int(ops[7])))
