@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 NUMPY, MLX, CUPY = "numpy", "mlx", "cupy"
+SHAPE = "shape"     # mlx_open1b.shape: shape and dtype only, no values (the memory model)
 
 
 def kind(a) -> str | None:
@@ -29,6 +30,8 @@ def kind(a) -> str | None:
         return MLX
     if mod.startswith("cupy") and hasattr(a, "__cuda_array_interface__"):
         return CUPY
+    if getattr(t, "SHAPE_ONLY", False):
+        return SHAPE
     return None
 
 
@@ -94,7 +97,7 @@ def to_host(a):
         return a
     if k == MLX:
         return np.array(a)
-    if k == CUPY:
+    if k in (CUPY, SHAPE):
         return a.get()
     raise ValueError(f"expected an array, got {type(a).__name__}")
 
@@ -106,9 +109,8 @@ def from_host(a: np.ndarray, to: str):
     if to == MLX:
         import mlx.core as mx
         return mx.array(np.ascontiguousarray(a))
-    if to == CUPY:
-        import cupy
-        return cupy.asarray(a)
+    if to in (CUPY, SHAPE):
+        return module(to).asarray(a)
     raise ValueError(f"unknown array kind {to!r}")
 
 
@@ -122,6 +124,9 @@ def module(k: str):
     if k == CUPY:
         import cupy
         return cupy
+    if k == SHAPE:
+        from .shape import array as shape_array
+        return shape_array
     raise ValueError(f"unknown array kind {k!r}")
 
 
@@ -146,7 +151,7 @@ def concat(arrays, axis: int = 0):
 def writable(a) -> bool:
     """Arrays of this kind can be written in place, through views too (numpy, cupy); mx.arrays
     cannot (a write to a slice or reshape does not reach the array it came from)."""
-    return kind(a) in (NUMPY, CUPY)
+    return kind(a) in (NUMPY, CUPY, SHAPE)
 
 
 def copy(a):
@@ -163,7 +168,7 @@ class FlatBuffer:
 
     def __init__(self, n: int, dt, k: str):
         self.n, self.dt, self.kind = int(n), np.dtype(dt), k
-        self.buf = module(k).empty(self.n, self.dt) if k in (NUMPY, CUPY) else None
+        self.buf = module(k).empty(self.n, self.dt) if k in (NUMPY, CUPY, SHAPE) else None
         self.pieces: list = []
 
     def write(self, offset: int, values) -> None:

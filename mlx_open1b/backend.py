@@ -35,6 +35,9 @@ from .step import TrainError
 Array = Any     # a numpy array, mx.array or cupy array (mlx_open1b.arrays)
 
 BACKENDS = ("cpu_ref", "metal", "cuda")
+#: The memory model's backend (mlx_open1b.shape): shapes and allocations, no values. load() gives
+#: it by name; it is not a training choice (not in BACKENDS, so the CLI refuses it).
+SHAPE_ONLY = "shape"
 
 
 class Backend(Protocol):
@@ -362,6 +365,9 @@ def load(name: str):
     """The backend `name` ('auto': resolve's pick): its module, once it imports, says it can run
     here and implements this package's contract; else BackendUnavailable saying why."""
     name = resolve(name)
+    if name == SHAPE_ONLY:
+        from .shape import ops as shape_ops
+        return shape_ops.load()
     if name not in BACKENDS:
         raise BackendUnavailable(f"unknown backend {name!r} (backends: {', '.join(BACKENDS)})")
     b = _cpu_ref() if name == "cpu_ref" else _gpu_ops(name)

@@ -1,0 +1,125 @@
+"""The trainers on the shape backend, and one measured step per batch phase.
+
+`shape_trainer` builds a Trainer (one process) or a DistributedTrainer (rank of a SimWorld) whose
+state is shape arrays on the simulated device, without a run directory, corpus or checkpoint: the
+attributes Trainer.__init__ / DistributedTrainer._distribute_state leave behind (model, layout,
+reducer, the state in the backend's arrays: every parameter on every rank, the moments on their
+owners), and a stream that hands out windows of token 0. Start-up (initialization, the first
+checkpoint, the state broadcast), checkpoints and held-out evaluation are not run: they read and
+write values. The step is: `compute_step`, i.e. step.take_step with the trainer's reducer, the code
+a training run runs.
+
+`measure(cfg, workers)` runs one step of every batch phase (the step's consumed tokens set to the
+phase's start) on every worker and returns what each worker's ledger saw in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import RunConfig
+from ..train import Trainer, TrainState
+from . import array as xp
+from .comm import SimComm, SimWorld
+from .ledger import DEVICE, HOST, MemoryLedger, Peak
+
+
+class ZeroStream:
+    """Windows of token 0, one shared host array per batch size; the rank's ledger holds its bytes
+    (a real stream hands every worker the step's windows) until the next batch."""
+
+    _cache: dict = {}
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.windows_emitted, self._held = seq_len, 0, None
+
+    def next_windows(self, n: int) -> np.ndarray:
+        w = self._cache.get(n)
+        if w is None:
+            w = self._cache.setdefault(n, np.zeros((n, self.seq_len + 1), np.uint32))
+        from .ledger import current
+        self._held = None
+        with current().tagged("stream windows"):
+            self._held = xp.Buffer(w.nbytes, HOST)
+        self.windows_emitted += n
+        return w
+
+    def state(self) -> dict:
+        return {"windows": self.windows_emitted}
+
+
+def shape_trainer(cfg: RunConfig, comm: SimComm | None = None) -> Trainer:
+    """A trainer of cfg on the shape backend: one process, or rank comm.rank of a SimWorld."""
+    from ..backend import load
+    from ..distributed.reduce import DistributedReduce
+    from ..distributed.trainer import DistributedTrainer
+    tr = Trainer.__new__(Trainer) if comm is None else DistributedTrainer.__new__(DistributedTrainer)
+    tr.cfg = cfg.check()
+    tr.model_cfg, tr.tcfg = tr.cfg.model, tr.cfg.train
+    tr.backend, tr.ops = "shape", load("shape")
+    tr.dir, tr.log, tr.readonly, tr.ledger, tr._probes = None, (lambda msg: None), False, None, None
+    tr._build_model()
+    tr.stream = ZeroStream(tr.model_cfg.seq_len)
+    P = tr.model_cfg.n_params()
+    own = P
+    if comm is not None:
+        tr.comm, tr.after_microbatches, tr._sharded, tr._in_checkpoint, tr.last_checkpoint = comm, None, True, False, 0
+        tr.reduce = DistributedReduce(comm, tr.ops, tr.shapes, tr.timing, None)
+        tr.shards, tr.own = tr.reduce.shards, tr.reduce.mine
+        own = tr.own.size
+        for k in ("compute", "reduce", "optim", "comm"):
+            tr.timing[k] = 0.0
+    tr.state = TrainState(0, 0, 0, 0, xp.empty(P, np.uint16), xp.zeros(own, np.float32), xp.zeros(own, np.float32),
+                          tr.stream.state(), None)
+    return tr
+
+
+@dataclass
+class Measure:
+    """One worker's step of one batch phase."""
+    rank: int
+    microbatches: int               # M of the phase
+    computed: int                   # microbatches this worker computed
+    owned: int                      # parameter elements this worker owns
+    before: dict                    # live bytes {place: bytes} when the step began
+    peak: dict                      # {place: bytes}
+    device: Peak                    # what the device peak is made of
+    host: Peak
+    moved: dict                     # h2d, d2h, net_out, net_in bytes in the step
+
+
+def _roots(tr):
+    st = lambda: tr.state                                      # noqa: E731 - read at each breakdown
+    return [("params", lambda: [st().params]), ("moments", lambda: [st().m, st().v]),
+            ("constants", lambda: [a for t in tr.model._tables.values() for a in t])]
+
+
+def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float) -> list[Measure]:
+    rank = 0 if comm is None else comm.rank
+    led = MemoryLedger(f"rank {rank}", resolution).activate()
+    tr = shape_trainer(cfg, comm)
+    led.roots = _roots(tr)
+    reduce = tr._reducer()
+    out = []
+    for start, M in phases:
+        tr.state.consumed = start
+        led.reset()
+        before = dict(led.bytes)
+        tr.compute_step()
+        computed = sum(n for _, n in reduce.blocks(M))
+        out.append(Measure(rank, M, computed, reduce.size, before, dict(led.peak), led.breakdown[DEVICE],
+                           led.breakdown[HOST], dict(led.moved)))
+    return out
+
+
+def measure(cfg: RunConfig, workers: int = 1, phases=None, resolution: float = 0.002) -> list[list[Measure]]:
+    """[phase][rank] Measures of one step per batch phase (default: every phase of cfg) on `workers`
+    workers (1: the single-process Trainer; more: the DistributedTrainer on a SimWorld)."""
+    phases = [tuple(p) for p in (cfg.train.phases if phases is None else phases)]
+    if workers == 1:
+        per_rank = [_worker(cfg, None, phases, resolution)]
+    else:
+        world = SimWorld(workers)
+        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution))
+    return [[per_rank[r][i] for r in range(workers)] for i in range(len(phases))]
