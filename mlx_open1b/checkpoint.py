@@ -26,6 +26,7 @@ laid out by decreasing element size, then name, so every tensor is aligned to it
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ import warnings
 
 import numpy as np
 
-from . import hashing
+from . import fsutil, hashing
 from .contract import CONTRACT_VERSION
 from .ledger import LedgerError, canonical, canonical_dumps
 
@@ -101,11 +102,7 @@ def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = Non
     t = threading.Thread(target=_hash, name="open1b-ckpt-sha")
     t.start()
     try:
-        with open(path, "wb") as f:
-            for p in pieces:
-                f.write(p)
-            f.flush()
-            os.fsync(f.fileno())
+        fsutil.write_file(path, pieces)
     finally:
         t.join()
     return sha.hexdigest(), 8 + len(hb) + off
@@ -271,10 +268,13 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
         colls[kind] = {"hash": _collection_hash(kind, mapping, {n: (a, dn) for n, a, dn in items}, digests),
                        "tensors": mapping}
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    recover_checkpoints(run_dir)
     final = checkpoint_dir(run_dir, step)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.tmp-", dir=run_dir))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recover_checkpoints(run_dir)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.tmp-", dir=run_dir))
+    except OSError as e:
+        raise fsutil.WriteError(final, e, f"cannot write checkpoint {final} ({_why(e)})") from None
     aside = None
     try:
         sha, nbytes = write_safetensors(tmp / STATE_FILE, {n: (a, dn) for n, a, dn in items},
@@ -284,10 +284,8 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
         meta["tensors"] = {n: {"dtype": dn, "hash": digests[n].hex(), "shape": list(a.shape)} for n, a, dn in items}
         meta["collections"] = colls
         meta["meta_hash"] = _meta_hash(meta)
-        with open(tmp / META_FILE, "w", encoding="ascii") as f:
-            f.write(json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        fsutil.write_file(tmp / META_FILE, [(json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=True)
+                                             + "\n").encode("ascii")])
         os.chmod(tmp, 0o777 & ~_umask())
         _fsync_dir(tmp)
         if final.exists():          # replacing a checkpoint of the same step: move it aside first
@@ -296,14 +294,25 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
             _rename(final, aside)
         _rename(tmp, final)
         _fsync_dir(run_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if aside is not None and aside.exists() and not final.exists():
             os.rename(aside, final)
+        if isinstance(e, OSError):          # fsutil.WriteError included: name the checkpoint, not its part
+            raise fsutil.WriteError(final, getattr(e, "cause", None) or e,
+                                    f"cannot write checkpoint {final} ({_why(e)})") from None
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def _why(e: OSError) -> str:
+    """The cause of a failed write: the file inside the checkpoint and the system's reason."""
+    cause = getattr(e, "cause", None) or e
+    where = getattr(e, "path", None) or (pathlib.Path(e.filename) if getattr(e, "filename", None) else None)
+    code = errno.errorcode.get(cause.errno, "") if getattr(cause, "errno", None) else ""
+    return f"{where.name + ': ' if where else ''}{cause.strerror or cause}{', ' + code if code else ''}"
 
 
 def _rename(src, dst) -> None:

@@ -1,48 +1,160 @@
-"""Atomic file writes: a reader never sees a half-written file, and a crash never replaces a
-good file with a bad one (write to a temporary file in the same directory, fsync, rename)."""
+"""Every file the package writes goes through here, so that a full disk, an I/O error or a missing
+permission ends the same way everywhere: a WriteError naming the file, and nothing half-written
+left under a name a later command would read.
+
+Atomic writes (write_bytes_atomic, write_json_atomic, atomic_path): a reader never sees a
+half-written file, and a crash never replaces a good file with a bad one (write to a temporary file
+in the same directory, fsync, rename). write_file: a file inside a temporary directory that is
+renamed into place whole (checkpoints, exports). append_durable: one fsynced append (the ledger),
+cut back on failure. The bytes of every write pass through write_all and are made durable by
+fsync_file: the two places a test injects a failure."""
 from __future__ import annotations
 
 import contextlib
+import errno as _errno
 import hashlib
 import json
 import os
 import pathlib
 import tempfile
 
+from .errors import Open1bError
+
+
+class WriteError(Open1bError, OSError):
+    """A file that could not be written (full disk, I/O error, no permission). The message names
+    the file and the cause; the command that catches it adds the step, what is intact and how to
+    continue (context()). An OSError too, so every `except OSError` around a write still holds.
+    Exit code 3: the work failed, not its input."""
+
+    exit_code = 3
+
+    def __init__(self, path, cause: OSError | None = None, msg: str | None = None):
+        self.path = pathlib.Path(path)
+        self.cause = cause
+        code = getattr(cause, "errno", None)
+        why = (cause.strerror or str(cause)) if cause is not None else "write failed"
+        name = f", {_errno.errorcode[code]}" if code in _errno.errorcode else ""
+        super().__init__(msg or f"cannot write {self.path} ({why}{name})")
+        self.errno, self.strerror, self.filename = code, why, str(self.path)
+
+    @property
+    def disk_full(self) -> bool:
+        return self.errno in (_errno.ENOSPC, _errno.EDQUOT)
+
+    def context(self, at: str = "", intact: str = "", then: str = "") -> "WriteError":
+        """The same failure with what the caller knows: where it happened (`at`, e.g. "at step 4"),
+        what is intact, and the command that continues once the cause is fixed."""
+        fix = ("free space on the disk" if self.disk_full else
+               "make it writable" if self.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS) else
+               "check the disk")
+        msg = f"{self}{' ' + at if at else ''}"
+        if intact:
+            msg += f"; intact: {intact}; nothing half-written is left"
+        if then:
+            msg += f"; {fix}, then continue with `{then}`"
+        return WriteError(self.path, self.cause, msg)
+
+
+def write_all(f, data) -> None:
+    """Write all of `data` (bytes or a contiguous buffer) to the open binary file `f`; every byte
+    the package writes passes here. An unbuffered file may take less than asked: loop."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def fsync_file(f) -> None:
+    """Flush `f` and make its bytes durable."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _fsync_dir(path) -> None:
+    with contextlib.suppress(OSError):          # not every file system can fsync a directory
+        dfd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
-    """Yields a temporary path beside `path`; on success it is fsynced and renamed onto `path`."""
+    """Yields a temporary path beside `path`; on success it is fsynced and renamed onto `path`.
+    Any OSError (the caller's writes into the temporary path included) becomes a WriteError naming
+    `path`; the temporary file is removed and `path` keeps what it held."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)       # mkstemp makes 0600; the result gets a normal file mode
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)       # mkstemp makes 0600; the result gets a normal file mode
         yield pathlib.Path(tmp)
         with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            fsync_file(f)
         os.replace(tmp, path)
-        with contextlib.suppress(OSError):
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        _fsync_dir(path.parent)
+    except WriteError:
+        raise
+    except OSError as e:
+        raise WriteError(path, e) from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def write_bytes_atomic(path, data: bytes) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
+        with open(tmp, "wb", buffering=0) as f:
+            write_all(f, data)
 
 
 def write_json_atomic(path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_file(path, chunks) -> None:
+    """Write the byte strings `chunks` to `path` (created or truncated) and fsync it. Not atomic: for
+    a file in a temporary directory that is renamed into place once complete. WriteError naming
+    `path` on failure."""
+    try:
+        with open(path, "wb", buffering=0) as f:
+            for c in chunks:
+                write_all(f, c)
+            fsync_file(f)
+    except OSError as e:
+        raise WriteError(path, e) from None
+
+
+def append_durable(path, data: bytes) -> None:
+    """Append `data` to `path` (created if missing) in one write and fsync it. On failure the file
+    is cut back to its previous length, so a partial append never stays, and WriteError names it."""
+    path = pathlib.Path(path)
+    created = not path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab", buffering=0) as f:
+            size = f.seek(0, os.SEEK_END)
+            try:
+                write_all(f, data)
+                fsync_file(f)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    f.truncate(size)
+                    os.fsync(f.fileno())
+                raise
+    except OSError as e:
+        raise WriteError(path, e) from None
+    if created:                       # make the new file's directory entry durable too
+        _fsync_dir(path.parent)
 
 
 def sha256_file(path, chunk: int = 1 << 20) -> str:

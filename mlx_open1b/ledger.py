@@ -18,7 +18,6 @@ removes it with a warning; `verify_chain` reports it as an error. Nothing else i
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -30,7 +29,7 @@ import warnings
 
 import numpy as np
 
-from .fsutil import write_bytes_atomic
+from .fsutil import append_durable, write_bytes_atomic
 
 FORMAT = "open1b-ledger/1"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -227,7 +226,8 @@ class Ledger:
 
     def append(self, record: dict) -> str:
         """Add "prev" and "hash" to a copy of the record, append it as one line, flush and fsync;
-        return its hash. The record needs an integer "step" above the last record's."""
+        return its hash. The record needs an integer "step" above the last record's. A write that
+        fails (fsutil.WriteError) leaves the file as it was: the ledger through the last record."""
         if not isinstance(record, dict):
             raise LedgerError(f"{self.path}: a record is a dict, got {type(record).__name__}")
         for f in ("prev", "hash"):
@@ -243,24 +243,7 @@ class Ledger:
         rec["prev"] = self.last_hash
         rec["hash"] = record_hash(rec)
         line = (canonical_dumps(rec) + "\n").encode("ascii")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        try:
-            view = memoryview(line)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if created:                       # make the new file's directory entry durable too
-            with contextlib.suppress(OSError):
-                dfd = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+        append_durable(self.path, line)  # fsutil.WriteError on failure, the file cut back to its last record
         self._records.append(rec)
         return rec["hash"]
 

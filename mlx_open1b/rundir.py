@@ -3,6 +3,14 @@
     RUN/run.json           RunInfo: the run's configuration, contract version, corpus and genesis hash
     RUN/ledger.jsonl       the chained step records (ledger.py), one per optimizer step
     RUN/ckpt-<step:08d>/   checkpoints (checkpoint.py)
+    RUN/writer.lock        the writer's lock (RunDir.lock): the pid and host of the process writing the run
+
+One process writes a run directory at a time: train, resume and a distributed run's rank 0 hold an
+exclusive flock on writer.lock from before their first write until they exit (the OS releases it
+when the process dies, however it dies), and a second writer is refused naming the holder. Readers
+(hash, audit, report, export, eval) never take it: every file they read is replaced atomically
+(run.json, checkpoints) or appended one fsynced line at a time (the ledger, whose reader reports an
+incomplete last line, see ledger.verify_chain).
 
 run.json is written once, when the run starts, and never changes. Its config is hashed into the
 genesis (ledger.genesis_hash) that every ledger record chains from, so it is written in the oldest
@@ -12,8 +20,14 @@ version is inferred from the keys when run.json is read (RunInfo.config_version)
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
+import os
 import pathlib
+import socket
+import threading
+import weakref
 
 from .checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints, select_checkpoint
 from .config import RunConfig, config_version
@@ -23,6 +37,7 @@ from .ledger import Ledger, LedgerError, read_records, verify_chain
 
 RUN_FILE = "run.json"
 LEDGER_FILE = "ledger.jsonl"
+LOCK_FILE = "writer.lock"
 
 
 class RunDirError(Open1bError):
@@ -75,6 +90,49 @@ class RunDir:
         self.path = pathlib.Path(path)
         self.run_file = self.path / RUN_FILE
         self.ledger_file = self.path / LEDGER_FILE
+        self.lock_file = self.path / LOCK_FILE
+        self._hold = None
+
+    # ------------------------------------------------------------------ the writer's lock
+    def lock(self, error=RunDirError) -> None:
+        """Become the run's one writer (creating the directory if needed): an exclusive flock on
+        writer.lock, held until unlock(), until this RunDir is garbage-collected, or until the process
+        exits. `error` (the caller's error class, exit code 2) when another process holds it, naming
+        its pid and host. Within one process the lock is shared: the process is the writer, and a
+        second RunDir of the same directory (a Trainer resumed in the same process) joins its hold."""
+        if self._hold is not None:
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._hold = _WriterLock.acquire(self.lock_file)
+        except OSError as e:
+            raise error(f"{self.lock_file}: cannot take the run's writer lock ({e.strerror or e})",
+                        exit_code=2) from None
+        if self._hold is None:
+            holder = self.writer()
+            who = (f"pid {holder['pid']} on host {holder['host']}" if holder else "another process")
+            raise error(f"{self.path}: the run is being written by {who} (it holds {self.lock_file}); one "
+                        f"writer per run directory: wait for it to finish or stop it (the lock is released "
+                        f"when it exits), or train into another --out", exit_code=2)
+        self._release = weakref.finalize(self, self._hold.release)
+
+    def unlock(self) -> None:
+        """Stop being the run's writer (this RunDir's share of the process's hold)."""
+        if self._hold is not None:
+            self._hold = None
+            self._release()
+
+    def writer(self) -> dict | None:
+        """{"pid", "host"} of the process recorded as the run's writer, or None: nobody has written
+        it yet, or the recorded writer has released the lock. Read without locking: a reader's view,
+        for messages."""
+        try:
+            d = json.loads(self.lock_file.read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(d, dict) or not isinstance(d.get("pid"), int) or not isinstance(d.get("host"), str):
+            return None
+        return {"pid": d["pid"], "host": d["host"]}
 
     # ------------------------------------------------------------------ run.json
     def exists(self) -> bool:
@@ -91,7 +149,8 @@ class RunDir:
             raise error(f"{self.run_file}: malformed ({e})", exit_code=1) from None
 
     def create(self, info: RunInfo) -> None:
-        """Start the run: the directory and its run.json (written atomically)."""
+        """Start the run: the directory and its run.json (written atomically). The writer calls
+        lock() first."""
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.run_file, info.to_json())
 
@@ -153,3 +212,55 @@ class RunDir:
     def select_checkpoint(self, step: int | None = None, error=CheckpointError) -> int:
         """`step` if the run has its checkpoint, the latest checkpoint's step for None; else `error`."""
         return select_checkpoint(self.path, step, error)
+
+
+class _WriterLock:
+    """This process's flock on one writer.lock, shared by every RunDir of the process that locks
+    the same file (flock conflicts between two open descriptions even within one process)."""
+
+    _held: dict = {}                     # (st_dev, st_ino) -> _WriterLock
+    _guard = threading.Lock()
+
+    def __init__(self, key, fd: int):
+        self.key, self.fd, self.count = key, fd, 1
+
+    @classmethod
+    def acquire(cls, path: pathlib.Path) -> "_WriterLock | None":
+        """A share of this process's hold, or None when another process holds the lock."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        with cls._guard:
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                held = cls._held.get(key)
+                if held is None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return None
+                raise
+            if held is not None:
+                os.close(fd)
+                held.count += 1
+                return held
+            note = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode() + b"\n"
+            try:                             # for the refusal message only: a full disk does not stop the writer
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, note, 0)
+            except OSError:
+                pass
+            cls._held[key] = hold = cls(key, fd)
+            return hold
+
+    def release(self) -> None:
+        with self._guard:
+            self.count -= 1
+            if self.count:
+                return
+            del self._held[self.key]
+            try:
+                os.ftruncate(self.fd, 0)      # no pid once released
+            except OSError:
+                pass
+            os.close(self.fd)                 # closing the last descriptor releases the flock

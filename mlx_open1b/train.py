@@ -60,6 +60,8 @@ class Trainer:
         if resume or readonly:
             if not rd.exists():
                 raise TrainError(f"{run_file}: no run to resume (start one without --resume)", exit_code=2)
+            if not readonly:
+                rd.lock(error=TrainError)    # the one writer, before the ledger or a checkpoint is touched
             info = rd.info(error=TrainError)
             if info.contract_version != CONTRACT_VERSION:
                 raise TrainError(f"{run_file}: written under contract v{info.contract_version}, "
@@ -83,6 +85,9 @@ class Trainer:
                     raise TrainError(f"{run_file}: {key} {getattr(info, key)[:16]}… does not match the corpus "
                                      f"{self.corpus} ({mine[:16]}…)", exit_code=2)
         else:
+            rd.lock(error=TrainError)        # the one writer, before run.json is written
+            if rd.exists():
+                raise TrainError(f"{run_file}: a run already exists here; use --resume or another --out", exit_code=2)
             rd.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
                               self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
         from .model import init_params
@@ -100,7 +105,11 @@ class Trainer:
             stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len)
             self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
                                     self.gnmr.fresh() if self.gnmr else None)
-            self._checkpoint()
+            try:
+                self._checkpoint()
+            except OSError:              # fsutil.WriteError: no run.json without the checkpoint it starts from
+                rd.run_file.unlink(missing_ok=True)
+                raise
         st = self.state              # the state in the backend's arrays (mx.array, cupy; numpy: itself)
         st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
