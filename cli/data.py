@@ -10,6 +10,8 @@ import click
 from mlx_open1b.cli import fail
 from mlx_open1b.data.format import MANIFEST, DataError, Manifest
 
+DONE_FILE = "_done.json"         # data.prepare.DONE: a finished source's record
+
 # seed and sequence length `inspect --window` uses when none are given
 DEFAULT_SEED = 42
 DEFAULT_SEQ_LEN = 1024
@@ -142,9 +144,17 @@ def prepare(use_default, source_specs, shares, text_field, tokenizer_path, shard
         sources = _parse_sources(source_specs, shares, text_field)
     t0 = time.perf_counter()
     progress = _PrepareProgress()
+    from mlx_open1b.fsutil import WriteError
     try:
         m = run_prepare(sources, out_dir, tok, shard_tokens=shard_tokens, heldout_tokens=heldout_tokens,
                         progress=progress, force=force)
+    except WriteError as e:
+        if progress.live and progress.tty:
+            progress.stream.write("\n")
+            progress.live = False
+        fail(e.context(intact=f"the sources finished before it, each with its {DONE_FILE} (no manifest until "
+                              f"every source is done, so no command reads {out_dir} as a corpus)",
+                       then="run the same `open1b data prepare` command again: it skips the finished sources"))
     finally:
         if progress.live and progress.tty:     # end a live status line before any error message
             progress.stream.write("\n")

@@ -9,6 +9,7 @@ import click
 from mlx_open1b import __version__, backend
 from mlx_open1b.cli import fail
 from mlx_open1b.contract import CONTRACT_VERSION
+from mlx_open1b.errors import Open1bError
 
 
 def _version(dist: str) -> str | None:
@@ -32,7 +33,19 @@ def _cpu_features() -> str:
     return " ".join(f for f in wanted if f in flags) or platform.machine()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Open1b(click.Group):
+    """The command tree's root: an Open1bError that a command does not catch and explain itself
+    (a write that failed somewhere below it: fsutil.WriteError) ends in fail too, with its message
+    and exit code, never a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Open1bError as e:
+            fail(e)
+
+
+@click.group(cls=_Open1b, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="open1b")
 def cli() -> None:
     """Auditable, bitwise-reproducible training of decoder-only language models."""

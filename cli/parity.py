@@ -77,8 +77,12 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
         click.echo("\r" + " " * 70 + "\r", err=True, nl=False)
     click.echo(format_table(report))
     if json_out:
-        from mlx_open1b.fsutil import write_json_atomic
-        write_json_atomic(json_out, report.to_json())
+        from mlx_open1b.fsutil import WriteError, write_json_atomic
+        try:
+            write_json_atomic(json_out, report.to_json())
+        except WriteError as e:
+            fail(e.context(intact="the table printed above", then="run the same parity run with a --json that "
+                                                                   "can be written"))
     sys.exit(0 if report.ok else 1)
 
 
@@ -96,6 +100,7 @@ def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
     """Write a bundle to FILE: per op and case the seed and output hashes, and a short run's
     ledger, with machine and library information (for `open1b parity compare`)."""
     from mlx_open1b.data.format import DataError
+    from mlx_open1b.fsutil import WriteError
     from mlx_open1b.parity import OPS, BackendUnavailable, export_bundle
     from mlx_open1b.train import TrainError
     ops = _split(ops_opt)
@@ -108,6 +113,9 @@ def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
                           log=lambda m: click.echo(m, err=True) if sys.stderr.isatty() else None)
     except BackendUnavailable as e:
         fail(f"--backend: {e}")
+    except WriteError as e:
+        fail(e.context(intact=f"nothing under {file} (a bundle is written whole or not at all)",
+                       then="run the same `open1b parity export` again"))
     except (TrainError, DataError) as e:
         fail(f"training run: {e}", e.exit_code)
     n = sum(len(v) for v in b["ops"].values())

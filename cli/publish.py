@@ -22,9 +22,14 @@ def report(run, out, max_checkpoints, png, png_scale):
     verified ledger and checkpoints."""
     from mlx_open1b.checkpoint import CheckpointError
     from mlx_open1b.config import ConfigError
+    from mlx_open1b.fsutil import WriteError
     from mlx_open1b.report import ReportError, write_report
     try:
         path = write_report(run, out, max_checkpoints, png, png_scale)
+    except WriteError as e:
+        fail(e.context(intact="the run (a report only reads it); each file of the report is replaced whole, so "
+                              "every one there is complete",
+                       then=f"run `open1b report {run}{f' --out {out}' if out else ''}` again"))
     except (ReportError, CheckpointError, ConfigError) as e:
         fail(e)
     click.echo(f"report {path}")
@@ -50,8 +55,13 @@ def export(run, step, fmt, out):
       - z-loss (training only).
     """
     from mlx_open1b.export import ExportError, export as do_export
+    from mlx_open1b.fsutil import WriteError
     try:
         path = do_export(run, step, fmt, out)
+    except WriteError as e:
+        again = f"open1b export {run}{f' --step {step}' if step is not None else ''} --format {fmt} --out {out}"
+        fail(e.context(intact=f"the run (an export only reads it); nothing is left under {out} (an export is "
+                              f"renamed into place only when complete)", then=f"run `{again}` again"))
     except ExportError as e:
         fail(e)
     click.echo(f"exported {path} ({fmt})")
@@ -84,6 +94,9 @@ def eval_(run, step, tasks, backend, limit, tokenizer, json_out):
         click.echo(f"  {name:6s} " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in m.items()))
     if json_out:
-        from mlx_open1b.fsutil import write_json_atomic
-        write_json_atomic(json_out, {"run": str(run), "step": lm.step, "backend": backend, "run_hash": lm.run_hash,
-                                     "results": res})
+        from mlx_open1b.fsutil import WriteError, write_json_atomic
+        try:
+            write_json_atomic(json_out, {"run": str(run), "step": lm.step, "backend": backend,
+                                         "run_hash": lm.run_hash, "results": res})
+        except WriteError as e:
+            fail(e.context(intact="the results printed above", then="run the same eval with a --json that can be written"))

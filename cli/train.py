@@ -22,13 +22,31 @@ def _default_corpus(path: pathlib.Path) -> pathlib.Path:
     from mlx_open1b.data.corpus import default_sources
     from mlx_open1b.data.prepare import prepare
     from mlx_open1b.data.tokenizer import Tokenizer
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "manifest.json").exists():
-            click.echo(f"preparing the embedded default corpus in {path} (once, ~10 s)", err=True)
-        prepare(default_sources(), path, Tokenizer.load(None))
+    from mlx_open1b.fsutil import WriteError
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / "manifest.json").exists():
+                click.echo(f"preparing the embedded default corpus in {path} (once, ~10 s)", err=True)
+            prepare(default_sources(), path, Tokenizer.load(None))
+    except OSError as e:                 # WriteError included
+        e = e if isinstance(e, WriteError) else WriteError(getattr(e, "filename", None) or path, e)
+        fail(e.context(at="while preparing the default corpus",
+                       intact="the corpus sources finished before it (prepare skips them); no run was started",
+                       then="run the same command again"))
     return path
+
+
+def _write_failed(e, out: pathlib.Path, nproc: int | None = None):
+    """A failed write of a training run, with what is intact and the command that continues."""
+    rd = RunDir(out)
+    if rd.exists() and rd.checkpoints():
+        then = (f"continue with `open1b train --resume --out {out}{f' --nproc {nproc}' if nproc else ''}` "
+                f"(from the latest checkpoint, bit for bit)")
+    else:
+        then = f"run the same `open1b train` command again (no step of the run in {out} was kept)"
+    return e.context(intact=rd.intact(), then=then)
 
 
 class _Progress:
@@ -93,6 +111,7 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
     from mlx_open1b import cpu_ref
     from mlx_open1b.config import steps_for_tokens
     from mlx_open1b.distributed import in_worker_env
+    from mlx_open1b.fsutil import WriteError
     from mlx_open1b.train import TrainError, Trainer
     out = pathlib.Path(out)
     worker = in_worker_env()
@@ -140,6 +159,9 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
         h = tr.train(total, progress=_Progress(total, tr.state.step))
         click.echo("", err=True)
         click.echo(f"run hash {h}")
+    except WriteError as e:
+        click.echo("", err=True)
+        fail(_write_failed(e, out))
     except TrainError as e:
         fail(e)
     except (DataError, ConfigError) as e:
@@ -212,6 +234,7 @@ def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend
     from mlx_open1b import cpu_ref
     from mlx_open1b.checkpoint import CheckpointError
     from mlx_open1b.distributed import DistError, run_worker
+    from mlx_open1b.fsutil import WriteError
     from mlx_open1b.ledger import LedgerError
     from mlx_open1b.train import TrainError
     rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
@@ -229,6 +252,9 @@ def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend
         h, tr = run_worker(out, cfg, data_dir, steps=steps, backend=backend, resume=resume, timeout=timeout,
                            threads=threads, on_start=on_start, progress=lambda rec, tok_s: prog["p"](rec, tok_s),
                            startup_error=None if selftest_refusal is None else (selftest_refusal, 3))
+    except WriteError as e:
+        fail(f"[rank {rank}/{world}] {_write_failed(e, out, int(world) if world.isdigit() else None)}", e.exit_code,
+             at_once=True)
     except (TrainError, DistError, DataError, ConfigError, CheckpointError, LedgerError) as e:
         fail(f"[rank {rank}/{world}] {e}", getattr(e, "exit_code", 2), at_once=True)  # never wait on a broken group
     if tr.comm.rank == 0:

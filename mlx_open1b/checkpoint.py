@@ -26,7 +26,6 @@ laid out by decreasing element size, then name, so every tensor is aligned to it
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -274,7 +273,7 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
         recover_checkpoints(run_dir)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.tmp-", dir=run_dir))
     except OSError as e:
-        raise fsutil.WriteError(final, e, f"cannot write checkpoint {final} ({_why(e)})") from None
+        raise fsutil.WriteError.of_part(final, e, "checkpoint ") from None
     aside = None
     try:
         sha, nbytes = write_safetensors(tmp / STATE_FILE, {n: (a, dn) for n, a, dn in items},
@@ -299,20 +298,11 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
         if aside is not None and aside.exists() and not final.exists():
             os.rename(aside, final)
         if isinstance(e, OSError):          # fsutil.WriteError included: name the checkpoint, not its part
-            raise fsutil.WriteError(final, getattr(e, "cause", None) or e,
-                                    f"cannot write checkpoint {final} ({_why(e)})") from None
+            raise fsutil.WriteError.of_part(final, e, "checkpoint ") from None
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return final
-
-
-def _why(e: OSError) -> str:
-    """The cause of a failed write: the file inside the checkpoint and the system's reason."""
-    cause = getattr(e, "cause", None) or e
-    where = getattr(e, "path", None) or (pathlib.Path(e.filename) if getattr(e, "filename", None) else None)
-    code = errno.errorcode.get(cause.errno, "") if getattr(cause, "errno", None) else ""
-    return f"{where.name + ': ' if where else ''}{cause.strerror or cause}{', ' + code if code else ''}"
 
 
 def _rename(src, dst) -> None:

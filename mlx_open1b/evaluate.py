@@ -50,6 +50,7 @@ import numpy as np
 
 from . import arrays
 from .errors import Open1bError
+from .fsutil import write_bytes_atomic
 
 try:                                                   # optional: lm-eval-harness
     from lm_eval.api.model import LM as _LMBase
@@ -290,6 +291,6 @@ def write_lm_eval_tasks(out_dir, names=None, cache_dir=None) -> list[pathlib.Pat
     paths = []
     for name in names or list(TASKS):
         path = out / f"open1b_{name}.yaml"
-        path.write_text(json.dumps(lm_eval_task(name, cache_dir), indent=2) + "\n")
+        write_bytes_atomic(path, (json.dumps(lm_eval_task(name, cache_dir), indent=2) + "\n").encode())
         paths.append(path)
     return paths

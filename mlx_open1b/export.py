@@ -47,6 +47,7 @@ from . import __version__
 from .checkpoint import CheckpointError, load_checkpoint, read_safetensors, write_safetensors
 from .config import ModelConfig
 from .errors import Open1bError
+from .fsutil import WriteError, write_file
 from .rundir import RunDir
 
 FORMAT = "open1b-export/1"
@@ -139,20 +140,25 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     provenance = {"run": str(run.resolve()), "run_hash": run_hash, "genesis": info.genesis, "step": step,
                   "params_hash": meta.get("params_hash"), "tokenizer_sha256": info.tokenizer_sha256,
                   "contract_version": info.contract_version, "exported_by": f"mlx-open1b {__version__}"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise WriteError.of_part(out, e, "the export ") from None
+    try:                             # into a temporary directory, renamed onto out once complete
         write_safetensors(tmp / FILES[fmt], named, {"format": FORMAT, "step": str(step),
                                                      "params_hash": str(meta.get("params_hash"))})
-        (tmp / "config.json").write_text(json.dumps(_config_json(cfg, fmt, provenance), indent=2) + "\n")
+        write_file(tmp / "config.json", [(json.dumps(_config_json(cfg, fmt, provenance), indent=2) + "\n").encode()])
         _copy_tokenizer(info.tokenizer_sha256, tmp)
-        (tmp / "README.md").write_text(_readme(fmt, provenance))
+        write_file(tmp / "README.md", [_readme(fmt, provenance).encode()])
         os.chmod(tmp, 0o755)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise WriteError.of_part(out, e, "the export ") from None
         raise
     return out
 
@@ -160,7 +166,7 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
 def _copy_tokenizer(tokenizer_sha256: str, dest: pathlib.Path) -> None:
     from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, default_tokenizer_path
     if tokenizer_sha256 == DEFAULT_TOKENIZER_SHA256:
-        shutil.copyfile(default_tokenizer_path(), dest / "tokenizer.json")
+        write_file(dest / "tokenizer.json", [pathlib.Path(default_tokenizer_path()).read_bytes()])
 
 
 def _readme(fmt: str, prov: dict) -> str:

@@ -38,13 +38,28 @@ class WriteError(Open1bError, OSError):
         super().__init__(msg or f"cannot write {self.path} ({why}{name})")
         self.errno, self.strerror, self.filename = code, why, str(self.path)
 
+    def __str__(self) -> str:             # the message, not OSError's "[Errno N] ..." form
+        return self.args[0]
+
+    @classmethod
+    def of_part(cls, whole, e: OSError, what: str = "") -> "WriteError":
+        """The failure `e` (an OSError or a WriteError) of writing a part of `whole`, a directory
+        written as one (a checkpoint, an export), named by `whole` and the part."""
+        cause = getattr(e, "cause", None) or e
+        part = getattr(e, "path", None) or (pathlib.Path(e.filename) if getattr(e, "filename", None) else None)
+        code = getattr(cause, "errno", None)
+        name = f", {_errno.errorcode[code]}" if code in _errno.errorcode else ""
+        inner = f"{part.name}: " if part is not None and part != pathlib.Path(whole) else ""
+        return cls(whole, cause, f"cannot write {what}{whole} ({inner}{cause.strerror or cause}{name})")
+
     @property
     def disk_full(self) -> bool:
         return self.errno in (_errno.ENOSPC, _errno.EDQUOT)
 
     def context(self, at: str = "", intact: str = "", then: str = "") -> "WriteError":
         """The same failure with what the caller knows: where it happened (`at`, e.g. "at step 4"),
-        what is intact, and the command that continues once the cause is fixed."""
+        what is intact, and how to continue once the cause is fixed (`then`, e.g. "run `open1b
+        train --resume --out R`")."""
         fix = ("free space on the disk" if self.disk_full else
                "make it writable" if self.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS) else
                "check the disk")
@@ -52,7 +67,7 @@ class WriteError(Open1bError, OSError):
         if intact:
             msg += f"; intact: {intact}; nothing half-written is left"
         if then:
-            msg += f"; {fix}, then continue with `{then}`"
+            msg += f"; {fix}, then {then}"
         return WriteError(self.path, self.cause, msg)
 
 

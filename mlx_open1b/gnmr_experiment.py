@@ -13,7 +13,7 @@ import pathlib
 import numpy as np
 
 from .config import RunConfig
-from .fsutil import write_json_atomic
+from .fsutil import write_bytes_atomic, write_json_atomic
 from .gnmr import GNMRConfig, units
 from .report import Plot, trailing_mean
 from .rundir import RunDir
@@ -106,7 +106,7 @@ def run_experiment(out_dir, base: RunConfig, corpus_dir, steps: int, gnmr: GNMRC
         curves[arm] = ([r["step"] for r in recs], [r["ce"] for r in recs],
                        [(r["step"], r["eval"]["mixture"]) for r in recs if "eval" in r])
     write_json_atomic(out / "summary.json", summary)
-    (out / "curves.svg").write_text(plot(curves))
+    write_bytes_atomic(out / "curves.svg", plot(curves).encode())
     return summary
 
 

@@ -154,6 +154,24 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.run_file, info.to_json())
 
+    def intact(self) -> str:
+        """What of the run is on disk and good, for the message of a write that failed: run.json,
+        the verified ledger's last step and run hash, the checkpoints (not loaded)."""
+        try:
+            info = self.info()
+        except RunDirError:
+            return f"nothing of a run in {self.path} (no run.json: it was not started)"
+        try:
+            run_hash = self.verify_ledger(info.genesis)
+            recs = self.records()
+            ledger = (f"the ledger through step {recs[-1]['step']} (run hash {run_hash[:16]}…)" if recs
+                      else "an empty ledger")
+        except LedgerError as e:
+            ledger = f"a ledger that does not verify ({e})" if self.ledger_file.exists() else "no ledger yet"
+        steps = [s for s, _ in self.checkpoints()]
+        ckpts = f"checkpoints at steps {', '.join(map(str, steps))}" if steps else "no checkpoint"
+        return f"{self.run_file.name}, {ledger}, {ckpts}"
+
     # ------------------------------------------------------------------ the ledger
     def ledger(self, genesis: str) -> Ledger:
         """The ledger for appending (its records verified from the genesis on opening)."""

@@ -29,7 +29,7 @@ import platform
 
 from .. import __version__
 from ..contract import CONTRACT_VERSION
-from ..fsutil import write_bytes_atomic, write_json_atomic
+from ..fsutil import WriteError, write_bytes_atomic, write_json_atomic
 from ..ledger import canonical, canonical_dumps
 from .run import AttestError
 
@@ -54,8 +54,20 @@ def make_attestation(run, first, last, backend, auditor, out, verdict, start, ce
     }
     seal(att)        # attestation_hash: what a collective-audit report verifies (coverage.py)
     if out is not None:
-        write_json_atomic(out, att)
+        write_attestation(out, att)
     return att
+
+
+def write_attestation(out, att: dict) -> None:
+    """att written atomically to `out`; a WriteError says which verdict it could not record (the
+    replay took minutes: the user learns its outcome even so)."""
+    try:
+        write_json_atomic(out, att)
+    except WriteError as e:
+        a, b = att["range"]
+        raise e.context(at=f"(the attestation of steps {a}-{b}: {att['verdict']})",
+                        intact="the run (an audit only reads it)",
+                        then="run the same audit with an --out that can be written") from None
 
 
 # ------------------------------------------------------------------------------- sealing, signing

@@ -16,11 +16,10 @@ collective audit) and seals, or signs, its attestation.
 from __future__ import annotations
 
 from ..checkpoint import load_checkpoint
-from ..fsutil import write_json_atomic
 from ..ledger import LedgerError, canonical
 from ..rundir import RunDir
 from ..train import TrainError, Trainer
-from .attestation import load_private_key, make_attestation, seal, sign
+from .attestation import load_private_key, make_attestation, seal, sign, write_attestation
 from .plan import load_plan, planned_range
 from .run import AttestError, checkpoint_meta, load_run
 
@@ -180,5 +179,5 @@ def certify(run_dir, first: int | None = None, last: int | None = None, backend:
     else:
         seal(att)
     if out is not None:
-        write_json_atomic(out, att)
+        write_attestation(out, att)
     return att

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import Open1bError
-from ..fsutil import atomic_path, write_json_atomic
+from ..fsutil import write_bytes_atomic, write_json_atomic
 
 FORMAT = "open1b-data/1"
 MANIFEST = "manifest.json"
@@ -113,9 +113,10 @@ def write_shard(path, docs: list[np.ndarray]) -> None:
     values = np.concatenate(docs).astype(np.uint32) if docs else np.zeros(0, np.uint32)
     arr = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.uint32()))
     batch = pa.record_batch([arr], schema=SCHEMA)
-    with atomic_path(path) as tmp:
-        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, SCHEMA) as w:
-            w.write_batch(batch)
+    sink = pa.BufferOutputStream()      # the shard in memory, then one atomic write (fsutil)
+    with pa.ipc.new_file(sink, SCHEMA) as w:
+        w.write_batch(batch)
+    write_bytes_atomic(path, sink.getvalue())
 
 
 def read_shard(path) -> tuple[np.ndarray, np.ndarray]:
