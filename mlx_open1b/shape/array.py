@@ -69,14 +69,21 @@ class _Flags:
 
 class ShapeArray:
     """An array with a shape, a dtype and a place, and no values."""
-    __slots__ = ("shape", "dtype", "strides", "_buf", "__weakref__")
+    __slots__ = ("shape", "dtype", "_strides", "_c", "_buf", "__weakref__")
     SHAPE_ONLY = True            # mlx_open1b.hashing hashes the header only
 
-    def __init__(self, shape, dtype, place: str = DEVICE, buf: Buffer | None = None, strides=None):
-        self.shape = tuple(int(n) for n in shape)
+    def __init__(self, shape, dtype, place: str = DEVICE, buf: Buffer | None = None, strides=None,
+                 contiguous: bool = True):
+        self.shape = tuple(map(int, shape))
         self.dtype = np.dtype(dtype)
-        self.strides = _c_strides(self.shape, self.dtype.itemsize) if strides is None else tuple(strides)
+        self._strides, self._c = strides, contiguous      # strides None: row-major
         self._buf = buf if buf is not None else Buffer(self.nbytes, place)
+
+    @property
+    def strides(self) -> tuple:
+        if self._strides is None:
+            self._strides = _c_strides(self.shape, self.dtype.itemsize)
+        return self._strides
 
     # ---- numpy-like attributes
     @property
@@ -101,7 +108,7 @@ class ShapeArray:
 
     @property
     def flags(self) -> _Flags:
-        return _Flags(self._standin().flags.c_contiguous)
+        return _Flags(self._c)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -118,8 +125,11 @@ class ShapeArray:
 
     # ---- views and copies
     def __getitem__(self, key) -> "ShapeArray":
+        if self._c and type(key) is slice and key.step is None and len(self.shape) == 1:
+            n = len(range(*key.indices(self.shape[0])))     # the common case: a range of a flat buffer
+            return ShapeArray((n,), self.dtype, buf=self._buf)
         v = self._standin()[key]
-        return ShapeArray(v.shape, self.dtype, buf=self._buf, strides=v.strides)
+        return ShapeArray(v.shape, self.dtype, buf=self._buf, strides=v.strides, contiguous=v.flags.c_contiguous)
 
     def __setitem__(self, key, value) -> None:
         """A write moves no values; writing a host array into a device one is an upload."""
@@ -130,12 +140,14 @@ class ShapeArray:
     def reshape(self, *shape) -> "ShapeArray":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        v = self._standin()
-        if not v.flags.c_contiguous:
-            v = as_strided(_standin(self.dtype), v.shape, _c_strides(v.shape, self.itemsize), writeable=False)
-            return ShapeArray(v.reshape(shape).shape, self.dtype, self.place)      # numpy copies
-        out = v.reshape(shape)
-        return ShapeArray(out.shape, self.dtype, buf=self._buf, strides=_c_strides(out.shape, self.itemsize))
+        if shape.count(-1) == 1:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(self.size // known if n == -1 else n for n in shape)
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape a shape array of size {self.size} into shape {shape}")
+        if not self._c:
+            return ShapeArray(shape, self.dtype, self.place)      # numpy copies a non-contiguous array
+        return ShapeArray(shape, self.dtype, buf=self._buf)
 
     def ravel(self) -> "ShapeArray":
         return self.reshape(-1)
@@ -202,7 +214,7 @@ def asarray(a, dtype=None):
 
 
 def ascontiguousarray(a, dtype=None):
-    if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+    if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):   # numpy's rule
         return a
     return ShapeArray(a.shape, a.dtype if dtype is None else dtype, a.place)
 

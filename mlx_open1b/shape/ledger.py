@@ -60,6 +60,21 @@ GRADIENT_SITE = "arrays.FlatBuffer"
 def _site(frame, place: str) -> str:
     """Who asked for memory: 'caller/op' (the op of the backend, the first code outside the backend
     that called it); on the host the caller of arrays.to_host."""
+    codes, f = [], frame
+    while f is not None and len(codes) < 12:        # the key: the code objects up the stack
+        codes.append(f.f_code)
+        f = f.f_back
+    key = (place, tuple(codes))
+    site = _SITES.get(key)
+    if site is None:
+        site = _SITES[key] = _site_of(frame, place)
+    return site
+
+
+_SITES: dict = {}
+
+
+def _site_of(frame, place: str) -> str:
     op = None
     while frame is not None:
         mod = frame.f_globals.get("__name__", "")
@@ -107,33 +122,53 @@ class MemoryLedger:
         self.allocs = 0
         self.roots: list = []
         self.tag: str | None = None
+        self.trace: list | None = None      # events, while a call is recorded (replay.py)
+        self.site: str | None = None
 
     # ---- recording
     def alloc(self, nbytes: int, place: str) -> int:
         frame = sys._getframe(2)
+        site = self.site or _site(frame, place)
         with self._lock:
             self._serial += 1
             serial = self._serial
-            self.live[serial] = Alloc(int(nbytes), place, self.tag, _site(frame, place))
+            self.live[serial] = Alloc(int(nbytes), place, self.tag, site)
             self.allocs += 1
+            if self.trace is not None:
+                self.trace.append(("alloc", serial, int(nbytes), place, self.tag, site, _where(frame)))
             b = self.bytes[place] = self.bytes[place] + int(nbytes)
             if b > self.peak[place]:
-                self.peak[place] = b
-                snap = self.breakdown[place]
-                if b > snap.bytes * (1 + self.resolution):
-                    self.breakdown[place] = self._snapshot(place, frame)
-                else:
-                    snap.after = b - snap.bytes
+                self._new_peak(place, b, frame, (), None)
         return serial
+
+    def _new_peak(self, place: str, b: int, frame, extra, where) -> None:
+        self.peak[place] = b
+        snap = self.breakdown[place]
+        if b > snap.bytes * (1 + self.resolution):
+            self.breakdown[place] = self._snapshot(place, frame, extra, where)
+        else:
+            snap.after = b - snap.bytes
+
+    def burst(self, place: str, high: int, extra, where: str) -> None:
+        """A replayed call whose allocations rose `high` bytes above the live bytes now, at a point
+        where they were `extra` (Allocs) at call path `where`, and were freed again."""
+        with self._lock:
+            b = self.bytes[place] + high
+            if b > self.peak[place]:
+                self._new_peak(place, b, sys._getframe(1), extra, where)
 
     def free(self, serial: int) -> None:
         with self._lock:
+            if self.trace is not None:
+                self.trace.append(("free", serial))
             a = self.live.pop(serial, None)
             if a is not None:
                 self.bytes[a.place] -= a.nbytes
 
     def count(self, key: str, nbytes: int) -> None:
         with self._lock:
+            if self.trace is not None:
+                self.trace.append(("count", key, int(nbytes)))
             self.moved[key] += int(nbytes)
 
     def reset(self) -> None:
@@ -145,13 +180,15 @@ class MemoryLedger:
             self.moved = dict.fromkeys(self.moved, 0)
 
     @contextlib.contextmanager
-    def tagged(self, tag: str):
-        """Allocations inside are tagged (the collectives' buffers: "communication")."""
-        old, self.tag = self.tag, tag
+    def tagged(self, tag: str | None = None, site: str | None = None):
+        """Allocations inside are tagged (the collectives' buffers: "communication"), or given a
+        site (a replayed allocation: the site it had when recorded)."""
+        old = self.tag, self.site
+        self.tag, self.site = tag or self.tag, site or self.site
         try:
             yield
         finally:
-            self.tag = old
+            self.tag, self.site = old
 
     def activate(self) -> "MemoryLedger":
         """Make this the ledger of the calling thread's allocations."""
@@ -191,20 +228,19 @@ class MemoryLedger:
             for _, a in fold.stack:
                 mark("fold stack", a)
         for c in caches:
-            for a in (c.x0, c.rstd_emb, c.h_last, c.rstd_final, c.hn_b, c.lse, c.inputs, c.targets):
+            for a in cache_arrays(c):
                 mark("activations", a)
-            for lc in c.layers:
-                for a in vars(lc).values():
-                    mark("activations", a)
         return marks
 
-    def _snapshot(self, place: str, frame) -> Peak:
+    def _snapshot(self, place: str, frame, extra=(), where: str | None = None) -> Peak:
         marks = self._owners_by_reference(frame) if place == DEVICE else {}
-        owners, sites = {}, {}
-        for serial, a in self.live.items():
-            if a.place != place:
-                continue
-            owner = marks.get(serial)
+        owners, sites, total = {}, {}, self.bytes[place]
+        allocs = [(marks.get(serial), a) for serial, a in self.live.items() if a.place == place]
+        allocs += [(None, a) for a in extra]
+        total += sum(a.nbytes for a in extra)
+        for owner, a in allocs:
+            if a.tag == "activations":
+                owner = owner or "activations"
             if owner in (None, "fold stack", "activations") and (a.tag == "communication"
                                                                 or a.site.startswith("collectives.")):
                 owner = "communication"
@@ -215,7 +251,15 @@ class MemoryLedger:
             owners[owner] = owners.get(owner, 0) + a.nbytes
             if owner == "transients":
                 sites[a.site] = sites.get(a.site, 0) + a.nbytes
-        return Peak(self.bytes[place], owners, sites, _where(frame))
+        return Peak(total, owners, sites, where or _where(frame))
+
+
+def cache_arrays(cache):
+    """The shape arrays a model Cache holds (what the backward reads)."""
+    for a in (cache.x0, cache.rstd_emb, cache.h_last, cache.rstd_final, cache.hn_b, cache.lse, cache.inputs,
+              cache.targets, *(v for lc in cache.layers for v in vars(lc).values())):
+        if getattr(a, "_buf", None) is not None:
+            yield a
 
 
 class _Current(threading.local):

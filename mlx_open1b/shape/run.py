@@ -23,6 +23,7 @@ from ..train import Trainer, TrainState
 from . import array as xp
 from .comm import SimComm, SimWorld
 from .ledger import DEVICE, HOST, MemoryLedger, Peak
+from .replay import install
 
 
 class ZeroStream:
@@ -95,10 +96,11 @@ def _roots(tr):
             ("constants", lambda: [a for t in tr.model._tables.values() for a in t])]
 
 
-def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float) -> list[Measure]:
+def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float, replay: bool) -> list[Measure]:
     rank = 0 if comm is None else comm.rank
     led = MemoryLedger(f"rank {rank}", resolution).activate()
     tr = shape_trainer(cfg, comm)
+    install(tr, replay)
     led.roots = _roots(tr)
     reduce = tr._reducer()
     out = []
@@ -113,13 +115,16 @@ def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float) -> 
     return out
 
 
-def measure(cfg: RunConfig, workers: int = 1, phases=None, resolution: float = 0.002) -> list[list[Measure]]:
+def measure(cfg: RunConfig, workers: int = 1, phases=None, resolution: float = 0.002,
+            replay: bool = True) -> list[list[Measure]]:
     """[phase][rank] Measures of one step per batch phase (default: every phase of cfg) on `workers`
-    workers (1: the single-process Trainer; more: the DistributedTrainer on a SimWorld)."""
+    workers (1: the single-process Trainer; more: the DistributedTrainer on a SimWorld). replay:
+    the model program runs once per shape and is replayed after (replay.py); False runs it at every
+    microbatch (slow at the open1b preset; the same numbers)."""
     phases = [tuple(p) for p in (cfg.train.phases if phases is None else phases)]
     if workers == 1:
-        per_rank = [_worker(cfg, None, phases, resolution)]
+        per_rank = [_worker(cfg, None, phases, resolution, replay)]
     else:
         world = SimWorld(workers)
-        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution))
+        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution, replay))
     return [[per_rank[r][i] for r in range(workers)] for i in range(len(phases))]
