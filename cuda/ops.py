@@ -27,6 +27,8 @@ from . import runtime
 NAME = "cuda"
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
 GEMM_TILE = 16       # linear.cu's TILE
+GI_TILE = 64         # quant.cu's GI_BM = GI_BN: the int8 GEMM's output tile per block
+GI_THREADS = 128     # quant.cu's GI_THREADS: 4 warps per block of the int8 GEMM
 
 i64, i32, u32, u64, f32 = np.int64, np.int32, np.uint32, np.uint64, np.float32
 
@@ -488,37 +490,46 @@ def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):
     return q, s, c
 
 
-def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX):
+def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX, rows: int = 0):
     """Quantize n elements of a device array (bf16 or fp32) into device q (int8, levels in
-    [-qmax, qmax]); returns the device scale array sc (sc[0] = s, sc[1] = div(1, s) where used)."""
+    [-qmax, qmax]); returns the device scale array sc (sc[0] = s, sc[1] = div(1, s) where used).
+    rows > 0 (fp32 only): src is (rows, n // rows) and q receives the levels transposed, (n // rows,
+    rows) — the layout the int8 GEMM contracts fastest (data movement only)."""
     xb, xf = (_dev(_NO_GAIN), src) if is_f32 else (src, _dev(_NO_F32))
     nc = (n + Q_CHUNK - 1) // Q_CHUNK
     part = _empty((max(nc, 1),), np.uint32)
     sc = _empty((2,), np.float32)
     _launch1d("quant.cu", "o1b_q_absmax_chunks", nc, i64(n), xb, xf, i32(int(is_f32)), part)
     _launch1d("quant.cu", "o1b_q_tensor_scale", 1, i64(nc), part, sc, i32(qmax))
-    _launch1d("quant.cu", "o1b_q_tensor_levels", n, i64(n), xb, xf, i32(int(is_f32)), sc, q, i32(qmax))
+    if rows:
+        _launch1d("quant.cu", "o1b_q_tensor_levels_t", n, i64(rows), i64(n // rows), src, sc, q, i32(qmax))
+    else:
+        _launch1d("quant.cu", "o1b_q_tensor_levels", n, i64(n), xb, xf, i32(int(is_f32)), sc, q, i32(qmax))
     return sc
 
 
 def _gemm_i8(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p):
-    """Device C (I, J) int32 = sum_p A(i,p) B(j,p), exactly (quant.cu)."""
+    """Device C (I, J) int32 = sum_p A(i,p) B(j,p), exactly (quant.cu, on the tensor cores): one block
+    of GI_THREADS per GI_TILE x GI_TILE tile of C. Fastest with p contiguous (sa_p = sb_p = 1) and
+    P, sa_i, sb_j multiples of 16."""
     c = _empty((I, J), np.int32)
-    _launch1d("quant.cu", "o1b_gemm_i8", I * J, i64(I), i64(J), i64(P), A, i64(sa_i), i64(sa_p), B,
-              i64(sb_j), i64(sb_p), c)
+    if I > 0 and J > 0:
+        fn = runtime.load("quant.cu").get_function("o1b_gemm_i8")
+        fn((-(-I // GI_TILE), -(-J // GI_TILE)), (GI_THREADS,),
+           (i64(I), i64(J), i64(P), A, i64(sa_i), i64(sa_p), B, i64(sb_j), i64(sb_p), c))
     return c
 
 
 def _rotated_levels(q, R: int, Rp: int, C: int, qmax: int = QMAX):
     """Integer q (R, C) padded with zero rows to Rp, rotated in int32, converted by i2f, quantized:
-    device q' (Rp, C) int8 and its scale array."""
+    device q' int8, transposed (C, Rp) for the GEMM, and its scale array."""
     n = _empty((Rp, C), np.int32)
     _launch1d("quant.cu", "o1b_q_pad_i32", Rp * C, i64(R), i64(Rp), i64(C), q, n)
     _launch1d("quant.cu", "o1b_hadamard_i32", (Rp // QB) * C, i64(Rp), i64(C), n)
     f = _empty((Rp, C), np.float32)
     _launch1d("quant.cu", "o1b_q_i2f", Rp * C, i64(Rp * C), n, f)
-    out = _empty((Rp, C), np.int8)
-    return out, _q_tensor(Rp * C, f, True, out, qmax)
+    out = _empty((C, Rp), np.int8)
+    return out, _q_tensor(Rp * C, f, True, out, qmax, rows=Rp)
 
 
 @_given_kind
@@ -585,11 +596,11 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         g = _empty((Mp, N), np.float32)
         _launch1d("quant.cu", "o1b_qlinear_g", Mp * N, i64(N), i64(M), i64(Mp), ddy, sw, g)
         _launch1d("quant.cu", "o1b_hadamard_f32", (Mp // QB) * N, i64(Mp), i64(N), g)
-        qg = _empty((Mp, N), np.int8)
-        scg = _q_tensor(Mp * N, g, True, qg, qmax)
-        qr, scr = _rotated_levels(qw, M, Mp, K, qmax)                # (Mp, K)
-        # acc[n, k] = sum over m' of qg[m', n] qr[m', k]
-        acc = _gemm_i8(N, K, Mp, qg, 1, N, qr, 1, K)
+        qg = _empty((N, Mp), np.int8)                                # q_G transposed
+        scg = _q_tensor(Mp * N, g, True, qg, qmax, rows=Mp)
+        qr, scr = _rotated_levels(qw, M, Mp, K, qmax)                # (K, Mp): q_R transposed
+        # acc[n, k] = sum over m' of q_G[n, m'] q_R[m', k]
+        acc = _gemm_i8(N, K, Mp, qg, Mp, 1, qr, Mp, 1)
         dx = _empty((N, K), np.float32)
         _launch1d("quant.cu", "o1b_qlinear_dx", N * K, i64(N * K), acc, scg, scr, dx)
     if need_dw:
@@ -598,11 +609,11 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         d = _empty((Np, M), np.float32)                              # dy widened, zero rows n >= N
         _launch1d("quant.cu", "o1b_qlinear_d", Np * M, i64(N), i64(Np), i64(M), ddy, d)
         _launch1d("quant.cu", "o1b_hadamard_f32", (Np // QB) * M, i64(Np), i64(M), d)
-        qd = _empty((Np, M), np.int8)
-        scd = _q_tensor(Np * M, d, True, qd, qmax)
-        qX, scX = _rotated_levels(qx, N, Np, K, qmax)                # (Np, K)
-        # acc[m, k] = sum over n' of qd[n', m] qX[n', k]
-        acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
+        qd = _empty((M, Np), np.int8)                                # q_D transposed
+        scd = _q_tensor(Np * M, d, True, qd, qmax, rows=Np)
+        qX, scX = _rotated_levels(qx, N, Np, K, qmax)                # (K, Np): q_X transposed
+        # acc[m, k] = sum over n' of q_D[n', m] q_X[n', k]
+        acc = _gemm_i8(M, K, Np, qd, Np, 1, qX, Np, 1)
         dw = _empty((M, K), np.float32)
         _launch1d("quant.cu", "o1b_qlinear_dw", M * K, i64(M * K), acc, scd, scX, scx, clip, dw)
     return _host(dx), _host(dw)

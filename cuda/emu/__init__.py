@@ -2,8 +2,9 @@
 
 The source is compiled with g++ (-O2 -ffp-contract=off -fno-fast-math, no -march) after a prelude
 (prelude.h) that maps the CUDA kernel environment onto C++: thread/block indices, __shared__
-arrays, a faithful __syncthreads() (the threads of a block are cooperative fibers), and the
-intrinsics the contract allows. Kernels are launched like cupy.RawKernel: `fn(grid, block, args)`
+arrays, a faithful __syncthreads() (the threads of a block are cooperative fibers), warp-collective
+steps (emu_warp_sync, on which imma.cuh models the tensor-core instruction), and the intrinsics the
+contract allows. Kernels are launched like cupy.RawKernel: `fn(grid, block, args)`
 with numpy arrays in place of cupy arrays and numpy scalars of the kernel's parameter types; blocks
 run one after another.
 
@@ -164,7 +165,7 @@ class EmuModule:
         # the library of the hardware active now (compile errors show up here, not at a launch);
         # every hardware's library has the same kernels and signatures
         self.lib, self.path = self.library(_hardware.current())
-        self.uses_barrier = "__syncthreads" in source
+        self.uses_barrier = "__syncthreads" in source or "emu_warp_sync" in source
         self.kernels = kernel_names(source)
 
     def library(self, hw: hwmodel.Hardware) -> tuple[ctypes.CDLL, pathlib.Path]:
@@ -228,6 +229,9 @@ class EmuFunction:
         if rc == 1:
             raise EmuLaunchError(f"{self.kernel}: barrier divergence (some threads of a block returned while "
                                  "others wait at __syncthreads)")
+        if rc == 3:
+            raise EmuLaunchError(f"{self.kernel}: warp divergence (a warp-collective step reached by only some "
+                                 "lanes of a warp, or by a partial warp)")
         if rc:
             raise EmuLaunchError(f"{self.kernel}: launch failed (code {rc})")
 

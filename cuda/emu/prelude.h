@@ -3,7 +3,8 @@
  * -fno-fast-math (no -march), so every float operation below is one IEEE binary32 operation.
  *
  * What it maps:
- *   - __global__/__device__/__host__/__forceinline__/__noinline__: plain (inline) C++ functions.
+ *   - __global__/__device__/__host__/__forceinline__/__noinline__: plain (inline) C++ functions;
+ *     __align__(n): the alignment attribute.
  *   - threadIdx/blockIdx/blockDim/gridDim: globals that the scheduler sets before it runs a thread.
  *   - __shared__: a function-local static, i.e. one array shared by all threads of the block that is
  *     running (blocks run one after another), poisoned at each block's start. Dynamic (extern)
@@ -12,6 +13,16 @@
  *     one stack each). The scheduler runs every runnable fiber, in thread order (or reversed, for
  *     the race check), until it reaches a barrier or returns; when all have reached the barrier they
  *     all pass it; a thread that returns while others wait at a barrier is "barrier divergence".
+ *   - warps: emu_warp_sync() is a warp-collective step (threads 32w ... 32w + 31 of the block, in
+ *     linear thread order, form warp w, as on the GPU): a lane waits there until all 32 lanes of
+ *     its warp have arrived, then they all go on. A warp whose lanes do not all arrive (some wait
+ *     at __syncthreads or returned, or the block has a partial warp) is "warp divergence", an error,
+ *     as a .sync warp instruction requires every lane. The scheduler runs warp by warp, and a warp
+ *     whose lanes all arrived goes on at once, so it runs ahead of the warps after it: a missing
+ *     __syncthreads between warps shows up in the race check (first warp ahead vs last warp ahead).
+ *     emu_warp_index() and emu_warp_lane() name the running thread's warp and lane. Instruction
+ *     models built on it (imma.cuh) keep their per-warp state in plain static arrays, as blocks
+ *     run one after another.
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
  *     __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz, __umulhi.
  *     The single-precision ones are the fp32 unit of hwfloat.h (included before this file, with
@@ -49,6 +60,7 @@ static dim3 blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
+#define __align__(n) __attribute__((aligned(n)))
 /* Every __shared__ array lives in the section "emu_shared", which the scheduler poisons at the
  * start of each block (0xFF bytes, NaN, in thread order; 0x7F bytes, 3.39e38, in reverse order), as
  * CUDA shared memory starts undefined: a read before the block's own write shows up as a wrong
@@ -99,7 +111,7 @@ __asm__(".text\n.p2align 4\n.hidden emu_switch\n.globl emu_switch\n.type emu_swi
         ".size emu_switch, .-emu_switch\n");
 #endif
 
-enum { EMU_RUNNABLE = 0, EMU_AT_BARRIER = 1, EMU_DONE = 2 };
+enum { EMU_RUNNABLE = 0, EMU_AT_BARRIER = 1, EMU_DONE = 2, EMU_AT_WARP = 3 };
 struct emu_fiber {
     void *sp; int state; ucontext_t ctx;
 #if O1B_HW_STATEFUL
@@ -142,6 +154,18 @@ static void __syncthreads(void) {
     emu_yield();
 }
 
+/* ---- warps ---- */
+static int emu_warp_index(void) { return emu_current >> 5; }
+static int emu_warp_lane(void) { return emu_current & 31; }
+static void emu_warp_sync(void) {
+    if (emu_direct) {   /* cannot happen: the driver uses fibers for any source naming emu_warp_sync */
+        fprintf(stderr, "cuda emulator: a warp-collective step in a kernel launched without fibers\n");
+        abort();
+    }
+    emu_fibers[emu_current].state = EMU_AT_WARP;
+    emu_yield();
+}
+
 static void emu_fiber_main(int t) {
     emu_body(emu_args);
     emu_fibers[t].state = EMU_DONE;
@@ -175,7 +199,8 @@ static int emu_reserve(int n) {
     return 0;
 }
 
-/* Runs one block; returns 0, or 1 on barrier divergence, 2 when out of memory. */
+/* Runs one block; returns 0, or 1 on barrier divergence, 2 when out of memory, 3 on warp
+ * divergence. */
 static int emu_run_block(int nthreads, int reverse) {
     emu_poison_shared(reverse);
 #if O1B_HW_STATEFUL
@@ -211,23 +236,39 @@ static int emu_run_block(int nthreads, int reverse) {
         makecontext(&f->ctx, (void (*)(void))emu_fiber_main, 1, t);
 #endif
     }
+    int nwarps = (nthreads + 31) / 32;
     for (;;) {
-        for (int k = 0; k < nthreads; k++) {      /* one phase: every thread up to a barrier or its end */
-            int t = reverse ? nthreads - 1 - k : k;
-            if (emu_fibers[t].state != EMU_RUNNABLE) continue;
-            emu_current = t;
-            emu_set_thread(t);
+        /* one phase: warp by warp (in thread order or reversed), every thread up to a barrier or its
+         * end; a warp whose 32 lanes all reach a warp-collective step goes on at once, so each warp
+         * runs as far ahead of the next ones as it can (the race check compares the first warp
+         * running ahead with the last) */
+        for (int kw = 0; kw < nwarps; kw++) {
+            int w = reverse ? nwarps - 1 - kw : kw;
+            int lo = 32 * w, hi = lo + 32 < nthreads ? lo + 32 : nthreads;
+            for (;;) {
+                for (int k = lo; k < hi; k++) {
+                    int t = reverse ? lo + hi - 1 - k : k;
+                    if (emu_fibers[t].state != EMU_RUNNABLE) continue;
+                    emu_current = t;
+                    emu_set_thread(t);
 #if O1B_HW_STATEFUL
-            o1b_hw_cur = emu_fibers[t].hw;
+                    o1b_hw_cur = emu_fibers[t].hw;
 #endif
 #ifdef EMU_FAST_SWITCH
-            emu_switch(&emu_sched_sp, emu_fibers[t].sp);
+                    emu_switch(&emu_sched_sp, emu_fibers[t].sp);
 #else
-            swapcontext(&emu_sched_ctx, &emu_fibers[t].ctx);
+                    swapcontext(&emu_sched_ctx, &emu_fibers[t].ctx);
 #endif
 #if O1B_HW_STATEFUL
-            emu_fibers[t].hw = o1b_hw_cur;
+                    emu_fibers[t].hw = o1b_hw_cur;
 #endif
+                }
+                int n = 0;
+                for (int t = lo; t < hi; t++) n += emu_fibers[t].state == EMU_AT_WARP;
+                if (n == 0) break;
+                if (n != 32) return 3;                /* a lane that can never arrive */
+                for (int t = lo; t < hi; t++) emu_fibers[t].state = EMU_RUNNABLE;
+            }
         }
         int waiting = 0, done = 0;
         for (int t = 0; t < nthreads; t++) {

@@ -36,6 +36,7 @@ class SimWorld:
         self.barrier.wait()
         got = list(self.slots)
         self.barrier.wait()
+        self.slots[rank] = None          # every rank has read it: the world holds nothing after
         return got
 
     def run(self, fn) -> list:
@@ -124,14 +125,15 @@ class SimComm(Comm):
 
     # ---- small Python objects
     def all_gather_object(self, obj) -> list:
-        n = len(pickle.dumps(obj))
-        self._net((self.world - 1) * n, 0)
-        got = self._exchange(obj)
-        self._net(0, sum(len(pickle.dumps(o)) for r, o in enumerate(got) if r != self.rank))
-        return got
+        wire = self._exchange(pickle.dumps(obj))
+        current().count("net_objects", (self.world - 1) * len(wire[self.rank])
+                        + sum(len(w) for r, w in enumerate(wire) if r != self.rank))
+        return [obj if r == self.rank else pickle.loads(w) for r, w in enumerate(wire)]
 
     def broadcast_object(self, obj, src: int = 0):
-        return self._exchange(obj)[src]
+        wire = self._exchange(pickle.dumps(obj) if self.rank == src else None)[src]
+        current().count("net_objects", (self.world - 1) * len(wire) if self.rank == src else len(wire))
+        return obj if self.rank == src else pickle.loads(wire)
 
     @contextlib.contextmanager
     def phase(self, what: str, busy=(0,)):

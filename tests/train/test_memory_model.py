@@ -1,0 +1,130 @@
+"""The memory model (mlx_open1b.shape, benchmarks/memory_model.py) against hand counts.
+
+The expected bytes are derived here from the model's shapes and the step's rules (the binary-carry
+fold, the sharding, the all-to-all's routing), not from the tool: a buffer the code adds or drops
+makes these tests fail, and so does a ledger that misses one."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mlx_open1b import arrays, backend, hashing
+from mlx_open1b.distributed.sharding import dyadic_blocks, microbatch_range, shard_tensors
+from mlx_open1b.shape import array as xp
+from mlx_open1b.shape.run import measure
+from runs import micro_cfg
+
+PHASES = ((0, 6), (200, 7))      # M = 6 and 7: fold-stack depths 1 and 2 at the peak
+
+
+def cfg():
+    return micro_cfg(phases=PHASES)
+
+
+def activation_bytes(c) -> int:
+    """The model Cache of one microbatch (model.py: LayerCache and Cache), from the shapes."""
+    m, t = c.model, c.train
+    N, d, H, G, D, F = t.microbatch_seqs * m.seq_len, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_hidden
+    layer = (4 * N * d + 4 * N + 2 * N * d             # h_in, rstd_attn, a_b
+             + 4 * N * H * D + 4 * N * H              # q_pre, rstd_q
+             + 4 * N * G * D + 4 * N * G              # k_pre, rstd_k
+             + 2 * N * H * D + 2 * 2 * N * G * D      # q_b, k_b, v_b
+             + 4 * N * H * D + 4 * N * H + 2 * N * H * D   # o, lse, o_b
+             + 4 * N * d + 4 * N + 2 * N * d          # h_mid, rstd_ffn, f_b
+             + 4 * N * 2 * F + 2 * N * F)             # gu, s_b
+    top = 4 * N * d + 4 * N + 4 * N * d + 4 * N + 2 * N * d + 4 * N + 4 * N + 4 * N   # x0 ... targets
+    return m.n_layers * layer + top
+
+
+def fold_peak(M: int) -> tuple[int, int]:
+    """(fold-stack entries, gradient buffers) at the first microbatch where their sum is highest:
+    while microbatch i is computed the binary-carry stack holds popcount(i) partials, its own
+    gradient is being written, and the loop's `g` still holds microbatch i-1's gradient when that
+    one was folded into the stack's lower entry (i-1 odd)."""
+    best, at = -1, None
+    for i in range(M):
+        stale = 1 if i >= 2 and i % 2 == 0 else 0
+        n = bin(i).count("1") + 1 + stale
+        if n > best:
+            best, at = n, (bin(i).count("1"), 1 + stale)
+    return at
+
+
+def test_shape_arrays_are_a_kind_without_values():
+    a = xp.empty((4, 6), np.float32)
+    assert arrays.kind(a) == arrays.SHAPE and arrays.is_device(a) and arrays.writable(a)
+    assert a[:, 2:4].shape == (4, 2) and not a[:, 2:4].flags.c_contiguous and a[1:3].flags.c_contiguous
+    assert arrays.contiguous(a[:, 2:4])._buf is not a._buf        # copied, as numpy would
+    assert a.reshape(-1)[6:12]._buf is a._buf                     # views share the buffer
+    with pytest.raises(TypeError, match="no values"):
+        np.asarray(a)
+    # hashing covers the header only (name, dtype, shape): a shape array never passes for data
+    assert hashing.tensor_digests([("x", a, "f32")]) != hashing.tensor_digests([("x", np.zeros((4, 6), np.float32), "f32")])
+
+
+def test_shape_backend_is_loaded_by_name_and_not_a_training_choice():
+    ops = backend.load(backend.SHAPE_ONLY)
+    assert ops.NAME == "shape" and all(hasattr(ops, n) for n in backend.NAMES)
+    assert backend.SHAPE_ONLY not in backend.BACKENDS         # the CLI's --backend choices
+    y = ops.linear_forward(xp.empty((3, 8), np.uint16), xp.empty((5, 8), np.uint16))
+    assert (y.shape, arrays.dtype(y)) == ((3, 5), np.float32)
+    with pytest.raises(ValueError, match="dimension 1"):       # the real argument checks run
+        ops.linear_forward(xp.empty((3, 8), np.uint16), xp.empty((5, 7), np.uint16))
+
+
+def test_one_worker_step_against_a_hand_count():
+    c = cfg()
+    P = c.model.n_params()
+    rope = 2 * c.model.seq_len * (c.model.head_dim // 2) * 4
+    for (start, M), (m,) in zip(PHASES, measure(c, 1, resolution=0)):
+        assert m.microbatches == M
+        o = m.device.owners
+        stack, grads = fold_peak(M)
+        assert o["params"] == 2 * P and o["moments"] == 2 * 4 * P
+        assert o["activations"] == activation_bytes(c)
+        assert (o.get("fold stack", 0), o["gradients"]) == (stack * 4 * P, grads * 4 * P), M
+        assert o["constants"] == rope
+        assert m.peak["device"] == m.device.bytes == sum(o.values()) and o["transients"] > 0
+        assert m.before["device"] == 10 * P + (rope if start else 0)        # state (+ tables after step 0)
+        # the hashes read the gradient, the parameters and both moments on the host: 14 bytes/param
+        assert 14 * P <= m.moved["d2h"] < 14 * P + M * 64 * 1024
+        assert m.peak["host"] >= 2 * 4 * P                                   # m and v copies at once
+        assert m.moved["net_out"] == m.moved["net_in"] == 0
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_workers_step_against_a_hand_count(W):
+    c = cfg()
+    P = c.model.n_params()
+    shards = shard_tensors([math.prod(s) for _, s, _ in c.model.param_shapes()], W)
+    for (_, M), ranks in zip(PHASES, measure(c, W, resolution=0)):
+        blocks = [dyadic_blocks(*microbatch_range(M, W, w)) for w in range(W)]
+        width = max(sh.size for sh in shards)
+        for m, sh in zip(ranks, shards):
+            r = m.rank
+            mine, others = len(blocks[r]), sum(len(b) for w, b in enumerate(blocks) if w != r)
+            assert m.owned == sh.size and m.computed == sum(1 << lv for _, lv in blocks[r])
+            # all-to-all: my blocks' slices of every other owner's range out, every other worker's
+            # blocks of my range in; all-gather: my piece padded to the widest, to and from each other
+            gather = (W - 1) * width * 2
+            out = 4 * mine * (P - sh.size) + gather
+            into = 4 * others * sh.size + gather
+            assert (m.moved["net_out"], m.moved["net_in"]) == (out, into), (M, r)
+            o = m.device.owners
+            assert o["params"] == 2 * P and o.get("moments", 0) == 8 * sh.size
+            if "activations" not in o:      # the peak is the reduce-scatter: send + receive buffers
+                assert o["communication"] == 4 * (mine * P + (mine + others) * sh.size), (M, r)
+                assert o["gradients"] == 4 * mine * P        # this worker's block partials
+            assert m.peak["device"] == sum(o.values())
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_replay_measures_what_the_real_program_does(W):
+    c = cfg()
+    real, replayed = measure(c, W, replay=False, resolution=0), measure(c, W, replay=True, resolution=0)
+    for a_ranks, b_ranks in zip(real, replayed):
+        for a, b in zip(a_ranks, b_ranks):
+            assert (a.peak, a.before, a.moved, a.device.owners, a.host.owners) == \
+                   (b.peak, b.before, b.moved, b.device.owners, b.host.owners)
