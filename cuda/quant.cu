@@ -8,15 +8,18 @@
  *               qmax 127, QW_COEF6 for qmax 31, QW_COEF4 for qmax 7
  *   tensors:    s = div(absmax, qmax) (NaN if any element is inf/NaN; a max is exact in any order)
  *   quantize:   q = level(mul(v, div(1, s))) = clamp(rne(.), -qmax, qmax); q = 0 where s is +0 or NaN
- *   int8 GEMM:  acc[i,j] = sum_p A(i,p) B(j,p) in int32 (exact: P <= 2^17, so |acc| < 2^31)
+ *   int8 GEMM:  acc[i,j] = sum_p A(i,p) B(j,p) in int32 (exact: P <= 2^17, so |acc| < 2^31), on
+ *               the tensor cores (imma.cuh)
  *   Hadamard:   in-place butterflies along rows, blocks of QB = 128 rows, stages h = 1, 2, ..., 64
  *               (fp32 add/sub, or exact int32)
- * One thread per output everywhere (one per row for the weight scales, one per (block, column)
- * for the rotation, one per block of Q_CHUNK elements for the absmax partials). Integer sums are
- * exact in any order; every fp32 value comes from the contract helpers in the written order, so
- * the results equal cpu_ref/src/quant.c bit for bit. No barriers, no shared memory.
+ * One thread per output everywhere but the GEMM (one per row for the weight scales, one per (block,
+ * column) for the rotation, one per block of Q_CHUNK elements for the absmax partials); the GEMM
+ * runs 64 x 64 output tiles per block of 4 warps on the int8 tensor-core instruction, staged in
+ * shared memory. Integer sums are exact in any order; every fp32 value comes from the contract
+ * helpers in the written order, so the results equal cpu_ref/src/quant.c bit for bit.
  */
 #include "contract.cuh"
+#include "imma.cuh"
 
 #define QMAX 127
 #define QMAX4 7                   /* the simulated int4 path: levels -7 ... 7 in int8 containers */
@@ -28,6 +31,10 @@
 #define INV_QB 0x1p-7f            /* 1/QB, exact */
 #define Q_CHUNK 4096              /* elements per absmax partial (no result depends on it) */
 #define Q_BAD 0xFFFFFFFFu         /* absmax partial of a chunk holding an inf or NaN */
+#define GI_BM 64                  /* int8 GEMM: rows of A (and of C) per block */
+#define GI_BN 64                  /* int8 GEMM: rows of B (columns of C) per block */
+#define GI_BK 64                  /* int8 GEMM: contraction step, bytes per staged row */
+#define GI_THREADS 128            /* int8 GEMM: 4 warps, 2 x 2, each a 32 x 32 quarter of the tile */
 
 typedef signed char i8;
 
@@ -109,17 +116,186 @@ extern "C" __global__ void o1b_q_tensor_levels(i64 n, const bf16 *xb, const floa
     q[i] = (o1b_isnan(s) || s == 0.0f) ? (i8)0 : o1b_level(o1b_mul(o1b_q_value(xb, xf, is_f32, i), sc[1]), qmax);
 }
 
+/* The same levels of an fp32 tensor f (R, C), written transposed: qt[c*R + r] is the level of
+ * f[r*C + c] (one thread per output, so the writes are contiguous). The backward GEMMs contract
+ * over the rows of their operands; transposed, the contraction is the contiguous dimension, which
+ * the GEMM stages with 16-byte loads. Data movement only: the same values as o1b_q_tensor_levels. */
+extern "C" __global__ void o1b_q_tensor_levels_t(i64 R, i64 C, const float *f, const float *sc, i8 *qt, int qmax) {
+    i64 o = o1b_gid();
+    if (o >= R * C) return;
+    i64 c = o / R, r = o % R;
+    float s = sc[0];
+    qt[o] = (o1b_isnan(s) || s == 0.0f) ? (i8)0 : o1b_level(o1b_mul(o1b_load(f[r * C + c]), sc[1]), qmax);
+}
+
 /* ------------------------------------------------------------------ int8 GEMM */
-/* C[i*J + j] = sum_p A[i*sa_i + p*sa_p] * B[j*sb_j + p*sb_p] in int32; one thread per (i, j). */
+/* C[i*J + j] = sum_p A[i*sa_i + p*sa_p] * B[j*sb_j + p*sb_p] in int32, exactly.
+ *
+ * Grid (ceil(I/GI_BM), ceil(J/GI_BN)) of GI_THREADS threads: block (x, y) computes the tile
+ * i0 = 64x ... i0 + 63, j0 = 64y ... j0 + 63 of C; warp w its quarter wm = w >> 1 (rows), wn = w & 1
+ * (columns), as 2 x 4 instruction tiles of 16 x 8 (32 int32 accumulators per lane). The contraction
+ * runs in steps of GI_BK = 64: the block stages the step's 64 bytes of its 64 rows of A and of B in
+ * shared memory, +0 outside the matrices (edge tiles: zeros add nothing, so padding is exact), while
+ * it loads the next step's into registers.
+ *
+ * Which instruction slot holds which p: lane (g, t) = (lane >> 2, lane & 3) feeds instruction
+ * s (0, 1) of a step with bytes 16t + 8s ... 16t + 8s + 7 of the step: the low 4 in its slots
+ * 4t ... 4t + 3 (registers a0/a1, b0), the high 4 in slots 16 + 4t ... (a2/a3, b1), in A and in B
+ * alike. So every product pairs A(i, p) with B(j, p), and each p of the step is in exactly one slot
+ * of one instruction; where a p sits does not change an exact integer sum.
+ * Shared memory, laid out so that each fragment is one 16-byte load, without moves or bank
+ * conflicts (the 8 lanes of a phase read 128 distinct banks' bytes):
+ *   B: row r of the step at bytes 64r (p contiguous): lane (g, t) loads bytes 16t ... 16t + 15 of
+ *      row g of its 8-row tile: words 2s, 2s + 1 are b0, b1 of instruction s.
+ *   A: 16-byte units, unit u = 64 m + 8 g + 4 (s ^ (g & 1)) + t for rows 16m + g and 16m + g + 8
+ *      (m the 16-row tile), bytes 16t + 8s ... + 7: words (row g low 4, row g + 8 low 4, row g high 4,
+ *      row g + 8 high 4) = a0 ... a3 of instruction s. The XOR spreads the two s of a row pair over
+ *      both halves of the banks.
+ * Staging: thread tid fills A units tid and tid + 128 (two 8-byte loads each, from rows R and R + 8)
+ * and B pieces tid and tid + 128 (row c >> 2, bytes 16 (c & 3), one 16-byte load each).
+ *
+ * The sums wrap modulo 2^32 (the instruction has no .satfinite); exact anyway, as §6.9's bounds keep
+ * |acc| < 2^31 at every step of every order. */
+
+/* The n (8 or 16) bytes p ... p + n - 1 of row `row` of M (rows x P, strides s_row, s_p) as n/4 words,
+ * +0 outside. VEC: p contiguous (s_p = 1), 16-byte aligned rows, P a multiple of 16: one load. */
+template <bool VEC, int NW>
+__device__ __forceinline__ void o1b_gi_fetch(u32 *r, const i8 *M, i64 rows, i64 P, i64 s_row, i64 s_p,
+                                             i64 row, i64 p) {
+    if (VEC) {
+        if (row < rows && p < P) {
+            if (NW == 4) o1b_load16(r, M + row * s_row + p);
+            else o1b_load8(r, M + row * s_row + p);
+        } else {
+            for (int w = 0; w < NW; w++) r[w] = 0u;
+        }
+        return;
+    }
+    for (int w = 0; w < NW; w++) {
+        u32 v = 0u;
+        for (int e = 0; e < 4; e++) {
+            i64 q = p + 4 * w + e;
+            if (row < rows && q < P) v |= (u32)(unsigned char)M[row * s_row + q * s_p] << (8 * e);
+        }
+        r[w] = v;
+    }
+}
+
+/* A unit u's rows (16m + g, + 8) and first byte 16t + 8s in the step. */
+__device__ __forceinline__ int o1b_gi_unit_row(int u) { return 16 * (u >> 6) + ((u >> 3) & 7); }
+__device__ __forceinline__ int o1b_gi_unit_byte(int u) {
+    return 16 * (u & 3) + 8 * (((u >> 2) & 1) ^ ((u >> 3) & 1));
+}
+
+/* Thread tid's share of one step, from global memory into registers: A units tid, tid + 128 (rows
+ * R and R + 8, 8 bytes each) and B pieces tid, tid + 128 (16 bytes). */
+template <bool VEC>
+__device__ __forceinline__ void o1b_gi_stage_load(u32 ga[2][4], u32 gb[2][4], const i8 *Ab, i64 ri, i64 sa_i,
+                                                  i64 sa_p, const i8 *Bb, i64 rj, i64 sb_j, i64 sb_p, i64 P,
+                                                  i64 p0, int tid) {
+    for (int h = 0; h < 2; h++) {
+        int c = tid + GI_THREADS * h, R = o1b_gi_unit_row(c);
+        u32 lo[2], hi[2];
+        o1b_gi_fetch<VEC, 2>(lo, Ab, ri, P, sa_i, sa_p, R, p0 + o1b_gi_unit_byte(c));
+        o1b_gi_fetch<VEC, 2>(hi, Ab, ri, P, sa_i, sa_p, R + 8, p0 + o1b_gi_unit_byte(c));
+        ga[h][0] = lo[0]; ga[h][1] = hi[0]; ga[h][2] = lo[1]; ga[h][3] = hi[1];
+        o1b_gi_fetch<VEC, 4>(gb[h], Bb, rj, P, sb_j, sb_p, c >> 2, p0 + 16 * (c & 3));
+    }
+}
+
+/* The same for VEC operands, with the thread's row pointers and row checks made once (p in int:
+ * P <= Q_MAX_P, checked by the host). */
+struct o1b_gi_rows {
+    const i8 *a[4], *b[2];      /* A: unit h's rows R, R + 8 at [2h], [2h + 1]; B: piece h's row */
+    bool ina[4], inb[2];        /* the row exists */
+    int oa[2], ob[2];           /* the pieces' first byte in the step */
+};
+
+__device__ __forceinline__ void o1b_gi_rows_init(o1b_gi_rows &s, const i8 *Ab, i64 ri, i64 sa_i, const i8 *Bb,
+                                                 i64 rj, i64 sb_j, int tid) {
+    for (int h = 0; h < 2; h++) {
+        int c = tid + GI_THREADS * h, R = o1b_gi_unit_row(c);
+        s.oa[h] = o1b_gi_unit_byte(c);
+        s.ob[h] = 16 * (c & 3);
+        for (int x = 0; x < 2; x++) {
+            s.ina[2 * h + x] = R + 8 * x < ri;
+            s.a[2 * h + x] = s.ina[2 * h + x] ? Ab + (R + 8 * x) * sa_i + s.oa[h] : Ab;
+        }
+        s.inb[h] = (c >> 2) < rj;
+        s.b[h] = s.inb[h] ? Bb + (i64)(c >> 2) * sb_j + s.ob[h] : Bb;
+    }
+}
+
+__device__ __forceinline__ void o1b_gi_stage_load_vec(u32 ga[2][4], u32 gb[2][4], const o1b_gi_rows &s, int P,
+                                                      int p0) {
+    for (int h = 0; h < 2; h++) {
+        u32 r[2][2];
+        for (int x = 0; x < 2; x++) {
+            r[x][0] = r[x][1] = 0u;
+            if (s.ina[2 * h + x] && p0 + s.oa[h] < P) o1b_load8(r[x], s.a[2 * h + x] + p0);
+        }
+        ga[h][0] = r[0][0]; ga[h][1] = r[1][0]; ga[h][2] = r[0][1]; ga[h][3] = r[1][1];
+        for (int w = 0; w < 4; w++) gb[h][w] = 0u;
+        if (s.inb[h] && p0 + s.ob[h] < P) o1b_load16(gb[h], s.b[h] + p0);
+    }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void o1b_gemm_i8_tile(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
+                                                 const i8 *B, i64 sb_j, i64 sb_p, int *C, u32 *As, u32 *Bs) {
+    int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    int wm = warp >> 1, wn = warp & 1;
+    i64 i0 = (i64)blockIdx.x * GI_BM, j0 = (i64)blockIdx.y * GI_BN;
+    const i8 *Ab = A + i0 * sa_i, *Bb = B + j0 * sb_j;
+    i64 ri = I - i0, rj = J - j0;          /* rows of A and of B left from this tile on */
+    int acc[2][4][4];
+    for (int mi = 0; mi < 2; mi++)
+        for (int ni = 0; ni < 4; ni++)
+            for (int c = 0; c < 4; c++) acc[mi][ni][c] = 0;
+    u32 ga[2][4], gb[2][4];
+    o1b_gi_rows rows;
+    if (VEC) {
+        o1b_gi_rows_init(rows, Ab, ri, sa_i, Bb, rj, sb_j, tid);
+        o1b_gi_stage_load_vec(ga, gb, rows, (int)P, 0);
+    } else {
+        o1b_gi_stage_load<VEC>(ga, gb, Ab, ri, sa_i, sa_p, Bb, rj, sb_j, sb_p, P, 0, tid);
+    }
+    for (i64 p0 = 0; p0 < P; p0 += GI_BK) {
+        for (int h = 0; h < 2; h++) {
+            o1b_store16(&As[4 * (tid + GI_THREADS * h)], ga[h]);
+            o1b_store16(&Bs[4 * (tid + GI_THREADS * h)], gb[h]);
+        }
+        __syncthreads();
+        if (p0 + GI_BK < P) {
+            if (VEC) o1b_gi_stage_load_vec(ga, gb, rows, (int)P, (int)p0 + GI_BK);
+            else o1b_gi_stage_load<VEC>(ga, gb, Ab, ri, sa_i, sa_p, Bb, rj, sb_j, sb_p, P, p0 + GI_BK, tid);
+        }
+        u32 fa[2][2][4], fb[4][4];        /* [16-row tile][instruction][word]; [8-row tile][word] */
+        for (int mi = 0; mi < 2; mi++)
+            for (int s = 0; s < 2; s++)
+                o1b_load16(fa[mi][s], &As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]);
+        for (int ni = 0; ni < 4; ni++) o1b_load16(fb[ni], &Bs[16 * (32 * wn + 8 * ni + g) + 4 * t]);
+        for (int s = 0; s < 2; s++)
+            for (int mi = 0; mi < 2; mi++)
+                for (int ni = 0; ni < 4; ni++) o1b_mma_s8_16x8x32(acc[mi][ni], fa[mi][s], &fb[ni][2 * s]);
+        __syncthreads();
+    }
+    for (int mi = 0; mi < 2; mi++)
+        for (int ni = 0; ni < 4; ni++)
+            for (int c = 0; c < 4; c++) {
+                i64 i = i0 + 32 * wm + 16 * mi + g + 8 * (c >> 1), j = j0 + 32 * wn + 8 * ni + 2 * t + (c & 1);
+                if (i < I && j < J) C[i * J + j] = acc[mi][ni][c];
+            }
+}
+
 extern "C" __global__ void o1b_gemm_i8(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
                                        const i8 *B, i64 sb_j, i64 sb_p, int *C) {
-    i64 t = o1b_gid();
-    if (t >= I * J) return;
-    i64 i = t / J, j = t % J;
-    const i8 *a = A + i * sa_i, *b = B + j * sb_j;
-    u32 acc = 0u;   /* modulo 2^32; exact anyway, as |acc| < 2^31 at every step */
-    for (i64 p = 0; p < P; p++) acc += (u32)((int)a[p * sa_p] * (int)b[p * sb_p]);
-    C[t] = (int)acc;
+    __shared__ __align__(16) u32 As[GI_BM * GI_BK / 4];
+    __shared__ __align__(16) u32 Bs[GI_BN * GI_BK / 4];
+    bool vec = sa_p == 1 && sb_p == 1 && (sa_i & 15) == 0 && (sb_j & 15) == 0 && (P & 15) == 0
+               && ((unsigned long long)A & 15u) == 0 && ((unsigned long long)B & 15u) == 0;
+    if (vec) o1b_gemm_i8_tile<true>(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, C, As, Bs);
+    else o1b_gemm_i8_tile<false>(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, C, As, Bs);
 }
 
 /* ------------------------------------------------------------------ Walsh-Hadamard rotation */

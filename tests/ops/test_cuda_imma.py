@@ -1,0 +1,269 @@
+"""The CUDA int8 GEMM on tensor cores (cuda/quant.cu's o1b_gemm_i8 on cuda/imma.cuh's
+o1b_mma_s8_16x8x32) against the C reference and numpy's exact integer product, bit for bit.
+
+- The instruction itself: one warp's mma on operands placed in its fragment registers by the PTX
+  ISA's layout for mma.m16n8k32 .s8, written out here in numpy independently of imma.cuh. On a GPU
+  (sm_80+) this runs the real instruction, so it also checks that reading of the layout; in the
+  emulator it checks the model, and that a lane missing from the collective step is an error.
+- The GEMM on shapes that cross every tile boundary (64-row output tiles in both dimensions, the
+  64-byte contraction step, the 16-byte vector path and the byte path), strided and transposed
+  operands, the ±127 / −128 extremes at the length bound, under the emulator's race check.
+- The whole int8 layer (forward, dx, dW) at tile-crossing shapes, equal to cpu_ref, with race check.
+- The transposed quantizer equals the plain one transposed (data movement only).
+- Planted faults (wrong fragment lane mapping in the model and in the kernel, missing accumulate,
+  a wrong epilogue row) are each caught by the checks above (slow: one emulator build per fault).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import rand_bf16
+
+import mlx_open1b.cpu_ref as ref
+from mlx_open1b.cuda import emu, ops as cu, runtime
+
+OK, HOW = cu.available()
+pytestmark = pytest.mark.skipif(not OK, reason=HOW)
+HAVE_GXX = emu.compiler_available()[0]
+Q_MAX_P = cu.Q_MAX_P
+TILE = cu.GI_TILE
+
+
+def rng_for(name: str) -> np.random.Generator:
+    return np.random.default_rng([ord(c) for c in name])
+
+
+def rand_i8(rng, shape, lo=-127):
+    return rng.integers(lo, 128, shape, dtype=np.int64).astype(np.int8)
+
+
+def exact(a, b):
+    """sum_p a[i, p] b[j, p] in int64, wrapped to int32 as the instruction does."""
+    return (a.astype(np.int64) @ b.astype(np.int64).T).astype(np.uint32).view(np.int32)
+
+
+# ================================================================== the instruction (one warp)
+MMA_TEST_SOURCE = r'''
+#include "contract.cuh"
+#include "imma.cuh"
+/* lane l: a[4l ... 4l + 3], b[2l, 2l + 1], d[4l ... 4l + 3] in place; `rounds` calls in a row;
+ * lanes >= `lanes` return before the instruction (a divergent warp) */
+extern "C" __global__ void o1b_test_mma(const u32 *a, const u32 *b, int *d, int rounds, int lanes) {
+    int l = (int)threadIdx.x;
+    if (l >= lanes) return;
+    u32 ra[4] = {a[4 * l], a[4 * l + 1], a[4 * l + 2], a[4 * l + 3]}, rb[2] = {b[2 * l], b[2 * l + 1]};
+    int rd[4] = {d[4 * l], d[4 * l + 1], d[4 * l + 2], d[4 * l + 3]};
+    for (int r = 0; r < rounds; r++) o1b_mma_s8_16x8x32(rd, ra, rb);
+    for (int i = 0; i < 4; i++) d[4 * l + i] = rd[i];
+}
+'''
+
+
+def mma_module(source: str = MMA_TEST_SOURCE):
+    return runtime.CudaModule(runtime.read_source_text(source, "test_mma.cu"), name="test_mma.cu")
+
+
+def fragments(A, B, C):
+    """Per-lane registers from the PTX ISA's layout for mma.m16n8k32 with .s8 operands:
+    groupID = lane >> 2, threadID_in_group = lane % 4, element i of a fragment in byte i % 4 of
+    register i // 4."""
+    a = np.zeros((32, 16), np.int8)
+    b = np.zeros((32, 8), np.int8)
+    c = np.zeros((32, 4), np.int32)
+    for lane in range(32):
+        gid, tig = lane >> 2, lane % 4
+        for i in range(16):
+            row = gid if (i < 4 or 8 <= i < 12) else gid + 8
+            col = tig * 4 + (i & 3) + (16 if i >= 8 else 0)
+            a[lane, i] = A[row, col]
+        for i in range(8):
+            row = tig * 4 + (i & 3) + (16 if i >= 4 else 0)
+            b[lane, i] = B[row, gid]
+        for i in range(4):
+            row = gid if i < 2 else gid + 8
+            c[lane, i] = C[row, tig * 2 + (i & 1)]
+    return a.view(np.uint32).reshape(-1), b.view(np.uint32).reshape(-1), c.reshape(-1)
+
+
+def run_mma(mod, A, B, C, rounds=1, lanes=32):
+    a, b, c = fragments(A, B, C)
+    xp = cu._xp()
+    da, db, dd = xp.asarray(a), xp.asarray(b), xp.asarray(c)
+    mod.get_function("o1b_test_mma")((1,), (32,), (da, db, dd, np.int32(rounds), np.int32(lanes)))
+    return cu.to_host(dd)
+
+
+def check_mma(mod):
+    """D = A B + C (twice in a row: the accumulator is read) for random and extreme operands."""
+    rng = rng_for("mma")
+    cases = [(rand_i8(rng, (16, 32), -128), rand_i8(rng, (32, 8), -128),
+              rng.integers(-2**20, 2**20, (16, 8)).astype(np.int32))]
+    A, B = np.full((16, 32), -128, np.int8), np.full((32, 8), -128, np.int8)
+    A[3, ::2] = 127
+    B[:, 5] = 127
+    cases.append((A, B, np.full((16, 8), -7, np.int32)))
+    for A, B, C in cases:
+        want = C.astype(np.int64)
+        for rounds in (1, 2):
+            want = want + A.astype(np.int64) @ B.astype(np.int64)
+            got = run_mma(mod, A, B, C, rounds)
+            _, _, w = fragments(A, B, want.astype(np.uint32).view(np.int32))
+            assert np.array_equal(got, w), f"mma, {rounds} round(s): lanes {np.argwhere(got != w)[:4].tolist()}"
+
+
+def test_mma_matches_the_documented_layout():
+    check_mma(mma_module())
+
+
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+def test_mma_emulated_needs_every_lane():
+    with runtime.emulate():
+        mod = mma_module()
+        A, B, C = np.ones((16, 32), np.int8), np.ones((32, 8), np.int8), np.zeros((16, 8), np.int32)
+        assert run_mma(mod, A, B, C).tolist() == [32] * 128
+        with pytest.raises(emu.EmuLaunchError, match="warp divergence"):
+            run_mma(mod, A, B, C, lanes=31)
+        a, b, c = fragments(A, B, C)
+        with pytest.raises(emu.EmuLaunchError, match="warp divergence"):    # a partial warp
+            mod.get_function("o1b_test_mma")((1,), (48,), (np.tile(a, 2), np.tile(b, 2), np.tile(c, 2),
+                                                           np.int32(1), np.int32(48)))
+
+
+# ================================================================== the GEMM
+# (I, J, P): 1x1x1; remainders in every dimension around the 64 x 64 output tile and the 64-byte
+# step; P multiples of 16 (16-byte loads) and not (byte loads); several tiles in I and J.
+GEMM_SHAPES = [(1, 1, 1), (1, 1, 16), (3, 5, 7), (63, 65, 64), (64, 64, 65), (65, 63, 17),
+               (130, 70, 129), (129, 131, 80), (2, 200, 48), (200, 3, 33)]
+
+
+def gemm_i8(I, J, P, a, sa_i, sa_p, b, sb_j, sb_p):
+    return cu.to_host(cu._gemm_i8(I, J, P, cu._dev(a), sa_i, sa_p, cu._dev(b), sb_j, sb_p))
+
+
+def check_gemm(shapes=GEMM_SHAPES):
+    for I, J, P in shapes:
+        rng = rng_for(f"gemm{I},{J},{P}")
+        a, b = rand_i8(rng, (I, P)), rand_i8(rng, (J, P))
+        want = ref.gemm_i8(a, b)
+        assert np.array_equal(want, exact(a, b))
+        got = cu.gemm_i8(a, b)
+        assert got.dtype == np.int32 and np.array_equal(got, want), (I, J, P)
+        # the backward's layouts: contraction along rows (strided) and transposed copies (contiguous)
+        at, bt = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+        assert np.array_equal(gemm_i8(I, J, P, at, 1, I, bt, 1, J), want), (I, J, P, "strided")
+        assert np.array_equal(gemm_i8(I, J, P, a, P, 1, bt, 1, J), want), (I, J, P, "mixed")
+
+
+def test_gemm_crosses_every_tile_boundary():
+    check_gemm()
+
+
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+def test_gemm_race_check():
+    with runtime.emulate(), emu.options(race_check=True):
+        check_gemm(GEMM_SHAPES[:7])
+
+
+def check_extremes(P=Q_MAX_P):
+    """±127 at the length bound (|acc| = 2^17 · 127² < 2^31), and −128 (which the kernels take,
+    though no quantizer makes it) one 16-byte piece below it, where 2^14 · P < 2^31 still holds."""
+    a = np.full((3, P), 127, np.int8)
+    a[1] = -127
+    a[2, ::2] = -127
+    b = np.full((2, P), 127, np.int8)
+    b[1] = -127
+    got = cu.gemm_i8(a, b)
+    assert np.array_equal(got.astype(np.int64), a.astype(np.int64) @ b.astype(np.int64).T)
+    P2 = P - 16
+    a = np.full((2, P2), -128, np.int8)
+    a[1, 1::2] = 127
+    b = np.full((66, P2), -128, np.int8)
+    b[65, ::3] = 127
+    want = a.astype(np.int64) @ b.astype(np.int64).T
+    assert want.max() == 2**14 * P2 and want.max() < 2**31
+    assert np.array_equal(gemm_i8(2, 66, P2, a, P2, 1, b, P2, 1).astype(np.int64), want)
+
+
+def test_gemm_extremes_at_the_length_bound():
+    check_extremes()
+
+
+# ================================================================== the int8 layer
+LAYER_SHAPES = [(1, 1, 1), (65, 70, 129), (130, 64, 65)]     # (N, K, M)
+
+
+def check_layer(shapes=LAYER_SHAPES):
+    for N, K, M in shapes:
+        rng = rng_for(f"layer{N},{K},{M}")
+        x, w, dy = rand_bf16(rng, (N, K), 1.0), rand_bf16(rng, (M, K), 0.05), rand_bf16(rng, (N, M), 0.01)
+        y = cu.qlinear_forward(x, w)
+        assert y.view(np.uint32).tobytes() == ref.qlinear_forward(x, w).view(np.uint32).tobytes(), (N, K, M)
+        dx, dw = cu.qlinear_backward(dy, x, w)
+        rdx, rdw = ref.qlinear_backward(dy, x, w)
+        assert dx.view(np.uint32).tobytes() == rdx.view(np.uint32).tobytes(), (N, K, M, "dx")
+        assert dw.view(np.uint32).tobytes() == rdw.view(np.uint32).tobytes(), (N, K, M, "dw")
+
+
+def test_layer_equals_the_reference():
+    check_layer()
+
+
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+def test_layer_race_check():
+    with runtime.emulate(), emu.options(race_check=True):
+        check_layer(LAYER_SHAPES[1:2])
+
+
+def test_transposed_levels_are_the_levels_transposed():
+    rng = rng_for("levels_t")
+    for R, C in ((128, 3), (256, 70), (1, 1)):
+        f = (rng.standard_normal((R, C)) * 3).astype(np.float32)
+        f[0, 0] = 1e-40                                  # a subnormal: flushed on load
+        for v in (f, np.zeros_like(f), np.where(np.arange(C) == C - 1, np.float32(np.nan), f).astype(np.float32)):
+            q = cu._empty((R, C), np.int8)
+            cu._q_tensor(R * C, cu._dev(v), True, q, cu.QMAX)
+            qt = cu._empty((C, R), np.int8)
+            cu._q_tensor(R * C, cu._dev(v), True, qt, cu.QMAX, rows=R)
+            assert np.array_equal(cu.to_host(qt), cu.to_host(q).T)
+
+
+# ================================================================== planted faults
+# (fault, text in the expanded quant.cu, its replacement, the check that must catch it)
+FAULTS = [
+    ("model: A rows of registers 1 and 2 swapped", "int row = (i < 4 || (8 <= i && i < 12)) ? groupID : groupID + 8;",
+     "int row = i < 8 ? groupID : groupID + 8;", "mma"),
+    ("model: B column from threadID_in_group", "        int col = groupID;\n", "        int col = threadID_in_group;\n",
+     "mma"),
+    ("model: accumulator not read", "        u32 s = (u32)d[i];\n", "        u32 s = 0u;\n", "mma"),
+    ("kernel: A fragment unit without the XOR", "&As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]",
+     "&As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * s + t)]", "gemm"),
+    ("kernel: B words of the other instruction", "&fb[ni][2 * s]);", "&fb[ni][2 - 2 * s]);", "gemm"),
+    ("kernel: A rows R and R + 8 swapped in a unit",
+     "ga[h][0] = r[0][0]; ga[h][1] = r[1][0]; ga[h][2] = r[0][1]; ga[h][3] = r[1][1];",
+     "ga[h][0] = r[1][0]; ga[h][1] = r[0][0]; ga[h][2] = r[1][1]; ga[h][3] = r[0][1];", "gemm"),
+    ("kernel: epilogue rows g + 8 from the column bit", "g + 8 * (c >> 1), j", "g + 8 * (c & 1), j", "gemm"),
+    ("kernel: the last partial step dropped", "for (i64 p0 = 0; p0 < P; p0 += GI_BK)",
+     "for (i64 p0 = 0; p0 + GI_BK <= P; p0 += GI_BK)", "gemm"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+@pytest.mark.parametrize("fault,old,new,check", FAULTS, ids=[f[0] for f in FAULTS])
+def test_planted_fault_is_caught(fault, old, new, check, monkeypatch):
+    text = runtime.read_source("quant.cu")
+    assert text.count(old) == 1, fault
+    mutated = text.replace(old, new)
+    with runtime.emulate():
+        if check == "mma":
+            imma = runtime.read_source("imma.cuh")
+            assert imma.count(old) == 1, fault
+            mod = runtime.CudaModule(runtime.read_source_text(MMA_TEST_SOURCE.replace(
+                '#include "imma.cuh"', imma.replace(old, new)), "test_mma.cu"), name="test_mma.cu")
+            with pytest.raises(AssertionError):
+                check_mma(mod)
+        mod = runtime.CudaModule(mutated, name="quant.cu")
+        monkeypatch.setattr(runtime, "load", lambda filename, *args, **kwargs: mod)
+        with pytest.raises(AssertionError):
+            check_gemm(GEMM_SHAPES[3:7])
