@@ -120,6 +120,20 @@ __device__ __forceinline__ float o1b_div(float a, float b) {
     float r = __fdiv_rn(a, b);
     return o1b_abs_bits(r) <= 0x00800000u ? o1b_div_tiny(a, b, r) : r;
 }
+/* One step acc + a*b of the §6.1 GEMM sum as a single fused multiply-add with the instruction's own
+ * flush: PTX fma.rn.ftz.f32, written out so that neither -ftz nor --fmad changes it (the emulator's
+ * model: hwfloat.h, o1b_hw_fma_ftz). It equals o1b_add(acc, o1b_mul(a, b)) for bf16 operands only
+ * under the FMA tile guard of CONTRACT.md §6.1's implementation notes; linear.cu uses it on tiles
+ * that pass the guard and nowhere else. */
+__device__ __forceinline__ float o1b_fma_ftz(float a, float b, float acc) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(acc));
+    return r;
+#else
+    return emu_fma_rn_ftz(a, b, acc);
+#endif
+}
 /* Correctly rounded IEEE square root; never tiny for a normal input, sqrt(-0) = -0. */
 __device__ __forceinline__ float o1b_sqrt(float x) { return o1b_flush(__fsqrt_rn(x)); }
 /* max as the written comparison: a NaN in `b` is passed over, a NaN in `a` stays. */

@@ -4,42 +4,152 @@
  *   the accumulator starting at +0 (or at the loaded old C[i,j] when accumulating).
  *
  * A(i,p) = A[i*sa_i + p*sa_p] and B(p,j) = B[p*sb_p + j*sb_j], so one kernel serves y = x W^T,
- * dx = dy W, dW = dy^T x and the fused cross-entropy's GEMMs. One thread owns one C[i,j] from its
- * first product to its store. The tiles in shared memory (TILE rows of A and TILE columns of B, TP
- * values of p at a time) only move data: each thread keeps its running accumulator across tiles and
- * adds the tile's products in ascending p, so the sequence of roundings is the plain loop's (no
- * split-K, no tensor cores, no FMA). Neither TILE nor TP enters the arithmetic.
- * Launch: block (TILE, TILE), a 1-D grid of ceil(I/TILE) * ceil(J/TILE) blocks (tile row-major:
- * block b covers rows (b / ceil(J/TILE)) * TILE.. and columns (b % ceil(J/TILE)) * TILE..).
+ * dx = dy W, dW = dy^T x and the fused cross-entropy's GEMMs.
+ *
+ * Register blocking: a block of 16 x 16 threads computes a BM x BN = 128 x 128 tile of C, each thread
+ * 8 x 8 outputs (rows ty*4 + {0..3} and 64 + ty*4 + {0..3}, columns likewise with tx), each output one
+ * register from its first product to its store. p goes through shared memory in slices of BK = 8
+ * values, k-major (As[p][i], Bs[p][j], so a thread reads its 8 + 8 operands of one p as four 128-bit
+ * loads), double buffered: the next slice's global loads are in flight while this one is computed,
+ * and one barrier per slice separates both. Every output adds the slice's products for p ascending
+ * and keeps its accumulator across slices, so the sequence of roundings is the plain loop's; no tile
+ * size enters the arithmetic (no split-K, no tensor cores).
+ *
+ * The FMA tile guard (CONTRACT.md §6.1, implementation notes): while a slice is staged, the block
+ * reduces the exponent fields of its nonzero A and B values (the tile's rows and columns, the
+ * slice's p) to their minima and maxima, inf and NaN counting as out of range. If
+ * minA + minB >= 254 - 126 and maxA + maxB <= 254 + 126 (every product of nonzero operands then
+ * lies in [2^-126, 2^128): exact in fp32) and no operand is inf or NaN, the slice's steps are
+ * fused multiply-adds with the instruction's own flush (o1b_fma_ftz), which the notes prove equal
+ * to add(acc, mul(a, b)); otherwise each step is o1b_add(acc, o1b_mul(a, b)). The decision is per
+ * (block tile, slice) and the same for the whole block.
+ * Launch: block (16, 16), a 1-D grid of ceil(I/BM) * ceil(J/BN) blocks (tile row-major: block b covers
+ * rows (b / ceil(J/BN)) * BM.. and columns (b % ceil(J/BN)) * BN..).
  */
 #include "contract.cuh"
 
-#define TILE 16   /* rows of A / columns of B per block: the block is TILE x TILE threads */
-#define TP 64     /* values of p per shared-memory tile */
+#define BM 128   /* rows of A (i) per block tile */
+#define BN 128   /* columns of B (j) per block tile */
+#define BK 8     /* values of p per shared-memory slice, the unit of the FMA guard */
+#define GUARD_MIN_SUM 128   /* 254 - 126: minA + minB >= this  =>  every product >= 2^-126 */
+#define GUARD_MAX_SUM 380   /* 254 + 126: maxA + maxB <= this  =>  every product < 2^128 */
+#define GUARD_OUT 511       /* exponent key of a value outside the guard: zero (min), inf or NaN (max) */
 
-extern "C" __global__ void o1b_gemm(i64 I, i64 J, i64 P,
-                                    const bf16 *A, i64 sa_i, i64 sa_p,
-                                    const bf16 *B, i64 sb_p, i64 sb_j,
-                                    float *C, i64 ldc, int accumulate) {
-    __shared__ float As[TILE][TP];     /* As[r][c] = A(i0 + r, p0 + c), widened */
-    __shared__ float Bs[TP][TILE];     /* Bs[r][c] = B(p0 + r, j0 + c), widened */
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const i64 ntj = (J + TILE - 1) / TILE, i0 = ((i64)blockIdx.x / ntj) * TILE, j0 = ((i64)blockIdx.x % ntj) * TILE;
-    const i64 i = i0 + ty, j = j0 + tx;
-    const bool mine = i < I && j < J;
-    float acc = (mine && accumulate) ? o1b_load(C[i * ldc + j]) : 0.0f;
-    for (i64 p0 = 0; p0 < P; p0 += TP) {
-        /* every thread of the block loads TP/TILE elements of each tile (zeros outside) ... */
-        for (int s = 0; s < TP; s += TILE) {
-            i64 pa = p0 + s + tx, pb = p0 + s + ty;
-            As[ty][s + tx] = (i < I && pa < P) ? o1b_bf16_to_f32(A[i * sa_i + pa * sa_p]) : 0.0f;
-            Bs[s + ty][tx] = (pb < P && j < J) ? o1b_bf16_to_f32(B[pb * sb_p + j * sb_j]) : 0.0f;
-        }
-        __syncthreads();
-        /* ... then adds the tile's products to its own accumulator, p ascending, padding excluded */
-        i64 n = P - p0 < TP ? P - p0 : TP;
-        for (int c = 0; c < n; c++) acc = o1b_add(acc, o1b_mul(As[ty][c], Bs[c][tx]));
-        __syncthreads();
+/* Four bf16 values of an operand, zeros outside the matrix: element q is (row + q*drow, p + q*dp). */
+__device__ __forceinline__ void o1b_gemm_fetch(bf16 v[4], const bf16 *M, i64 s_row, i64 s_p, i64 row,
+                                               i64 nrow, int drow, i64 p, i64 P, int dp) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        i64 r = row + q * drow, c = p + q * dp;
+        v[q] = (r < nrow && c < P) ? M[r * s_row + c * s_p] : (bf16)0;
     }
-    if (mine) C[i * ldc + j] = o1b_store(acc);
+}
+
+/* The fetched values into a shared slice S[p][row], widened; the guard's exponent range of them
+ * (zeros leave lo, inf and NaN set hi to GUARD_OUT). */
+__device__ __forceinline__ void o1b_gemm_stage(float (*S)[BM], const bf16 v[4], int row, int drow, int p,
+                                               int dp, int &lo, int &hi) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        S[p + q * dp][row + q * drow] = o1b_bf16_to_f32(v[q]);
+        int e = (v[q] >> 7) & 0xFF;
+        int l = e ? e : GUARD_OUT, h = e == 0xFF ? GUARD_OUT : e;
+        lo = l < lo ? l : lo;
+        hi = h > hi ? h : hi;
+    }
+}
+
+/* One p of the slice for the thread's 8 x 8 outputs: a = As[p][its rows], b = Bs[p][its columns]. */
+template <bool FAST>
+__device__ __forceinline__ void o1b_gemm_step(float (&acc)[8][8], const float *arow, const float *brow,
+                                              int tx, int ty) {
+    float a[8], b[8];
+    float4 v = *reinterpret_cast<const float4 *>(arow + ty * 4);
+    a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+    v = *reinterpret_cast<const float4 *>(arow + 64 + ty * 4);
+    a[4] = v.x; a[5] = v.y; a[6] = v.z; a[7] = v.w;
+    v = *reinterpret_cast<const float4 *>(brow + tx * 4);
+    b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+    v = *reinterpret_cast<const float4 *>(brow + 64 + tx * 4);
+    b[4] = v.x; b[5] = v.y; b[6] = v.z; b[7] = v.w;
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            acc[r][c] = FAST ? o1b_fma_ftz(a[r], b[c], acc[r][c]) : o1b_add(acc[r][c], o1b_mul(a[r], b[c]));
+}
+
+extern "C" __global__ void __launch_bounds__(256) o1b_gemm(i64 I, i64 J, i64 P,
+                                                         const bf16 *A, i64 sa_i, i64 sa_p,
+                                                         const bf16 *B, i64 sb_p, i64 sb_j,
+                                                         float *C, i64 ldc, int accumulate) {
+    __shared__ __align__(16) float As[2][BK][BM];   /* As[s][p][r] = A(i0 + r, p0 + p), widened */
+    __shared__ __align__(16) float Bs[2][BK][BN];   /* Bs[s][p][c] = B(p0 + p, j0 + c), widened */
+    __shared__ int guard[3][4];                     /* per slice: min, max exponent of A; of B */
+    const int tx = threadIdx.x, ty = threadIdx.y, t = ty * 16 + tx;
+    const i64 ntj = (J + BN - 1) / BN, i0 = ((i64)blockIdx.x / ntj) * BM, j0 = ((i64)blockIdx.x % ntj) * BN;
+
+    /* Who stages what: 4 values of A and 4 of B per thread and slice, read along the operand's
+     * contiguous dimension (p when its stride is 1, else rows or columns). */
+    const bool a_pc = sa_p == 1, b_pc = sb_p == 1;
+    const int ar = a_pc ? t >> 1 : (t & 31) << 2, ap = a_pc ? (t & 1) << 2 : t >> 5;
+    const int adr = a_pc ? 0 : 1, adp = a_pc ? 1 : 0;
+    const int bc = b_pc ? t >> 1 : (t & 31) << 2, bp = b_pc ? (t & 1) << 2 : t >> 5;
+    const int bdc = b_pc ? 0 : 1, bdp = b_pc ? 1 : 0;
+
+    float acc[8][8];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            i64 i = i0 + (r < 4 ? ty * 4 + r : 64 + ty * 4 + r - 4), j = j0 + (c < 4 ? tx * 4 + c : 64 + tx * 4 + c - 4);
+            acc[r][c] = (accumulate && i < I && j < J) ? o1b_load(C[i * ldc + j]) : 0.0f;
+        }
+    /* threads all of whose outputs lie outside C skip the products (they still stage and wait) */
+    const bool active = i0 + ty * 4 < I && j0 + tx * 4 < J;
+
+    if (t == 0) { guard[0][0] = GUARD_OUT; guard[0][1] = 0; guard[0][2] = GUARD_OUT; guard[0][3] = 0; }
+    __syncthreads();
+    bf16 va[4], vb[4];
+    o1b_gemm_fetch(va, A, sa_i, sa_p, i0 + ar, I, adr, ap, P, adp);
+    o1b_gemm_fetch(vb, B, sb_j, sb_p, j0 + bc, J, bdc, bp, P, bdp);
+    int slot = 0;   /* guard[slot] serves slice s; three slots, so that the reset of the one after
+                     * next is separated by a barrier from its last read and its next writes */
+    for (i64 p0 = 0, s = 0; p0 < P; p0 += BK, s++) {
+        const int st = (int)(s & 1), next = slot == 2 ? 0 : slot + 1;
+        int loA = GUARD_OUT, hiA = 0, loB = GUARD_OUT, hiB = 0;
+        o1b_gemm_stage(As[st], va, ar, adr, ap, adp, loA, hiA);
+        o1b_gemm_stage(Bs[st], vb, bc, bdc, bp, bdp, loB, hiB);
+        atomicMin(&guard[slot][0], loA); atomicMax(&guard[slot][1], hiA);
+        atomicMin(&guard[slot][2], loB); atomicMax(&guard[slot][3], hiB);
+        if (t == 0) { guard[next][0] = GUARD_OUT; guard[next][1] = 0; guard[next][2] = GUARD_OUT; guard[next][3] = 0; }
+        __syncthreads();
+        if (p0 + BK < P) {   /* the next slice's loads, in flight during this slice's products */
+            o1b_gemm_fetch(va, A, sa_i, sa_p, i0 + ar, I, adr, p0 + BK + ap, P, adp);
+            o1b_gemm_fetch(vb, B, sb_j, sb_p, j0 + bc, J, bdc, p0 + BK + bp, P, bdp);
+        }
+        const bool fast = guard[slot][0] + guard[slot][2] >= GUARD_MIN_SUM
+                          && guard[slot][1] + guard[slot][3] <= GUARD_MAX_SUM;
+        const int n = P - p0 < BK ? (int)(P - p0) : BK;   /* padding p is never added */
+        if (active) {
+            if (fast && n == BK) {
+#pragma unroll
+                for (int p = 0; p < BK; p++) o1b_gemm_step<true>(acc, As[st][p], Bs[st][p], tx, ty);
+            } else if (fast) {
+#pragma unroll 1
+                for (int p = 0; p < n; p++) o1b_gemm_step<true>(acc, As[st][p], Bs[st][p], tx, ty);
+            } else {
+#pragma unroll 1
+                for (int p = 0; p < n; p++) o1b_gemm_step<false>(acc, As[st][p], Bs[st][p], tx, ty);
+            }
+        }
+        slot = next;
+    }
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            i64 i = i0 + (r < 4 ? ty * 4 + r : 64 + ty * 4 + r - 4), j = j0 + (c < 4 ? tx * 4 + c : 64 + tx * 4 + c - 4);
+            if (i < I && j < J) C[i * ldc + j] = o1b_store(acc[r][c]);
+        }
 }

@@ -26,7 +26,7 @@ from . import runtime
 
 NAME = "cuda"
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
-GEMM_TILE = 16       # linear.cu's TILE
+GEMM_TILE = 128      # linear.cu's block tile (BM = BN), computed by 16 x 16 threads
 GI_TILE = 64         # quant.cu's GI_BM = GI_BN: the int8 GEMM's output tile per block
 GI_THREADS = 128     # quant.cu's GI_THREADS: 4 warps per block of the int8 GEMM
 
@@ -113,7 +113,7 @@ def _gemm(I, J, P, A, sa_i, sa_p, B, sb_p, sb_j, C, ldc, accumulate) -> None:
         return
     tiles = -(-I // GEMM_TILE) * -(-J // GEMM_TILE)
     fn = runtime.load("linear.cu").get_function("o1b_gemm")
-    fn((tiles,), (GEMM_TILE, GEMM_TILE),
+    fn((tiles,), (16, 16),
        (i64(I), i64(J), i64(P), A, i64(sa_i), i64(sa_p), B, i64(sb_p), i64(sb_j), C, i64(ldc),
         i32(1 if accumulate else 0)))
 

@@ -44,7 +44,8 @@ CXX = "g++"
 CXXFLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
             "-fno-strict-aliasing", "-fPIC", "-shared", "-w")
 
-_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+([A-Za-z_]\w*)\s*\(')
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+                        r'([A-Za-z_]\w*)\s*\(')
 _SCALARS = {"f4": np.float32, "f8": np.float64, "i4": np.int32, "i8": np.int64, "u4": np.uint32,
             "u8": np.uint64, "i2": np.int16, "u2": np.uint16, "i1": np.int8, "u1": np.uint8}
 _lock = threading.Lock()

@@ -24,7 +24,9 @@
  *     models built on it (imma.cuh) keep their per-warp state in plain static arrays, as blocks
  *     run one after another.
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
- *     __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz, __umulhi.
+ *     __fmaf_rn, __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz,
+ *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz); float4;
+ *     atomicMin and atomicMax on int; __launch_bounds__ (ignored).
  *     The single-precision ones are the fp32 unit of hwfloat.h (included before this file, with
  *     O1B_HW_DAZ = EMU_FTZ != 0 and O1B_HW_FTZ = EMU_FTZ, and any planted fault or adversarial
  *     flushing of emu.hardware()). EMU_FTZ selects how they treat subnormals: 0 IEEE gradual
@@ -60,6 +62,7 @@ static dim3 blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 /* Every __shared__ array lives in the section "emu_shared", which the scheduler poisons at the
  * start of each block (0xFF bytes, NaN, in thread order; 0x7F bytes, 3.39e38, in reverse order), as
@@ -93,6 +96,17 @@ static inline float __fsub_rn(float a, float b) { return o1b_hw_sub(a, b); }
 static inline float __fmul_rn(float a, float b) { return o1b_hw_mul(a, b); }
 static inline float __fdiv_rn(float a, float b) { return o1b_hw_div(a, b); }
 static inline float __fsqrt_rn(float x) { return o1b_hw_sqrt(x); }
+static inline float __fmaf_rn(float a, float b, float c) { return o1b_hw_fma(a, b, c); }
+/* PTX fma.rn.ftz.f32, which contract.cuh's o1b_fma_ftz issues as inline assembly on a GPU */
+static inline float emu_fma_rn_ftz(float a, float b, float c) { return o1b_hw_fma_ftz(a, b, c); }
+
+/* 128-bit vector of four floats (16-byte aligned, as CUDA's) for vectorized shared-memory access */
+struct alignas(16) float4 { float x, y, z, w; };
+static inline float4 make_float4(float x, float y, float z, float w) { float4 v = {x, y, z, w}; return v; }
+
+/* Atomics: fibers switch only at barriers and returns, so a read-modify-write is atomic as written. */
+static inline int atomicMin(int *p, int v) { int old = *p; if (v < old) *p = v; return old; }
+static inline int atomicMax(int *p, int v) { int old = *p; if (v > old) *p = v; return old; }
 
 /* ---- the block scheduler ---- */
 /* Fibers switch with a 14-instruction stack switch on x86-64 Linux (glibc's swapcontext makes a

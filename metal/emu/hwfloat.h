@@ -1,8 +1,9 @@
-// hwfloat.h — the fp32 unit of an emulated GPU: add, sub, mul, div and sqrt as the hardware does
-// them, with the planted faults and the adversarial flush mode of `emu.hardware(...)`. Shared by
-// both emulators: the CUDA prelude implements __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn and
-// __fsqrt_rn with it; the Metal prelude maps the contract header's hardware-operator hooks
-// (O1B_HW_ADD, O1B_HW_SUB, O1B_HW_MUL, O1B_HW_DIV) onto it when a hardware mode is active.
+// hwfloat.h — the fp32 unit of an emulated GPU: add, sub, mul, div, sqrt and fused multiply-add as
+// the hardware does them, with the planted faults and the adversarial flush mode of
+// `emu.hardware(...)`. Shared by both emulators: the CUDA prelude implements __fadd_rn, __fsub_rn,
+// __fmul_rn, __fdiv_rn, __fsqrt_rn, __fmaf_rn and PTX fma.rn.ftz.f32 with it; the Metal prelude
+// maps the contract header's hardware-operator hooks (O1B_HW_ADD, O1B_HW_SUB, O1B_HW_MUL,
+// O1B_HW_DIV) onto it when a hardware mode is active.
 //
 // Configured before inclusion (every one is part of the compiled text, so of the cache key):
 //   O1B_HW_FAULT        0 none; 1 div_rz: division rounds toward zero; 2 fma: a multiply feeding an
@@ -103,15 +104,16 @@ static inline bool o1b_hw_subnormal(float r) {
     return (u & 0x7F800000u) == 0u && (u & 0x7FFFFFu) != 0u;
 }
 
-// fmaf(a, b, c) and whether a*b + c is tiny: p = a*b is exact in double, p + c = s + e exactly.
-static inline float o1b_hw_fused(float a, float b, float c) {
-    float r = fmaf(a, b, c);
+// Whether the exact a*b + c is tiny: p = a*b is exact in double, p + c = s + e exactly.
+static inline bool o1b_hw_fused_tiny(float a, float b, float c) {
     double p = (double)a * (double)b, s = p + (double)c, bb = s - p;
     double e = (p - (s - bb)) + ((double)c - bb);
-    bool tiny;
-    if (fabs(s) < O1B_HW_MIN_NORMAL) tiny = s != 0.0 || e != 0.0;
-    else tiny = fabs(s) == O1B_HW_MIN_NORMAL && e != 0.0 && ((s > 0.0) != (e > 0.0));
-    return o1b_hw_out(r, tiny);
+    if (fabs(s) < O1B_HW_MIN_NORMAL) return s != 0.0 || e != 0.0;
+    return fabs(s) == O1B_HW_MIN_NORMAL && e != 0.0 && ((s > 0.0) != (e > 0.0));
+}
+// fmaf(a, b, c) with the unit's answer for a tiny result.
+static inline float o1b_hw_fused(float a, float b, float c) {
+    return o1b_hw_out(fmaf(a, b, c), o1b_hw_fused_tiny(a, b, c));
 }
 
 static inline float o1b_hw_mul(float a, float b) {
@@ -190,6 +192,40 @@ static inline float o1b_hw_div(float a, float b) {
         tiny = fabs((double)a) < O1B_HW_MIN_NORMAL * fabs((double)b);
     return o1b_hw_out(r, tiny);
 }
+// The fused multiply-add instruction (CUDA's __fmaf_rn): one rounding of a*b + c, with the unit's
+// flush mode and adversary like add, sub and mul.
+static inline float o1b_hw_fma(float a, float b, float c) {
+    return o1b_hw_fused(o1b_hw_in(a), o1b_hw_in(b), o1b_hw_in(c));
+}
+
+// The fused multiply-add with its own flush (PTX fma.rn.ftz.f32, whatever the unit's mode): subnormal
+// inputs are read as zeros of their sign and a tiny result comes back as the zero of its sign (the
+// sign of the exact value, which the rounded value keeps), as the PTX ISA specifies for .ftz. What
+// the ISA leaves open is when a result is tiny: an exact value below 2^-126 that rounds to 2^-126 comes
+// back as 2^-126 where tininess is detected after rounding (O1B_HW_FTZ 0 or 1) and as the zero where
+// before (O1B_HW_FTZ 2); the adversary picks one of the two per operation. The flush_unsigned fault
+// returns +0 for every tiny result, as for the other operations.
+static inline float o1b_hw_fma_ftz(float a, float b, float c) {
+    unsigned int ua = o1b_hw_bits(a), ub = o1b_hw_bits(b), uc = o1b_hw_bits(c);
+    if ((ua & 0x7F800000u) == 0u) a = o1b_hw_float(ua & 0x80000000u);
+    if ((ub & 0x7F800000u) == 0u) b = o1b_hw_float(ub & 0x80000000u);
+    if ((uc & 0x7F800000u) == 0u) c = o1b_hw_float(uc & 0x80000000u);
+    float r = fmaf(a, b, c);
+    if (!o1b_hw_fused_tiny(a, b, c)) return r;
+#if O1B_HW_FAULT == 3
+    return o1b_hw_float(0u);
+#else
+    unsigned int u = o1b_hw_bits(r);
+    bool rounded_up = (u & 0x7FFFFFFFu) == 0x00800000u;
+#if O1B_HW_ADVERSARIAL
+    bool keep = rounded_up && o1b_hw_choice() == 0u;
+#else
+    bool keep = rounded_up && (O1B_HW_FTZ) != 2;
+#endif
+    return keep ? r : o1b_hw_float(u & 0x80000000u);
+#endif
+}
+
 // sqrt of a nonzero float is never tiny.
 static inline float o1b_hw_sqrt(float x) { return sqrtf(o1b_hw_in(x)); }
 

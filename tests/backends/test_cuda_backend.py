@@ -4,11 +4,12 @@ Where CuPy and a GPU exist the ops run the real runtime; elsewhere they run the 
 the CPU emulator (cuda/emu). The emulator-specific tests (barriers, race check, FTZ modes, compile
 errors, the cache, a planted one-ulp mutation) force emulation and need only g++. Inputs are seeded,
 include subnormals, ±0, ±inf, NaN and the largest and smallest normals, and use shapes that are not
-multiples of any block or tile size (128-thread blocks, 16x16 GEMM tiles, 64-key attention blocks,
+multiples of any block or tile size (128-thread blocks, 128x128 GEMM tiles, 64-key attention blocks,
 1024-entry cross-entropy chunks, 4096-element norm blocks).
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -862,7 +863,8 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_compiles_every_source(arch, tmp_path):
     """Each module text, exactly as handed to NVRTC, compiles to PTX with CuPy's flush mode and our
-    options, and the PTX holds no fused multiply-add on fp32."""
+    options, and the PTX holds no fused multiply-add on fp32 but linear.cu's explicit fma.rn.ftz.f32
+    steps (the FMA tile guard's fast path, CONTRACT.md §6.1)."""
     procs = []
     for name in CU_FILES:
         src = tmp_path / name
@@ -874,6 +876,9 @@ def test_nvcc_compiles_every_source(arch, tmp_path):
         out, _ = proc.communicate()
         assert proc.returncode == 0, f"{name} ({arch}):\n{out}"
         ptx = (tmp_path / f"{name}.ptx").read_text()
+        if name == "linear.cu":   # the guarded fast path's FMA, written as inline PTX (o1b_fma_ftz)
+            ptx, n = re.subn(r"// begin inline asm\s*fma\.rn\.ftz\.f32[^\n]*\n\s*// end inline asm", "", ptx)
+            assert n >= 64, f"linear.cu: {n} FMA steps in the PTX"
         assert "fma.rn.f32" not in ptx and "fma.rn.ftz.f32" not in ptx, f"{name}: FMA in the PTX"
 
 
@@ -1057,9 +1062,15 @@ def test_gemm_with_a_barrier_removed_is_caught(tmp_path, which, fibers):
     shutil.copy(runtime.SOURCE_DIR / "contract.cuh", tmp_path / "contract.cuh")
     (tmp_path / "linear.cu").write_text(broken)
     rng = rng_for("gemm-race")
-    P = 150                                                         # three tiles of p, the last partial
+    P = 150                                                         # 19 slices of p, the last partial
     x, w = rand_bf16(rng, (21, P)), rand_bf16(rng, (19, P))
+    # y[7, 11] = 2^-126 + mul(2^-63, -2^-64) (a product that flushes) in the first slice, which the
+    # FMA guard must send down the exact path; a guard missing other threads' operands fuses it
+    x[7] = 0x8000                                                   # -0: the other steps change nothing
+    x[7, :2] = ref.f32_to_bf16(np.float32([2.0 ** -63, 2.0 ** -63]))
+    w[11, :2] = ref.f32_to_bf16(np.float32([2.0 ** -63, -(2.0 ** -64)]))
     want = ref.linear_forward(x, w)
+    assert want[7, 11] == np.float32(2.0 ** -126)
     fn = _emu_module(broken, "linear.cu", tmp_path).get_function("o1b_gemm")
     y = np.zeros((21, 19), np.float32)
     args = (np.int64(21), np.int64(19), np.int64(P), x, np.int64(P), np.int64(1), w, np.int64(1),
