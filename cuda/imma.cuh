@@ -16,7 +16,8 @@
  * computes directly.
  *
  * On the GPU: the inline PTX for sm_80+, and below sm_80 the same result from warp shuffles (each
- * lane gathers the A and B elements of its four outputs from the lanes that hold them).
+ * lane gathers the A and B elements of its four outputs from the lanes that hold them); the
+ * emulator runs that fallback instead of its model where O1B_IMMA_SHUFFLE is defined (its test).
  * In the CUDA emulator (g++, no __CUDA_ARCH__): an exact model of the instruction written from the
  * layout above. The 32 lanes meet at a warp-collective step (emu_warp_sync, cuda/emu/prelude.h):
  * each lane places its fragments in its warp's 16x32 A and 32x8 B, all lanes wait, each computes its
@@ -27,14 +28,13 @@
 #ifndef O1B_IMMA_CUH
 #define O1B_IMMA_CUH
 
-#ifdef __CUDA_ARCH__
-#if __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void o1b_mma_s8_16x8x32(int d[4], const u32 a[4], const u32 b[2]) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-#else
+#elif defined(__CUDA_ARCH__) || defined(O1B_IMMA_SHUFFLE)
 /* Signed byte e (0 … 3) of a register. */
 __device__ __forceinline__ int o1b_imma_byte(u32 r, int e) { return (int)(signed char)(r >> (8 * e)); }
 
@@ -56,23 +56,7 @@ __device__ __forceinline__ void o1b_mma_s8_16x8x32(int d[4], const u32 a[4], con
         }
     for (int i = 0; i < 4; i++) d[i] = (int)s[i];
 }
-#endif
-
-/* 16 (8) bytes from global or shared memory, 16- (8-) byte aligned, as 4 (2) little-endian words;
- * 16 bytes to memory. */
-__device__ __forceinline__ void o1b_load16(u32 r[4], const void *p) {
-    uint4 v = *reinterpret_cast<const uint4 *>(p);
-    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
-}
-__device__ __forceinline__ void o1b_load8(u32 r[2], const void *p) {
-    uint2 v = *reinterpret_cast<const uint2 *>(p);
-    r[0] = v.x; r[1] = v.y;
-}
-__device__ __forceinline__ void o1b_store16(void *p, const u32 r[4]) {
-    *reinterpret_cast<uint4 *>(p) = make_uint4(r[0], r[1], r[2], r[3]);
-}
-
-#else   /* the CUDA emulator */
+#else   /* the CUDA emulator's model of the instruction */
 static signed char o1b_emu_mma_a[32][16][32];   /* per warp of the block: A[row][k] */
 static signed char o1b_emu_mma_b[32][32][8];    /* per warp: B[k][column] */
 
@@ -101,7 +85,24 @@ static void o1b_mma_s8_16x8x32(int d[4], const u32 a[4], const u32 b[2]) {
     emu_warp_sync();                 /* all 32 lanes have read A and B */
     for (int i = 0; i < 4; i++) d[i] = out[i];
 }
+#endif
 
+#ifdef __CUDA_ARCH__
+/* 16 (8) bytes from global or shared memory, 16- (8-) byte aligned, as 4 (2) little-endian words;
+ * 16 bytes to memory. */
+__device__ __forceinline__ void o1b_load16(u32 r[4], const void *p) {
+    uint4 v = *reinterpret_cast<const uint4 *>(p);
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+}
+__device__ __forceinline__ void o1b_load8(u32 r[2], const void *p) {
+    uint2 v = *reinterpret_cast<const uint2 *>(p);
+    r[0] = v.x; r[1] = v.y;
+}
+__device__ __forceinline__ void o1b_store16(void *p, const u32 r[4]) {
+    *reinterpret_cast<uint4 *>(p) = make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+#else   /* the CUDA emulator */
 static inline void o1b_load16(u32 r[4], const void *p) { memcpy(r, p, 16); }
 static inline void o1b_load8(u32 r[2], const void *p) { memcpy(r, p, 8); }
 static inline void o1b_store16(void *p, const u32 r[4]) { memcpy(p, r, 16); }

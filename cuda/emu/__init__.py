@@ -166,7 +166,7 @@ class EmuModule:
         # the library of the hardware active now (compile errors show up here, not at a launch);
         # every hardware's library has the same kernels and signatures
         self.lib, self.path = self.library(_hardware.current())
-        self.uses_barrier = "__syncthreads" in source or "emu_warp_sync" in source
+        self.uses_barrier = any(s in source for s in ("__syncthreads", "emu_warp_sync", "__shfl_sync"))
         self.kernels = kernel_names(source)
 
     def library(self, hw: hwmodel.Hardware) -> tuple[ctypes.CDLL, pathlib.Path]:

@@ -21,8 +21,8 @@
  *     whose lanes all arrived goes on at once, so it runs ahead of the warps after it: a missing
  *     __syncthreads between warps shows up in the race check (first warp ahead vs last warp ahead).
  *     emu_warp_index() and emu_warp_lane() name the running thread's warp and lane. Instruction
- *     models built on it (imma.cuh) keep their per-warp state in plain static arrays, as blocks
- *     run one after another.
+ *     models built on it (imma.cuh; __shfl_sync with a full mask) keep their per-warp state in
+ *     plain static arrays, as blocks run one after another.
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
  *     __fmaf_rn, __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz,
  *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz); float4;
@@ -178,6 +178,24 @@ static void emu_warp_sync(void) {
     }
     emu_fibers[emu_current].state = EMU_AT_WARP;
     emu_yield();
+}
+
+/* __shfl_sync(mask, v, src): the v of lane src (modulo 32) of the warp, for types of up to 8 bytes;
+ * a warp-collective step, so every lane must take part (a partial mask is not modelled). */
+static unsigned long long emu_shfl_slot[32][32];
+template <class T> static T __shfl_sync(unsigned mask, T v, int src) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "__shfl_sync: at most 8 bytes");
+    if (mask != 0xFFFFFFFFu) {
+        fprintf(stderr, "cuda emulator: __shfl_sync with a partial mask is not modelled\n");
+        abort();
+    }
+    int w = emu_warp_index();
+    memcpy(&emu_shfl_slot[w][emu_warp_lane()], &v, sizeof(T));
+    emu_warp_sync();                       /* every lane has placed its value */
+    T r;
+    memcpy(&r, &emu_shfl_slot[w][src & 31], sizeof(T));
+    emu_warp_sync();                       /* every lane has read before any lane's next shuffle */
+    return r;
 }
 
 static void emu_fiber_main(int t) {

@@ -10,10 +10,16 @@ o1b_mma_s8_16x8x32) against the C reference and numpy's exact integer product, b
   operands, the ±127 / −128 extremes at the length bound, under the emulator's race check.
 - The whole int8 layer (forward, dx, dW) at tile-crossing shapes, equal to cpu_ref, with race check.
 - The transposed quantizer equals the plain one transposed (data movement only).
-- Planted faults (wrong fragment lane mapping in the model and in the kernel, missing accumulate,
-  a wrong epilogue row) are each caught by the checks above (slow: one emulator build per fault).
+- The fallback below sm_80 (warp shuffles) equals the instruction, in the emulator.
+- nvcc emits the instruction for sm_90 and the fallback for sm_75.
+- Planted faults (wrong fragment lane mapping in the model, the fallback and the kernel, missing
+  accumulate, a wrong epilogue row, a dropped last step) are each caught by the checks above (slow:
+  one emulator build per fault).
 """
 from __future__ import annotations
+
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -130,6 +136,22 @@ def test_mma_emulated_needs_every_lane():
                                                            np.int32(1), np.int32(48)))
 
 
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+def test_mma_shuffle_fallback_emulated():
+    """The fallback for GPUs below sm_80 (warp shuffles), run by the emulator: the same results."""
+    with runtime.emulate():
+        check_mma(mma_module("#define O1B_IMMA_SHUFFLE\n" + MMA_TEST_SOURCE))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+def test_gemm_on_the_shuffle_fallback_emulated(monkeypatch):
+    with runtime.emulate():
+        mod = runtime.CudaModule("#define O1B_IMMA_SHUFFLE\n" + runtime.read_source("quant.cu"), name="quant.cu")
+        monkeypatch.setattr(runtime, "load", lambda filename, *args, **kwargs: mod)
+        check_gemm([(65, 63, 80), (3, 70, 33)])
+
+
 # ================================================================== the GEMM
 # (I, J, P): 1x1x1; remainders in every dimension around the 64 x 64 output tile and the 64-byte
 # step; P multiples of 16 (16-byte loads) and not (byte loads); several tiles in I and J.
@@ -236,6 +258,8 @@ FAULTS = [
     ("model: B column from threadID_in_group", "        int col = groupID;\n", "        int col = threadID_in_group;\n",
      "mma"),
     ("model: accumulator not read", "        u32 s = (u32)d[i];\n", "        u32 s = 0u;\n", "mma"),
+    ("fallback: A from lane (q, g) instead of (g, q)", "a[2 * h], 4 * g + q);", "a[2 * h], 4 * q + g);",
+     "shuffle"),
     ("kernel: A fragment unit without the XOR", "&As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]",
      "&As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * s + t)]", "gemm"),
     ("kernel: B words of the other instruction", "&fb[ni][2 * s]);", "&fb[ni][2 - 2 * s]);", "gemm"),
@@ -256,14 +280,39 @@ def test_planted_fault_is_caught(fault, old, new, check, monkeypatch):
     assert text.count(old) == 1, fault
     mutated = text.replace(old, new)
     with runtime.emulate():
-        if check == "mma":
+        if check in ("mma", "shuffle"):
             imma = runtime.read_source("imma.cuh")
             assert imma.count(old) == 1, fault
-            mod = runtime.CudaModule(runtime.read_source_text(MMA_TEST_SOURCE.replace(
+            prefix = "#define O1B_IMMA_SHUFFLE\n" if check == "shuffle" else ""
+            mod = runtime.CudaModule(runtime.read_source_text(prefix + MMA_TEST_SOURCE.replace(
                 '#include "imma.cuh"', imma.replace(old, new)), "test_mma.cu"), name="test_mma.cu")
             with pytest.raises(AssertionError):
                 check_mma(mod)
+            if check == "shuffle":
+                return
         mod = runtime.CudaModule(mutated, name="quant.cu")
         monkeypatch.setattr(runtime, "load", lambda filename, *args, **kwargs: mod)
         with pytest.raises(AssertionError):
             check_gemm(GEMM_SHAPES[3:7])
+
+
+# ================================================================== the compiled instruction (nvcc)
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch,mma", [("sm_90", True), pytest.param("sm_75", False, marks=pytest.mark.slow)])
+def test_nvcc_emits_the_tensor_core_instruction(arch, mma, tmp_path):
+    """quant.cu as handed to NVRTC: the GEMM issues mma.sync m16n8k32 s8 (without .satfinite) on
+    sm_80+, and the warp-shuffle fallback below."""
+    src = tmp_path / "quant.cu"
+    src.write_text(runtime.read_source("quant.cu"))
+    ptx = tmp_path / "quant.ptx"
+    proc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-ftz=true", *runtime.OPTIONS, str(src), "-o", str(ptx)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"quant.cu ({arch}):\n{proc.stdout}{proc.stderr}"
+    text = ptx.read_text()
+    body = text[text.index(".entry o1b_gemm_i8("):]
+    assert ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in body) == mma
+    assert "satfinite" not in body
+    assert ("shfl.sync" in body) != mma
