@@ -369,34 +369,42 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 
 
 # ------------------------------------------------------------------ attention (§6.6)
+ATTN_ROWS = 64       # rows (query or key) per block of attention.cu's tiled kernels
+ATTN_THREADS = 128   # threads per block: two per row
+
+
+def _launch_tiles(kernel: str, T: int, heads: int, B: int, D: int, *args) -> None:
+    """A tiled kernel of attention.cu, built for head dim D: one block of ATTN_THREADS per 64 rows
+    of one head (grid (ceil(T / 64), heads, B))."""
+    fn = runtime.load("attention.cu", defines=(("ATTN_D", D),)).get_function(kernel)
+    fn((-(-T // ATTN_ROWS), heads, B), (ATTN_THREADS,), args)
+
+
 @_given_kind
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
-    rows = B * H * T
-    if rows:
-        pv = _empty((rows, D), np.float32)     # scratch: each row's per-block sum of p v
-        _launch1d("attention.cu", "o1b_attention_forward", rows, i64(B), i64(T), i64(H), i64(G), i64(D),
-                  i64(W), f32(s), _dev(q), _dev(k), _dev(v), o, lse, pv)
+    if B * T:
+        _launch_tiles("o1b_attention_forward", T, H, B, D, i64(B), i64(T), i64(H), i64(G), i64(W), f32(s),
+                      _dev(q), _dev(k), _dev(v), o, lse)
     return _host(o), _host(lse)
 
 
 @_given_kind
 def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
-    """The value rows quantized once (o1b_attention_vquant, one thread per key row), then one thread
-    per query row as in attention_forward."""
+    """The value rows quantized once (o1b_attention_vquant, one thread per key row), then the query
+    blocks as in attention_forward."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
-    rows = B * H * T
-    if rows:
+    if B * T:
         nv = B * T * G
         qv = _empty((nv, D), np.int8)
         sv = _empty((nv,), np.float32)
         _launch1d("attention.cu", "o1b_attention_vquant", nv, i64(nv), i64(D), _dev(v), qv, sv)
-        _launch1d("attention.cu", "o1b_attention_forward_i8", rows, i64(B), i64(T), i64(H), i64(G), i64(D),
-                  i64(W), f32(s), _dev(q), _dev(k), qv, sv, o, lse)
+        _launch_tiles("o1b_attention_forward_i8", T, H, B, D, i64(B), i64(T), i64(H), i64(G), i64(W), f32(s),
+                      _dev(q), _dev(k), qv, sv, o, lse)
     return _host(o), _host(lse)
 
 
@@ -409,12 +417,12 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     dv = _empty((B, T, G, D), np.float32)
     if B * T:
         dd, dq_, dk_, dv_, dl = _dev(dout), _dev(q), _dev(k), _dev(v), _dev(lse)
-        dims = (i64(B), i64(T), i64(H), i64(G), i64(D), i64(W), f32(s))
+        dims = (i64(B), i64(T), i64(H), i64(G), i64(W), f32(s))
         Di = _empty((B * H * T,), np.float32)
         _launch1d("attention.cu", "o1b_attention_di", B * H * T, i64(B), i64(T), i64(H), i64(D), dd,
                   _dev(o), Di)
-        _launch1d("attention.cu", "o1b_attention_dq", B * H * T, *dims, dd, dq_, dk_, dv_, dl, Di, dq)
-        _launch1d("attention.cu", "o1b_attention_dkv", B * G * T, *dims, dd, dq_, dk_, dv_, dl, Di, dk, dv)
+        _launch_tiles("o1b_attention_dq", T, H, B, D, *dims, dd, dq_, dk_, dv_, dl, Di, dq)
+        _launch_tiles("o1b_attention_dkv", T, G, B, D, *dims, dd, dq_, dk_, dv_, dl, Di, dk, dv)
     return _host(dq), _host(dk), _host(dv)
 
 

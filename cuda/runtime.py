@@ -172,11 +172,16 @@ class CudaModule:
 _modules: dict = {}
 
 
-def load(filename: str, directory: pathlib.Path | str | None = None) -> CudaModule:
-    """The module of one .cu file, built once per (file, directory, runtime) and reused."""
-    key = (filename, str(directory), real_cuda(), emu._settings["ftz"], emu._settings["ucontext"])
+def load(filename: str, directory: pathlib.Path | str | None = None, defines: tuple = ()) -> CudaModule:
+    """The module of one .cu file, built once per (file, directory, defines, runtime) and reused.
+    `defines`: (name, value) pairs written as #define lines before the source (compile-time
+    constants such as attention.cu's head dim)."""
+    defines = tuple((str(n), int(v)) for n, v in defines)
+    key = (filename, str(directory), defines, real_cuda(), emu._settings["ftz"], emu._settings["ucontext"])
     mod = _modules.get(key)
     if mod is None:
-        mod = CudaModule(read_source(filename, directory), OPTIONS, name=filename)
+        text = "".join(f"#define {n} {v}\n" for n, v in defines) + read_source(filename, directory)
+        name = filename + "".join(f" [{n}={v}]" for n, v in defines)
+        mod = CudaModule(text, OPTIONS, name=name)
         _modules[key] = mod
     return mod

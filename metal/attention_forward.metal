@@ -1,44 +1,100 @@
-// attention_forward — CONTRACT.md §6.6, one thread per query row r = (b*T + i)*H + h (o's row
-// order); a launch computes the rows R0 ... R0 + grid - 1 (a slab, metal/slabs.py) and writes them
-// as rows r - R0 of its outputs. q (B,T,H,D), k and v (B,T,G,D) bf16; head dim D is a template
-// int. prm (int64) = T, H, G, W, R0.
-// Online softmax over key blocks of ATTN_BLOCK = 64 keys aligned at absolute key positions:
-// per block, mb = max of the scores, m_new = max(m, mb), corr = exp(m - m_new), p_j = exp(s_j - m_new),
-// ps = sum p_j, pv[d] = sum p_j v_jd (j ascending, from +0); l = l corr + ps, acc = acc corr + pv.
-// Outputs o (rows, D) = acc / l (mul by div(1, l)), lse (rows) = m + log(l). Grid (rows).
-long T = prm[0], H = prm[1], G = prm[2], W = prm[3], R0 = prm[4];
-long ro = (long)thread_position_in_grid.x, r = R0 + ro;
-long h = r % H, i = (r / H) % T, b = r / (T * H), g = h / (H / G);
+// attention_forward — CONTRACT.md §6.6, tiled: a threadgroup of AT_NT = 64 threads takes AT_ROWS = 32
+// query rows i0 ... i0 + 31 of one (b, h) (a tile; thread t serves row t % 32 as part t / 32) and
+// visits the key blocks of ATTN_BLOCK = 64 keys aligned at absolute key positions from the first one
+// its first row sees to its last row's. Per block: k staged in threadgroup memory; the two parts
+// compute the scores of the row's participating keys (keys 32 part ... 32 part + 31 of the block)
+// into S; each thread then takes the row's mb = max of the scores, m_new = max(m, mb),
+// corr = exp(m - m_new); p_j = exp(s_j - m_new) replace the scores; v replaces k; ps = sum p_j and,
+// for each of the part's columns d = part + 2c, pv = sum p_j v_jd (j ascending, from +0);
+// l = l corr + ps, acc = acc corr + pv. A row visits only the blocks that hold its visible keys and
+// adds only their terms. Outputs o = acc / l (mul by div(1, l)), lse = m + log(l).
+// Tiles are numbered (b H + h) nqb + qb (nqb = ceil(T / 32)); a launch computes the tiles
+// t0 ... t0 + groups - 1 (a slab, metal/ops.py) and writes tile row (tile - t0) 32 + rr of its
+// outputs o (rows, D) and lse (rows); rows past T are zeros. q (B,T,H,D), k and v (B,T,G,D) bf16;
+// D is a template int. prm (int64) = T, H, G, W, t0. Grid (groups * 64), threadgroup 64.
+#define AT_ROWS 32
+#define AT_NT 64
+#define AT_NW ((D + 1) / 2)
+threadgroup ushort Ks[O1B_ATTN_BK * D];                 // k of the block, then its v
+threadgroup float S[AT_ROWS * O1B_ATTN_BK];             // scores, then p
+long T = prm[0], H = prm[1], G = prm[2], W = prm[3], t0 = prm[4];
+long nqb = (T + AT_ROWS - 1) / AT_ROWS, tile = t0 + (long)threadgroup_position_in_grid.x;
+int t = (int)thread_index_in_threadgroup, rr = t % AT_ROWS, part = t / AT_ROWS;
+long qb = tile % nqb, h = (tile / nqb) % H, b = tile / (nqb * H), g = h / (H / G);
+long i0 = qb * AT_ROWS, i = i0 + rr, ilast = i0 + AT_ROWS - 1 < T - 1 ? i0 + AT_ROWS - 1 : T - 1;
+bool row = i < T;
+long orow = (tile - t0) * AT_ROWS + rr;
 float sc = o1b_load(scale[0]);
-float qv[D], acc[D], pv[D], s[O1B_ATTN_BK];
-for (int d = 0; d < D; d++) { qv[d] = o1b_bf16_to_f32(q[((b * T + i) * H + h) * D + d]); acc[d] = 0.0f; }
+uint qw[AT_NW];                                         // q_i, bf16 packed two to a word
+for (int c = 0; c < AT_NW; c++) {
+    uint lo = row ? (uint)q[((b * T + i) * H + h) * D + 2 * c] : 0u;
+    uint hi = (row && 2 * c + 1 < D) ? (uint)q[((b * T + i) * H + h) * D + 2 * c + 1] : 0u;
+    qw[c] = lo | (hi << 16);
+}
+float acc[AT_NW];                                       // columns d = part + 2c
+for (int c = 0; c < AT_NW; c++) acc[c] = 0.0f;
 float m = o1b_neg(o1b_inf()), l = 0.0f;
-long jlo = (W == 0 || i < W) ? 0 : i - W + 1;
-for (long kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
-    long j0 = kb * O1B_ATTN_BK > jlo ? kb * O1B_ATTN_BK : jlo;
-    long j1 = kb * O1B_ATTN_BK + O1B_ATTN_BK - 1 < i ? kb * O1B_ATTN_BK + O1B_ATTN_BK - 1 : i;
+long jlo = !row ? 0 : (W == 0 || i < W) ? 0 : i - W + 1;
+long jfirst = (W == 0 || i0 < W) ? 0 : i0 - W + 1;
+for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
+    long kbase = kb * O1B_ATTN_BK;
+    bool visit = row && kb >= jlo / O1B_ATTN_BK && kb <= i / O1B_ATTN_BK;
+    int c0 = (int)((kbase > jlo ? kbase : jlo) - kbase);
+    int c1 = (int)((kbase + O1B_ATTN_BK - 1 < i ? kbase + O1B_ATTN_BK - 1 : i) - kbase);
+    for (int e = t; e < O1B_ATTN_BK * D; e += AT_NT) {
+        long j = kbase + e / D;
+        Ks[e] = j <= ilast ? k[((b * T + j) * G + g) * D + e % D] : (ushort)0;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (visit) {
+        for (int jj = part * (O1B_ATTN_BK / 2); jj < (part + 1) * (O1B_ATTN_BK / 2); jj++) {
+            if (jj < c0 || jj > c1) continue;
+            float sdot = 0.0f;
+            for (int d = 0; d < D; d++) {
+                ushort qd = (ushort)((d & 1) ? qw[d >> 1] >> 16 : qw[d >> 1] & 0xFFFFu);
+                sdot = o1b_add(sdot, o1b_mul(o1b_bf16_to_f32(qd), o1b_bf16_to_f32(Ks[jj * D + d])));
+            }
+            S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] = o1b_mul(sdot, sc);
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int e = t; e < O1B_ATTN_BK * D; e += AT_NT) {  // the scores are done with k
+        long j = kbase + e / D;
+        Ks[e] = j <= ilast ? v[((b * T + j) * G + g) * D + e % D] : (ushort)0;
+    }
     float mb = o1b_neg(o1b_inf());
-    for (long j = j0; j <= j1; j++) {
-        float sdot = 0.0f;
-        for (int d = 0; d < D; d++)
-            sdot = o1b_add(sdot, o1b_mul(qv[d], o1b_bf16_to_f32(k[((b * T + j) * G + g) * D + d])));
-        s[j - j0] = o1b_mul(sdot, sc);
-        mb = o1b_max(mb, s[j - j0]);
-    }
+    if (visit)
+        for (int jj = c0; jj <= c1; jj++) mb = o1b_max(mb, S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))]);
     float m_new = o1b_max(m, mb);
-    float corr = o1b_exp(o1b_sub(m, m_new));
-    float ps = 0.0f;
-    for (int d = 0; d < D; d++) pv[d] = 0.0f;
-    for (long j = j0; j <= j1; j++) {
-        float p = o1b_exp(o1b_sub(s[j - j0], m_new));
-        ps = o1b_add(ps, p);
-        for (int d = 0; d < D; d++)
-            pv[d] = o1b_add(pv[d], o1b_mul(p, o1b_bf16_to_f32(v[((b * T + j) * G + g) * D + d])));
+    float corr = o1b_exp(o1b_sub(m, m_new));             // exp(-inf) = +0 on the first block
+    threadgroup_barrier(mem_flags::mem_threadgroup);     // every score read before p replaces it
+    if (visit)
+        for (int jj = part * (O1B_ATTN_BK / 2); jj < (part + 1) * (O1B_ATTN_BK / 2); jj++)
+            if (jj >= c0 && jj <= c1) {
+                int cell = rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1));
+                S[cell] = o1b_exp(o1b_sub(S[cell], m_new));
+            }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (visit) {
+        float ps = 0.0f;
+        for (int jj = c0; jj <= c1; jj++) ps = o1b_add(ps, S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))]);
+        for (int c = 0; c < AT_NW; c++) {
+            int d = part + 2 * c;
+            if (d >= D) continue;
+            float pv = 0.0f;
+            for (int jj = c0; jj <= c1; jj++)
+                pv = o1b_add(pv, o1b_mul(S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))],
+                                         o1b_bf16_to_f32(Ks[jj * D + d])));
+            acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
+        }
+        l = o1b_add(o1b_mul(l, corr), ps);
+        m = m_new;
     }
-    l = o1b_add(o1b_mul(l, corr), ps);
-    for (int d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pv[d]);
-    m = m_new;
+    threadgroup_barrier(mem_flags::mem_threadgroup);     // before the next block's staging
 }
 float inv = o1b_div(1.0f, l);
-for (int d = 0; d < D; d++) o[ro * D + d] = o1b_store(o1b_mul(acc[d], inv));
-lse[ro] = o1b_store(o1b_add(m, o1b_log(l)));
+for (int c = 0; c < AT_NW; c++) {
+    int d = part + 2 * c;
+    if (d < D) o[orow * D + d] = row ? o1b_store(o1b_mul(acc[c], inv)) : 0.0f;
+}
+if (part == 0) lse[orow] = row ? o1b_store(o1b_add(m, o1b_log(l))) : 0.0f;

@@ -410,22 +410,43 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # §6.6 attention
 # ---------------------------------------------------------------------------------------------
+ATTN_ROWS = 32       # rows (query or key) per threadgroup of the tiled attention kernels
+ATTN_THREADS = 64    # threads per threadgroup: two per row
+
+
+def _attention_tiles(name: str, inputs: list, outputs: list, B: int, T: int, heads: int, row_work, prm: list,
+                     D: int, s: float):
+    """A tiled attention kernel over the tiles (b heads + h) nt + tb of ATTN_ROWS rows of one head
+    (nt = ceil(T / ATTN_ROWS)), launched slab by slab of whole tiles (slabs.row_slabs on each tile's
+    summed row_work, (T,) units); outputs: the shape of one row of each fp32 output, (D,) or ().
+    Returns each output joined, as (B, heads, T) + its row shape."""
+    nt = -(-T // ATTN_ROWS)
+    work = np.zeros(nt * ATTN_ROWS, np.int64)
+    work[:T] = row_work
+    parts = []
+    for t0, t1 in slabs.row_slabs(np.tile(work.reshape(nt, ATTN_ROWS).sum(1), B * heads)):
+        rows = (t1 - t0) * ATTN_ROWS
+        parts.append(_run(name, inputs + [_i64(*prm, t0), _f32(s)],
+                          [((rows,) + shape, F32) for shape in outputs],
+                          ((t1 - t0) * ATTN_THREADS, 1, 1), (ATTN_THREADS, 1, 1), template=[("D", D)]))
+    out = []
+    for x, shape in zip(zip(*parts), outputs):
+        x = _join(list(x)).reshape((B, heads, nt * ATTN_ROWS) + shape)[:, :, :T]
+        out.append(_transpose(x, tuple(range(x.ndim))))         # contiguous (data movement)
+    return out
+
+
+def _query_work(T: int, W: int, D: int) -> np.ndarray:
+    """(T,) units of a query row of the forward and dq kernels (the slab plan's work)."""
+    return slabs.query_keys(T, W) * slabs.attention_pair_work(D)
+
+
 @_given_kind
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
-    return _query_rows("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1)], B, T, H, G, D, W, s)
-
-
-def _query_rows(name: str, inputs: list, B, T, H, G, D, W, s):
-    """o (B,T,H,D), lse (B,H,T) of attention_forward(_i8), launched slab by slab of query rows in
-    o's row order (slabs.attention_query_slabs); each slab's lse rows come in that order too."""
-    os_, ls = [], []
-    for r0, r1 in slabs.attention_query_slabs(B, T, H, W, D):
-        o, lse = _run(name, inputs + [_i64(T, H, G, W, r0), _f32(s)], [((r1 - r0, D), F32), ((r1 - r0,), F32)],
-                      (r1 - r0, 1, 1), (64, 1, 1), template=[("D", D)])
-        os_.append(o)
-        ls.append(lse)
-    return _join(os_).reshape(B, T, H, D), _transpose(_join(ls).reshape(B, T, H), (0, 2, 1))
+    o, lse = _attention_tiles("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1)], [(D,), ()],
+                              B, T, H, _query_work(T, W, D), [T, H, G, W], D, s)
+    return _transpose(o, (0, 2, 1, 3)), lse
 
 
 @_given_kind
@@ -437,25 +458,23 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
     parts = [_run("attention_vquant", [_part(vf, a * D, b * D), _i64(D)], [((b - a, D), I8), ((b - a,), F32)],
                   (b - a, 1, 1), (64, 1, 1)) for a, b in slabs.item_slabs("attention_vquant", B * T * G, D)]
     vq, vs = _join([a for a, _ in parts]), _join([b for _, b in parts])
-    return _query_rows("attention_forward_i8", [q.reshape(-1), k.reshape(-1), vq.reshape(-1), vs.reshape(-1)],
-                       B, T, H, G, D, W, s)
+    o, lse = _attention_tiles("attention_forward_i8", [q.reshape(-1), k.reshape(-1), vq.reshape(-1), vs.reshape(-1)],
+                              [(D,), ()], B, T, H, _query_work(T, W, D), [T, H, G, W], D, s)
+    return _transpose(o, (0, 2, 1, 3)), lse
 
 
 @_given_kind
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
-    sc = _f32(s)
     Di = _join([_run("attention_di", [_part(dout, a, b).reshape(-1), _part(o, a, b).reshape(-1), _i64(T, H, D)],
                      [((b - a, H, T), F32)], ((b - a) * H * T, 1, 1), (64, 1, 1))[0]
                 for a, b in slabs.item_slabs("attention_di", B, T * H * D)])
     ins = [dout.reshape(-1), q.reshape(-1), k.reshape(-1), v.reshape(-1), lse.reshape(-1), Di.reshape(-1)]
-    dq = [_run("attention_dq", ins + [_i64(T, H, G, W, r0), sc], [((r1 - r0, D), F32)], (r1 - r0, 1, 1),
-               (64, 1, 1), template=[("D", D)])[0] for r0, r1 in slabs.attention_query_slabs(B, T, H, W, D)]
-    dkv = [_run("attention_dkv", ins + [_i64(T, H, G, W, r0), sc], [((r1 - r0, D), F32)] * 2, (r1 - r0, 1, 1),
-                (64, 1, 1), template=[("D", D)]) for r0, r1 in slabs.attention_key_slabs(B, T, H, G, W, D)]
-    return (_join(dq).reshape(B, T, H, D), _join([a for a, _ in dkv]).reshape(B, T, G, D),
-            _join([b for _, b in dkv]).reshape(B, T, G, D))
+    (dq,) = _attention_tiles("attention_dq", ins, [(D,)], B, T, H, _query_work(T, W, D), [T, H, G, W], D, s)
+    dk, dv = _attention_tiles("attention_dkv", ins, [(D,), (D,)], B, T, G,
+                              slabs.key_queries(T, W) * (H // G) * slabs.attention_pair_work(D), [T, H, G, W], D, s)
+    return tuple(_transpose(x, (0, 2, 1, 3)) for x in (dq, dk, dv))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -471,6 +471,10 @@ class Scanner:
         name = t.text
         if name in ("true", "false"):
             return "i"
+        if self.at("::"):                              # a scoped enumerator: mem_flags::mem_threadgroup
+            self.next()
+            self.next()
+            return "i"
         if name == "as_type" and self.at("<"):
             self.next()
             typ = base_type(self.next().text, self.structs) or "u"
