@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+# mlx and cupy are optional (the metal and cuda backends'): imported where an array of their kind is made
+
 NUMPY, MLX, CUPY = "numpy", "mlx", "cupy"
 SHAPE = "shape"     # mlx_open1b.shape: shape and dtype only, no values (the memory model)
 
@@ -146,6 +148,13 @@ def concat(arrays, axis: int = 0):
     if any(kind(a) != k for a in arrays):
         raise ValueError(f"concat: arrays of mixed kinds {sorted({str(kind(a)) for a in arrays})}")
     return module(k).concatenate(arrays, axis=axis)
+
+
+def own_memory(a) -> bool:
+    """An array of a device with memory of its own (cupy; the shape-only kind models one), where
+    keeping an idle buffer on the host frees device memory; numpy is the host, and an mx.array on
+    Apple silicon shares the host's memory."""
+    return kind(a) in (CUPY, SHAPE)
 
 
 def writable(a) -> bool:

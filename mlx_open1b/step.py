@@ -38,15 +38,30 @@ class TrainError(Open1bError, RuntimeError):
 
 
 # ---------------------------------------------------------------------- the reductions of §7
+PARK_LEVEL = 2      # fold-stack entries of this level or higher may wait off the device (TreeFold)
+
+
 class TreeFold:
     """The binary-carry fold of CONTRACT.md §7 over arrays, lower index on the left; `add` is the
     backend's elementwise contract add: in place on its first argument (returning None, like
-    ops.add_inplace) or returning the sum (like arrays.add_into)."""
+    ops.add_inplace) or returning the sum (like arrays.add_into).
 
-    def __init__(self, add):
+    park / unpark (optional): where an entry of level PARK_LEVEL or more waits while a push leaves
+    it idle under the top of the stack (e.g. arrays.to_host), and how it comes back before its add
+    (e.g. ops.to_device). An entry of level L waits at least 2^L pushes, so the device keeps at most
+    the entries of the lowest levels and each transfer is spread over many microbatches. Only where
+    an operand waits changes: the adds, their operands and their order, so every bit, are the same."""
+
+    def __init__(self, add, park=None, unpark=None):
         self.add, self.stack = add, []
+        self.park, self.unpark = park, unpark
+        self._parked: list[bool] = []       # per stack entry: moved by park
+
+    def _back(self, a):
+        return a if self.unpark is None else self.unpark(a)
 
     def _add(self, lower, v):
+        lower, v = self._back(lower), self._back(v)
         r = self.add(lower, v)
         return lower if r is None else r
 
@@ -55,11 +70,16 @@ class TreeFold:
         2^L leaves already folded by this same tree (CONTRACT.md §7), e.g. a worker's partial."""
         while self.stack and self.stack[-1][0] == level:
             _, lower = self.stack.pop()
+            self._parked.pop()
             v, level = self._add(lower, v), level + 1
+        if self.park is not None and self.stack and self.stack[-1][0] >= PARK_LEVEL and not self._parked[-1]:
+            idle_level, idle = self.stack[-1]
+            self.stack[-1], self._parked[-1] = (idle_level, self.park(idle)), True
         self.stack.append((level, v))
+        self._parked.append(False)
 
     def result(self) -> np.ndarray:
-        acc = self.stack[0][1]
+        acc = self._back(self.stack[0][1])
         for _, v in self.stack[1:]:
             acc = self._add(acc, v)
         return acc
@@ -237,12 +257,15 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
     """(one tree-folded gradient per run of `blocks`, {microbatch index: (loss, ce, zloss)})."""
     t0, ops, params = time.perf_counter(), tr.ops, tr.state.params
     parts, scalars = [], {}
+    # on a device with memory of its own the fold's idle high levels wait on the host (TreeFold)
+    park = (arrays.to_host, ops.to_device) if arrays.own_memory(params) else ()
     for start, n in blocks:
-        fold = TreeFold(functools.partial(arrays.add_into, ops))
+        fold = TreeFold(functools.partial(arrays.add_into, ops), *park)
         for i in range(start, start + n):
             loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
             scalars[i] = (loss, ce, zl)
             fold.push(g)
+            del g       # held by the fold, or added into it: not alive while the next one is computed
         parts.append(fold.result())
     _spent(tr.timing, "compute", t0)
     return parts, scalars

@@ -55,6 +55,7 @@ class Peak:
 OPS_MODULE = _HERE + ".cuda_ops"        # the CUDA backend's op code as this package loads it (ops.py)
 _SKIP = (_HERE, "mlx_open1b.derived_ops")
 GRADIENT_SITE = "arrays.FlatBuffer"
+UNPARKED = "step._back"         # a fold-stack entry brought back from the host (step.TreeFold): a partial
 
 
 def _site(frame, place: str) -> str:
@@ -245,7 +246,7 @@ class MemoryLedger:
                                                                 or a.site.startswith("collectives.")):
                 owner = "communication"
             if owner is None:
-                owner = "gradients" if a.site == GRADIENT_SITE else "transients"
+                owner = "gradients" if a.site == GRADIENT_SITE or a.site.startswith(UNPARKED) else "transients"
             if place == HOST:
                 owner = a.tag or a.site
             owners[owner] = owners.get(owner, 0) + a.nbytes

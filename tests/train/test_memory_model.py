@@ -14,9 +14,10 @@ from mlx_open1b import arrays, backend, hashing
 from mlx_open1b.distributed.sharding import dyadic_blocks, microbatch_range, shard_tensors
 from mlx_open1b.shape import array as xp
 from mlx_open1b.shape.run import measure
+from mlx_open1b.step import PARK_LEVEL, TreeFold
 from runs import micro_cfg
 
-PHASES = ((0, 6), (200, 7))      # M = 6 and 7: fold-stack depths 1 and 2 at the peak
+PHASES = ((0, 6), (200, 13))     # M = 13: entries of level 2 and 3 wait on the host
 
 
 def cfg():
@@ -38,18 +39,25 @@ def activation_bytes(c) -> int:
     return m.n_layers * layer + top
 
 
-def fold_peak(M: int) -> tuple[int, int]:
-    """(fold-stack entries, gradient buffers) at the first microbatch where their sum is highest:
-    while microbatch i is computed the binary-carry stack holds popcount(i) partials, its own
-    gradient is being written, and the loop's `g` still holds microbatch i-1's gradient when that
-    one was folded into the stack's lower entry (i-1 odd)."""
-    best, at = -1, None
+def fold_walk(M: int) -> tuple[int, int]:
+    """(fold-stack entries on the device at the peak, entries parked on the host) of the microbatch
+    fold: while microbatch i is computed the binary-carry stack holds one entry per set bit of i and
+    the gradient of i is being written; an entry of level >= PARK_LEVEL left idle under a new top
+    waits on the host (the shape kind has memory of its own, like cupy)."""
+    stack, best, parks = [], (-1, 0), 0          # stack: [level, on the device]
     for i in range(M):
-        stale = 1 if i >= 2 and i % 2 == 0 else 0
-        n = bin(i).count("1") + 1 + stale
-        if n > best:
-            best, at = n, (bin(i).count("1"), 1 + stale)
-    return at
+        on_device = sum(1 for _, d in stack if d)
+        if on_device + 1 > best[0]:
+            best = (on_device + 1, on_device)
+        level = 0
+        while stack and stack[-1][0] == level:
+            stack.pop()
+            level += 1
+        if stack and stack[-1][0] >= PARK_LEVEL and stack[-1][1]:
+            stack[-1][1] = False
+            parks += 1
+        stack.append([level, True])
+    return best[1], parks
 
 
 def test_shape_arrays_are_a_kind_without_values():
@@ -81,15 +89,17 @@ def test_one_worker_step_against_a_hand_count():
     for (start, M), (m,) in zip(PHASES, measure(c, 1, resolution=0)):
         assert m.microbatches == M
         o = m.device.owners
-        stack, grads = fold_peak(M)
+        stack, parks = fold_walk(M)
         assert o["params"] == 2 * P and o["moments"] == 2 * 4 * P
         assert o["activations"] == activation_bytes(c)
-        assert (o.get("fold stack", 0), o["gradients"]) == (stack * 4 * P, grads * 4 * P), M
+        assert (o.get("fold stack", 0), o["gradients"]) == (stack * 4 * P, 4 * P), M
         assert o["constants"] == rope
         assert m.peak["device"] == m.device.bytes == sum(o.values()) and o["transients"] > 0
         assert m.before["device"] == 10 * P + (rope if start else 0)        # state (+ tables after step 0)
-        # the hashes read the gradient, the parameters and both moments on the host: 14 bytes/param
-        assert 14 * P <= m.moved["d2h"] < 14 * P + M * 64 * 1024
+        # the hashes read the gradient, the parameters and both moments on the host (14 bytes per
+        # parameter); each parked fold entry goes down once and comes back once
+        assert 14 * P + parks * 4 * P <= m.moved["d2h"] < 14 * P + parks * 4 * P + M * 64 * 1024
+        assert parks * 4 * P <= m.moved["h2d"] < parks * 4 * P + M * 64 * 1024
         assert m.peak["host"] >= 2 * 4 * P                                   # m and v copies at once
         assert m.moved["net_out"] == m.moved["net_in"] == 0
 
@@ -128,3 +138,32 @@ def test_replay_measures_what_the_real_program_does(W):
         for a, b in zip(a_ranks, b_ranks):
             assert (a.peak, a.before, a.moved, a.device.owners, a.host.owners) == \
                    (b.peak, b.before, b.moved, b.device.owners, b.host.owners)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 5, 13, 32, 45])
+def test_parked_fold_adds_the_same_bits(M):
+    """TreeFold with idle high levels moved away (here: copied to another buffer and back) adds the
+    same operands in the same order as the plain fold, pushed by microbatch or by aligned block (a
+    worker's partials, as an owner pushes them)."""
+    from mlx_open1b import cpu_ref
+    rng = np.random.default_rng(M)
+    xs = [rng.standard_normal(257).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 4)) for _ in range(M)]
+
+    def block(start, level):
+        f = TreeFold(cpu_ref.add_inplace)
+        for x in xs[start:start + (1 << level)]:
+            f.push(x.copy())
+        return f.result()
+
+    by_block = [(block(start, lv), lv) for w in range(3) if w < M
+                for start, lv in dyadic_blocks(*microbatch_range(M, min(3, M), w))]
+    for pushes in ([(x, 0) for x in xs], by_block):
+        moved = []
+        plain = TreeFold(cpu_ref.add_inplace)
+        parked = TreeFold(cpu_ref.add_inplace, lambda a: moved.append(a.size) or a.copy(), lambda a: a.copy())
+        for x, lv in pushes:
+            plain.push(x.copy(), lv)
+            parked.push(x.copy(), lv)
+        assert (plain.result().view(np.uint32) == parked.result().view(np.uint32)).all()
+        if pushes is not by_block:
+            assert len(moved) == fold_walk(M)[1] and (len(moved) > 0) == (M > 4)   # first at the 5th push
