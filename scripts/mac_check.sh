@@ -12,6 +12,8 @@
 #      hashes + ledger) and parity compare
 #   7. the model program on mx.arrays (device-resident) vs cpu_ref, and one microbatch's time
 #      (metal device-resident, numpy in/out, cpu_ref)
+#   7b. speed, informational: each hot kernel at open1b width and an open1b-width microbatch vs
+#      mx.matmul, with the speed model's prediction (benchmarks/gpu_bench.py; $RES/gpu_bench/)
 #   8. a table: each stage's verdict and time; exit 0 only if everything is bit-identical.
 # Runs with macOS's /bin/bash (3.2).
 #
@@ -113,6 +115,12 @@ MB=(--model tiny --windows 4 --reps 3)
 "$PY" scripts/microbatch_timing.py --backend metal --out "$RES/microbatch.json" "${MB[@]}" 2>&1 \
     | tee "$RES/microbatch.txt"
 rc microbatch "${PIPESTATUS[0]}"
+
+# ------------------------------------------------------------------------------- 7b. speed (informational)
+stage "speed: hot kernels and an open1b-width microbatch vs mx.matmul (benchmarks/gpu_bench.py)"
+GB=(--backend metal --out "$RES/gpu_bench")
+[ "$EMULATED" = 1 ] && GB+=(--dry-run --only "qkv fwd,add")
+"$PY" benchmarks/gpu_bench.py "${GB[@]}" 2>&1 | tee "$RES/gpu_bench.txt" || true
 
 # ------------------------------------------------------------------------------- 8. table
 summary metal
