@@ -445,7 +445,7 @@ def workloads() -> dict[str, list[Workload]]:
     gemm_bwd = lambda d: 2 * d["N"] * d["M"] * d["K"]
     att_g = dict(grid={"B": [1, 2], "T": [128, 256, 384]}, check={"B": 1, "T": 512},
                  fixed={"W": 0, "H": 4, "G": 1, "D": 128})
-    att_w = dict(grid={"T": [384, 512], "W": [64, 128, 192]}, check={"T": 448, "W": 128},
+    att_w = dict(grid={"T": [384, 512], "W": [64, 128, 192]}, check={"T": 640, "W": 128},
                  fixed={"B": 1, "H": 4, "G": 1, "D": 128})
     att_macs = lambda d: 2 * d["B"] * d["H"] * _pairs(d["T"], d["W"]) * d["D"]
     rows = dict(grid={"R": [128, 256], "C": [128, 256]}, check={"R": 384, "C": 128})
@@ -868,6 +868,72 @@ def roofline(backend: str, kernels: dict[str, KernelTotal], summary: dict, hw: H
             "launches": summary["launches"], "syncs": summary["syncs"], "model_flops": 2 * summary["model_macs"]}
 
 
+# ================================================================== the first-contact benchmark's shapes
+# What benchmarks/gpu_bench.py times on a real GPU, at open1b width with one sequence of 4096 tokens
+# per op; the model predicts each (below) so the bench can print prediction and measurement side by
+# side. BENCH_MODEL: the bench's whole-model run, open1b widths with 2 layers (one windowed, one
+# global) on one sequence; MICRO records it (MICRO's 2 layers are the same two kinds).
+_ATT = {"B": 1, "T": 4096, "H": 16, "G": 4, "D": 128}
+BENCH = [
+    ("qkv fwd", "linear_forward", {"N": 4096, "K": 2048, "M": 3072}),
+    ("down fwd", "linear_forward", {"N": 4096, "K": 5632, "M": 2048}),
+    ("qkv bwd", "linear_backward", {"N": 4096, "M": 3072, "K": 2048}),
+    ("qkv fwd int8", "qlinear_forward", {"N": 4096, "K": 2048, "M": 3072}),
+    ("qkv bwd int8", "qlinear_backward", {"N": 4096, "M": 3072, "K": 2048}),
+    ("attn fwd global", "attention_forward", dict(_ATT, W=0)),
+    ("attn fwd local", "attention_forward", dict(_ATT, W=512)),
+    ("attn fwd int8 global", "attention_forward_i8", dict(_ATT, W=0)),
+    ("attn bwd global", "attention_backward", dict(_ATT, W=0)),
+    ("attn bwd local", "attention_backward", dict(_ATT, W=512)),
+    ("lm head fwd", "xent_forward", {"N": 4096, "V": 128256, "C": 2048}),
+    ("lm head bwd", "xent_backward", {"N": 4096, "V": 128256, "C": 2048}),
+    ("rmsnorm fwd", "rmsnorm_forward", {"R": 4096, "C": 2048}),
+    ("rmsnorm bwd", "rmsnorm_backward", {"R": 4096, "C": 2048}),
+    ("swiglu fwd", "swiglu_forward", {"N": 4096, "F": 5632}),
+    ("swiglu bwd", "swiglu_backward", {"N": 4096, "F": 5632}),
+    ("rope fwd", "rope_forward", {"R": 4096 * 16, "D": 128}),
+    ("add", "add", {"n": 4096 * 2048}),
+    ("f32_to_bf16", "f32_to_bf16", {"n": 4096 * 2048}),
+]
+
+
+def bench_model_config():
+    from mlx_open1b.config import preset
+    return dataclasses.replace(preset("open1b").model, n_layers=2)
+
+
+def bench_predictions(name: str, fits, sass: dict, hw: Hardware, microbatches: dict) -> dict:
+    """label -> predicted seconds and model FLOPs of each BENCH op (its kernels' roofline times plus
+    a launch cost per launch), and of the bench model's microbatch per precision."""
+    out = {}
+    for label, op, dims in BENCH:
+        w = workload_for(op, dims)
+        if w is None or (op, workloads()[op].index(w)) not in fits:
+            continue
+        pred, _ = _predict_call(fits, op, dims)
+        macs = w.macs(dict(w.fixed, **dims))
+        kt = {k: KernelTotal(dict(q), macs / max(1, sum("gemm" in x for x in pred)) if "gemm" in k else 0.0, {op})
+              for k, q in pred.items()}
+        t = sum(kernel_time(name, k, v, hw, sass)["t"] for k, v in kt.items())
+        launches = sum(q["launches"] for q in pred.values())
+        out[label] = {"op": op, "dims": dims, "t": t + launches * hw.launch_s, "flops": 2 * macs, "hardware": hw.name}
+    for prec, (kernels, summary) in microbatches.items():
+        r = roofline(name, kernels, summary, hw, sass)
+        out[f"model {prec}"] = {"op": "loss_and_grad", "dims": {"layers": 2, "seqs": 1}, "t": r["t_total"],
+                                "flops": r["model_flops"], "hardware": hw.name}
+    return out
+
+
+def sources_digest(tree: pathlib.Path) -> str:
+    """SHA-256 of the kernel sources and their launch code (what a prediction was computed from)."""
+    import hashlib
+    h = hashlib.sha256()
+    for pattern in ("cuda/*.cu", "cuda/*.cuh", "cuda/ops.py", "metal/*.metal", "metal/ops.py"):
+        for f in sorted(tree.glob(pattern)):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 # ================================================================== report
 def _fmt_t(s: float) -> str:
     return f"{s * 1e3:10.3f} ms" if s < 100 else f"{s:10.1f} s "
@@ -946,7 +1012,9 @@ PACKAGE_DIRS = {"metal": "metal", "cuda": "cuda", "cpu_ref": "cpu_ref", "parity"
 def checkout(rev: str, dest: pathlib.Path) -> None:
     """The tree of `rev` at dest, importable as mlx_open1b with sys.path[0] = dest (the mapped
     packages linked under mlx_open1b/, the C reference's built library copied from this checkout:
-    the model runs the emulated backends, not the C reference)."""
+    the model runs the emulated backends, not the C reference). The emulators (cuda/emu, metal/emu)
+    are this checkout's: they are the measuring instrument (with the counters), and run the
+    revision's kernel sources and launch code."""
     arch = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
     if arch.returncode:
         raise SystemExit(f"error: --rev {rev}: git archive failed: {arch.stderr.decode().strip()}")
@@ -957,6 +1025,9 @@ def checkout(rev: str, dest: pathlib.Path) -> None:
             link.symlink_to(dest / folder, target_is_directory=True)
     for so in (ROOT / "cpu_ref").glob("_kernels*.so"):
         shutil.copy2(so, dest / "cpu_ref" / so.name)
+    for emu in ("cuda/emu", "metal/emu"):
+        shutil.rmtree(dest / emu, ignore_errors=True)
+        shutil.copytree(ROOT / emu, dest / emu, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def parse_args(argv=None):
@@ -969,6 +1040,7 @@ def parse_args(argv=None):
     ap.add_argument("--precisions", default="bf16,int8", help="microbatch precisions (default %(default)s)")
     ap.add_argument("--cuda-bin", help="folder with nvcc and cuobjdump (default: PATH)")
     ap.add_argument("--json", help="write every number to this file")
+    ap.add_argument("--bench-json", help="write the predictions for benchmarks/gpu_bench.py's shapes to this file")
     return ap.parse_args(argv)
 
 
@@ -1000,10 +1072,13 @@ def run(args, out=print) -> dict:
             fits = fit_all(ops, needed, out)
             report.setdefault("fits", {})[name] = {f"{op}[{i}]": {"check_ok": f.check_ok, "check_diff": f.check_diff}
                                                    for (op, i), f in fits.items()}
+            bench_mb = {}
             for prec in precisions:
                 calls, model_reads = record_microbatch(ops, prec)
                 kernels, summary = microbatch(calls, fits, big.model, big.train.microbatch_seqs)
                 summary["syncs"] += len(model_reads)
+                bench_mb[prec] = microbatch(calls, fits, bench_model_config(), 1)
+                bench_mb[prec][1]["syncs"] += len(model_reads)
                 for note in summary["notes"]:
                     out(f"  note: {note}")
                 for hw in ((H100,) if name == "cuda" else (M3,)):
@@ -1011,6 +1086,10 @@ def run(args, out=print) -> dict:
                     print_roofline(name, prec, r, out)
                     results[(name, prec, hw.name)] = r
                     report.setdefault("roofline", []).append(dict(r, backend=name, precision=prec))
+            hw = H100 if name == "cuda" else M3
+            report.setdefault("bench", {})[name] = bench_predictions(name, fits, sass if name == "cuda" else {},
+                                                                     hw, bench_mb)
+    report["sources_sha256"] = sources_digest(tree)
     report["goals"] = {k: {"value": v[0], "goal": v[1], "relation": v[2], "how": v[3]}
                        for k, v in goals_table(results, sass, out).items()}
     return report
@@ -1030,6 +1109,10 @@ def main(argv=None) -> int:
     if args.json:
         from mlx_open1b.fsutil import write_bytes_atomic
         write_bytes_atomic(args.json, json.dumps(report, indent=1, default=str).encode())
+    if args.bench_json:
+        from mlx_open1b.fsutil import write_bytes_atomic
+        keep = {k: report.get(k) for k in ("rev", "label", "sources_sha256", "bench", "goals")}
+        write_bytes_atomic(args.bench_json, json.dumps(keep, indent=1, default=str).encode())
     return 0
 
 
