@@ -8,11 +8,12 @@
  *
  * The tiled kernels (forward, int8 forward, dq, dk/dv) take the head dim as the compile-time
  * constant ATTN_D (ops.py builds one module per D), so a row's accumulators are registers. A block
- * of ATTN_NT = 128 threads serves ATTN_ROWS = 64 rows (query rows of one (b, h) for the forward and
- * dq, key rows of one (b, g) for dk/dv): thread t works on row t % 64 as part t / 64. The rows'
- * partners (64 keys of the forward's block, or a backward tile of keys or queries) are staged in
- * shared memory, the two parts compute the scores (and the backward's dp) of the row's pairs into
- * shared memory, and then each part keeps the running sums of its own columns d = part + 2c.
+ * serves ATTN_ROWS = 64 rows (query rows of one (b, h) for the forward and dq, key rows of one
+ * (b, g) for dk/dv) with 2 threads per row (the forward: ATTN_NT = 128) or 4 (the backward:
+ * ATTN_BNT = 256): thread t works on row t % 64 as part t / 64. The rows' partners (64 keys of the
+ * forward's block, or a backward tile of keys or queries) are staged in shared memory, the parts
+ * compute the scores (and the backward's dp) of the row's pairs into shared memory, and then each
+ * part keeps the running sums of its own columns d = part + (parts) c.
  * Every output element is still one accumulator, its terms added in the contract's order: the
  * tiles only decide which thread computes a product and where an operand is read from. A row takes
  * part only in the pairs it has (the visible ones; for the forward, the blocks it visits), so no
@@ -49,7 +50,12 @@
 /* dk/dv: queries per tile (q bf16 and dout fp32 rows, lse, Di, p and dp of 64 key rows) */
 #define ATTN_DKV_TILE ATTN_FIT(6 * ATTN_D + 8 + 2 * 4 * ATTN_ROWS)
 #define ATTN_NW ((ATTN_D + 1) / 2)            /* words of a bf16 row packed two to a word */
-#define ATTN_NC ((ATTN_D + 1) / 2)            /* columns per part: d = part + 2c */
+#define ATTN_NC ((ATTN_D + 1) / 2)            /* forward: columns per part, d = part + 2c */
+/* dq and dk/dv: four parts per row (ATTN_BNT = 256 threads), so that a thread holding a whole fp32
+ * row for its dot products keeps a quarter of the row's accumulators: no spills at D = 128 */
+#define ATTN_BP 4
+#define ATTN_BNT (ATTN_BP * ATTN_ROWS)
+#define ATTN_BNC ((ATTN_D + ATTN_BP - 1) / ATTN_BP)   /* columns per part: d = part + 4c */
 
 /* a (row, partner) cell of a 64 x n score tile (n a power of two <= 64), rotated by the row so
  * that the 32 rows of a warp reading one partner hit 32 banks */
@@ -97,8 +103,9 @@ __device__ __forceinline__ float dot_packed_f32(const u32 *a, const float *b) {
 
 /* rows [r0, r0 + n) of one head's bf16 rows into dst[n][ATTN_D] (row r starts at src + r * step);
  * rows past `last` are zeros (never read). */
-__device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, i64 step, i64 r0, int n, i64 last) {
-    for (int e = threadIdx.x; e < n * ATTN_D; e += ATTN_NT) {
+__device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, i64 step, i64 r0, int n, i64 last,
+                                           int nthreads) {
+    for (int e = threadIdx.x; e < n * ATTN_D; e += nthreads) {
         int rr = e / ATTN_D, d = e % ATTN_D;
         dst[e] = r0 + rr <= last ? src[(r0 + rr) * step + d] : (bf16)0;
     }
@@ -128,7 +135,7 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
         /* the row visits the blocks from its first visible key's to its own */
         const bool visit = row && kb >= jlo / ATTN_BLOCK && kb <= i / ATTN_BLOCK;
         const int c0 = (int)(imax(kbase, jlo) - kbase), c1 = (int)(imin(kbase + ATTN_BLOCK - 1, i) - kbase);
-        stage_bf16(Ks, kg, kstep, kbase, ATTN_BLOCK, ilast);
+        stage_bf16(Ks, kg, kstep, kbase, ATTN_BLOCK, ilast, ATTN_NT);
         if (i8)
             for (int e = t; e < ATTN_BLOCK * ATTN_D; e += ATTN_NT) {
                 int jj = e / ATTN_D, d = e % ATTN_D;
@@ -141,7 +148,7 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
                 if (jj >= c0 && jj <= c1)
                     S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul(dot_packed(qw, Ks + jj * ATTN_D), sc);
         __syncthreads();
-        if (!i8) stage_bf16(Ks, vg, kstep, kbase, ATTN_BLOCK, ilast);      /* the scores are done with k */
+        if (!i8) stage_bf16(Ks, vg, kstep, kbase, ATTN_BLOCK, ilast, ATTN_NT);      /* the scores are done with k */
         float mb = o1b_neg(o1b_inf());
         if (visit)
             for (int jj = c0; jj <= c1; jj++) mb = o1b_max(mb, S[ATTN_CELL(rr, jj, ATTN_BLOCK)]);
@@ -291,42 +298,44 @@ extern "C" __global__ void o1b_attention_di(i64 B, i64 T, i64 H, i64 D, const fl
 }
 
 /* Pass 1: dq_i = mul(sum_{visible j asc} ds_ij k_j, scale), ds = mul(p, sub(dp, Di)),
- * p = exp(sub(mul(dot(q_i, k_j), scale), lse_i)), dp = dot(dout_i, v_j). Part 0 of a row computes
- * its p, part 1 its dp (each holds its own operand row: q packed, or dout); both parts then add
- * the terms of their columns. Grid (ceil(T / 64), H, B), blocks of ATTN_NT threads. */
+ * p = exp(sub(mul(dot(q_i, k_j), scale), lse_i)), dp = dot(dout_i, v_j). Parts 0 and 1 of a row
+ * compute its p (holding q_i packed), parts 2 and 3 its dp (holding dout_i), for the even and the
+ * odd keys of a tile; then each of the four parts adds the terms of its columns.
+ * Grid (ceil(T / 64), H, B), blocks of ATTN_BNT threads. */
 extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, float scale,
                                             const float *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                                             const float *lse, const float *Di, float *dq) {
     const int NK = ATTN_DQ_TILE;
     __shared__ bf16 Ks[NK * ATTN_D], Vs[NK * ATTN_D];
     __shared__ float P[ATTN_ROWS * NK], DP[ATTN_ROWS * NK];
-    const int t = threadIdx.x, rr = t % ATTN_ROWS, part = t / ATTN_ROWS;
+    const int t = threadIdx.x, rr = t % ATTN_ROWS, part = t / ATTN_ROWS, dp_role = part / 2, odd = part % 2;
     const i64 qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, g = h / (H / G);
     const i64 i0 = qb * ATTN_ROWS, ilast = imin(T - 1, i0 + ATTN_ROWS - 1), i = i0 + rr;
     const bool row = i < T;
     const float sc = o1b_load(scale);
     const i64 base = ((b * T + i) * H + h) * ATTN_D, r = (b * H + h) * T + i;
     const float li = row ? o1b_load(lse[r]) : 0.0f, di = row ? Di[r] : 0.0f;
-    u32 mine[ATTN_D];                   /* part 0: q_i packed (ATTN_NW words); part 1: dout_i loaded */
-    if (part == 0) {
+    u32 mine[ATTN_D];                   /* parts 0, 1: q_i packed (ATTN_NW words); 2, 3: dout_i loaded */
+    if (!dp_role) {
         pack_row(mine, q + (row ? base : 0), row);
     } else {
 #pragma unroll
         for (int d = 0; d < ATTN_D; d++) mine[d] = row ? __float_as_uint(o1b_load(dout[base + d])) : 0u;
     }
-    float acc[ATTN_NC];
+    float acc[ATTN_BNC];
 #pragma unroll
-    for (int c = 0; c < ATTN_NC; c++) acc[c] = 0.0f;
+    for (int c = 0; c < ATTN_BNC; c++) acc[c] = 0.0f;
     const i64 jlo = row ? first_key(i, W) : 0;
     const bf16 *kg = k + (b * T * G + g) * ATTN_D, *vg = v + (b * T * G + g) * ATTN_D;
     for (i64 j0 = first_key(i0, W) / NK * NK; j0 <= ilast; j0 += NK) {
         const int c0 = (int)(imax(j0, jlo) - j0), c1 = (int)(imin(j0 + NK - 1, i) - j0);
-        stage_bf16(Ks, kg, G * ATTN_D, j0, NK, ilast);
-        stage_bf16(Vs, vg, G * ATTN_D, j0, NK, ilast);
+        stage_bf16(Ks, kg, G * ATTN_D, j0, NK, ilast, ATTN_BNT);
+        stage_bf16(Vs, vg, G * ATTN_D, j0, NK, ilast, ATTN_BNT);
         __syncthreads();
         if (row)
             for (int jj = c0; jj <= c1; jj++) {
-                if (part == 0)
+                if ((jj & 1) != odd) continue;
+                if (!dp_role)
                     P[ATTN_CELL(rr, jj, NK)] =
                         o1b_exp(o1b_sub(o1b_mul(dot_packed(mine, Ks + jj * ATTN_D), sc), li));
                 else
@@ -337,8 +346,8 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
             for (int jj = c0; jj <= c1; jj++) {
                 const float ds = o1b_mul(P[ATTN_CELL(rr, jj, NK)], o1b_sub(DP[ATTN_CELL(rr, jj, NK)], di));
 #pragma unroll
-                for (int c = 0; c < ATTN_NC; c++) {
-                    const int d = part + 2 * c;
+                for (int c = 0; c < ATTN_BNC; c++) {
+                    const int d = part + ATTN_BP * c;
                     if (d < ATTN_D) acc[c] = o1b_add(acc[c], o1b_mul(ds, o1b_bf16_to_f32(Ks[jj * ATTN_D + d])));
                 }
             }
@@ -346,8 +355,8 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
     }
     if (row) {
 #pragma unroll
-        for (int c = 0; c < ATTN_NC; c++) {
-            const int d = part + 2 * c;
+        for (int c = 0; c < ATTN_BNC; c++) {
+            const int d = part + ATTN_BP * c;
             if (d < ATTN_D) dq[base + d] = o1b_store(o1b_mul(acc[c], sc));
         }
     }
@@ -356,8 +365,9 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
 /* Pass 2, per key row j of head g:
  *   dk_j = mul(sum_{h in group asc, then i = j .. ihi(j) asc} ds_hij q_hi, scale)
  *   dv_j =     sum_{the same order}                            p_hij dout_hi
- * Part 0 of a row computes its p (holding k_j packed), part 1 its dp (holding v_j packed); both
- * parts then add the terms of their columns. Grid (ceil(T / 64), G, B), blocks of ATTN_NT threads. */
+ * Parts 0 and 1 of a row compute its p (holding k_j packed), parts 2 and 3 its dp (holding v_j
+ * packed), for the even and the odd queries of a tile; then each of the four parts adds the terms
+ * of its columns. Grid (ceil(T / 64), G, B), blocks of ATTN_BNT threads. */
 extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, float scale,
                                              const float *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                                              const float *lse, const float *Di, float *dk, float *dv) {
@@ -365,36 +375,37 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
     __shared__ bf16 Qs[NQ * ATTN_D];
     __shared__ float DO[NQ * ATTN_D], L[NQ], DI[NQ];
     __shared__ float P[ATTN_ROWS * NQ], DP[ATTN_ROWS * NQ];
-    const int t = threadIdx.x, rr = t % ATTN_ROWS, part = t / ATTN_ROWS;
+    const int t = threadIdx.x, rr = t % ATTN_ROWS, part = t / ATTN_ROWS, dp_role = part / 2, odd = part % 2;
     const i64 kt = blockIdx.x, g = blockIdx.y, b = blockIdx.z, rep = H / G;
     const i64 j0 = kt * ATTN_ROWS, jlast = imin(T - 1, j0 + ATTN_ROWS - 1), j = j0 + rr;
     const bool row = j < T;
     const float sc = o1b_load(scale);
     const i64 kbase = ((b * T + j) * G + g) * ATTN_D;
-    u32 mine[ATTN_NW];                  /* part 0: k_j packed; part 1: v_j packed */
-    pack_row(mine, (part == 0 ? k : v) + (row ? kbase : 0), row);
-    float dka[ATTN_NC], dva[ATTN_NC];
+    u32 mine[ATTN_NW];                  /* parts 0, 1: k_j packed; 2, 3: v_j packed */
+    pack_row(mine, (dp_role ? v : k) + (row ? kbase : 0), row);
+    float dka[ATTN_BNC], dva[ATTN_BNC];
 #pragma unroll
-    for (int c = 0; c < ATTN_NC; c++) { dka[c] = 0.0f; dva[c] = 0.0f; }
+    for (int c = 0; c < ATTN_BNC; c++) { dka[c] = 0.0f; dva[c] = 0.0f; }
     const i64 ihi = row ? last_query(j, T, W) : -1, imax_ = last_query(jlast, T, W);
     for (i64 h = g * rep; h < (g + 1) * rep; h++) {
         const bf16 *qh = q + (b * T * H + h) * ATTN_D;
         const float *dh = dout + (b * T * H + h) * ATTN_D, *lh = lse + (b * H + h) * T, *Dh = Di + (b * H + h) * T;
         for (i64 i0 = j0; i0 <= imax_; i0 += NQ) {
             const int c0 = (int)(imax(i0, j) - i0), c1 = (int)(imin(i0 + NQ - 1, ihi) - i0);
-            stage_bf16(Qs, qh, H * ATTN_D, i0, NQ, imax_);
-            for (int e = t; e < NQ * ATTN_D; e += ATTN_NT) {
+            stage_bf16(Qs, qh, H * ATTN_D, i0, NQ, imax_, ATTN_BNT);
+            for (int e = t; e < NQ * ATTN_D; e += ATTN_BNT) {
                 int ii = e / ATTN_D, d = e % ATTN_D;
                 DO[e] = i0 + ii <= imax_ ? o1b_load(dh[(i0 + ii) * H * ATTN_D + d]) : 0.0f;
             }
-            for (int ii = t; ii < NQ; ii += ATTN_NT) {
+            for (int ii = t; ii < NQ; ii += ATTN_BNT) {
                 L[ii] = i0 + ii <= imax_ ? o1b_load(lh[i0 + ii]) : 0.0f;
                 DI[ii] = i0 + ii <= imax_ ? Dh[i0 + ii] : 0.0f;
             }
             __syncthreads();
             if (row)
                 for (int ii = c0; ii <= c1; ii++) {
-                    if (part == 0)
+                    if ((ii & 1) != odd) continue;
+                    if (!dp_role)
                         P[ATTN_CELL(rr, ii, NQ)] =
                             o1b_exp(o1b_sub(o1b_mul(dot_packed(mine, Qs + ii * ATTN_D), sc), L[ii]));
                     else
@@ -406,8 +417,8 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                     const float p = P[ATTN_CELL(rr, ii, NQ)];
                     const float ds = o1b_mul(p, o1b_sub(DP[ATTN_CELL(rr, ii, NQ)], DI[ii]));
 #pragma unroll
-                    for (int c = 0; c < ATTN_NC; c++) {
-                        const int d = part + 2 * c;
+                    for (int c = 0; c < ATTN_BNC; c++) {
+                        const int d = part + ATTN_BP * c;
                         if (d < ATTN_D) {
                             dka[c] = o1b_add(dka[c], o1b_mul(ds, o1b_bf16_to_f32(Qs[ii * ATTN_D + d])));
                             dva[c] = o1b_add(dva[c], o1b_mul(p, DO[ii * ATTN_D + d]));
@@ -419,8 +430,8 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
     }
     if (row) {
 #pragma unroll
-        for (int c = 0; c < ATTN_NC; c++) {
-            const int d = part + 2 * c;
+        for (int c = 0; c < ATTN_BNC; c++) {
+            const int d = part + ATTN_BP * c;
             if (d < ATTN_D) {
                 dk[kbase + d] = o1b_store(o1b_mul(dka[c], sc));
                 dv[kbase + d] = o1b_store(dva[c]);

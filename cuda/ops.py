@@ -370,14 +370,15 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 
 # ------------------------------------------------------------------ attention (§6.6)
 ATTN_ROWS = 64       # rows (query or key) per block of attention.cu's tiled kernels
-ATTN_THREADS = 128   # threads per block: two per row
+ATTN_THREADS = {"o1b_attention_forward": 128, "o1b_attention_forward_i8": 128,   # two per row
+                "o1b_attention_dq": 256, "o1b_attention_dkv": 256}             # four per row
 
 
 def _launch_tiles(kernel: str, T: int, heads: int, B: int, D: int, *args) -> None:
-    """A tiled kernel of attention.cu, built for head dim D: one block of ATTN_THREADS per 64 rows
-    of one head (grid (ceil(T / 64), heads, B))."""
+    """A tiled kernel of attention.cu, built for head dim D: one block of ATTN_THREADS[kernel] per
+    64 rows of one head (grid (ceil(T / 64), heads, B))."""
     fn = runtime.load("attention.cu", defines=(("ATTN_D", D),)).get_function(kernel)
-    fn((-(-T // ATTN_ROWS), heads, B), (ATTN_THREADS,), args)
+    fn((-(-T // ATTN_ROWS), heads, B), (ATTN_THREADS[kernel],), args)
 
 
 @_given_kind
