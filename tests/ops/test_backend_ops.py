@@ -75,6 +75,13 @@ def case_id(case) -> str:
     return case[0] + "-".join(str(v) for v in case[1:])
 
 
+def test_backend_available(gpu):
+    ok, why = gpu.available()
+    assert ok and why, why
+    if gpu.NAME == "metal":
+        assert "Metal" in why
+
+
 # ---------------------------------------------------------------------------------------------
 # §3 primitives through a test kernel
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +128,7 @@ def primitives(gpu, a: np.ndarray, b: np.ndarray) -> tuple[dict, dict]:
         outs = k(inputs=[a, b], output_shapes=[a.shape] * len(PRIMS), output_dtypes=[np.float32] * len(PRIMS),
                  grid=(a.size, 1, 1), threadgroup=(256, 1, 1))
         return {p: A.canon(o) for p, o in zip(PRIMS, outs)}, {}
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     from mlx_open1b.cuda import runtime
     raw_mod = runtime.CudaModule(runtime.read_source_text(CUDA_PRIM_SRC, "prim_raw.cu"), name="prim_raw.cu")
     n, grid = np.int64(a.size), ((a.size + 127) // 128,)
@@ -648,6 +656,7 @@ def no_kernel_runs(gpu, monkeypatch):
         yield
         assert metal_emu.stats["launches"] == before, "a kernel ran before the arguments were checked"
         return
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     from mlx_open1b.cuda import runtime as cuda_runtime
 
     def refuse(*a, **k):

@@ -83,6 +83,7 @@ def quant_w(gpu, w, qmax=127):
     M, K = w.shape
     if gpu.NAME == "metal":
         return gpu._quant_w(w, M, K, qmax)
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     q, s, c = gpu._q_weight(M, K, gpu._dev(w), True, qmax)
     return gpu._host(q), gpu._host(s)[:M].copy(), gpu._host(c)
 
@@ -92,6 +93,7 @@ def quant_t(gpu, v, qmax=127):
     if gpu.NAME == "metal":
         q, s = gpu._quant_f32(v if v.dtype == np.float32 else gpu.bf16_to_f32(v), qmax)
         return q, np.float32(s[0])
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     q = gpu._empty(v.shape, np.int8)
     sc = gpu._q_tensor(v.size, gpu._dev(v), v.dtype == np.float32, q, qmax)
     return gpu._host(q), np.float32(gpu._host(sc)[0])
@@ -109,6 +111,7 @@ def quant_levels(gpu, v, s, qmax):
         q, clip = gpu._run("quant_apply", [vv, s, gpu._i64(K)], [((vv.size,), np.int8), ((vv.size,), np.uint8)],
                            (vv.size, 1, 1), template=[("PER_ROW", 1), ("QMAX", qmax)])
         return q.reshape(s.size, K), clip.reshape(s.size, K), v
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     inv = np.array([C.mathfn.scalar_div(1.0, float(x)) if np.isfinite(x) and x != 0 else 0.0 for x in s], np.float32)
     rows = []
     for r in range(s.size):
@@ -131,6 +134,7 @@ def rotate_i8(gpu, q):
     Rp = (R + QB - 1) // QB * QB
     if gpu.NAME == "metal":
         return gpu._rotate("hadamard_i8", q, R, C_)
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     n = gpu._empty((Rp, C_), np.int32)
     gpu._launch1d("quant.cu", "o1b_q_pad_i32", Rp * C_, np.int64(R), np.int64(Rp), np.int64(C_), gpu._dev(q), n)
     gpu._launch1d("quant.cu", "o1b_hadamard_i32", (Rp // QB) * C_, np.int64(Rp), np.int64(C_), n)
@@ -145,6 +149,7 @@ def vquant(gpu, v):
     if gpu.NAME == "metal":
         return gpu._run("attention_vquant", [v.reshape(-1), gpu._i64(D)],
                         [((B, T, G, D), np.int8), ((B, T, G), np.float32)], (B * T * G, 1, 1), (64, 1, 1))
+    assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
     n = B * T * G
     qv, sv = gpu._empty((B, T, G, D), np.int8), gpu._empty((B, T, G), np.float32)
     gpu._launch1d("attention.cu", "o1b_attention_vquant", n, np.int64(n), np.int64(D), gpu._dev(v), qv, sv)
