@@ -411,24 +411,33 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
 # §6.6 attention
 # ---------------------------------------------------------------------------------------------
 ATTN_ROWS = 32       # rows (query or key) per threadgroup of the tiled attention kernels
-ATTN_THREADS = 64    # threads per threadgroup: two per row
+ATTN_THREADS = {"attention_forward": 64, "attention_forward_i8": 64,      # threads per threadgroup: two per row
+                "attention_dq": 128, "attention_dkv": 128}              # four per row
+
+
+def attention_tile_slabs(B: int, T: int, heads: int, row_work, bound: int | None = None) -> list:
+    """(t0, t1) ranges of the tiles (b heads + h) nt + tb of ATTN_ROWS rows of one head
+    (nt = ceil(T / ATTN_ROWS)), each tile's work the sum of its rows' (row_work: (T,) units), at most
+    `bound` units a range (slabs.row_slabs: a tile costing more gets a range of its own)."""
+    nt = -(-T // ATTN_ROWS)
+    work = np.zeros(nt * ATTN_ROWS, np.int64)
+    work[:T] = row_work
+    return slabs.row_slabs(np.tile(work.reshape(nt, ATTN_ROWS).sum(1), B * heads), bound)
 
 
 def _attention_tiles(name: str, inputs: list, outputs: list, B: int, T: int, heads: int, row_work, prm: list,
                      D: int, s: float):
     """A tiled attention kernel over the tiles (b heads + h) nt + tb of ATTN_ROWS rows of one head
-    (nt = ceil(T / ATTN_ROWS)), launched slab by slab of whole tiles (slabs.row_slabs on each tile's
-    summed row_work, (T,) units); outputs: the shape of one row of each fp32 output, (D,) or ().
+    (nt = ceil(T / ATTN_ROWS)), launched slab by slab of whole tiles (attention_tile_slabs);
+    outputs: the shape of one row of each fp32 output, (D,) or ().
     Returns each output joined, as (B, heads, T) + its row shape."""
     nt = -(-T // ATTN_ROWS)
-    work = np.zeros(nt * ATTN_ROWS, np.int64)
-    work[:T] = row_work
     parts = []
-    for t0, t1 in slabs.row_slabs(np.tile(work.reshape(nt, ATTN_ROWS).sum(1), B * heads)):
+    for t0, t1 in attention_tile_slabs(B, T, heads, row_work):
         rows = (t1 - t0) * ATTN_ROWS
         parts.append(_run(name, inputs + [_i64(*prm, t0), _f32(s)],
                           [((rows,) + shape, F32) for shape in outputs],
-                          ((t1 - t0) * ATTN_THREADS, 1, 1), (ATTN_THREADS, 1, 1), template=[("D", D)]))
+                          ((t1 - t0) * ATTN_THREADS[name], 1, 1), (ATTN_THREADS[name], 1, 1), template=[("D", D)]))
     out = []
     for x, shape in zip(zip(*parts), outputs):
         x = _join(list(x)).reshape((B, heads, nt * ATTN_ROWS) + shape)[:, :, :T]

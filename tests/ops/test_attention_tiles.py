@@ -138,3 +138,26 @@ def test_metal_race_check(monkeypatch):
     check_all(ops, q, k, v, dout, 33, 0.5, "metal race check")
     for got, want in zip(ops.attention_forward_i8(q, k, v, 33, 0.5), ref.attention_forward_i8(q, k, v, 33, 0.5)):
         assert_bits_equal(got, want, "metal race check i8")
+
+
+@pytest.mark.parametrize("preset_name", ["tiny", "small", "open1b"])
+def test_metal_tile_slabs_bound_every_preset_launch(preset_name):
+    """The Metal launches of whole tiles (metal/ops.py attention_tile_slabs) at every batch a preset
+    runs attention at (training microbatch, held-out evaluation, lm-eval's 8) and every layer window:
+    consecutive ranges covering all tiles, none over the dispatch bound (a tile alone fits it)."""
+    from mlx_open1b.config import PRESETS
+    from mlx_open1b.metal import ops as M, slabs
+    m, t = PRESETS[preset_name].model, PRESETS[preset_name].train
+    T, H, G, D = m.seq_len, m.n_heads, m.n_kv_heads, m.head_dim
+    pair = slabs.attention_pair_work(D)
+    nt = -(-T // M.ATTN_ROWS)
+    for B in (t.microbatch_seqs, t.eval_windows, 8):
+        for W in sorted({m.layer_window(layer) for layer in range(m.n_layers)}):
+            for heads, rows in ((H, slabs.query_keys(T, W) * pair), (G, slabs.key_queries(T, W) * (H // G) * pair)):
+                plan = M.attention_tile_slabs(B, T, heads, rows)
+                assert plan[0][0] == 0 and plan[-1][1] == B * heads * nt
+                assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(plan, plan[1:]))
+                work = np.zeros(nt * M.ATTN_ROWS, np.int64)
+                work[:T] = rows
+                tiles = np.tile(work.reshape(nt, M.ATTN_ROWS).sum(1), B * heads)
+                assert max(slabs.slab_work(plan, tiles)) <= slabs.MAX_DISPATCH_WORK, (preset_name, B, W, heads)
