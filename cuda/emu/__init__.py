@@ -18,6 +18,11 @@ with the Metal emulator; hwfloat.h implements the single-precision intrinsics). 
 library per hardware and picks the one of the hardware active at each launch, so no fault or mode
 outlives its block whatever module cache a caller keeps.
 
+Work counters (`with counters.counting() as log:`, mlx_open1b.metal.emu.counters, shared with the
+Metal emulator): each launch inside the block runs on a separately built, instrumented library and
+reports the global bytes it moved and the fp32 intrinsics it applied; outside any block nothing
+changes.
+
 Compiled libraries are cached in $XDG_CACHE_HOME/mlx-open1b/emu/<sha256>.so (default ~/.cache),
 keyed by the prelude, the source text, the flags and the compiler.
 """

@@ -31,6 +31,10 @@ Race check (`race_check=True`, or the environment variable `O1B_EMU_RACECHECK=1`
 twice, groups and the threads of each group once in forward and once in reverse round-robin order,
 and the outputs must agree bit for bit; a missing barrier (or two threads writing one element)
 shows up as a difference and raises `EmuRaceError`.
+
+Work counters (`with counters.counting() as log:`, counters.py): each call inside the block is
+compiled with ThreadSanitizer hooks and counting operators and reports the global bytes it moved and
+the fp32 operations it did (benchmarks/kernel_model.py); outside any block nothing changes.
 """
 from __future__ import annotations
 
