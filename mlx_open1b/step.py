@@ -206,15 +206,16 @@ def _hashed(timing: dict, fn, *args):
 
 
 def take_step(tr, reduce: Reduce) -> dict:
-    """Advance tr.state (the trainer's: state, stream, model, configs, backend ops, timing) by one
-    optimizer step, this process's part given by `reduce`; returns the ledger record (no hash)."""
+    """Advance tr.state (the trainer's: state, stream, model, configs, backend ops, GNMR controller,
+    timing) by one optimizer step, this process's part given by `reduce`; returns the ledger record
+    (no hash)."""
     st, ops, tcfg, t = tr.state, tr.ops, tr.tcfg, tr.state.step
     M, tokens = tcfg.tokens_per_step(tr.model_cfg, st.consumed)
     mb = tcfg.microbatch_seqs
     w0 = tr.stream.windows_emitted
     windows = tr.stream.next_windows(M * mb)
     batch_hash = _hashed(tr.timing, hashing.collection_hash, "batch", [("windows", windows, "u32")])
-    tr._gnmr_begin()
+    _gnmr_begin(tr)
     parts, scalars = _microbatches(tr, reduce.blocks(M), windows, mb)
     total = reduce.fold(parts, M, t)
     del parts
@@ -244,12 +245,12 @@ def take_step(tr, reduce: Reduce) -> dict:
     st.skip_left = tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
     st.step, st.consumed = t + 1, st.consumed + tokens
     st.stream = tr.stream.state()
-    params_hash, opt_hash = _state_hashes(tr, reduce, st)
+    p_hash, o_hash = _state_hashes(tr, reduce, st)
     record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
               "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
               "spike": spike, "microbatches": M,
-              "hashes": {"batch": batch_hash, "grads": grad_hash, "params": params_hash, "opt_state": opt_hash}}
-    tr._gnmr_end(partials, st.consumed, record)        # every process: the same inputs, the same decisions
+              "hashes": {"batch": batch_hash, "grads": grad_hash, "params": p_hash, "opt_state": o_hash}}
+    _gnmr_end(tr, partials, st.consumed, record)        # every process: the same inputs, the same decisions
     return record
 
 
@@ -297,19 +298,71 @@ def _adamw_views(reduce: Reduce, st, grads):
         own(reduce.own(st.params)), own(grads), own(st.m), own(st.v)))
 
 
+def _gnmr_begin(tr) -> None:
+    """The step's recovered units: the active set chosen after the previous step (CONTRACT.md §13)."""
+    if tr.gnmr is not None:
+        tr.model.set_paths(tr.gnmr.paths(tr.state.gnmr))
+
+
+def _gnmr_end(tr, partials: dict, consumed_after: int, record: dict) -> None:
+    """Update the GNMR controller from the step's per-tensor norm partials ({name: sumsq blocks});
+    the record lists the units recovered in this step and those chosen for the next."""
+    if tr.gnmr is None:
+        return
+    t0 = time.perf_counter()
+    tr.model.set_paths(None)       # recovered units apply to the step's forward/backward only (§13)
+    st, ctl = tr.state, tr.gnmr
+    used = st.gnmr.active
+    st.gnmr, scores = ctl.update(st.gnmr, ctl.unit_norms(partials, tr.ops), consumed_after)
+    record["gnmr"] = {"active": [ctl.names[b] for b in used], "next": [ctl.names[b] for b in st.gnmr.active],
+                      "max_risk": float(np.max(scores["risk"])) if len(ctl.names) else 0.0}
+    _spent(tr.timing, "gnmr", t0)
+    record["hashes"]["gnmr"] = gnmr_hash(tr, st.gnmr)
+
+
 def _state_hashes(tr, reduce: Reduce, st) -> tuple[str, str]:
     """(params hash, opt_state hash) after the update, from every owner's tensor hashes."""
-    own_p = arrays.to_host(reduce.own(st.params))
-    dp = _hashed(tr.timing, hashing.tensor_digests,
-                 [(n, a.reshape(s), "bf16") for n, s, _, a in reduce.tensors(own_p)])
-    do = _hashed(tr.timing, hashing.tensor_digests,
-                 [("m." + n, a.reshape(s), "f32") for n, s, _, a in reduce.tensors(arrays.to_host(st.m))]
-                 + [("v." + n, a.reshape(s), "f32") for n, s, _, a in reduce.tensors(arrays.to_host(st.v))])
+    dp = _hashed(tr.timing, hashing.tensor_digests, _param_items(reduce.tensors(arrays.to_host(reduce.own(st.params)))))
+    do = _hashed(tr.timing, hashing.tensor_digests, _moment_items(reduce.tensors, st))
     allp, allo = {}, {}
     for p, o in reduce.gather((dp, do)):
         allp.update(p)
         allo.update(o)
-    allo.update(_hashed(tr.timing, hashing.tensor_digests, [("adam_t", np.array([st.adam_t], np.int64), "i64"),
-                                                            ("skip_left", np.array([st.skip_left], np.int64), "i64")]))
+    allo.update(_hashed(tr.timing, hashing.tensor_digests, _counter_items(st)))
     return (_hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "params", allp),
             _hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "opt_state", allo))
+
+
+# ---------------------------------------------------------------------- the state's hashes (CONTRACT.md §11)
+# The step hashes each owner's tensors and combines the digests (above); a checkpoint and the audit
+# hash a whole state in one process (below): the same items, so the same hashes.
+def _param_items(views) -> list:
+    return [(n, a.reshape(s), "bf16") for n, s, _, a in views]
+
+
+def _moment_items(tensors, st) -> list:
+    """The Adam moments' items; `tensors` splits a buffer of st.m's range into its tensors."""
+    return ([("m." + n, a.reshape(s), "f32") for n, s, _, a in tensors(arrays.to_host(st.m))]
+            + [("v." + n, a.reshape(s), "f32") for n, s, _, a in tensors(arrays.to_host(st.v))])
+
+
+def _counter_items(st) -> list:
+    return [("adam_t", np.array([st.adam_t], np.int64), "i64"),
+            ("skip_left", np.array([st.skip_left], np.int64), "i64")]
+
+
+def param_hash(tr, params) -> str:
+    """The "params" hash of a whole parameter buffer (tr: shapes, timing)."""
+    return _hashed(tr.timing, hashing.collection_hash, "params",
+                   _param_items(tensor_views(tr.shapes, arrays.to_host(params))))
+
+
+def opt_hash(tr, st) -> str:
+    """The "opt_state" hash of a whole state's moments and optimizer counters."""
+    return _hashed(tr.timing, hashing.collection_hash, "opt_state",
+                   _moment_items(functools.partial(tensor_views, tr.shapes), st) + _counter_items(st))
+
+
+def gnmr_hash(tr, g) -> str:
+    """The "gnmr" hash of a GNMR controller state (CONTRACT.md §13)."""
+    return _hashed(tr.timing, hashing.collection_hash, "gnmr", g.hash_items())

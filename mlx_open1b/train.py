@@ -11,6 +11,7 @@ ledger of an uninterrupted one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import sys
@@ -18,16 +19,18 @@ import time
 
 import numpy as np
 
-from . import __version__, arrays, hashing
+from . import __version__, arrays
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .contract import CONTRACT_VERSION
 from .data.format import Manifest
 from .data.stream import Stream, heldout_windows, manifest_fingerprint
+from .gnmr import Controller, GNMRError, GNMRState
 from .ledger import genesis_hash
+from .model import Model, ParamLayout, init_params
 from .rundir import RunDir, RunInfo
 from .backend import load as get_backend, resolve as resolve_backend  # noqa: F401  (training's names for them)
-from .step import LocalReduce, Reduce, TrainError, take_step
+from .step import LocalReduce, Reduce, TrainError, gnmr_hash, opt_hash, param_hash, take_step
 
 
 @dataclasses.dataclass
@@ -90,7 +93,6 @@ class Trainer:
                 raise TrainError(f"{run_file}: a run already exists here; use --resume or another --out", exit_code=2)
             rd.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
                               self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
-        from .model import init_params
         self._build_model()
         self.readonly = readonly
         self.ledger = None if readonly else rd.ledger(self.genesis)
@@ -144,44 +146,15 @@ class Trainer:
                                     CONTRACT_VERSION)
 
     def _build_model(self) -> None:
-        from .model import Model, ParamLayout
         self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision, attention_pv=self.cfg.attention_pv)
         self.layout = ParamLayout(self.model_cfg)
         self.shapes = self.model_cfg.param_shapes()
         self.timing = {"hash": 0.0, "steps": 0.0, "n": 0, "gnmr": 0.0}   # seconds hashing / in compute_step / GNMR
         self.gnmr = None
         if self.cfg.gnmr is not None:
-            from .gnmr import Controller
             self.gnmr = Controller(self.cfg.gnmr, self.model_cfg, self.tcfg.total_tokens)
 
-    # ------------------------------------------------------------------ state and hashes
-    def _tensors(self, buf, dtype: str):
-        """(name, the tensor's slice of the flat buffer, dtype) in canonical order (any kind)."""
-        offs = 0
-        for name, shape, _ in self.shapes:
-            n = int(np.prod(shape))
-            yield name, buf[offs:offs + n].reshape(shape), dtype
-            offs += n
-
-    def _hash(self, kind: str, items) -> str:
-        t0 = time.perf_counter()
-        h = hashing.collection_hash(kind, items)
-        self.timing["hash"] += time.perf_counter() - t0
-        return h
-
-    def param_hash(self, params) -> str:
-        return self._hash("params", list(self._tensors(arrays.to_host(params), "bf16")))
-
-    def opt_hash(self, st: TrainState) -> str:
-        items = ([("m." + n, a, d) for n, a, d in self._tensors(arrays.to_host(st.m), "f32")]
-                 + [("v." + n, a, d) for n, a, d in self._tensors(arrays.to_host(st.v), "f32")]
-                 + [("adam_t", np.array([st.adam_t], np.int64), "i64"),
-                    ("skip_left", np.array([st.skip_left], np.int64), "i64")])
-        return self._hash("opt_state", items)
-
-    def gnmr_hash(self, g) -> str:
-        return self._hash("gnmr", g.hash_items())
-
+    # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self) -> pathlib.Path:
         st = self.state
         host = dataclasses.replace(st, params=arrays.to_host(st.params), m=arrays.to_host(st.m),
@@ -189,9 +162,9 @@ class Trainer:
         meta = {"step": st.step, "consumed": st.consumed, "adam_t": st.adam_t, "skip_left": st.skip_left,
                 "stream": st.stream, "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION,
                 "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis,
-                "params_hash": self.param_hash(host.params), "opt_hash": self.opt_hash(host)}
+                "params_hash": param_hash(self, host.params), "opt_hash": opt_hash(self, host)}
         if st.gnmr is not None:
-            meta["gnmr"], meta["gnmr_hash"] = st.gnmr.to_json(), self.gnmr_hash(st.gnmr)
+            meta["gnmr"], meta["gnmr_hash"] = st.gnmr.to_json(), gnmr_hash(self, st.gnmr)
         tensors = {"params": (host.params, "bf16"), "m": (host.m, "f32"), "v": (host.v, "f32")}
         return save_checkpoint(self.dir, st.step, tensors, meta)
 
@@ -207,10 +180,9 @@ class Trainer:
             raise TrainError(f"{path}: checkpoint belongs to another run (genesis differs)", exit_code=2)
         st = TrainState(int(meta["step"]), int(meta["consumed"]), int(meta["adam_t"]), int(meta["skip_left"]),
                         *(np.array(tensors[k][0], copy=True) for k in ("params", "m", "v")), meta["stream"])
-        if self.param_hash(st.params) != meta["params_hash"] or self.opt_hash(st) != meta["opt_hash"]:
+        if param_hash(self, st.params) != meta["params_hash"] or opt_hash(self, st) != meta["opt_hash"]:
             raise TrainError(f"{path}: tensors do not match the hashes recorded in its meta.json", exit_code=2)
         if self.gnmr is not None:
-            from .gnmr import GNMRError, GNMRState
             if "gnmr" not in meta:
                 raise TrainError(f"{path}: meta.json has no GNMR controller state, but the run configures gnmr",
                                  exit_code=2)
@@ -218,39 +190,52 @@ class Trainer:
                 st.gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
             except GNMRError as e:
                 raise TrainError(f"{path}: {e}", exit_code=2) from None
-            if self.gnmr_hash(st.gnmr) != meta.get("gnmr_hash"):
+            if gnmr_hash(self, st.gnmr) != meta.get("gnmr_hash"):
                 raise TrainError(f"{path}: the GNMR state does not match gnmr_hash in its meta.json", exit_code=2)
         return st
 
-    # ------------------------------------------------------------------ GNMR (CONTRACT.md §13)
-    def _gnmr_begin(self) -> None:
-        """The step's recovered units: the active set chosen after the previous step."""
-        if self.gnmr is not None:
-            self.model.set_paths(self.gnmr.paths(self.state.gnmr))
+    # ------------------------------------------------------------------ the loop
+    # One loop for one process and for N workers; a distributed trainer overrides the hooks:
+    # _reducer (who computes and owns what), _source_ces (held-out sources spread over the workers),
+    # _checkpoint (moments gathered to rank 0), _run_hash (rank 0's, broadcast), _failures (a lost
+    # worker named); `writer` is the one process that writes the ledger.
+    @property
+    def writer(self) -> bool:
+        """This process appends the ledger records (rank 0 of a distributed run; not a replay)."""
+        return self.ledger is not None
 
-    def _gnmr_end(self, partials: dict, consumed_after: int, record: dict) -> None:
-        """Update the controller from the step's per-tensor norm partials ({name: sumsq blocks});
-        the record lists the units recovered in this step and those chosen for the next."""
-        if self.gnmr is None:
-            return
-        t0 = time.perf_counter()
-        self.model.set_paths(None)       # recovered units apply to the step's forward/backward only (§13)
-        st, names = self.state, self.gnmr.names
-        used = st.gnmr.active
-        st.gnmr, scores = self.gnmr.update(st.gnmr, self.gnmr.unit_norms(partials, self.ops), consumed_after)
-        record["gnmr"] = {"active": [names[b] for b in used], "next": [names[b] for b in st.gnmr.active],
-                          "max_risk": float(np.max(scores["risk"])) if len(names) else 0.0}
-        self.timing["gnmr"] += time.perf_counter() - t0
-        record["hashes"]["gnmr"] = self.gnmr_hash(st.gnmr)
+    def train(self, steps: int, progress=None) -> str:
+        """Run until `steps` steps are completed in total; returns the run hash (on every worker).
+        progress(record, tokens/s) runs in the writer after each step."""
+        t0, tok0 = time.perf_counter(), self.state.consumed
+        while self.state.step < steps:
+            rec = self.step()
+            if progress and self.writer:
+                dt = time.perf_counter() - t0
+                progress(rec, (self.state.consumed - tok0) / dt if dt > 0 else 0.0)
+        with self._failures(self.state.step):
+            if self.state.step % self.tcfg.checkpoint_every:
+                self._checkpoint()
+            return self._run_hash()
 
-    # ------------------------------------------------------------------ one step
     def step(self) -> dict:
         """Compute the next step, append its ledger record, checkpoint when due."""
-        record = self.add_eval(self.compute_step())
-        record["hash"] = self.ledger.append(record)
-        if self.state.step % self.tcfg.checkpoint_every == 0:
-            self._checkpoint()
+        with self._failures(self.state.step):
+            record = self.add_eval(self.compute_step())
+            if self.writer:
+                record["hash"] = self.ledger.append(record)
+            if self.state.step % self.tcfg.checkpoint_every == 0:
+                self._checkpoint()
         return record
+
+    def _failures(self, t: int):
+        """Where step t (or the final checkpoint, t = steps done) turns a lost worker into a
+        TrainError; one process has no workers to lose."""
+        return contextlib.nullcontext()
+
+    def _run_hash(self) -> str:
+        """The hash of the ledger's last record (the genesis before the first step)."""
+        return self.ledger.last_hash or self.genesis
 
     def add_eval(self, record: dict) -> dict:
         """The step's record with the held-out CE added where the schedule has one (after every
@@ -277,25 +262,21 @@ class Trainer:
         if self._probes is None:
             self._probes = {s.name: heldout_windows(self.corpus, s.name, self.model_cfg.seq_len,
                                                     self.tcfg.eval_windows) for s in self.manifest.sources}
+        got = self._source_ces()
         out, mix = {}, 0.0
         for s in self.manifest.sources:
-            w = self._probes[s.name]
-            if len(w) == 0:
-                continue
-            ce = float(np.mean(self.model.eval_loss(self.state.params, w), dtype=np.float64))
-            out[s.name] = ce
-            mix += s.share * ce
+            if s.name in got:
+                out[s.name] = got[s.name]
+                mix += s.share * got[s.name]
         out["mixture"] = mix
         return out
 
-    def train(self, steps: int, progress=None) -> str:
-        """Run until `steps` steps are completed in total; returns the run hash."""
-        t0, tok0 = time.perf_counter(), self.state.consumed
-        while self.state.step < steps:
-            rec = self.step()
-            if progress:
-                dt = time.perf_counter() - t0
-                progress(rec, (self.state.consumed - tok0) / dt if dt > 0 else 0.0)
-        if self.state.step % self.tcfg.checkpoint_every:
-            self._checkpoint()
-        return self.ledger.last_hash or self.genesis
+    def _source_ces(self) -> dict:
+        """{source: held-out CE} of every source with probe windows, in the manifest's order."""
+        return {s.name: self._source_ce(s.name) for s in self.manifest.sources if len(self._probes[s.name])}
+
+    def _source_ce(self, name: str) -> float:
+        """A source's held-out CE: the mean over its probe windows, evaluated as one batch (with int8
+        linear layers the activation scales are per tensor, so a window's CE depends on the windows
+        batched with it)."""
+        return float(np.mean(self.model.eval_loss(self.state.params, self._probes[name]), dtype=np.float64))

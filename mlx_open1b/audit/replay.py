@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..checkpoint import load_checkpoint
 from ..ledger import LedgerError, canonical
 from ..rundir import RunDir
+from ..step import gnmr_hash, opt_hash, param_hash
 from ..train import TrainError, Trainer
 from .attestation import load_private_key, make_attestation, seal, sign, write_attestation
 from .plan import load_plan, planned_range
@@ -123,8 +124,8 @@ def _check_start(tr: Trainer, records: dict, start: int) -> None:
     if rec is None:
         raise TrainError(f"{path}: the ledger has no record of step {start - 1} to check it against", exit_code=1)
     st = tr.state
-    hashes = {"params": tr.param_hash(st.params), "opt_state": tr.opt_hash(st),
-              "gnmr": tr.gnmr_hash(st.gnmr) if st.gnmr is not None else None}
+    hashes = {"params": param_hash(tr, st.params), "opt_state": opt_hash(tr, st),
+              "gnmr": gnmr_hash(tr, st.gnmr) if st.gnmr is not None else None}
     check_against_ledger(path, rec, hashes, {"tokens": st.consumed, "windows": st.stream["windows"]})
 
 

@@ -93,6 +93,15 @@ def route(parts: Sequence[np.ndarray], shards: Sequence[Shard]) -> tuple[np.ndar
 
 
 # ----------------------------------------------------------------------------- the transport
+def load_torch():
+    """torch, with torch.distributed, imported when a process group is first set up or used: an
+    optional dependency (the `torch` extra) that takes seconds to import, so this package imports
+    without it."""
+    import torch
+    import torch.distributed  # noqa: F401  (bound as torch.distributed)
+    return torch
+
+
 def _xp(a):
     """The array module of a's kind: cupy for a cupy array, numpy otherwise."""
     return arrays.module(arrays.CUPY) if arrays.kind(a) == arrays.CUPY else np
@@ -101,7 +110,7 @@ def _xp(a):
 def _as_bytes(a):
     """A torch uint8 tensor sharing the memory of a C-contiguous array: torch.from_numpy for numpy,
     DLPack for cupy (a CUDA tensor on the array's device)."""
-    import torch
+    torch = load_torch()
     k = arrays.kind(a)
     if k not in (arrays.NUMPY, arrays.CUPY):
         raise ValueError(f"collectives move numpy or cupy arrays, got {type(a).__module__}.{type(a).__name__} "
@@ -109,8 +118,7 @@ def _as_bytes(a):
     if not a.flags.c_contiguous:
         raise ValueError("collectives move C-contiguous arrays only")
     if k == arrays.CUPY:
-        import cupy
-        return torch.from_dlpack(a.reshape(-1).view(cupy.uint8))
+        return torch.from_dlpack(a.reshape(-1).view(arrays.module(arrays.CUPY).uint8))
     return torch.from_numpy(a.reshape(-1).view(np.uint8))
 
 
@@ -183,8 +191,8 @@ class Comm:
             raise DistError(f"rendezvous: malformed worker environment ({e})") from None
         if not (world >= 1 and 0 <= rank < world):
             raise DistError(f"rendezvous: RANK {rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE {world})")
-        import torch
-        import torch.distributed as dist
+        torch = load_torch()
+        dist = torch.distributed
         if not dist.is_available():
             raise DistError("this torch build has no torch.distributed")
         device, backend = "cpu", "gloo"
@@ -203,7 +211,7 @@ class Comm:
         return cls(rank, world, local_rank, local_world, device, backend, timeout_s, phase_hook)
 
     def close(self) -> None:
-        import torch.distributed as dist
+        dist = load_torch().distributed
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -211,9 +219,8 @@ class Comm:
     def _kv(self):
         """The process group's key-value store (torchrun's TCPStore), under a prefix of ours."""
         if self._store is None:
-            import torch.distributed as dist
-            from torch.distributed import distributed_c10d
-            self._store = dist.PrefixStore("open1b/phase/", distributed_c10d._get_default_store())
+            dist = load_torch().distributed
+            self._store = dist.PrefixStore("open1b/phase/", dist.distributed_c10d._get_default_store())
         return self._store
 
     @contextlib.contextmanager
@@ -302,7 +309,7 @@ class Comm:
     # ---- collectives on arrays
     def all_to_all(self, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int]) -> np.ndarray:
         """Element counts per peer (rank order); returns the received elements, by source rank."""
-        import torch.distributed as dist
+        dist = load_torch().distributed
         xp = _xp(send)
         item = send.dtype.itemsize
         recv = xp.empty(int(sum(recv_counts)), send.dtype)
@@ -318,7 +325,7 @@ class Comm:
     def all_gather(self, own: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
         """Every rank's array (rank r contributes counts[r] elements), padded to the largest
         count for the transport; returns views per rank."""
-        import torch.distributed as dist
+        dist = load_torch().distributed
         if len(own) != counts[self.rank]:
             raise ValueError(f"all_gather: rank {self.rank} holds {len(own)} elements, counts say {counts[self.rank]}")
         xp = _xp(own)
@@ -339,7 +346,7 @@ class Comm:
 
     def broadcast(self, arr: np.ndarray, src: int = 0) -> None:
         """arr (same shape and dtype everywhere) takes src's contents, in place."""
-        import torch.distributed as dist
+        dist = load_torch().distributed
         b = _as_bytes(arr)
 
         def run():
@@ -349,13 +356,13 @@ class Comm:
         self._call("broadcast", run)
 
     def send(self, arr: np.ndarray, dst: int) -> None:
-        import torch.distributed as dist
+        dist = load_torch().distributed
         b = _as_bytes(_xp(arr).ascontiguousarray(arr))
         self._call(f"send to rank {dst}", lambda: dist.send(self._dev(b), dst))
 
     def recv(self, out: np.ndarray, src: int) -> None:
         """Receive into `out` (a C-contiguous array or view; written in place)."""
-        import torch.distributed as dist
+        dist = load_torch().distributed
         b = _as_bytes(out)
 
         def run():
@@ -366,13 +373,13 @@ class Comm:
 
     # ---- small Python objects (hashes, records, status)
     def all_gather_object(self, obj) -> list:
-        import torch.distributed as dist
+        dist = load_torch().distributed
         out = [None] * self.world
         self._call("all_gather_object", lambda: dist.all_gather_object(out, obj))
         return out
 
     def broadcast_object(self, obj, src: int = 0):
-        import torch.distributed as dist
+        dist = load_torch().distributed
         box = [obj if self.rank == src else None]
         self._call("broadcast_object", lambda: dist.broadcast_object_list(box, src))
         return box[0]

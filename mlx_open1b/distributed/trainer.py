@@ -18,24 +18,26 @@ is still reported within it (collectives.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import pathlib
 import signal
 import sys
-import time
 
 import numpy as np
 
-from .. import arrays, hashing
+from .. import arrays, cpu_ref, hashing
 from ..checkpoint import CheckpointError
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, steps_for_tokens
 from ..contract import CONTRACT_VERSION
 from ..data.format import DataError, Manifest
 from ..data.stream import Stream, manifest_fingerprint
+from ..gnmr import GNMRState
 from ..ledger import LedgerError, genesis_hash
 from ..rundir import RunDir
 from ..train import Trainer, TrainError, TrainState, get_backend, resolve_backend
-from .collectives import Comm, CommError, DistError, cpu_count
+from .collectives import Comm, CommError, DistError, cpu_count, load_torch
 from .reduce import DistributedReduce
 from .sharding import ShardingError, check_worker_count
 
@@ -60,8 +62,8 @@ def _flat(d, prefix="") -> dict:
 
 class DistributedTrainer(Trainer):
     """A Trainer whose steps run on all workers of `comm`; every worker constructs one with the
-    same arguments (rank 0 opens or creates the run directory). after_microbatches(rank, step):
-    see DistributedReduce."""
+    same arguments (rank 0 opens or creates the run directory) and runs Trainer's loop, this class
+    giving its hooks their worker's part. after_microbatches(rank, step): see DistributedReduce."""
 
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
                  backend: str = "cpu_ref", resume: bool = False, log=None, after_microbatches=None,
@@ -176,7 +178,6 @@ class DistributedTrainer(Trainer):
 
     def _init_replica(self, run_dir, cfg: RunConfig, corpus_dir, backend: str, log) -> None:
         """What Trainer.__init__ builds, without touching the run directory (rank 0 owns it)."""
-        import pathlib
         self.dir = pathlib.Path(run_dir)
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.ops = get_backend(backend)
@@ -216,7 +217,6 @@ class DistributedTrainer(Trainer):
             comm.recv(v, 0)
         gnmr = None
         if meta["gnmr"] is not None:
-            from ..gnmr import GNMRState
             gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
         self.state = TrainState(meta["step"], meta["consumed"], meta["adam_t"], meta["skip_left"],
                                 *(self.ops.to_device(a) for a in (params, m, v)), meta["stream"], gnmr)
@@ -225,6 +225,7 @@ class DistributedTrainer(Trainer):
         self.last_checkpoint = meta["step"]
         self._sharded = True
 
+    # ------------------------------------------------------------------ the loop's hooks (Trainer.train)
     def _reducer(self) -> DistributedReduce:
         return self.reduce
 
@@ -237,49 +238,32 @@ class DistributedTrainer(Trainer):
         return TrainError(f"worker lost during step {t}: {e.op} failed on rank {self.comm.rank} of {self.comm.world} "
                           f"({e.cause}); the run stops here, {self._last_checkpoint()}", exit_code=3)
 
-    def step(self) -> dict:
-        """Compute the next step on every worker; rank 0 appends the ledger record; checkpoint when due."""
-        t = self.state.step
+    @contextlib.contextmanager
+    def _failures(self, t: int):
+        """A lost or stopped worker during step t (or the final checkpoint): a TrainError naming
+        this rank and the checkpoint to resume from."""
         try:
-            record = self.add_eval(self.compute_step())
-            if self.comm.rank == 0:
-                record["hash"] = self.ledger.append(record)
-            if self.state.step % self.tcfg.checkpoint_every == 0:
-                self._checkpoint()
-            return record
+            yield
         except CommError as e:
             raise self._lost(t, e) from None
         except WorkerTerminated as e:
             raise TrainError(f"worker stopped during step {t} on rank {self.comm.rank} of {self.comm.world}: {e}; "
                              f"{self._last_checkpoint()}", exit_code=3) from None
 
-    def heldout_ce(self) -> dict:
-        """Trainer.heldout_ce with the sources spread over the workers (source i on rank i mod N).
-        Each source's probe windows stay one batch, as on one device: with int8 linear layers the
-        activation scales are per tensor, so a window's CE depends on the windows batched with it."""
-        from ..data.stream import heldout_windows
-        if self._probes is None:
-            self._probes = {s.name: heldout_windows(self.corpus, s.name, self.model_cfg.seq_len,
-                                                    self.tcfg.eval_windows) for s in self.manifest.sources}
+    def _source_ces(self) -> dict:
+        """Trainer._source_ces with the sources spread over the workers (source i on rank i mod N),
+        each source's probe windows still one batch."""
         N, r = self.comm.world, self.comm.rank
         todo = [(i % N, s.name) for i, s in enumerate(self.manifest.sources) if len(self._probes[s.name])]
         mine = {}
         with self.comm.phase(f"held-out evaluation after step {self.state.step}", busy=[w for w, _ in todo]):
             for w, name in todo:
                 if w == r:
-                    mine[name] = float(np.mean(self.model.eval_loss(self.state.params, self._probes[name]),
-                                               dtype=np.float64))
+                    mine[name] = self._source_ce(name)
         got = {}
         for g in self.comm.all_gather_object(mine):
             got.update(g)
-        out, mix = {}, 0.0
-        for s in self.manifest.sources:
-            if s.name not in got:
-                continue
-            out[s.name] = got[s.name]
-            mix += s.share * got[s.name]
-        out["mixture"] = mix
-        return out
+        return got
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self):
@@ -313,22 +297,9 @@ class DistributedTrainer(Trainer):
         self.last_checkpoint, self._in_checkpoint = st.step, False
         return path
 
-    # ------------------------------------------------------------------ the loop
-    def train(self, steps: int, progress=None) -> str:
-        """Run until `steps` steps are completed in total; returns the run hash (on every rank)."""
-        t0, tok0 = time.perf_counter(), self.state.consumed
-        while self.state.step < steps:
-            rec = self.step()
-            if progress and self.comm.rank == 0:
-                dt = time.perf_counter() - t0
-                progress(rec, (self.state.consumed - tok0) / dt if dt > 0 else 0.0)
-        try:
-            if self.state.step % self.tcfg.checkpoint_every:
-                self._checkpoint()
-            h = (self.ledger.last_hash or self.genesis) if self.comm.rank == 0 else None
-            return self.comm.broadcast_object(h)
-        except CommError as e:
-            raise self._lost(self.state.step, e) from None
+    def _run_hash(self) -> str:
+        """Rank 0's run hash, on every worker."""
+        return self.comm.broadcast_object(Trainer._run_hash(self) if self.comm.rank == 0 else None)
 
 
 # ---------------------------------------------------------------------- worker entry point
@@ -353,21 +324,14 @@ def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps:
     close=False leaves the process group up (trainer.comm) for the caller. after_microbatches and
     phase_hook: see DistributedReduce and Comm. startup_error (message, exit code): this worker
     cannot run (its device failed the self-test): every worker stops at the start-up agreement."""
-    from .. import cpu_ref
-    from ..config import steps_for_tokens
     backend = resolve_backend(backend)          # 'auto' -> this machine's GPU backend (or cpu_ref)
     comm = Comm.init_from_env(backend, timeout, phase_hook=phase_hook)
     if comm.device.startswith("cuda"):            # the cuda backend's kernels on this worker's GPU too
-        import cupy
-        cupy.cuda.Device(int(comm.device.split(":")[1])).use()
+        arrays.module(arrays.CUPY).cuda.Device(int(comm.device.split(":")[1])).use()
     n = threads or max(1, cpu_count() // max(1, comm.local_world))
     cpu_ref.set_num_threads(n)
     hashing.set_hash_threads(min(n, 8))
-    try:
-        import torch
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+    load_torch().set_num_threads(1)             # torch only moves bytes here: no compute threads of its own
     old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM,)}
     try:
         tr = DistributedTrainer(comm, run_dir, cfg, corpus_dir, backend=backend, resume=resume, log=log,

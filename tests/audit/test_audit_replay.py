@@ -19,6 +19,7 @@ from mlx_open1b.audit import audit, run_hash
 from mlx_open1b.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from mlx_open1b.cli.main import cli
 from mlx_open1b.ledger import canonical, canonical_dumps, read_records, record_hash
+from mlx_open1b.step import gnmr_hash, opt_hash, param_hash
 from mlx_open1b.train import TrainError, Trainer
 
 from data_helpers import make_corpus
@@ -61,12 +62,12 @@ def resave_checkpoint(run, step: int, edit) -> dict:
     edit(tensors, meta)
     st = dataclasses.replace(tr.state, params=tensors["params"], m=tensors["m"], v=tensors["v"],
                              adam_t=meta["adam_t"], skip_left=meta["skip_left"])
-    meta["params_hash"], meta["opt_hash"] = tr.param_hash(st.params), tr.opt_hash(st)
+    meta["params_hash"], meta["opt_hash"] = param_hash(tr, st.params), opt_hash(tr, st)
     hashes = {"params": meta["params_hash"], "opt_state": meta["opt_hash"]}
     if "gnmr" in meta:
         from mlx_open1b.gnmr import GNMRState
         g = GNMRState.from_json(meta["gnmr"], len(tr.gnmr.units), tr.gnmr.cfg.window)
-        meta["gnmr_hash"] = hashes["gnmr"] = tr.gnmr_hash(g)
+        meta["gnmr_hash"] = hashes["gnmr"] = gnmr_hash(tr, g)
     save_checkpoint(run, step, {"params": (tensors["params"], "bf16"), "m": (tensors["m"], "f32"),
                                 "v": (tensors["v"], "f32")}, meta)
     return hashes
