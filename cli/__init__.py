@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from typing import NoReturn
@@ -9,6 +10,58 @@ from typing import NoReturn
 import click
 
 BACKENDS = ("auto", "cpu_ref", "metal", "cuda")
+
+# the value types of options that several commands share: a bad value is refused while the command
+# line is parsed (exit 2, naming the option), before any work
+INT64_MAX = 2 ** 63 - 1                 # steps and counts are written into ledgers and JSON as int64
+STEPS = click.IntRange(0, INT64_MAX)
+STEP = click.IntRange(0, INT64_MAX)
+SEED = click.IntRange(0, 2 ** 64 - 1)   # a u64, as TrainConfig.check requires
+MAX_THREADS = 4096
+THREADS = click.IntRange(0, MAX_THREADS)
+WORKERS = click.IntRange(1, MAX_THREADS)  # processes on one machine
+
+
+class Positive(click.FloatRange):
+    """A finite number > 0 (FloatRange lets nan and inf through)."""
+
+    def __init__(self, name: str = "number"):
+        super().__init__(min=0, min_open=True)
+        self.name = name
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite {self.name}", param, ctx)
+        return rv
+
+
+class Path(click.Path):
+    """click.Path that also refuses an empty string (which would name the current directory)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def step_range(text: str, option: str, sep: str = "-") -> tuple[int, int]:
+    """(A, B) of "A{sep}B" or "A" (steps A..B, 0 <= A <= B); click.BadParameter naming the option
+    otherwise. That B is a step of the run is for the command to check."""
+    a, mid, b = text.strip().partition(sep)
+    try:
+        first, last = int(a), int(b if mid else a)
+    except ValueError:
+        raise click.BadParameter(f"expected A{sep}B or A (steps, integers), got {text!r}",
+                                 param_hint=option) from None
+    if first < 0:
+        raise click.BadParameter(f"steps are >= 0, got {text!r}", param_hint=option)
+    if first > last:
+        raise click.BadParameter(f"{text!r} is a reversed range: the first step comes first ({last}{sep}{first})",
+                                 param_hint=option)
+    if last > INT64_MAX:
+        raise click.BadParameter(f"{text!r}: step {last} is beyond any run", param_hint=option)
+    return first, last
 
 
 def fail(error, code: int | None = None, *, at_once: bool = False) -> NoReturn:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from mlx_open1b.cli import backend_option, fail
+from mlx_open1b.cli import INT64_MAX, Path, backend_option, fail, step_range
 
 from mlx_open1b.cli.train import audit as replay_cmd
 
@@ -56,11 +56,11 @@ def _errors():
 
 
 @audit.command("plan")
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
-@click.option("--auditors", "-k", type=int, required=True, help="number of auditors (ranges)")
-@click.option("--overlap", type=int, default=0, show_default=True,
+@click.argument("run", type=Path(exists=True, file_okay=False))
+@click.option("--auditors", "-k", type=click.IntRange(1, INT64_MAX), required=True, help="number of auditors (ranges)")
+@click.option("--overlap", type=click.IntRange(0, INT64_MAX), default=0, show_default=True,
               help="steps each range extends into the next one (certified twice)")
-@click.option("--out", type=click.Path(dir_okay=False), default="audit-plan.json", show_default=True,
+@click.option("--out", type=Path(dir_okay=False), default="audit-plan.json", show_default=True,
               help="plan file (JSON)")
 def plan_cmd(run, auditors, overlap, out):
     """Split RUN into K checkpoint-aligned ranges, one per auditor, and write the plan."""
@@ -77,34 +77,29 @@ def plan_cmd(run, auditors, overlap, out):
 
 
 def _parse_range(text: str) -> tuple[int, int]:
-    for sep in (":", "-"):
-        if sep in text:
-            a, _, b = text.partition(sep)
-            return int(a), int(b)
-    return int(text), int(text)
+    """A:B (or A-B, or A) as (A, B); click.BadParameter naming --range otherwise."""
+    return step_range(text, "--range", ":" if ":" in text or "-" not in text.strip() else "-")
 
 
 @audit.command("run")
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.argument("run", type=Path(exists=True, file_okay=False))
 @click.option("--range", "range_", default=None, metavar="A:B", help="steps A..B (inclusive) to certify")
-@click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--plan", "plan_file", type=Path(exists=True, dir_okay=False), default=None,
               help="a plan from `audit plan`; with --auditor I, certify that auditor's range")
-@click.option("--auditor", "auditor_index", type=int, default=None, help="auditor index I in the plan")
+@click.option("--auditor", "auditor_index", type=click.IntRange(0, INT64_MAX), default=None,
+              help="auditor index I in the plan")
 @click.option("--name", default="anonymous", show_default=True, help="auditor name written into the attestation")
 @backend_option()
-@click.option("--key", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--key", type=Path(exists=True, dir_okay=False), default=None,
               help="Ed25519 private key (PEM, from `audit keygen`) to sign the attestation")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", type=Path(dir_okay=False), default=None,
               help="attestation file (default: attestation-A-B.json in the current directory)")
 def run_cmd(run, range_, plan_file, auditor_index, name, backend, key, out):
     """Replay a range of RUN, certify it against the ledger and write a sealed attestation."""
     from mlx_open1b.audit import certify
     first = last = None
     if range_ is not None:
-        try:
-            first, last = _parse_range(range_)
-        except ValueError:
-            fail(f"--range: expected A:B, got {range_!r}")
+        first, last = _parse_range(range_)
     try:
         att = certify(run, first, last, backend=backend, auditor=name, key=key, plan_file=plan_file,
                       auditor_index=auditor_index,
@@ -129,9 +124,9 @@ def run_cmd(run, range_, plan_file, auditor_index, name, backend, key, out):
 
 
 @audit.command("report")
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
-@click.argument("attestations", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--plan", "plans", multiple=True, type=click.Path(dir_okay=False),
+@click.argument("run", type=Path(exists=True, file_okay=False))
+@click.argument("attestations", nargs=-1, required=True, type=Path(dir_okay=False))
+@click.option("--plan", "plans", multiple=True, type=Path(dir_okay=False),
               help="plan(s) the attestations follow: checked against the run and each other; planned ranges "
                    "without an attestation are listed")
 @click.option("--trust", multiple=True, metavar="KEY",
@@ -139,7 +134,7 @@ def run_cmd(run, range_, plan_file, auditor_index, name, backend, key, out):
 @click.option("--require-signed", is_flag=True, help="reject unsigned attestations")
 @click.option("--allow-prefix", is_flag=True,
               help="accept attestations made while the ledger was shorter (its run hash then was a record of this ledger)")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write the report as JSON")
+@click.option("--json", "json_out", type=Path(dir_okay=False), default=None, help="also write the report as JSON")
 def report_cmd(run, attestations, plans, trust, require_signed, allow_prefix, json_out):
     """Verify ATTESTATIONS against RUN's ledger and merge them into a coverage table.
 
@@ -159,7 +154,7 @@ def report_cmd(run, attestations, plans, trust, require_signed, allow_prefix, js
 
 
 @audit.command("keygen")
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=Path(dir_okay=False))
 def keygen_cmd(out):
     """Write a new Ed25519 private key (PEM) to OUT for signing attestations; print its public key."""
     from mlx_open1b.audit import generate_key

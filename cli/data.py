@@ -7,7 +7,7 @@ import time
 
 import click
 
-from mlx_open1b.cli import fail
+from mlx_open1b.cli import INT64_MAX, Path, Positive, fail
 from mlx_open1b.data.format import MANIFEST, DataError, Manifest
 
 DONE_FILE = "_done.json"         # data.prepare.DONE: a finished source's record
@@ -99,6 +99,7 @@ class _PrepareProgress:
 
 
 def _parse_sources(specs: tuple[str, ...], shares: tuple[float, ...], text_field: str):
+    from mlx_open1b.data.prepare import check_sources
     from mlx_open1b.data.readers import file_source
     if shares and len(shares) != len(specs):
         raise click.UsageError(f"{len(specs)} --source but {len(shares)} --share: give one --share per "
@@ -107,8 +108,15 @@ def _parse_sources(specs: tuple[str, ...], shares: tuple[float, ...], text_field
     for i, spec in enumerate(specs):
         name, eq, pattern = spec.partition("=")
         if not eq or not name or not pattern:
-            raise click.UsageError(f"--source {spec!r}: expected NAME=GLOB")
-        out.append(file_source(name, shares[i] if shares else 1.0, pattern, text_field=text_field))
+            raise click.BadParameter(f"{spec!r}: expected NAME=GLOB", param_hint="--source")
+        try:
+            out.append(file_source(name, shares[i] if shares else 1.0, pattern, text_field=text_field))
+        except DataError as e:
+            raise click.BadParameter(f"{spec!r}: {e}", param_hint="--source") from None
+    try:
+        check_sources(out)
+    except DataError as e:
+        raise click.BadParameter(str(e), param_hint="--source") from None
     return out
 
 
@@ -117,17 +125,17 @@ def _parse_sources(specs: tuple[str, ...], shares: tuple[float, ...], text_field
               help="The embedded default corpus (wiki / code / math, shares 0.5 / 0.3 / 0.2).")
 @click.option("--source", "source_specs", multiple=True, metavar="NAME=GLOB",
               help="A source: files matching GLOB (*.parquet, *.jsonl, *.jsonl.zst, *.txt; ** recurses). Repeatable.")
-@click.option("--share", "shares", multiple=True, type=float, metavar="X",
+@click.option("--share", "shares", multiple=True, type=Positive("share"), metavar="X",
               help="Token share of the --source at the same position (normalized to sum to 1). Repeatable.")
 @click.option("--text-field", default="text", show_default=True, help="Parquet column / JSON field holding the text.")
-@click.option("--tokenizer", "tokenizer_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--tokenizer", "tokenizer_path", type=Path(dir_okay=False), default=None,
               help="A tokenizer.json (default: the packaged tokenizer).")
 @click.option("--shard-tokens", type=click.IntRange(1, (1 << 31) - 1), default=1 << 20, show_default=True,
               help="Tokens per shard (whole documents; a bigger document gets its own shard).")
-@click.option("--heldout-tokens", type=click.IntRange(0), default=16384, show_default=True,
+@click.option("--heldout-tokens", type=click.IntRange(0, (1 << 31) - 1), default=16384, show_default=True,
               help="Held-out tokens per source (at most 10% of its documents; 0: none).")
 @click.option("--force", is_flag=True, help="Overwrite a corpus prepared with another tokenizer.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--out", "out_dir", required=True, type=Path(file_okay=False), help="Output directory.")
 def prepare(use_default, source_specs, shares, text_field, tokenizer_path, shard_tokens, heldout_tokens, force, out_dir):
     """Tokenize sources into Arrow token shards and a manifest. Restartable: a rerun skips the
     sources already finished and redoes an interrupted one."""
@@ -177,8 +185,8 @@ def _summary(out: pathlib.Path, m: Manifest, what: str) -> None:
 
 
 @data.command()
-@click.argument("corpus_dir", type=click.Path(file_okay=False))
-@click.option("--tokenizer", "tokenizer_path", type=click.Path(dir_okay=False), default=None,
+@click.argument("corpus_dir", type=Path(file_okay=False))
+@click.option("--tokenizer", "tokenizer_path", type=Path(dir_okay=False), default=None,
               help="Also check that the corpus was prepared with this tokenizer.json.")
 def verify(corpus_dir, tokenizer_path):
     """Rehash every shard and held-out file against the manifest. Exit 0 when intact, 1 listing
@@ -212,15 +220,15 @@ def _decode_pieces(tok, window, pieces, eot: int):
 
 
 @data.command()
-@click.argument("corpus_dir", type=click.Path(file_okay=False))
-@click.option("--window", "window", type=click.IntRange(0), default=None, help="Window index N of the canonical stream.")
+@click.argument("corpus_dir", type=Path(file_okay=False))
+@click.option("--window", "window", type=click.IntRange(0, INT64_MAX), default=None, help="Window index N of the canonical stream.")
 @click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=DEFAULT_SEED, show_default=True)
-@click.option("--seq-len", type=click.IntRange(1), default=DEFAULT_SEQ_LEN, show_default=True)
+@click.option("--seq-len", type=click.IntRange(1, (1 << 31) - 1), default=DEFAULT_SEQ_LEN, show_default=True)
 @click.option("--source", default=None, help="With --doc: a stored document of this source.")
-@click.option("--doc", type=click.IntRange(0), default=None, help="Training document index of --source.")
+@click.option("--doc", type=click.IntRange(0, INT64_MAX), default=None, help="Training document index of --source.")
 @click.option("--heldout", is_flag=True, help="With --doc: index into the held-out documents.")
 @click.option("--ids", is_flag=True, help="Print token ids as well.")
-@click.option("--tokenizer", "tokenizer_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--tokenizer", "tokenizer_path", type=Path(dir_okay=False), default=None,
               help="The corpus's tokenizer.json (default: the packaged tokenizer).")
 def inspect(corpus_dir, window, seed, seq_len, source, doc, heldout, ids, tokenizer_path):
     """Decoded text and provenance of window N of the canonical stream (--window N), or of one
@@ -231,6 +239,9 @@ def inspect(corpus_dir, window, seed, seq_len, source, doc, heldout, ids, tokeni
     if doc is not None and source is None:
         raise click.UsageError("--doc needs --source NAME")
     m = Manifest.load(out)
+    if doc is not None and source not in [s.name for s in m.sources]:
+        raise click.BadParameter(f"{source!r} is not a source of {out} (its sources: "
+                                 f"{', '.join(s.name for s in m.sources)})", param_hint="--source")
     tok = _load_tokenizer(tokenizer_path)
     if tok.sha256 != m.tokenizer_sha256:
         raise DataError(f"{out / MANIFEST}: prepared with tokenizer {m.tokenizer_sha256[:12]}…, the tokenizer "

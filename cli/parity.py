@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from mlx_open1b.cli import fail
+from mlx_open1b.cli import INT64_MAX, SEED, STEPS, Path, fail
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -33,9 +33,9 @@ def backends_cmd() -> None:
               help="backends to compare; the first is the reference (default: every available one, cpu_ref first; "
                    "spec, the numpy implementation of the contract, when nothing else is available)")
 @click.option("--ops", "ops_opt", default=None, metavar="X,Y,...", help="ops to run (default: all)")
-@click.option("--cases", type=click.IntRange(min=1), default=20, show_default=True, help="cases per op")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="base seed of the cases")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+@click.option("--cases", type=click.IntRange(1, INT64_MAX), default=20, show_default=True, help="cases per op")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="base seed of the cases")
+@click.option("--json", "json_out", type=Path(dir_okay=False), default=None,
               help="also write the report as JSON to this file")
 def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
     """Run every op on seeded inputs (special values included) on each backend; compare bits.
@@ -87,27 +87,31 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
 
 
 @parity.command("export")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=Path(dir_okay=False))
 @click.option("--backend", default="cpu_ref", show_default=True, help="the backend whose results are exported")
-@click.option("--cases", type=click.IntRange(min=0), default=8, show_default=True, help="cases per op")
-@click.option("--steps", type=click.IntRange(min=0), default=3, show_default=True,
+@click.option("--cases", type=click.IntRange(0, INT64_MAX), default=8, show_default=True, help="cases per op")
+@click.option("--steps", type=STEPS, default=3, show_default=True,
               help="steps of the tiny preset whose ledger goes into the bundle (0: none)")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="base seed of the cases")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="base seed of the cases")
 @click.option("--ops", "ops_opt", default=None, metavar="X,Y,...", help="ops to export (default: all)")
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, exists=True), default=None,
+@click.option("--data", "data_dir", type=Path(file_okay=False, exists=True), default=None,
               help="prepared default corpus to train on (default: prepared into a temporary directory)")
 def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
     """Write a bundle to FILE: per op and case the seed and output hashes, and a short run's
     ledger, with machine and library information (for `open1b parity compare`)."""
     from mlx_open1b.data.format import DataError
     from mlx_open1b.fsutil import WriteError
-    from mlx_open1b.parity import OPS, BackendUnavailable, export_bundle
+    from mlx_open1b.parity import OPS, BackendUnavailable, export_bundle, load
     from mlx_open1b.train import TrainError
     ops = _split(ops_opt)
     if ops is not None:
         unknown = [o for o in ops if o not in OPS]
         if unknown or not ops:
             fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
+    try:
+        load(backend)
+    except BackendUnavailable as e:
+        fail(f"--backend: {e}")
     try:
         b = export_bundle(file, backend=backend, cases=cases, steps=steps, seed=seed, ops=ops, data_dir=data_dir,
                           log=lambda m: click.echo(m, err=True) if sys.stderr.isatty() else None)
@@ -127,8 +131,8 @@ def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
 
 
 @parity.command("compare")
-@click.argument("a", type=click.Path(dir_okay=False, exists=True))
-@click.argument("b", type=click.Path(dir_okay=False, exists=True))
+@click.argument("a", type=Path(dir_okay=False, exists=True))
+@click.argument("b", type=Path(dir_okay=False, exists=True))
 def compare_cmd(a, b) -> None:
     """Compare two bundles case by case and ledger record by record.
 

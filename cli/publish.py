@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import click
 
-from mlx_open1b.cli import backend_option, fail
+from mlx_open1b.cli import INT64_MAX, Path, STEP, backend_option, fail
 
 
 @click.command()
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", type=click.Path(file_okay=False), default=None,
+@click.argument("run", type=Path(exists=True, file_okay=False))
+@click.option("--out", type=Path(file_okay=False), default=None,
               help="output directory (default: RUN/report); the page is OUT/index.html")
-@click.option("--max-checkpoints", type=click.IntRange(min=2), default=64, show_default=True,
+@click.option("--max-checkpoints", type=click.IntRange(2, INT64_MAX), default=64, show_default=True,
               help="weight norms from at most this many checkpoints (evenly spaced; each is read whole)")
 @click.option("--png/--no-png", default=True, show_default=True,
               help="also write each figure as OUT/<figure id>.png (built-in rasterizer), linked from the page")
@@ -36,11 +36,11 @@ def report(run, out, max_checkpoints, png, png_scale):
 
 
 @click.command()
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
-@click.option("--step", type=int, default=None, help="checkpoint step (default: the latest checkpoint)")
+@click.argument("run", type=Path(exists=True, file_okay=False))
+@click.option("--step", type=STEP, default=None, help="checkpoint step (default: the latest checkpoint)")
 @click.option("--format", "fmt", type=click.Choice(["mlx", "hf"]), default="mlx", show_default=True,
               help="mlx: the model program's tensor names; hf: Hugging Face Llama names + model.embed_norm")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="new output directory")
+@click.option("--out", type=Path(file_okay=False), required=True, help="new output directory")
 def export(run, step, fmt, out):
     """Export a checkpoint's weights (bf16, bit-identical) with config.json and tokenizer.json.
 
@@ -68,22 +68,26 @@ def export(run, step, fmt, out):
 
 
 @click.command(name="eval")
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
-@click.option("--step", type=int, default=None, help="checkpoint step (default: the latest checkpoint)")
+@click.argument("run", type=Path(exists=True, file_okay=False))
+@click.option("--step", type=STEP, default=None, help="checkpoint step (default: the latest checkpoint)")
 @click.option("--tasks", default="arith,facts,code,text", show_default=True,
               help="comma-separated offline tasks shipped with the package: arith, facts, code (multiple choice), "
                    "text (rolling log-likelihood)")
 @backend_option()
-@click.option("--limit", type=int, default=None, help="at most this many items per task")
-@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--limit", type=click.IntRange(1, INT64_MAX), default=None, help="at most this many items per task")
+@click.option("--tokenizer", type=Path(exists=True, dir_okay=False), default=None,
               help="the run's tokenizer.json (default: the shipped one; the run's hash must match it)")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write the results as JSON")
+@click.option("--json", "json_out", type=Path(dir_okay=False), default=None, help="also write the results as JSON")
 def eval_(run, step, tasks, backend, limit, tokenizer, json_out):
     """Evaluate a checkpoint of RUN on the offline task set (the lm-eval adapter is
     mlx_open1b.evaluate.Open1BLM; with lm_eval installed it is registered as model "open1b")."""
     from mlx_open1b.data.format import DataError
-    from mlx_open1b.evaluate import EvalError, Open1BLM, evaluate
+    from mlx_open1b.evaluate import TASKS, EvalError, Open1BLM, evaluate
     names = [t.strip() for t in tasks.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        what = f"unknown task {unknown[0]!r}" if unknown else "no task given"
+        raise click.BadParameter(f"{what} (tasks: {', '.join(TASKS)})", param_hint="--tasks")
     try:
         lm = Open1BLM(run, step, backend, tokenizer=tokenizer)
         res = evaluate(lm, names, limit)

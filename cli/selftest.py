@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from mlx_open1b.cli import fail
+from mlx_open1b.cli import Path, fail
 
 CHOICES = ("auto", "cpu_ref", "metal", "cuda", "all")
 
@@ -62,17 +62,17 @@ def _bundle_path(path: str, backend: str, several: bool) -> str:
 @click.option("--full", is_flag=True,
               help="every golden case, and the first training steps of the tiny preset compared record by record "
                    "(minutes; the default quick set takes seconds on a GPU)")
-@click.option("--bundle", "bundle_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--bundle", "bundle_path", type=Path(dir_okay=False), default=None,
               help="also write what each backend computed as a parity bundle (for `open1b parity compare`); with "
                    "several backends FILE.<backend>.json")
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, exists=True), default=None,
+@click.option("--data", "data_dir", type=Path(file_okay=False, exists=True), default=None,
               help="with --full: the prepared default corpus to train on (default: prepared in a temporary "
                    "directory, ~10 s)")
-@click.option("--golden", "golden_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--golden", "golden_path", type=Path(dir_okay=False), default=None,
               help="the golden file to check against (default: the one shipped in the package)")
 @click.option("--regenerate", is_flag=True,
               help="instead of checking: recompute the golden file on cpu_ref and write it (to --out)")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", type=Path(dir_okay=False), default=None,
               help="with --regenerate: where to write (default: the package's golden file)")
 def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out):
     """Check backends against the golden known answers shipped with the package.

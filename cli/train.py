@@ -7,7 +7,7 @@ import time
 
 import click
 
-from mlx_open1b.cli import backend_option, fail
+from mlx_open1b.cli import SEED, STEPS, THREADS, WORKERS, Path, Positive, backend_option, fail, step_range
 
 from mlx_open1b.config import PRESETS, ConfigError, preset
 from mlx_open1b.data.format import DataError
@@ -77,18 +77,18 @@ class _Progress:
 @click.command()
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="model and recipe preset")
-@click.option("--steps", type=int, default=None, help="optimizer steps to reach (default: the preset's token budget)")
+@click.option("--steps", type=STEPS, default=None, help="optimizer steps to reach (default: the preset's token budget)")
 @backend_option(extra=("torch",), workers=True,
                 help="auto: metal on Apple silicon, cuda on an NVIDIA GPU, else cpu_ref; cpu_ref: the C reference; "
                      "metal, cuda: the GPU kernels (bit-identical to cpu_ref; emulated on the CPU where no GPU is "
                      "present); torch: the non-reproducible PyTorch baseline")
-@click.option("--out", "out", type=click.Path(file_okay=False), default="runs/tiny", show_default=True,
+@click.option("--out", "out", type=Path(file_okay=False), default="runs/tiny", show_default=True,
               help="run directory")
-@click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--data", "data_dir", type=Path(file_okay=False), default=None,
               help="prepared corpus (default: the embedded default corpus, prepared on first use)")
 @click.option("--resume", is_flag=True, help="continue the run in --out from its latest checkpoint")
-@click.option("--threads", type=int, default=0, help="kernel threads (0: one per CPU); never changes a bit")
-@click.option("--seed", type=int, default=None, help="override the preset's seed")
+@click.option("--threads", type=THREADS, default=0, help="kernel threads (0: one per CPU); never changes a bit")
+@click.option("--seed", type=SEED, default=None, help="override the preset's seed")
 @click.option("--precision", type=click.Choice(["int8", "bf16", "int6", "int4"]), default=None,
               help="linear-layer arithmetic, overriding the preset's (tiny, small: bf16; open1b: int8): int8 "
                    "quantizes the attention Q/K/V/O and FFN GEMMs (CONTRACT.md §6.9)")
@@ -96,10 +96,10 @@ class _Progress:
               help="GNMR precision controller (CONTRACT.md §13) on an int8 run: risky units go to the bf16 path "
                    "for a step, e.g. --gnmr alpha=3,beta=2,maxO=2,lock=5,window=10,mode=op (keys: alpha, "
                    "alpha_init, warm, beta, maxO, lock, window, mode op|block, eps, high); '' for the defaults")
-@click.option("--nproc", type=int, default=None,
+@click.option("--nproc", type=WORKERS, default=None,
               help="data-parallel workers on this machine (torchrun; gloo on CPUs, NCCL with --backend cuda on "
                    "GPUs): the same ledger, bit for bit, at any count from 1 to the microbatches per step")
-@click.option("--dist-timeout", type=float, default=120.0, show_default=True,
+@click.option("--dist-timeout", type=Positive("number of seconds"), default=120.0, show_default=True,
               help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an "
                    "error; work a rank does alone (rank 0 writing a checkpoint) may take longer, as long as its "
                    "heartbeat goes on")
@@ -125,6 +125,9 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
     try:
         if data_dir is None and not resume:
             data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
+        elif data_dir is not None and not resume:
+            from mlx_open1b.data.format import Manifest
+            Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
         cfg = preset(preset_name)
         if seed is not None:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
@@ -190,8 +193,6 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
 
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
-    if nproc < 1:
-        fail(f"--nproc must be >= 1, got {nproc}", 2)
     import importlib.util
     if importlib.util.find_spec("torch") is None:
         fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
@@ -288,22 +289,18 @@ def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
 
 
 @click.command()
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.argument("run", type=Path(exists=True, file_okay=False))
 @click.option("--steps", "steps", required=True, help="range A-B (or a single step A)")
 @backend_option()
 @click.option("--auditor", default="anonymous", show_default=True, help="name written into the attestation")
-@click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", "out", type=Path(dir_okay=False), default=None,
               help="attestation file (default: attestation-A-B.json in the current directory)")
 def audit(run, steps, backend, auditor, out):
     """Replay steps A-B of RUN and certify them against its ledger."""
     from mlx_open1b.audit import audit as do_audit
     from mlx_open1b.checkpoint import CheckpointError
     from mlx_open1b.train import TrainError
-    try:
-        a, _, b = steps.partition("-")
-        first, last = int(a), int(b or a)
-    except ValueError:
-        fail(f"--steps: expected A-B or A, got {steps!r}", 2)
+    first, last = step_range(steps, "--steps")
     out = out or f"attestation-{first}-{last}.json"
     try:
         att = do_audit(run, first, last, backend=backend, auditor=auditor, out=out,
@@ -326,7 +323,7 @@ def audit(run, steps, backend, auditor, out):
 
 
 @click.command(name="hash")
-@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.argument("run", type=Path(exists=True, file_okay=False))
 def hash_(run):
     """Recompute RUN's run hash from its ledger and checkpoints."""
     from mlx_open1b.audit import run_hash

@@ -44,6 +44,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -101,7 +102,7 @@ class Open1BLM(_LMBase):
                 raise EvalError(f"{run}: trained with tokenizer {info.tokenizer_sha256[:12]}…, not the "
                                 f"shipped one; pass its tokenizer.json")
             tokenizer = Tokenizer.load(None)
-        elif not hasattr(tokenizer, "encode"):
+        elif isinstance(tokenizer, (str, os.PathLike)):     # a path (str has an encode method too)
             tokenizer = Tokenizer.load(tokenizer)
         if tokenizer.vocab_size > self.cfg.model.vocab_size:
             raise EvalError(f"tokenizer vocabulary {tokenizer.vocab_size} > model.vocab_size {self.cfg.model.vocab_size}")

@@ -199,11 +199,14 @@ def parse_public_key(text: str) -> str:
     if len(t) == 64 and all(c in "0123456789abcdefABCDEF" for c in t):
         return t.lower()
     p = pathlib.Path(t)
-    if not p.exists():
-        raise AttestError(f"--trust {text}: neither 64 hex digits nor a key file")
+    if not t or not p.is_file():
+        raise AttestError(f"--trust {text!r}: neither 64 hex digits nor a key file")
     _need_crypto()
     from cryptography.hazmat.primitives import serialization
-    data = p.read_bytes()
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise AttestError(f"--trust {p}: cannot read it ({e.strerror or e})") from None
     try:
         key = serialization.load_pem_public_key(data)
     except ValueError:

@@ -102,3 +102,26 @@ def test_train_resume_is_refused_while_a_run_trains(tmp_path, corpus):  # noqa: 
     assert h.stdout.split()[0] == tr.ledger.last_hash
     tr.train(3)                  # the writer goes on undisturbed
     assert RunDir(run).verify_ledger(tr.genesis) == tr.ledger.last_hash
+
+
+@pytest.mark.slow
+def test_distributed_rank0_is_refused_and_every_worker_stops(tmp_path, holder):
+    """Rank 0 takes the lock as it opens the run: with another writer holding it, every worker stops
+    before the first step with the holder's pid, and nothing in the run changes."""
+    pytest.importorskip("torch.distributed")
+    import test_distributed as dist
+    from data_helpers import make_corpus
+    script = tmp_path / "worker.py"
+    script.write_text(dist._WORKER)
+    data = tmp_path / "corpus"
+    make_corpus(data, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    run = tmp_path / "run"
+    tr = Trainer.new(run, dist.dist_cfg(), data, log=lambda m: None)
+    tr.train(2)
+    tr.rundir.unlock()
+    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+    p = holder(run)
+    r = dist.torchrun(2, script, dist._args(run, resume=True, steps=4, timeout=30.0))
+    assert r.returncode != 0
+    assert r.stderr.count(f"pid {p.pid} on host {socket.gethostname()}") >= 2, r.stderr[-3000:]   # both workers
+    assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_FILE} == before
