@@ -98,19 +98,23 @@ def _fsync_dir(path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
+def atomic_path(path: str | os.PathLike, mode: int | None = None):
     """Yields a temporary path beside `path`; on success it is fsynced and renamed onto `path`.
     Any OSError (the caller's writes into the temporary path included) becomes a WriteError naming
-    `path`; the temporary file is removed and `path` keeps what it held."""
+    `path`; the temporary file is removed and `path` keeps what it held. mode: the file's
+    permissions from the start (a private key is never readable by others, not even briefly);
+    default 0666 less the umask."""
     path = pathlib.Path(path)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)       # mkstemp makes 0600; the result gets a normal file mode
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask           # mkstemp makes 0600; the result gets a normal file mode
+        os.chmod(tmp, mode)
         yield pathlib.Path(tmp)
         with open(tmp, "rb+") as f:
             fsync_file(f)
@@ -126,8 +130,8 @@ def atomic_path(path: str | os.PathLike):
                 os.unlink(tmp)
 
 
-def write_bytes_atomic(path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+def write_bytes_atomic(path, data: bytes, mode: int | None = None) -> None:
+    with atomic_path(path, mode) as tmp:
         with open(tmp, "wb", buffering=0) as f:
             write_all(f, data)
 

@@ -178,8 +178,17 @@ class RunDir:
         return Ledger(self.ledger_file, genesis)
 
     def verify_ledger(self, genesis: str) -> str:
-        """The run hash: the ledger's chain verified from the genesis (ledger.LedgerError otherwise)."""
-        return verify_chain(self.ledger_file, genesis)
+        """The run hash: the ledger's chain verified from the genesis (ledger.LedgerError otherwise).
+        An incomplete last line while a writer holds the run is a record being appended, and the
+        error says so (readers do not wait for the writer)."""
+        try:
+            return verify_chain(self.ledger_file, genesis)
+        except LedgerError as e:
+            holder = self.writer() if "incomplete last line" in str(e) else None
+            if holder is None or (holder["host"] == socket.gethostname() and not _alive(holder["pid"])):
+                raise
+            raise LedgerError(f"{e}; the run is being written (pid {holder['pid']} on host {holder['host']}): "
+                              f"that is a record being appended, read it again", e.line, e.step) from None
 
     def records(self) -> list[dict]:
         """The ledger's records in file order (not verified: see verify_ledger)."""
@@ -230,6 +239,17 @@ class RunDir:
     def select_checkpoint(self, step: int | None = None, error=CheckpointError) -> int:
         """`step` if the run has its checkpoint, the latest checkpoint's step for None; else `error`."""
         return select_checkpoint(self.path, step, error)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this host has the pid (a reader's check, for messages only)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True                   # it exists, owned by someone else
+    return True
 
 
 class _WriterLock:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib.metadata
-import os
 import pathlib
 import platform
 
@@ -178,8 +177,7 @@ def generate_key(path) -> str:
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    write_bytes_atomic(p, pem)
-    os.chmod(p, 0o600)
+    write_bytes_atomic(p, pem, mode=0o600)
     return public_key_hex(key)
 
 

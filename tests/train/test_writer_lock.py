@@ -125,3 +125,23 @@ def test_distributed_rank0_is_refused_and_every_worker_stops(tmp_path, holder):
     assert r.returncode != 0
     assert r.stderr.count(f"pid {p.pid} on host {socket.gethostname()}") >= 2, r.stderr[-3000:]   # both workers
     assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_FILE} == before
+
+
+def test_a_reader_meeting_a_record_being_appended_is_told_so(tmp_path, corpus, holder):  # noqa: F811
+    """Readers never take the lock: an incomplete last line stays an error for them, named as a
+    record being appended while the writer lives, as an interrupted write once it is gone."""
+    from mlx_open1b.ledger import LedgerError
+    run = tmp_path / "run"
+    tr = Trainer.new(run, micro_cfg(), corpus, log=lambda m: None)
+    tr.train(1)
+    tr.rundir.unlock()
+    with open(run / "ledger.jsonl", "ab") as f:
+        f.write(b'{"step":1,"half a rec')
+    p = holder(run)
+    with pytest.raises(LedgerError, match=f"incomplete last line .*being written \\(pid {p.pid} on host"):
+        RunDir(run).verify_ledger(tr.genesis)
+    p.kill()
+    p.wait()
+    with pytest.raises(LedgerError, match="incomplete last line") as e:
+        RunDir(run).verify_ledger(tr.genesis)
+    assert "being written" not in str(e.value)
