@@ -27,6 +27,7 @@ from . import runtime
 NAME = "cuda"
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
 GEMM_TILE = 128      # linear.cu's block tile (BM = BN), computed by 16 x 16 threads
+GEMM_SLICE = 16      # linear.cu's BK: values of p per shared slice, the unit of its FMA guard
 GI_TILE = 64         # quant.cu's GI_BM = GI_BN: the int8 GEMM's output tile per block
 GI_THREADS = 128     # quant.cu's GI_THREADS: 4 warps per block of the int8 GEMM
 

@@ -25,7 +25,7 @@
  *     plain static arrays, as blocks run one after another.
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
  *     __fmaf_rn, __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz,
- *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz); float4;
+ *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz); float4, uint4;
  *     atomicMin and atomicMax on int; __launch_bounds__ (ignored).
  *     The single-precision ones are the fp32 unit of hwfloat.h (included before this file, with
  *     O1B_HW_DAZ = EMU_FTZ != 0 and O1B_HW_FTZ = EMU_FTZ, and any planted fault or adversarial
@@ -103,6 +103,7 @@ static inline float emu_fma_rn_ftz(float a, float b, float c) { return o1b_hw_fm
 /* 128-bit vector of four floats (16-byte aligned, as CUDA's) for vectorized shared-memory access */
 struct alignas(16) float4 { float x, y, z, w; };
 static inline float4 make_float4(float x, float y, float z, float w) { float4 v = {x, y, z, w}; return v; }
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
 
 /* Atomics: fibers switch only at barriers and returns, so a read-modify-write is atomic as written. */
 static inline int atomicMin(int *p, int v) { int old = *p; if (v < old) *p = v; return old; }

@@ -1,16 +1,17 @@
 """The CUDA GEMM's FMA tile guard (cuda/linear.cu; CONTRACT.md §6.1, implementation notes) against
 the C reference's definition (o1b_gemm, settings(gemm_fast=False)), bit for bit.
 
-Per (128 x 128 block tile, 8-value slice of p) the kernel takes the fused path (one fma.rn.ftz per
+Per (block tile, slice of p) the kernel takes the fused path (one fma.rn.ftz per
 step) when the exponent fields of the tile's nonzero operands satisfy minA + minB >= 128 and
 maxA + maxB <= 380 and none is inf or NaN, else the exact path (o1b_add(acc, o1b_mul(a, b))). The
-crafted operands put each case in its own slice of one tile (I = 150, J = 140: two row tiles and two
-column tiles, the second ones partial; P = 8 * 13 + 3: the last slice partial), on ordinary values
+crafted operands put each case in its own slice of one tile (I, J: two row tiles and two column
+tiles, the second ones partial; P: 13 slices and a partial one), on ordinary values
 whose products keep every other tile on the fused path:
 - a product exactly at 2^-126 (exponent sum 128, fused), just below (sum 127: a product that flushes,
   exact path), cancellation to a tiny sum of either sign (fused: flushed like add's), a product one
   exponent over the overflow bound (sum 381, exact path) and at it (sum 380, fused: the sum overflows),
-  signed zeros, inf and NaN in one tile only, and the accumulating start value.
+  signed zeros, bf16 subnormal operands, inf and NaN in one tile only, and the accumulating start
+  value.
 Each case's target element is one where a fused multiply-add of the wrong kind gives other bits
 (checked here on a model of the sequence), and each case's tile also holds a probe element whose
 sum cancels to a negative tiny value: under the planted `flush_unsigned` fault the fused path returns
@@ -37,8 +38,9 @@ _gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 _gemm.restype = None
 
-I, J, SLICES = 150, 140, 13
-P = 8 * SLICES + 3
+TILE, BK = cu.GEMM_TILE, cu.GEMM_SLICE          # linear.cu's block tile and slice of p
+I, J, SLICES = TILE + 22, TILE + 12, 13
+P = BK * SLICES + 3
 BF16_MAX = 0x7F7F
 NEG_MAX_F32 = 0xFF7FFFFF
 
@@ -79,6 +81,12 @@ CASES = {
     "accumulate_negative_zero": ((0, 1), [[(0x8000, bf(0.5)), (bf(0.25), 0x8000)]], "fused", 0x80000000),
     # accumulating from -max_f32: 1.125*2^128 overflows (exact path); fused would give a finite sum
     "accumulate_overflow": ((1, 1), [[(bf(1.5 * 2.0 ** 64), bf(1.5 * 2.0 ** 63))]], "exact", NEG_MAX_F32),
+    # a bf16 subnormal operand is a zero of its sign (§2): -0 * 2^100 adds -0, so +0 stays; on the
+    # fused path the instruction's input flush does it, on the exact path the kernel's flush (the
+    # exponent sum 127 of the first two steps makes this tile exact)
+    "subnormal_operand_fused": ((1, 1), [[(0x8001, bf(2.0 ** 100))]], "fused", None),
+    "subnormal_operand_exact": ((1, 0), [[(bf(2.0 ** -63), bf(2.0 ** -63)), (bf(2.0 ** -63), bf(-(2.0 ** -64))),
+                                          (0x8001, bf(2.0 ** 100)), (0x807F, bf(2.0 ** 100))]], "exact", None),
     # inf in this tile's slice only (its row tile's other column tile shares the A values)
     "inf_one_tile": ((0, 0), [[(0x7F80, bf(0.5)), (bf(1.0), bf(-1.0))]], "exact", None),
     "nan_one_tile": ((0, 1), [[(bf(1.0), 0x7FC0), (bf(1.0), bf(-1.0))]], "exact", None),
@@ -101,7 +109,7 @@ def build(seed: int = 0):
     for name, (tile, slices, path, c0) in CASES.items():
         ki, kj = rows.get(tile[0], 0), cols.get(tile[1], 0)
         rows[tile[0]], cols[tile[1]] = ki + 1, kj + 1
-        ti, tj = tile[0] * 128 + 2 * ki, tile[1] * 128 + 2 * kj
+        ti, tj = tile[0] * TILE + 2 * ki, tile[1] * TILE + 2 * kj
         for role, (i, j) in (("target", (ti, tj)), ("probe", (ti + 1, tj + 1))):
             # the element sums its planted steps and -0 products, which change no accumulator
             A[i, :] = 0x8000
@@ -110,8 +118,8 @@ def build(seed: int = 0):
             for s, seq in enumerate(seqs):
                 off = 4 if role == "probe" else 0                 # the probe's p after the target's
                 for q, (a, b) in enumerate(seq):
-                    A[i, 8 * (slice0 + s) + off + q] = a
-                    B[8 * (slice0 + s) + off + q, j] = b
+                    A[i, BK * (slice0 + s) + off + q] = a
+                    B[BK * (slice0 + s) + off + q, j] = b
         if c0 is not None:
             C0[ti, tj] = np.array(c0, np.uint32).view(np.float32)
         where[name] = (ti, tj, ti + 1, tj + 1, slice0 + len(slices) - 1)
@@ -122,6 +130,7 @@ def build(seed: int = 0):
 
 def reference(A, B, C0, accumulate):
     """The definition (the C reference's plain loop), row-major A and B."""
+    (I, P), J = A.shape, B.shape[1]
     C = np.ascontiguousarray(C0.copy())
     Ac, Bc = np.ascontiguousarray(A), np.ascontiguousarray(B)
     with settings(gemm_fast=False):
@@ -134,6 +143,7 @@ LAYOUTS = {"A_rows_B_rows": (False, False), "A_cols_B_cols": (True, True), "A_ro
 
 
 def cuda_gemm(A, B, C0, accumulate, layout="A_rows_B_rows"):
+    (I, P), J = A.shape, B.shape[1]
     ta, tb = LAYOUTS[layout]
     a = np.ascontiguousarray(A.T if ta else A)
     b = np.ascontiguousarray(B.T if tb else B)
@@ -227,3 +237,31 @@ def test_each_tile_takes_the_path_the_guard_says():
         for layout, g in got.items():
             fused = g[pi, pj].view(np.uint32) == 0
             assert fused == (path == "fused"), f"{name} ({layout}): the {'fused' if fused else 'exact'} path was taken"
+
+
+def mixed_operand(rng, shape):
+    """Ordinary values with a sprinkling of zeros, bf16 subnormals, tiny and huge values, inf and NaN:
+    some slices fused, some exact."""
+    e = rng.integers(118, 127, shape).astype(np.uint16)
+    v = (rng.integers(0, 2, shape).astype(np.uint16) << 15) | (e << 7) | rng.integers(0, 128, shape).astype(np.uint16)
+    for bits, frac in ((0x0000, 0.05), (0x8000, 0.05), (0x0001, 0.003), (0x8081, 0.003), (bf(2.0 ** -70), 0.002),
+                       (bf(2.0 ** 70), 0.002), (0x7F80, 0.0005), (0x7FC0, 0.0005)):
+        v[rng.random(shape) < frac] = bits
+    return v
+
+
+@needs_emulator
+@pytest.mark.parametrize("shape", [(136, 264, 96), (129, 130, 100)], ids=lambda s: "x".join(map(str, s)))   # I, J, P
+def test_layouts_and_vector_loads(shape):
+    """Operands whose rows are 16-byte aligned (one 128-bit load per thread and slice) and not (eight
+    2-byte loads), in every staging layout, under the race check, against the definition."""
+    rng = np.random.default_rng(sum(shape))
+    m, n, k = shape
+    A, B = mixed_operand(rng, (m, k)), mixed_operand(rng, (k, n))
+    C0 = rng.standard_normal((m, n)).astype(np.float32)
+    for accumulate in (False, True):
+        want = reference(A, B, C0, accumulate)
+        for layout in LAYOUTS:
+            with runtime.emulate(), emu.options(race_check=True):
+                got = cuda_gemm(A, B, C0, accumulate, layout)
+            assert_bits_equal(got, want, f"{shape} {layout} accumulate={accumulate}")
