@@ -8,12 +8,14 @@
  *
  * Register blocking: a block of 16 x 16 threads computes a BM x BN = 128 x 128 tile of C, each thread
  * 8 x 8 outputs (rows ty*4 + {0..3} and 64 + ty*4 + {0..3}, columns likewise with tx), each output one
- * register from its first product to its store. p goes through shared memory in slices of BK = 8
+ * register from its first product to its store. p goes through shared memory in slices of BK = 16
  * values, k-major (As[p][i], Bs[p][j], so a thread reads its 8 + 8 operands of one p as four 128-bit
- * loads), double buffered: the next slice's global loads are in flight while this one is computed,
- * and one barrier per slice separates both. Every output adds the slice's products for p ascending
- * and keeps its accumulator across slices, so the sequence of roundings is the plain loop's; no tile
- * size enters the arithmetic (no split-K, no tensor cores).
+ * loads), double buffered: the next slice's global loads (one 128-bit load per operand and thread
+ * where the data allow) are in flight while this one is computed, and one barrier per slice
+ * separates both. A last, partial slice adds only its own values of p (padding is never added).
+ * Every output adds the slice's products for p ascending and keeps its accumulator across slices, so
+ * the sequence of roundings is the plain loop's; no tile size enters the arithmetic (no split-K, no
+ * tensor cores).
  *
  * The FMA tile guard (CONTRACT.md §6.1, implementation notes): while a slice is staged, the block
  * reduces the exponent fields of its nonzero A and B values (the tile's rows and columns, the
@@ -22,7 +24,8 @@
  * lies in [2^-126, 2^128): exact in fp32) and no operand is inf or NaN, the slice's steps are
  * fused multiply-adds with the instruction's own flush (o1b_fma_ftz), which the notes prove equal
  * to add(acc, mul(a, b)); otherwise each step is o1b_add(acc, o1b_mul(a, b)). The decision is per
- * (block tile, slice) and the same for the whole block.
+ * (block tile, slice) and the same for the whole block. (The per-thread atomicMin/atomicMax on
+ * shared memory compile to one warp reduction and one atomic per warp.)
  * Launch: block (16, 16), a 1-D grid of ceil(I/BM) * ceil(J/BN) blocks (tile row-major: block b covers
  * rows (b / ceil(J/BN)) * BM.. and columns (b % ceil(J/BN)) * BN..).
  */
