@@ -28,8 +28,8 @@ NAME = "cuda"
 BLOCK = 128          # threads per block of the 1-D kernels (no result depends on it)
 GEMM_TILE = 128      # linear.cu's block tile (BM = BN), computed by 16 x 16 threads
 GEMM_SLICE = 16      # linear.cu's BK: values of p per shared slice, the unit of its FMA guard
-GI_TILE = 64         # quant.cu's GI_BM = GI_BN: the int8 GEMM's output tile per block
-GI_THREADS = 128     # quant.cu's GI_THREADS: 4 warps per block of the int8 GEMM
+GI_TILE = 128        # quant.cu's GI_BM = GI_BN: the int8 GEMM's output tile per block
+GI_THREADS = 256     # quant.cu's GI_THREADS: 8 warps per block of the int8 GEMM
 
 i64, i32, u32, u64, f32 = np.int64, np.int32, np.uint32, np.uint64, np.float32
 

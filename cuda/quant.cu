@@ -14,7 +14,7 @@
  *               (fp32 add/sub, or exact int32)
  * One thread per output everywhere but the GEMM (one per row for the weight scales, one per (block,
  * column) for the rotation, one per block of Q_CHUNK elements for the absmax partials); the GEMM
- * runs 64 x 64 output tiles per block of 4 warps on the int8 tensor-core instruction, staged in
+ * runs 128 x 128 output tiles per block of 8 warps on the int8 tensor-core instruction, staged in
  * shared memory. Integer sums are exact in any order; every fp32 value comes from the contract
  * helpers in the written order, so the results equal cpu_ref/src/quant.c bit for bit.
  */
@@ -31,10 +31,16 @@
 #define INV_QB 0x1p-7f            /* 1/QB, exact */
 #define Q_CHUNK 4096              /* elements per absmax partial (no result depends on it) */
 #define Q_BAD 0xFFFFFFFFu         /* absmax partial of a chunk holding an inf or NaN */
-#define GI_BM 64                  /* int8 GEMM: rows of A (and of C) per block */
-#define GI_BN 64                  /* int8 GEMM: rows of B (columns of C) per block */
+#define GI_BM 128                 /* int8 GEMM: rows of A (and of C) per block */
+#define GI_BN 128                 /* int8 GEMM: rows of B (columns of C) per block */
 #define GI_BK 64                  /* int8 GEMM: contraction step, bytes per staged row */
-#define GI_THREADS 128            /* int8 GEMM: 4 warps, 2 x 2, each a 32 x 32 quarter of the tile */
+#define GI_THREADS 256            /* int8 GEMM: 8 warps, 2 x 4, each 64 x 32 of the tile */
+#define GI_MI 4                   /* int8 GEMM: 16-row instruction tiles per warp */
+#define GI_NI 4                   /* int8 GEMM: 8-column instruction tiles per warp */
+static_assert(GI_BM == 2 * 16 * GI_MI && GI_BN == 4 * 8 * GI_NI && GI_THREADS == 8 * 32,
+              "int8 GEMM: 2 x 4 warps cover the tile");
+static_assert(GI_BM * GI_BK / 16 == 2 * GI_THREADS && GI_BN * GI_BK / 16 == 2 * GI_THREADS,
+              "int8 GEMM: each thread stages two 16-byte units of A and two of B per step");
 
 typedef signed char i8;
 
@@ -132,11 +138,12 @@ extern "C" __global__ void o1b_q_tensor_levels_t(i64 R, i64 C, const float *f, c
 /* C[i*J + j] = sum_p A[i*sa_i + p*sa_p] * B[j*sb_j + p*sb_p] in int32, exactly.
  *
  * Grid (ceil(I/GI_BM), ceil(J/GI_BN)) of GI_THREADS threads: block (x, y) computes the tile
- * i0 = 64x ... i0 + 63, j0 = 64y ... j0 + 63 of C; warp w its quarter wm = w >> 1 (rows), wn = w & 1
- * (columns), as 2 x 4 instruction tiles of 16 x 8 (32 int32 accumulators per lane). The contraction
- * runs in steps of GI_BK = 64: the block stages the step's 64 bytes of its 64 rows of A and of B in
- * shared memory, +0 outside the matrices (edge tiles: zeros add nothing, so padding is exact), while
- * it loads the next step's into registers.
+ * i0 = 128x ... i0 + 127, j0 = 128y ... j0 + 127 of C; warp w the 64 x 32 part wm = w >> 2 (rows),
+ * wn = w & 3 (columns), as GI_MI x GI_NI = 4 x 4 instruction tiles of 16 x 8 (64 int32 accumulators
+ * per lane). The contraction runs in steps of GI_BK = 64: the block stages the step's 64 bytes of its
+ * 128 rows of A and of B in shared memory, +0 outside the matrices (edge tiles: zeros add nothing, so
+ * padding is exact), while it loads the next step's into registers. (128 x 128 tiles: each staged
+ * byte feeds 128 multiply-adds, twice as many as 64 x 64 tiles.)
  *
  * Which instruction slot holds which p: lane (g, t) = (lane >> 2, lane & 3) feeds instruction
  * s (0, 1) of a step with bytes 16t + 8s ... 16t + 8s + 7 of the step: the low 4 in its slots
@@ -151,8 +158,8 @@ extern "C" __global__ void o1b_q_tensor_levels_t(i64 R, i64 C, const float *f, c
  *      (m the 16-row tile), bytes 16t + 8s ... + 7: words (row g low 4, row g + 8 low 4, row g high 4,
  *      row g + 8 high 4) = a0 ... a3 of instruction s. The XOR spreads the two s of a row pair over
  *      both halves of the banks.
- * Staging: thread tid fills A units tid and tid + 128 (two 8-byte loads each, from rows R and R + 8)
- * and B pieces tid and tid + 128 (row c >> 2, bytes 16 (c & 3), one 16-byte load each).
+ * Staging: thread tid fills A units tid and tid + 256 (two 8-byte loads each, from rows R and R + 8)
+ * and B pieces tid and tid + 256 (row c >> 2, bytes 16 (c & 3), one 16-byte load each).
  *
  * The sums wrap modulo 2^32 (the instruction has no .satfinite); exact anyway, as §6.9's bounds keep
  * |acc| < 2^31 at every step of every order. */
@@ -187,8 +194,8 @@ __device__ __forceinline__ int o1b_gi_unit_byte(int u) {
     return 16 * (u & 3) + 8 * (((u >> 2) & 1) ^ ((u >> 3) & 1));
 }
 
-/* Thread tid's share of one step, from global memory into registers: A units tid, tid + 128 (rows
- * R and R + 8, 8 bytes each) and B pieces tid, tid + 128 (16 bytes). */
+/* Thread tid's share of one step, from global memory into registers: A units tid, tid + GI_THREADS
+ * (rows R and R + 8, 8 bytes each) and B pieces tid, tid + GI_THREADS (16 bytes). */
 template <bool VEC>
 __device__ __forceinline__ void o1b_gi_stage_load(u32 ga[2][4], u32 gb[2][4], const i8 *Ab, i64 ri, i64 sa_i,
                                                   i64 sa_p, const i8 *Bb, i64 rj, i64 sb_j, i64 sb_p, i64 P,
@@ -244,13 +251,13 @@ template <bool VEC>
 __device__ __forceinline__ void o1b_gemm_i8_tile(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
                                                  const i8 *B, i64 sb_j, i64 sb_p, int *C, u32 *As, u32 *Bs) {
     int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    int wm = warp >> 1, wn = warp & 1;
+    int wm = warp >> 2, wn = warp & 3;
     i64 i0 = (i64)blockIdx.x * GI_BM, j0 = (i64)blockIdx.y * GI_BN;
     const i8 *Ab = A + i0 * sa_i, *Bb = B + j0 * sb_j;
     i64 ri = I - i0, rj = J - j0;          /* rows of A and of B left from this tile on */
-    int acc[2][4][4];
-    for (int mi = 0; mi < 2; mi++)
-        for (int ni = 0; ni < 4; ni++)
+    int acc[GI_MI][GI_NI][4];
+    for (int mi = 0; mi < GI_MI; mi++)
+        for (int ni = 0; ni < GI_NI; ni++)
             for (int c = 0; c < 4; c++) acc[mi][ni][c] = 0;
     u32 ga[2][4], gb[2][4];
     o1b_gi_rows rows;
@@ -270,20 +277,20 @@ __device__ __forceinline__ void o1b_gemm_i8_tile(i64 I, i64 J, i64 P, const i8 *
             if (VEC) o1b_gi_stage_load_vec(ga, gb, rows, (int)P, (int)p0 + GI_BK);
             else o1b_gi_stage_load<VEC>(ga, gb, Ab, ri, sa_i, sa_p, Bb, rj, sb_j, sb_p, P, p0 + GI_BK, tid);
         }
-        u32 fa[2][2][4], fb[4][4];        /* [16-row tile][instruction][word]; [8-row tile][word] */
-        for (int mi = 0; mi < 2; mi++)
+        u32 fa[GI_MI][2][4], fb[GI_NI][4];        /* [16-row tile][instruction][word]; [8-row tile][word] */
+        for (int mi = 0; mi < GI_MI; mi++)
             for (int s = 0; s < 2; s++)
-                o1b_load16(fa[mi][s], &As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]);
-        for (int ni = 0; ni < 4; ni++) o1b_load16(fb[ni], &Bs[16 * (32 * wn + 8 * ni + g) + 4 * t]);
+                o1b_load16(fa[mi][s], &As[4 * (64 * (GI_MI * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]);
+        for (int ni = 0; ni < GI_NI; ni++) o1b_load16(fb[ni], &Bs[16 * (8 * GI_NI * wn + 8 * ni + g) + 4 * t]);
         for (int s = 0; s < 2; s++)
-            for (int mi = 0; mi < 2; mi++)
-                for (int ni = 0; ni < 4; ni++) o1b_mma_s8_16x8x32(acc[mi][ni], fa[mi][s], &fb[ni][2 * s]);
+            for (int mi = 0; mi < GI_MI; mi++)
+                for (int ni = 0; ni < GI_NI; ni++) o1b_mma_s8_16x8x32(acc[mi][ni], fa[mi][s], &fb[ni][2 * s]);
         __syncthreads();
     }
-    for (int mi = 0; mi < 2; mi++)
-        for (int ni = 0; ni < 4; ni++)
+    for (int mi = 0; mi < GI_MI; mi++)
+        for (int ni = 0; ni < GI_NI; ni++)
             for (int c = 0; c < 4; c++) {
-                i64 i = i0 + 32 * wm + 16 * mi + g + 8 * (c >> 1), j = j0 + 32 * wn + 8 * ni + 2 * t + (c & 1);
+                i64 i = i0 + 16 * GI_MI * wm + 16 * mi + g + 8 * (c >> 1), j = j0 + 8 * GI_NI * wn + 8 * ni + 2 * t + (c & 1);
                 if (i < I && j < J) C[i * J + j] = acc[mi][ni][c];
             }
 }

@@ -137,7 +137,7 @@ def parse_safetensors(buf, where: str = STATE_FILE) -> tuple[dict, dict]:
         raise CheckpointError(f"{where}: header length {n} does not fit the file ({size} bytes): truncated or corrupt")
     try:
         header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:     # nesting deeper than the parser goes
         raise CheckpointError(f"{where}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{where}: header is not a JSON object")
@@ -342,7 +342,7 @@ def load_checkpoint(path, *, verify_tensors: bool = True, contract_version: int 
         raise CheckpointError(f"{path}: {META_FILE} is missing (not a checkpoint, or an incomplete one)")
     try:
         meta = json.loads(mp.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{mp}: not valid JSON ({e}): corrupt or truncated") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{mp}: not a JSON object")

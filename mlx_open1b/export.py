@@ -188,10 +188,18 @@ def load_export(export_dir) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
         conf = json.loads((d / "config.json").read_text())
     except FileNotFoundError:
         raise ExportError(f"{d}: no config.json (not an open1b export)") from None
-    if conf.get("format") != FORMAT:
-        raise ExportError(f"{d / 'config.json'}: format {conf.get('format')!r}, expected {FORMAT!r}")
-    cfg = ModelConfig(**conf["architecture"])
-    fmt = conf["export_format"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ExportError(f"{d / 'config.json'}: not a readable JSON file ({e})") from None
+    if not isinstance(conf, dict) or conf.get("format") != FORMAT:
+        got = conf.get("format") if isinstance(conf, dict) else None
+        raise ExportError(f"{d / 'config.json'}: format {got!r}, expected {FORMAT!r}")
+    try:
+        cfg = ModelConfig(**conf["architecture"])
+        cfg.check()
+        fmt = conf["export_format"]
+        FILES[fmt]
+    except (KeyError, TypeError, ValueError) as e:         # ConfigError is a ValueError
+        raise ExportError(f"{d / 'config.json'}: malformed ({type(e).__name__}: {e})") from None
     try:
         tensors, _ = read_safetensors(d / FILES[fmt])
     except CheckpointError as e:

@@ -120,7 +120,7 @@ def _check_lines(path, lines: list[bytes], genesis: str) -> list[dict]:
         at = f"{path}: line {i} (step {step})"
         try:
             rec = json.loads(raw.decode("ascii"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:    # nesting too deep too
             raise LedgerError(f"{at}: not a JSON record ({e})", i, step) from None
         if not isinstance(rec, dict):
             raise LedgerError(f"{at}: not a JSON object", i, step)
@@ -185,7 +185,7 @@ def run_hash(path) -> str:
         raise LedgerError(f"{path}: the ledger has no records")
     try:
         h = json.loads(lines[-1])["hash"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
         raise LedgerError(f"{path}: line {len(lines)}: not a ledger record", len(lines)) from None
     return h
 

@@ -145,7 +145,7 @@ class RunDir:
             raise error(f"{self.path}: not a run directory (no {RUN_FILE})", exit_code=2)
         try:
             return RunInfo.from_json(json.loads(self.run_file.read_text()))
-        except (ValueError, UnicodeDecodeError) as e:       # JSONDecodeError and ConfigError included
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # JSONDecodeError, ConfigError, deep nesting
             raise error(f"{self.run_file}: malformed ({e})", exit_code=1) from None
 
     def create(self, info: RunInfo) -> None:

@@ -189,7 +189,37 @@ def load(path) -> dict:
     for key in ("contract_version", "ops"):
         if key not in d:
             raise BundleError(f"{path}: malformed bundle (no {key!r})")
+    _check_shape(path, d)
     return d
+
+
+def _check_shape(path, d: dict) -> None:
+    """BundleError naming the field of a bundle whose structure compare() cannot read: ops is
+    {op: [case, ...]} with each case an object with an integer "case" (outputs an object of
+    strings, error a string); training is null or an object with a list of record objects."""
+    def bad(where, what):
+        raise BundleError(f"{path}: malformed bundle ({where}: {what})")
+    if not isinstance(d["ops"], dict):
+        bad("ops", "not an object")
+    for op, cases in d["ops"].items():
+        if not isinstance(cases, list):
+            bad(f"ops.{op}", "not a list of cases")
+        for i, c in enumerate(cases):
+            if not isinstance(c, dict) or not isinstance(c.get("case"), int) or isinstance(c.get("case"), bool):
+                bad(f"ops.{op}[{i}]", "not a case with an integer \"case\"")
+            outs = c.get("outputs", {})
+            if not isinstance(outs, dict) or not all(isinstance(v, str) for v in outs.values()):
+                bad(f"ops.{op}[{i}].outputs", "not an object of hashes")
+            for k in ("seed", "inputs", "desc", "error"):
+                if isinstance(c.get(k), (dict, list)):
+                    bad(f"ops.{op}[{i}].{k}", "not a scalar")
+    t = d.get("training")
+    if t is not None:
+        if not isinstance(t, dict) or not isinstance(t.get("ledger", []), list) \
+                or not all(isinstance(r, dict) for r in t.get("ledger", [])):
+            bad("training", "not an object with a list of ledger records")
+        if not isinstance(t.get("steps"), (int, type(None))) or isinstance(t.get("steps"), bool):
+            bad("training.steps", "not an integer")
 
 
 def intact(bundle: dict) -> bool:

@@ -113,7 +113,7 @@ def _read_attestation(path) -> dict:
         return json.loads(p.read_text())
     except FileNotFoundError:
         raise AttestError(f"{p}: no such attestation file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise AttestError(f"{p}: not JSON ({e}); no report is made from a partial set of attestations") from None
 
 

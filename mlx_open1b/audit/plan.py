@@ -78,7 +78,7 @@ def load_plan(path, run: RunView) -> dict:
         plan = json.loads(p.read_text())
     except FileNotFoundError:
         raise AttestError(f"{p}: no such plan file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise AttestError(f"{p}: not JSON ({e})") from None
     if not isinstance(plan, dict) or plan.get("kind") != PLAN_KIND:
         raise AttestError(f"{p}: not an audit plan (kind {plan.get('kind') if isinstance(plan, dict) else None!r}, "

@@ -58,7 +58,7 @@ def checkpoint_meta(run: RunView, step: int) -> dict:
         raise AttestError(f"{d}: missing (no {META_FILE})")
     try:
         meta = json.loads(mp.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise AttestError(f"{mp}: not valid JSON ({e})", exit_code=1) from None
     if not isinstance(meta, dict) or meta.get("meta_hash") != _meta_hash(meta):
         raise AttestError(f"{mp}: contents do not match its meta_hash (edited or corrupt)", exit_code=1)

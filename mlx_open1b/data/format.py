@@ -95,7 +95,7 @@ class Manifest:
             raise DataError(f"{path}: no manifest (run `open1b data prepare` first)")
         try:
             d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise DataError(f"{path}: not valid JSON ({e})") from None
         return cls.from_json(d, str(path))
 

@@ -233,7 +233,7 @@ def load(path=None) -> Golden:
         raise file_error(path, f"unreadable ({e.strerror or e})") from None
     try:
         d = json.loads(raw.decode("ascii"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise file_error(path, f"not valid JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         fmt = d.get("format") if isinstance(d, dict) else None

@@ -5,9 +5,9 @@ o1b_mma_s8_16x8x32) against the C reference and numpy's exact integer product, b
   ISA's layout for mma.m16n8k32 .s8, written out here in numpy independently of imma.cuh. On a GPU
   (sm_80+) this runs the real instruction, so it also checks that reading of the layout; in the
   emulator it checks the model, and that a lane missing from the collective step is an error.
-- The GEMM on shapes that cross every tile boundary (64-row output tiles in both dimensions, the
+- The GEMM on shapes that cross every tile boundary (128-row output tiles in both dimensions, the
   64-byte contraction step, the 16-byte vector path and the byte path), strided and transposed
-  operands, the ±127 / −128 extremes at the length bound, under the emulator's race check.
+  operands, the ±127 / −128 extremes (at the length bound: slow), under the emulator's race check.
 - The whole int8 layer (forward, dx, dW) at tile-crossing shapes, equal to cpu_ref, with race check.
 - The transposed quantizer equals the plain one transposed (data movement only).
 - The fallback below sm_80 (warp shuffles) equals the instruction, in the emulator.
@@ -149,21 +149,21 @@ def test_gemm_on_the_shuffle_fallback_emulated(monkeypatch):
     with runtime.emulate():
         mod = runtime.CudaModule("#define O1B_IMMA_SHUFFLE\n" + runtime.read_source("quant.cu"), name="quant.cu")
         monkeypatch.setattr(runtime, "load", lambda filename, *args, **kwargs: mod)
-        check_gemm([(65, 63, 80), (3, 70, 33)])
+        check_gemm([(129, 3, 80), (3, 130, 33)], layouts=False)
 
 
 # ================================================================== the GEMM
-# (I, J, P): 1x1x1; remainders in every dimension around the 64 x 64 output tile and the 64-byte
+# (I, J, P): 1x1x1; remainders in every dimension around the 128 x 128 output tile and the 64-byte
 # step; P multiples of 16 (16-byte loads) and not (byte loads); several tiles in I and J.
-GEMM_SHAPES = [(1, 1, 1), (1, 1, 16), (3, 5, 7), (63, 65, 64), (64, 64, 65), (65, 63, 17),
-               (130, 70, 129), (129, 131, 80), (2, 200, 48), (200, 3, 33)]
+GEMM_SHAPES = [(1, 1, 1), (3, 5, 48), (127, 129, 64), (128, 128, 65), (129, 127, 17), (257, 3, 129),
+               (2, 258, 80)]
 
 
 def gemm_i8(I, J, P, a, sa_i, sa_p, b, sb_j, sb_p):
     return cu.to_host(cu._gemm_i8(I, J, P, cu._dev(a), sa_i, sa_p, cu._dev(b), sb_j, sb_p))
 
 
-def check_gemm(shapes=GEMM_SHAPES):
+def check_gemm(shapes=GEMM_SHAPES, layouts=True):
     for I, J, P in shapes:
         rng = rng_for(f"gemm{I},{J},{P}")
         a, b = rand_i8(rng, (I, P)), rand_i8(rng, (J, P))
@@ -171,6 +171,8 @@ def check_gemm(shapes=GEMM_SHAPES):
         assert np.array_equal(want, exact(a, b))
         got = cu.gemm_i8(a, b)
         assert got.dtype == np.int32 and np.array_equal(got, want), (I, J, P)
+        if not layouts:
+            continue
         # the backward's layouts: contraction along rows (strided) and transposed copies (contiguous)
         at, bt = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
         assert np.array_equal(gemm_i8(I, J, P, at, 1, I, bt, 1, J), want), (I, J, P, "strided")
@@ -184,7 +186,7 @@ def test_gemm_crosses_every_tile_boundary():
 @pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
 def test_gemm_race_check():
     with runtime.emulate(), emu.options(race_check=True):
-        check_gemm(GEMM_SHAPES[:7])
+        check_gemm(GEMM_SHAPES[:5], layouts=False)
 
 
 def check_extremes(P=Q_MAX_P):
@@ -207,12 +209,23 @@ def check_extremes(P=Q_MAX_P):
     assert np.array_equal(gemm_i8(2, 66, P2, a, P2, 1, b, P2, 1).astype(np.int64), want)
 
 
+@pytest.mark.slow
 def test_gemm_extremes_at_the_length_bound():
     check_extremes()
 
 
+def test_gemm_extreme_levels():
+    """-128, -127 and 127 in both operands, on the 16-byte path and the byte path."""
+    for P in (1024, 1001):
+        rng = rng_for(f"ext{P}")
+        a = rng.choice(np.array([-128, -127, 127], np.int8), (3, P))
+        b = rng.choice(np.array([-128, -127, 127], np.int8), (130, P))
+        b[0], b[129] = -128, 127
+        assert np.array_equal(gemm_i8(3, 130, P, a, P, 1, b, P, 1), exact(a, b)), P
+
+
 # ================================================================== the int8 layer
-LAYER_SHAPES = [(1, 1, 1), (65, 70, 129), (130, 64, 65)]     # (N, K, M)
+LAYER_SHAPES = [(1, 1, 1), (129, 70, 130), (130, 64, 65)]     # (N, K, M)
 
 
 def check_layer(shapes=LAYER_SHAPES):
@@ -260,8 +273,8 @@ FAULTS = [
     ("model: accumulator not read", "        u32 s = (u32)d[i];\n", "        u32 s = 0u;\n", "mma"),
     ("fallback: A from lane (q, g) instead of (g, q)", "a[2 * h], 4 * g + q);", "a[2 * h], 4 * q + g);",
      "shuffle"),
-    ("kernel: A fragment unit without the XOR", "&As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]",
-     "&As[4 * (64 * (2 * wm + mi) + 8 * g + 4 * s + t)]", "gemm"),
+    ("kernel: A fragment unit without the XOR", "&As[4 * (64 * (GI_MI * wm + mi) + 8 * g + 4 * (s ^ (g & 1)) + t)]",
+     "&As[4 * (64 * (GI_MI * wm + mi) + 8 * g + 4 * s + t)]", "gemm"),
     ("kernel: B words of the other instruction", "&fb[ni][2 * s]);", "&fb[ni][2 - 2 * s]);", "gemm"),
     ("kernel: A rows R and R + 8 swapped in a unit",
      "ga[h][0] = r[0][0]; ga[h][1] = r[1][0]; ga[h][2] = r[0][1]; ga[h][3] = r[1][1];",
@@ -293,7 +306,7 @@ def test_planted_fault_is_caught(fault, old, new, check, monkeypatch):
         mod = runtime.CudaModule(mutated, name="quant.cu")
         monkeypatch.setattr(runtime, "load", lambda filename, *args, **kwargs: mod)
         with pytest.raises(AssertionError):
-            check_gemm(GEMM_SHAPES[3:7])
+            check_gemm(GEMM_SHAPES[2:6], layouts=False)
 
 
 # ================================================================== the compiled instruction (nvcc)
