@@ -85,8 +85,8 @@ class Manifest:
                 held = ShardInfo(**s["heldout"]) if s.get("heldout") else None
                 sources.append(SourceInfo(**{**s, "shards": shards, "heldout": held}))
             return cls(**{**d, "sources": sources})
-        except (KeyError, TypeError) as e:
-            raise DataError(f"{where}: malformed manifest ({e})") from None
+        except (KeyError, TypeError, AttributeError) as e:      # AttributeError: an entry that is not an object
+            raise DataError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
 
     @classmethod
     def load(cls, corpus_dir) -> "Manifest":
@@ -131,7 +131,7 @@ def read_shard(path) -> tuple[np.ndarray, np.ndarray]:
         col = batch.column(0)
         tokens = col.values.to_numpy(zero_copy_only=True)
         offsets = col.offsets.to_numpy(zero_copy_only=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, IndexError, OSError) as e:
+    except (pa.ArrowException, IndexError, OSError) as e:     # every Arrow error (NotImplemented too)
         raise DataError(f"{path}: not a valid token shard ({e})") from None
     if batch.schema != SCHEMA:
         raise DataError(f"{path}: unexpected schema {batch.schema}")
