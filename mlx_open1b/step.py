@@ -258,16 +258,19 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
     """(one tree-folded gradient per run of `blocks`, {microbatch index: (loss, ce, zloss)})."""
     t0, ops, params = time.perf_counter(), tr.ops, tr.state.params
     parts, scalars = [], {}
-    # on a device with memory of its own the fold's idle high levels wait on the host (TreeFold)
+    # on a device with memory of its own, what waits idle waits on the host: the fold's high levels
+    # (TreeFold) and each run's partial while the later runs are computed
     park = (arrays.to_host, ops.to_device) if arrays.own_memory(params) else ()
-    for start, n in blocks:
+    for k, (start, n) in enumerate(blocks):
         fold = TreeFold(functools.partial(arrays.add_into, ops), *park)
         for i in range(start, start + n):
             loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
             scalars[i] = (loss, ce, zl)
             fold.push(g)
             del g       # held by the fold, or added into it: not alive while the next one is computed
-        parts.append(fold.result())
+        parts.append(park[0](fold.result()) if park and k + 1 < len(blocks) else fold.result())
+    if park:
+        parts = [park[1](p) for p in parts]
     _spent(tr.timing, "compute", t0)
     return parts, scalars
 

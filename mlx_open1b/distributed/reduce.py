@@ -73,23 +73,30 @@ class DistributedReduce:
         return self.ops.to_device(a) if arrays.is_device(like) and not arrays.is_device(a) else a
 
     def fold(self, parts: list, M: int, step: int):
-        """The reduce-scatter: this owner's slice of the step's gradient sum (f32, size elements)."""
+        """The reduce-scatter: this owner's slice of the step's gradient sum (f32, size elements).
+        Consumes `parts` (the list is emptied once they are in the send buffer)."""
         if self.after_microbatches is not None:
             self.after_microbatches(self.comm.rank, step)
         N, size = self.comm.world, self.size
         blocks = [self._dyadic(M, w) for w in range(N)]
         send, send_counts = route(parts, self.shards)
+        parts.clear()       # consumed: the send buffer holds them, so they are not alive beside the receive buffer
         recv = self._unwire(self.comm.all_to_all(self._wire(send), send_counts, [len(b) * size for b in blocks]),
                             send)
+        on_device = arrays.is_device(send)
+        del send
         t0 = time.perf_counter()
         if size == 0:
-            return self.ops.to_device(np.zeros(0, np.float32)) if arrays.is_device(send) else np.zeros(0, np.float32)
+            return self.ops.to_device(np.zeros(0, np.float32)) if on_device else np.zeros(0, np.float32)
         arrivals, off = [], 0
         for w in range(N):
             for start, level in blocks[w]:
                 arrivals.append((start, level, recv[off:off + size]))
                 off += size
         g = owner_fold(arrivals, M, functools.partial(arrays.add_into, self.ops))
+        # the sum is a slice of the receive buffer (every worker's partials): a copy lets that buffer
+        # go before the update, the hashes and the parameter all-gather
+        g = arrays.copy(g)
         self.timing["reduce"] += time.perf_counter() - t0
         return g
 

@@ -55,7 +55,7 @@ class Peak:
 OPS_MODULE = _HERE + ".cuda_ops"        # the CUDA backend's op code as this package loads it (ops.py)
 _SKIP = (_HERE, "mlx_open1b.derived_ops")
 GRADIENT_SITE = "arrays.FlatBuffer"
-UNPARKED = "step._back"         # a fold-stack entry brought back from the host (step.TreeFold): a partial
+UNPARKED = ("step._back", "step._microbatches")    # partials brought back from the host (step.py)
 
 
 def _site(frame, place: str) -> str:

@@ -36,9 +36,10 @@ class ZeroStream:
         self.seq_len, self.windows_emitted, self._held = seq_len, 0, None
 
     def next_windows(self, n: int) -> np.ndarray:
-        w = self._cache.get(n)
+        shape = (n, self.seq_len + 1)
+        w = self._cache.get(shape)
         if w is None:
-            w = self._cache.setdefault(n, np.zeros((n, self.seq_len + 1), np.uint32))
+            w = self._cache.setdefault(shape, np.zeros(shape, np.uint32))
         from .ledger import current
         self._held = None
         with current().tagged("stream windows"):
