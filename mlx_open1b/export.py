@@ -206,6 +206,8 @@ def load_export(export_dir) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
         raise ExportError(str(e)) from None
     except FileNotFoundError:
         raise ExportError(f"{d}: {FILES[fmt]} is missing") from None
+    if cfg.n_layers > len(tensors):        # every layer has tensors: a count no file holds is not looped over
+        raise ExportError(f"{d / 'config.json'}: {cfg.n_layers} layers, but {FILES[fmt]} holds {len(tensors)} tensors")
     out: dict[str, np.ndarray] = {}
     if fmt == "mlx":
         out = {n: np.asarray(a) for n, (a, _) in tensors.items()}

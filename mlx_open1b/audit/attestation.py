@@ -132,10 +132,10 @@ def environment(backend: str) -> dict:
 
 def hardware_label(att: dict) -> str:
     """A short label of the machine and device an attestation was made on."""
-    env = att.get("environment") or {}
-    hw = att.get("hardware") or {}
-    dev = env.get("device", "")
-    cpu = env.get("cpu") or hw.get("processor") or ""
+    env = att.get("environment") if isinstance(att.get("environment"), dict) else {}
+    hw = att.get("hardware") if isinstance(att.get("hardware"), dict) else {}
+    dev = str(env.get("device") or "")                 # any JSON value: the file is not trusted yet
+    cpu = str(env.get("cpu") or hw.get("processor") or "")
     label = f"{hw.get('machine', '?')} {cpu}".strip()
     if dev and not dev.startswith("C reference"):
         label += f"; {dev}"

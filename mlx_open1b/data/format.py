@@ -131,7 +131,7 @@ def read_shard(path) -> tuple[np.ndarray, np.ndarray]:
         col = batch.column(0)
         tokens = col.values.to_numpy(zero_copy_only=True)
         offsets = col.offsets.to_numpy(zero_copy_only=True)
-    except (pa.ArrowException, IndexError, OSError) as e:     # every Arrow error (NotImplemented too)
+    except (pa.ArrowException, IndexError, OSError, ValueError) as e:    # every Arrow error, undecodable metadata
         raise DataError(f"{path}: not a valid token shard ({e})") from None
     if batch.schema != SCHEMA:
         raise DataError(f"{path}: unexpected schema {batch.schema}")
