@@ -6,18 +6,22 @@ in one step.
 
 It runs the code a training run runs (mlx_open1b.shape): the model program on the CUDA backend's op
 code with launches that do nothing, Trainer.compute_step on one worker, DistributedTrainer's on W
-workers simulated as threads of this process, so a change that adds a buffer shows up here. No
-arithmetic is done, so the figures do not depend on the machine (and need no quiet one); a
-configuration takes seconds.
+workers simulated as threads of this process, so a change that adds a buffer shows up here (the
+model program runs once per shape and its allocations are replayed for the other microbatches:
+mlx_open1b/shape/replay.py; --no-replay runs it every time, same figures, minutes). No arithmetic
+is done, so the figures do not depend on the machine (and need no quiet one); a configuration
+takes seconds (64 workers: about 20 s on two cores).
 
 Columns (GB = 10^9 bytes, per worker; the worker with the highest device peak is shown, and the
 lowest peak among the workers):
   M           microbatches per step in the phase; mb: those this worker computes
   peak        the device peak of the step; min: the lowest worker's
   params ... transients   what the live bytes were at the peak, by owner (mlx_open1b/shape/ledger.py)
-  host        the host peak of the step (mostly the full-size copies the hashes read)
-  h2d, d2h    bytes copied host->device and device->host in the step
-  net out/in  bytes this worker sends to / receives from the others (its own piece excluded)
+  host        the host peak of the step: the fold entries and partials that wait on the host, the
+              full-size copies the hashes read (the highest among the workers)
+  h2d, d2h    bytes copied host->device and device->host in the step (the most among the workers)
+  net out/in  bytes a worker sends to / receives from the others, arrays only (its own piece
+              excluded; the most among the workers)
   at          the call path where the peak is reached (innermost functions)
 Not modelled: start-up (initialization, the first checkpoint, the state broadcast), checkpoints
 and held-out evaluation (they read and write values), the caching allocator's fragmentation, the
@@ -34,7 +38,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from mlx_open1b.config import ConfigError, preset  # noqa: E402
-from mlx_open1b.shape.ledger import OWNERS  # noqa: E402
+from mlx_open1b.distributed.sharding import ShardingError  # noqa: E402
 from mlx_open1b.shape.run import measure  # noqa: E402
 
 G = 1e9
@@ -117,8 +121,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             got = rows(cfg, w, replay=not a.no_replay)
-        except Exception as e:  # noqa: BLE001 - a worker count the batch cannot take, named
-            print(f"error: {w} workers: {e}", file=sys.stderr)
+        except ShardingError as e:      # a worker count the batch cannot be split over
+            print(f"error: {e}", file=sys.stderr)
             return 2
         all_rows += got
         print(f"  {w} workers measured in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -7,14 +7,16 @@ device peak a breakdown of the live bytes by owner:
   params, moments      the trainer's state arrays (registered roots)
   fold stack           arrays held in a TreeFold's stack (the microbatch or owner fold)
   activations          arrays held by a model Cache (what the backward reads)
-  gradients            a gradient buffer being written (arrays.FlatBuffer) or the step's gradient
+  gradients            a gradient buffer being written (arrays.FlatBuffer), a run's partial, the
+                       step's gradient
   communication        buffers the collectives allocate (send, receive, gather, padding)
   constants            registered long-lived arrays (RoPE tables)
   transients           everything else (op outputs on their way, op scratch)
 
 The owners of fold stack and activations are found by what references an array (the frames of the
-running thread are walked for TreeFold and Cache objects), so the breakdown needs no tags in the
-code it measures. A breakdown costs a walk over the live arrays, so it is taken when the peak grows
+running thread are walked for TreeFold and Cache objects), the others by where the memory was asked
+for (the "site": the first code outside this package, and the backend op it called), so the
+breakdown needs no tags in the code it measures. On the host the owner is the site. A breakdown costs a walk over the live arrays, so it is taken when the peak grows
 by more than `resolution` (a fraction); the peak itself is exact, and the breakdown says how much
 the peak grew after it was taken (`after`).
 """

@@ -122,6 +122,8 @@ def measure(cfg: RunConfig, workers: int = 1, phases=None, resolution: float = 0
     workers (1: the single-process Trainer; more: the DistributedTrainer on a SimWorld). replay:
     the model program runs once per shape and is replayed after (replay.py); False runs it at every
     microbatch (slow at the open1b preset; the same numbers)."""
+    from ..distributed.sharding import check_worker_count
+    check_worker_count(workers, cfg.train.phases)          # as the distributed trainer does at start-up
     phases = [tuple(p) for p in (cfg.train.phases if phases is None else phases)]
     if workers == 1:
         per_rank = [_worker(cfg, None, phases, resolution, replay)]

@@ -186,3 +186,21 @@ def test_parked_fold_adds_the_same_bits(M):
         assert (plain.result().view(np.uint32) == parked.result().view(np.uint32)).all()
         if pushes is not by_block:
             assert len(moved) == fold_walk(M)[1] and (len(moved) > 0) == (M > 4)   # first at the 5th push
+
+
+def test_benchmark_prints_the_table(tmp_path, capsys):
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "memory_model.py"
+    spec = importlib.util.spec_from_file_location("memory_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--preset", "tiny", "--workers", "1,2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["workers"], r["M"]) for r in rows] == [(1, 2), (2, 2)]
+    assert all(r["peak"] == sum(r["owners"].values()) for r in rows)
+    assert "peak" in capsys.readouterr().out
+    assert bench.main(["--preset", "tiny", "--workers", "3"]) == 2          # more workers than microbatches
+    assert "valid worker counts are 1-2" in capsys.readouterr().err
