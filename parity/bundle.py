@@ -263,9 +263,12 @@ class Comparison:
 
 
 def _describe(b: dict) -> str:
-    m = b.get("machine", {})
-    gpu = m.get("gpu", {})
-    dev = ", ".join(gpu.get("cuda", [])) or (gpu.get("metal", {}).get("device_name") if gpu.get("metal") else "")
+    def obj(d, key):                  # a bundle is read before it is trusted: any JSON value may stand here
+        return d.get(key) if isinstance(d.get(key), dict) else {}
+    m = obj(b, "machine")
+    gpu = obj(m, "gpu")
+    cuda = gpu.get("cuda") if isinstance(gpu.get("cuda"), list) else []
+    dev = ", ".join(map(str, cuda)) or str(obj(gpu, "metal").get("device_name") or "")
     return (f"{b.get('backend')} on {m.get('platform', '?')} ({m.get('cpu', '?')}{'; ' + dev if dev else ''}), "
             f"open1b {b.get('package_version')}, contract v{b.get('contract_version')}, {b.get('created', '?')}")
 
