@@ -30,6 +30,7 @@ GEMM_TILE = 128      # linear.cu's block tile (BM = BN), computed by 16 x 16 thr
 GEMM_SLICE = 16      # linear.cu's BK: values of p per shared slice, the unit of its FMA guard
 GI_TILE = 128        # quant.cu's GI_BM = GI_BN: the int8 GEMM's output tile per block
 GI_THREADS = 256     # quant.cu's GI_THREADS: 8 warps per block of the int8 GEMM
+QT_TILE, QT_ROWS = 32, 8   # quant.cu's transposed-levels tile and its block (QT_TILE x QT_ROWS threads)
 
 i64, i32, u32, u64, f32 = np.int64, np.int32, np.uint32, np.uint64, np.float32
 
@@ -512,7 +513,11 @@ def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX, rows: int = 0):
     _launch1d("quant.cu", "o1b_q_absmax_chunks", nc, i64(n), xb, xf, i32(int(is_f32)), part)
     _launch1d("quant.cu", "o1b_q_tensor_scale", 1, i64(nc), part, sc, i32(qmax))
     if rows:
-        _launch1d("quant.cu", "o1b_q_tensor_levels_t", n, i64(rows), i64(n // rows), src, sc, q, i32(qmax))
+        cols = n // rows
+        if n > 0:
+            fn = runtime.load("quant.cu").get_function("o1b_q_tensor_levels_t")
+            fn((-(-cols // QT_TILE), -(-rows // QT_TILE)), (QT_TILE, QT_ROWS),
+               (i64(rows), i64(cols), src, sc, q, i32(qmax)))
     else:
         _launch1d("quant.cu", "o1b_q_tensor_levels", n, i64(n), xb, xf, i32(int(is_f32)), sc, q, i32(qmax))
     return sc

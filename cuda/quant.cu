@@ -31,6 +31,8 @@
 #define INV_QB 0x1p-7f            /* 1/QB, exact */
 #define Q_CHUNK 4096              /* elements per absmax partial (no result depends on it) */
 #define Q_BAD 0xFFFFFFFFu         /* absmax partial of a chunk holding an inf or NaN */
+#define QT_TILE 32                /* transposed levels: tile side, threads per row of a block */
+#define QT_ROWS 8                 /* transposed levels: rows of threads per block */
 #define GI_BM 128                 /* int8 GEMM: rows of A (and of C) per block */
 #define GI_BN 128                 /* int8 GEMM: rows of B (columns of C) per block */
 #define GI_BK 64                  /* int8 GEMM: contraction step, bytes per staged row */
@@ -123,15 +125,26 @@ extern "C" __global__ void o1b_q_tensor_levels(i64 n, const bf16 *xb, const floa
 }
 
 /* The same levels of an fp32 tensor f (R, C), written transposed: qt[c*R + r] is the level of
- * f[r*C + c] (one thread per output, so the writes are contiguous). The backward GEMMs contract
- * over the rows of their operands; transposed, the contraction is the contiguous dimension, which
- * the GEMM stages with 16-byte loads. Data movement only: the same values as o1b_q_tensor_levels. */
+ * f[r*C + c]. The backward GEMMs contract over the rows of their operands; transposed, the
+ * contraction is the contiguous dimension, which the GEMM stages with 16-byte loads. Data movement
+ * only: the same values as o1b_q_tensor_levels. Blocks of QT_TILE x 8 threads transpose
+ * QT_TILE x QT_TILE tiles through shared memory (grid (ceil(C/QT_TILE), ceil(R/QT_TILE))), so the
+ * reads of f (along c) and the writes of qt (along r) are both contiguous across a warp. */
 extern "C" __global__ void o1b_q_tensor_levels_t(i64 R, i64 C, const float *f, const float *sc, i8 *qt, int qmax) {
-    i64 o = o1b_gid();
-    if (o >= R * C) return;
-    i64 c = o / R, r = o % R;
+    __shared__ i8 tile[QT_TILE][QT_TILE + 4];   /* [c][r]; the pad spreads a warp's writes over all banks */
+    int tx = (int)threadIdx.x, ty = (int)threadIdx.y;
+    i64 r0 = (i64)blockIdx.y * QT_TILE, c0 = (i64)blockIdx.x * QT_TILE;
     float s = sc[0];
-    qt[o] = (o1b_isnan(s) || s == 0.0f) ? (i8)0 : o1b_level(o1b_mul(o1b_load(f[r * C + c]), sc[1]), qmax);
+    bool zero = o1b_isnan(s) || s == 0.0f;
+    for (int k = ty; k < QT_TILE; k += QT_ROWS) {
+        i64 r = r0 + k, c = c0 + tx;
+        tile[tx][k] = (zero || r >= R || c >= C) ? (i8)0 : o1b_level(o1b_mul(o1b_load(f[r * C + c]), sc[1]), qmax);
+    }
+    __syncthreads();
+    for (int k = ty; k < QT_TILE; k += QT_ROWS) {
+        i64 c = c0 + k, r = r0 + tx;
+        if (r < R && c < C) qt[c * R + r] = tile[k][tx];
+    }
 }
 
 /* ------------------------------------------------------------------ int8 GEMM */

@@ -9,7 +9,7 @@ o1b_mma_s8_16x8x32) against the C reference and numpy's exact integer product, b
   64-byte contraction step, the 16-byte vector path and the byte path), strided and transposed
   operands, the ±127 / −128 extremes (at the length bound: slow), under the emulator's race check.
 - The whole int8 layer (forward, dx, dW) at tile-crossing shapes, equal to cpu_ref, with race check.
-- The transposed quantizer equals the plain one transposed (data movement only).
+- The transposed quantizer equals the plain one transposed (data movement only), with race check.
 - The fallback below sm_80 (warp shuffles) equals the instruction, in the emulator.
 - nvcc emits the instruction for sm_90 and the fallback for sm_75.
 - Planted faults (wrong fragment lane mapping in the model, the fallback and the kernel, missing
@@ -250,9 +250,10 @@ def test_layer_race_check():
         check_layer(LAYER_SHAPES[1:2])
 
 
-def test_transposed_levels_are_the_levels_transposed():
+def check_levels_t(shapes=((128, 3), (256, 70), (33, 65), (1, 1))):
+    """Shapes crossing the 32 x 32 transpose tiles in both dimensions."""
     rng = rng_for("levels_t")
-    for R, C in ((128, 3), (256, 70), (1, 1)):
+    for R, C in shapes:
         f = (rng.standard_normal((R, C)) * 3).astype(np.float32)
         f[0, 0] = 1e-40                                  # a subnormal: flushed on load
         for v in (f, np.zeros_like(f), np.where(np.arange(C) == C - 1, np.float32(np.nan), f).astype(np.float32)):
@@ -260,7 +261,17 @@ def test_transposed_levels_are_the_levels_transposed():
             cu._q_tensor(R * C, cu._dev(v), True, q, cu.QMAX)
             qt = cu._empty((C, R), np.int8)
             cu._q_tensor(R * C, cu._dev(v), True, qt, cu.QMAX, rows=R)
-            assert np.array_equal(cu.to_host(qt), cu.to_host(q).T)
+            assert np.array_equal(cu.to_host(qt), cu.to_host(q).T), (R, C)
+
+
+def test_transposed_levels_are_the_levels_transposed():
+    check_levels_t()
+
+
+@pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
+def test_transposed_levels_race_check():
+    with runtime.emulate(), emu.options(race_check=True):
+        check_levels_t(((33, 65),))
 
 
 # ================================================================== planted faults
