@@ -17,8 +17,8 @@ always did. On, each kernel unit is compiled with two additions, so its library 
   units move, every re-read counted) and the distinct bytes touched (`unique`: the least that must
   cross DRAM).
 - arithmetic: the fp32 operations the contract lets a kernel use are counted where the kernel text
-  applies them: CUDA's __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn, __fmaf_rn (macros
-  defined between the prelude and the kernel source); Metal's contract-header hardware operators
+  applies them: CUDA's __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn, __fmaf_rn and the
+  emulated PTX fma.rn.ftz (emu_fma_rn_ftz) (macros defined between the prelude and the kernel source); Metal's contract-header hardware operators
   O1B_HW_ADD/SUB/MUL/DIV and `fma(` in a kernel's own text. Integer arithmetic, compares, selects and
   bit operations are not counted (the SASS reading in benchmarks/kernel_model.py sees those).
 
@@ -177,6 +177,7 @@ CUDA_OPS = """
 #define __fdiv_rn(a, b) O1B_CNT_OP(3, __fdiv_rn(a, b))
 #define __fsqrt_rn(a) O1B_CNT_OP(4, __fsqrt_rn(a))
 #define __fmaf_rn(a, b, c) O1B_CNT_OP(5, __fmaf_rn(a, b, c))
+#define emu_fma_rn_ftz(a, b, c) O1B_CNT_OP(5, emu_fma_rn_ftz(a, b, c))
 """
 
 # Metal: before the prelude (the contract header defines its operators only where undefined).
