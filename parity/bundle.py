@@ -208,7 +208,7 @@ def _check_shape(path, d: dict) -> None:
             if not isinstance(c, dict) or not isinstance(c.get("case"), int) or isinstance(c.get("case"), bool):
                 bad(f"ops.{op}[{i}]", "not a case with an integer \"case\"")
             outs = c.get("outputs", {})
-            if not isinstance(outs, dict) or not all(isinstance(v, str) for v in outs.values()):
+            if not isinstance(outs, dict) or not all(isinstance(v, (str, type(None))) for v in outs.values()):
                 bad(f"ops.{op}[{i}].outputs", "not an object of hashes")
             for k in ("seed", "inputs", "desc", "error"):
                 if isinstance(c.get(k), (dict, list)):
