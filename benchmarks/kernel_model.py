@@ -971,15 +971,20 @@ def gemm_goal(sass: dict) -> tuple[float | None, str]:
 
 
 def print_roofline(backend: str, precision: str, r: dict, out=print) -> None:
+    hw = H100 if r["hardware"] == H100.name else M3
+
+    def peak(row) -> str:        # a GEMM kernel's share of the MFU denominator
+        return f"{100 * 2 * row['macs'] / row['t'] / hw.bf16_peak:6.2f}" if row["macs"] and row["t"] else "-"
+
     out(f"\n== (c) {backend} {precision}, one open1b microbatch (4 x 4096 tokens) on {r['hardware']} [{LABEL}]")
     out(f"  {'kernel':30s} {'launch':>7s} {'GFLOP32':>9s} {'GMAC(op)':>9s} {'GB uniq':>8s} {'GB issued':>9s} "
-        f"{'t_issue':>13s} {'t_mem':>13s} {'t':>13s} bound   how")
+        f"{'t_issue':>13s} {'t_mem':>13s} {'t':>13s} {'%peak':>6s} bound   how")
     for row in r["rows"]:
         if row["t"] < 1e-4 * r["t_kernels"]:
             continue
         out(f"  {row['kernel'][:30]:30s} {row['launches']:7.0f} {row['fp32_flops'] / 1e9:9.1f} {row['macs'] / 1e9:9.1f} "
             f"{row['bytes_unique'] / 1e9:8.2f} {row['bytes_issued'] / 1e9:9.1f} {_fmt_t(row['t_issue'])} "
-            f"{_fmt_t(row['t_mem'])} {_fmt_t(row['t'])} {row['bound']:7s} {row['how']}")
+            f"{_fmt_t(row['t_mem'])} {_fmt_t(row['t'])} {peak(row):>6s} {row['bound']:7s} {row['how']}")
     out(f"  kernels {_fmt_t(r['t_kernels'])}; launches {r['launches']:.0f}, host syncs {r['syncs']}; "
         f"microbatch {_fmt_t(r['t_total'])}; model {r['model_flops'] / 1e12:.1f} TFLOP; MFU {100 * r['mfu']:.3f}% [{LABEL}]")
 
