@@ -819,7 +819,10 @@ def microbatch(calls: list[Call], fits, big_cfg, seqs: int) -> tuple[dict[str, K
             if k in gemms:          # the op's GEMM work, shared by its GEMM kernels
                 t.macs += call_macs / len(gemms)
         launches += sum(q["launches"] for q in pred.values())
-    return kernels, {"launches": launches, "syncs": syncs, "model_macs": macs, "notes": sorted(set(notes))}
+    where = sorted({w for c in calls for w in c.syncs})
+    return kernels, {"launches": launches, "syncs": syncs, "model_macs": macs, "notes": sorted(set(notes)),
+                     "micro": {"calls": len(calls), "launches": sum(len(c.launches) for c in calls),
+                               "syncs": syncs, "sync_sites": where}}
 
 
 # ================================================================== (c) roofline
@@ -1090,6 +1093,10 @@ def run(args, out=print) -> dict:
                 bench_mb[prec][1]["syncs"] += len(model_reads)
                 for note in summary["notes"]:
                     out(f"  note: {note}")
+                mi = summary["micro"]
+                out(f"\n  {name} {prec}, recorded on the micro model ({MICRO}, {MICRO_SEQS} sequences): "
+                    f"{mi['calls']} op calls, {mi['launches']} launches, {mi['syncs'] + len(model_reads)} host "
+                    f"syncs ({', '.join(mi['sync_sites'] + sorted(set(model_reads)))})")
                 for hw in ((H100,) if name == "cuda" else (M3,)):
                     r = roofline(name, kernels, summary, hw, sass if name == "cuda" else {})
                     print_roofline(name, prec, r, out)
