@@ -91,8 +91,6 @@ class Trainer:
             rd.lock(error=TrainError)        # the one writer, before run.json is written
             if rd.exists():
                 raise TrainError(f"{run_file}: a run already exists here; use --resume or another --out", exit_code=2)
-            rd.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
-                              self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
         self._build_model()
         self.readonly = readonly
         self.ledger = None if readonly else rd.ledger(self.genesis)
@@ -107,11 +105,11 @@ class Trainer:
             stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len)
             self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
                                     self.gnmr.fresh() if self.gnmr else None)
-            try:
-                self._checkpoint()
-            except OSError:              # fsutil.WriteError: no run.json without the checkpoint it starts from
-                rd.run_file.unlink(missing_ok=True)
-                raise
+            self._checkpoint()
+            # run.json last: a run exists once the checkpoint it starts from does, so a crash or a full
+            # disk before leaves no run, and the same command starts it again
+            rd.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
+                              self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
         st = self.state              # the state in the backend's arrays (mx.array, cupy; numpy: itself)
         st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
@@ -119,7 +117,7 @@ class Trainer:
 
     @classmethod
     def new(cls, run_dir, cfg: RunConfig, corpus_dir, backend: str = "cpu_ref", log=None) -> "Trainer":
-        """Start a run in run_dir (which holds none yet): its run.json, then the checkpoint of step 0."""
+        """Start a run in run_dir (which holds none yet): the checkpoint of step 0, then its run.json."""
         return cls(run_dir, cfg, corpus_dir, backend=backend, log=log)
 
     @classmethod

@@ -114,14 +114,16 @@ def test_checkpoint_fails_and_resume_loses_nothing(tmp_path, corpus, run, monkey
 
 @pytest.mark.parametrize("site", ["run.json", ".ckpt-00000000.tmp-*/meta.json"])
 def test_a_new_run_that_cannot_start_leaves_no_run(tmp_path, corpus, monkeypatch, site):
-    """run.json or the first checkpoint: no run.json stays behind, so the same command starts again."""
+    """The first checkpoint or run.json (written last): no run.json stays behind, so the same command
+    starts the run again (a complete checkpoint 0 without a run.json is replaced)."""
     from mlx_open1b.fsutil import WriteError
     path = tmp_path / "new"
     inject(monkeypatch, f"*/new/{'.run.json.*' if site == 'run.json' else site}")
     with pytest.raises(WriteError) as e:
         Trainer.new(path, micro_cfg(), corpus, **QUIET)
     assert e.value.exit_code == 3 and e.value.disk_full
-    assert not RunDir(path).exists() and RunDir(path).checkpoints() == [] and leftovers(path) == []
+    assert not RunDir(path).exists() and leftovers(path) == []
+    assert RunDir(path).checkpoints() == ([(0, path / "ckpt-00000000")] if site == "run.json" else [])
     monkeypatch.undo()
     assert Trainer.new(path, micro_cfg(), corpus, **QUIET).train(2) == full_run_hash(tmp_path, corpus, 2)
 
