@@ -92,8 +92,8 @@ def details(r: dict) -> str:
     host = sorted(r["host_owners"].items(), key=lambda kv: -kv[1])[:3]
     owners = sorted(r["owners_of_rank"].values(), reverse=True)
     return (f"  W={r['workers']} M={r['M']}: peak at {r['at']}\n"
-            f"    transients: " + ", ".join(f"{k} {v / G:.2f}" for k, v in sites) + "\n"
-            f"    host: " + ", ".join(f"{k} {v / G:.2f}" for k, v in host) + "\n"
+            "    transients: " + ", ".join(f"{k} {v / G:.2f}" for k, v in sites) + "\n"
+            "    host: " + ", ".join(f"{k} {v / G:.2f}" for k, v in host) + "\n"
             f"    ranks owning parameters: {len(owners)} of {r['workers']} (largest {owners[0] / 1e6:.0f} M elements)")
 
 

@@ -20,7 +20,8 @@ Every parameter lives in one contiguous bf16 buffer in the canonical order of
 Array kinds (mlx_open1b.arrays): the program works in the kind of the parameter buffer it is
 given — numpy, or the backend's device arrays (`ops.to_device`: mx.array for metal, cupy for
 cuda). With device params every activation, cache entry and gradient stays on the device; only
-token ids go up and the per-row losses' sums come down. Host-side steps are data movement only
+token ids go up and the per-row losses' sums come down. On a device with memory of its own (cupy)
+the cache does not keep the SwiGLU input: the backward recomputes it (recompute_gate_up). Host-side steps are data movement only
 (slices, reshapes, joins), so the kind never changes a bit.
 
 Choices that decide bits (everything else is the ops' own contract):
@@ -166,7 +167,7 @@ class LayerCache:
     h_mid: np.ndarray      # (N, d) fp32   stream after the attention residual (ffn_norm's x)
     rstd_ffn: np.ndarray   # (N,) fp32
     f_b: np.ndarray        # (N, d) bf16   ffn_norm output, w_gate_up's input
-    gu: np.ndarray         # (N, 2F) fp32  [gate | up], swiglu's input
+    gu: np.ndarray | None  # (N, 2F) fp32  [gate | up], swiglu's input (None: the backward recomputes it)
     s_b: np.ndarray        # (N, F) bf16   swiglu output, w_down's input
 
 
@@ -191,7 +192,8 @@ class Model:
     """The model program on one backend. forward/backward work on one microbatch of windows
     (B, seq_len + 1) uint32; params is the flat bf16 buffer (n_params,) uint16."""
 
-    def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16", attention_pv: str = "int8"):
+    def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16", attention_pv: str = "int8",
+                 recompute_gate_up: bool | None = None):
         cfg.check()
         if precision not in ("bf16", "int8", "int6", "int4"):
             raise ValueError(f"precision: expected 'bf16', 'int8', 'int6' or 'int4', got {precision!r}")
@@ -209,6 +211,11 @@ class Model:
             self._impl[name] = (functools.partial(ops.qlinear_forward, qmax=qm),
                                 functools.partial(ops.qlinear_backward, qmax=qm), ops.attention_forward_i8)
         self.paths: dict[tuple[int, str], str] = {}
+        # the SwiGLU input gu (N, 2F) fp32, the largest cache entry (41% of it at the open1b preset),
+        # is recomputed in the backward by the forward's GEMM on the same operands (the same bits)
+        # instead of kept: True, False, or None: where the params are on a device with memory of its
+        # own (cupy), whose memory bounds what fits
+        self.recompute_gate_up = recompute_gate_up
         self.layout = ParamLayout(cfg)
         self.n_params = self.layout.n_params
         # host scalars, each rounded once to fp32 (CONTRACT.md §8)
@@ -383,9 +390,10 @@ class Model:
         s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
         h_out = ops.add(h_mid, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
         if lc is not None:
+            recompute = arrays.own_memory(params) if self.recompute_gate_up is None else self.recompute_gate_up
             lc.update(h_in=h, rstd_attn=rstd_attn, a_b=a_b, q_pre=q_pre, rstd_q=rstd_q, k_pre=k_pre,
                       rstd_k=rstd_k, q_b=q_b, k_b=k_b, v_b=v_b, o=o, lse=lse, o_b=o_b, h_mid=h_mid,
-                      rstd_ffn=rstd_ffn, f_b=f_b, gu=gu, s_b=s_b)
+                      rstd_ffn=rstd_ffn, f_b=f_b, gu=None if recompute else gu, s_b=s_b)
         return h_out
 
     # ---- backward
@@ -416,7 +424,9 @@ class Model:
         cos_t, sin_t = self._rope()
         # SwiGLU branch: h_out = h_mid + w_down(s)
         ds, dw[p + "w_down"] = self._linear_backward(l, "down", bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
-        dgu = ops.swiglu_backward(ds, lc.gu)                                                 # (N, 2F)
+        gu = lc.gu if lc.gu is not None else self._linear_forward(l, "gate_up", lc.f_b, w[p + "w_gate_up"])
+        dgu = ops.swiglu_backward(ds, gu)                                                    # (N, 2F)
+        del gu
         df, dw[p + "w_gate_up"] = self._linear_backward(l, "gate_up", bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
         dh_mid, dw[p + "ffn_norm"] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
         dh = arrays.add_into(ops, dh, dh_mid)        # dh = dL/dh_mid: running gradient + branch
