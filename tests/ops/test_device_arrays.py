@@ -232,7 +232,8 @@ def test_slabs_on_mx_arrays(monkeypatch):
     pieces (mx concatenation): mx.arrays out, the C reference's bits, each kernel in several launches."""
     from mlx_open1b.metal import slabs
     rng = np.random.default_rng(11)
-    N, K, Mo, B, T, H, G, D, F, n = 6, 24, 5, 1, 12, 2, 1, 8, 10, 200
+    # T = 97: four 32-row tiles per head, the attention kernels' smallest slab (metal/ops.py ATTN_ROWS)
+    N, K, Mo, B, T, H, G, D, F, n = 6, 24, 5, 1, 97, 2, 1, 8, 10, 200
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (Mo, K)), rand_bf16(rng, (N, Mo))
     q, k, v = rand_bf16(rng, (B, T, H, D)), rand_bf16(rng, (B, T, G, D)), rand_bf16(rng, (B, T, G, D))
     dout, hh = rand_f32(rng, (B, T, H, D)), rand_f32(rng, (N, 2 * F), 3.0)
