@@ -32,6 +32,10 @@ from typing import Any, Protocol, Sequence
 from .contract import CONTRACT_VERSION, INIT_SIGMA, QMAX
 from .step import TrainError
 
+# Each backend's own module (cpu_ref, metal, cuda, shape) is imported when that backend is asked for,
+# in the functions below: one that cannot import here (no built C library, no mlx or cupy) is
+# unavailable rather than an error of the package, and the CLI starts without loading any.
+
 Array = Any     # a numpy array, mx.array or cupy array (mlx_open1b.arrays)
 
 BACKENDS = ("cpu_ref", "metal", "cuda")

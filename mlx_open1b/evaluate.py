@@ -50,8 +50,13 @@ import pathlib
 import numpy as np
 
 from . import arrays
+from .checkpoint import CheckpointError, load_checkpoint
+from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
 from .errors import Open1bError
 from .fsutil import write_bytes_atomic
+from .model import Cache, Model, views
+from .rundir import RunDir
+from .train import TrainError, get_backend
 
 try:                                                   # optional: lm-eval-harness
     from lm_eval.api.model import LM as _LMBase
@@ -80,11 +85,6 @@ class Open1BLM(_LMBase):
             batch_size = 8
         if _LMBase is not object:
             super().__init__()
-        from .checkpoint import CheckpointError, load_checkpoint
-        from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
-        from .model import Model
-        from .rundir import RunDir
-        from .train import TrainError, get_backend
         rd = RunDir(run_dir)
         run = rd.path
         info = rd.info(error=EvalError)
@@ -121,7 +121,6 @@ class Open1BLM(_LMBase):
     # ------------------------------------------------------------------ the forward pass
     def _rows(self, windows: np.ndarray, want_logits: bool):
         """windows (B, T+1) uint32 -> (logprob (B, T) float64 of each target, argmax (B, T) or None)."""
-        from .model import Cache, views
         inputs, targets, B = self.model._split(windows)
         inputs, targets = self.ops.to_device(inputs), self.ops.to_device(targets)
         cache = Cache(B, self.T, inputs, targets) if want_logits else None

@@ -43,12 +43,16 @@ import tempfile
 
 import numpy as np
 
-from . import __version__
+from . import __version__, cpu_ref
 from .checkpoint import CheckpointError, load_checkpoint, read_safetensors, write_safetensors
 from .config import ModelConfig
+from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, default_tokenizer_path
 from .errors import Open1bError
 from .fsutil import WriteError, write_file
+from .model import Model, ParamLayout, views
 from .rundir import RunDir
+
+# torch and mlx are optional (the `torch` and `metal` extras): imported by the exports that use them
 
 FORMAT = "open1b-export/1"
 FILES = {"mlx": "weights.safetensors", "hf": "model.safetensors"}
@@ -127,7 +131,6 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     if want is not None and meta.get("params_hash") != want:
         raise ExportError(f"{path}: parameter hash differs from the ledger's after step {step - 1}", exit_code=1)
     flat = tensors["params"][0]
-    from .model import ParamLayout
     layout = ParamLayout(cfg)
     if flat.shape != (layout.n_params,):
         raise ExportError(f"{path}: params has {flat.shape} elements, the config {layout.n_params}", exit_code=1)
@@ -164,7 +167,6 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
 
 
 def _copy_tokenizer(tokenizer_sha256: str, dest: pathlib.Path) -> None:
-    from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, default_tokenizer_path
     if tokenizer_sha256 == DEFAULT_TOKENIZER_SHA256:
         write_file(dest / "tokenizer.json", [pathlib.Path(default_tokenizer_path()).read_bytes()])
 
@@ -328,9 +330,8 @@ def program_logits(cfg: ModelConfig, params: np.ndarray, tokens, ops=None, preci
     """The model program's own next-token logits (B, seq_len, V) fp32 for tokens (B, seq_len): its
     forward on the backend (default cpu_ref), then the LM head GEMM (CONTRACT.md §6.1) on the final
     norm's bf16 output, the same operands the fused cross-entropy uses."""
-    from .model import Model, views
     if ops is None:
-        from . import cpu_ref as ops
+        ops = cpu_ref
     tok = np.asarray(tokens)
     B, T = tok.shape
     if T != cfg.seq_len:

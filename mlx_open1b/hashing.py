@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
@@ -301,7 +302,6 @@ def collection_hash(kind: str, items: Iterable) -> str:
 
 def hash_throughput(mbytes: int = 256, repeats: int = 3) -> float:
     """MB/s (10^6 bytes) of tensor_hash over an f32 array of `mbytes` MB, best of `repeats`."""
-    import time
     a = np.frombuffer(np.random.default_rng(0).bytes(mbytes * 1_000_000 // 4 * 4), np.float32)
     best = float("inf")
     for _ in range(repeats):

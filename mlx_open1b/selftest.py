@@ -21,17 +21,31 @@ import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
 import platform
+import re
 import time
 from typing import Callable
 
-from . import __version__
+from . import __version__, cpu_ref
+from .backend import on_device, resolve as resolve_backend
 from .contract import CONTRACT_VERSION
+from .cuda import runtime as cuda_runtime
+from .data.format import DataError
 from .errors import Open1bError
 from . import golden as _golden
+from .fsutil import write_json_atomic
+from .metal import runtime as metal_runtime
+from .parity import backends as parity_backends
+from .parity.bundle import FORMAT as BUNDLE_FORMAT, array_hash, canonical, flat_items, machine_info
+from .parity.cases import execute
+from .parity.runner import compare_outputs, normalize
+from .train import TrainError
+
+# mlx, cupy and pynvml are optional (a Mac's, an NVIDIA machine's): imported inside the functions that probe them
 
 GPU_BACKENDS = ("metal", "cuda")
 ALL = ("cpu_ref", "metal", "cuda")
@@ -51,7 +65,6 @@ _assumed: set = set()
 
 def on_hardware(backend: str) -> bool:
     """Whether the GPU backend `backend` runs on a real device here (not on its CPU emulator)."""
-    from .backend import on_device
     return backend in _assumed or (backend in GPU_BACKENDS and on_device(backend))
 
 
@@ -75,22 +88,18 @@ def resolve(requested: str) -> str:
         for name in GPU_BACKENDS:
             if name in _assumed:
                 return name
-    from .backend import resolve as resolve_backend
     return resolve_backend(requested)
 
 
 def describe(backend: str) -> tuple[str, str]:
     """(where it runs: 'hardware' | 'emulated' | 'CPU', what runs it)."""
     if backend == "cpu_ref":
-        from . import cpu_ref
         return "CPU", f"C reference, SIMD {cpu_ref.simd_name()}, {cpu_ref.get_num_threads()} threads"
     try:
         if backend == "metal":
-            from .metal.runtime import available
-            detail = available()[1]
+            detail = metal_runtime.available()[1]
         else:
-            from .cuda.runtime import describe as cuda_describe
-            detail = cuda_describe()[1]
+            detail = cuda_runtime.describe()[1]
     except Exception as e:   # noqa: BLE001
         detail = f"{type(e).__name__}: {e}"
     if backend in _assumed:
@@ -189,11 +198,9 @@ def describe_failure(f: dict) -> str:
 def _ref_outputs(case, reference: str, cache: dict):
     """cpu_ref's (or spec's) normalized outputs of a case, or None if it cannot run it."""
     if reference not in cache:
-        from .parity.backends import load, resolve as resolve_op
-        from .parity.cases import execute
-        from .parity.runner import normalize
         try:
-            cache[reference] = normalize(case.op, execute(resolve_op(load(reference), case.op), case))
+            fn = parity_backends.resolve(parity_backends.load(reference), case.op)
+            cache[reference] = normalize(case.op, execute(fn, case))
         except Exception:   # noqa: BLE001 - no usable reference: the report stays at the digest
             cache[reference] = None
     return cache[reference]
@@ -203,8 +210,6 @@ def _locate(case, j: int, got, want: str, backend: str, cache: dict, gc=None, pa
     """The first differing element of output j against a reference that reproduces the golden
     digest. When every reference that runs here computes another digest, the recorded one is not
     what this package computes: the golden file is at fault, not the device (GoldenError)."""
-    from .parity.bundle import array_hash
-    from .parity.runner import compare_outputs
     ran = []
     for reference in ("cpu_ref", "spec"):
         if reference == backend:
@@ -234,9 +239,6 @@ def _locate(case, j: int, got, want: str, backend: str, cache: dict, gc=None, pa
 def _run_case(gc, case, fn, backend: str, path=None) -> tuple[dict | None, dict, float]:
     """(failure or None, bundle row, seconds in fn); GoldenError when the golden file, not the
     backend, is at fault (its inputs or digest are not this package's)."""
-    from .parity.bundle import array_hash
-    from .parity.cases import execute
-    from .parity.runner import normalize
     row = {"case": gc.index if gc.kind == "parity" else 0, "seed": gc.seed, "desc": gc.desc,
            "inputs": case.input_hash()}
     base = {"case": gc.key, "desc": gc.desc}
@@ -301,14 +303,12 @@ def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases:
                 select: Callable | None = None) -> BackendReport:
     """Check one backend against the golden set (quick, or full: every case and the training
     steps); select(golden_case) -> bool narrows the cases (tests)."""
-    from .parity.backends import BackendUnavailable, load
-    from .parity.backends import resolve as resolve_op
     progress = progress or (lambda m: None)
     rep = BackendReport(name, full=full)
     t0 = time.perf_counter()
     try:
-        b = load(name)
-    except BackendUnavailable as e:
+        b = parity_backends.load(name)
+    except parity_backends.BackendUnavailable as e:
         rep.not_run = str(e)
         return rep
     rep.where, rep.device = describe(name)
@@ -320,7 +320,7 @@ def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases:
     for n, gc in enumerate(chosen, 1):
         line = rep.ops.setdefault(gc.op, OpLine(gc.op))
         progress(f"{name}: {n}/{len(chosen)} cases ({gc.op})")
-        fn = resolve_op(b, gc.op)
+        fn = parity_backends.resolve(b, gc.op)
         if fn is None:
             line.not_run = f"{name} has no function for {gc.op}"
             continue
@@ -346,7 +346,6 @@ def run_backend(name: str, golden: _golden.Golden, full: bool = False, *, cases:
 
 
 def _record_difference(k: int, want: dict, got: dict) -> str:
-    from .parity.bundle import flat_items
     fw, fg = dict(flat_items(want)), dict(flat_items(got))
     fields = [f for f in list(fw) + [f for f in fg if f not in fw]
               if f not in ("hash", "prev") and fw.get(f, "missing") != fg.get(f, "missing")]
@@ -356,8 +355,6 @@ def _record_difference(k: int, want: dict, got: dict) -> str:
 
 
 def _run_training(name: str, golden: _golden.Golden, data_dir, steps, progress) -> dict:
-    from .data.format import DataError
-    from .train import TrainError
     want = golden.training["records"]
     steps = len(want) if steps is None else min(int(steps), len(want))
     tr = {"steps": steps, "compared": 0, "first": None, "seconds": 0.0, "not_run": None,
@@ -441,14 +438,12 @@ def write_bundle(path, rep: BackendReport, golden: _golden.Golden) -> dict:
     """A parity bundle (parity/bundle.py's format, for `open1b parity compare`) of what the backend
     computed: per op and case the seed, input and output hashes (edge cases as ops "edge:<name>"),
     and the ledger of the training steps when they ran."""
-    from .fsutil import write_json_atomic
-    from .parity.bundle import FORMAT, canonical, machine_info
     tr = rep.training
     training = None
     if tr and tr["records"]:
         training = {"preset": golden.training["preset"], "steps": len(tr["records"]), "backend": rep.backend,
                     "genesis": tr["genesis"], "run_hash": tr["records"][-1]["hash"], "ledger": tr["records"]}
-    bundle = {"format": FORMAT, "contract_version": CONTRACT_VERSION, "package_version": __version__,
+    bundle = {"format": BUNDLE_FORMAT, "contract_version": CONTRACT_VERSION, "package_version": __version__,
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "backend": rep.backend, "seed": golden.data["seed"],
               "cases_per_op": golden.data["cases_per_op"] if rep.full else len(golden.data["quick_indices"]),
@@ -490,7 +485,6 @@ def _driver_build(proc: str = "/proc/driver/nvidia/version") -> str | None:
     except Exception:   # noqa: BLE001 - no NVML here: the next source
         pass
     try:
-        import re
         m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d[\w.\-]*)", pathlib.Path(proc).read_text())
         return m.group(1) if m else None
     except OSError:
@@ -556,7 +550,6 @@ KERNEL_FILES = {"metal": ("*.metal", "*.py"), "cuda": ("*.cu", "*.cuh", "*.py")}
 
 def backend_dir(backend: str) -> pathlib.Path | None:
     """The folder of the mlx_open1b.<backend> package (not imported)."""
-    import importlib.util
     try:
         spec = importlib.util.find_spec(f"mlx_open1b.{backend}")
     except (ImportError, ValueError):
@@ -610,7 +603,6 @@ def passed_before(key: dict) -> bool:
 
 
 def remember_pass(key: dict, rep: BackendReport) -> pathlib.Path | None:
-    from .fsutil import write_json_atomic
     path = _cache_file(key)
     try:
         write_json_atomic(path, {"key": key, "verdict": "pass", "cases": rep.cases, "seconds": round(rep.seconds, 3),
@@ -629,8 +621,7 @@ def local_devices(backend: str, *, nproc: int | None = None, local_rank: int | N
         return None
     count = None
     try:
-        from .cuda.runtime import real_cuda
-        if real_cuda() and "cuda" not in _assumed:
+        if cuda_runtime.real_cuda() and "cuda" not in _assumed:
             import cupy
             count = int(cupy.cuda.runtime.getDeviceCount())
     except Exception:   # noqa: BLE001 - no count: as many as asked for

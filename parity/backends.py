@@ -16,6 +16,7 @@ from typing import Any
 
 from mlx_open1b import backend as _backend
 from mlx_open1b.backend import BackendUnavailable  # noqa: F401  (re-exported: the harness's callers catch it)
+from . import spec_backend
 
 KNOWN = _backend.BACKENDS + ("spec",)
 _extra: dict[str, Any] = {}
@@ -34,7 +35,6 @@ def load(name: str):
     if name in _extra:
         return _extra[name]
     if name == "spec":
-        from . import spec_backend
         return spec_backend
     if name not in KNOWN:
         raise BackendUnavailable(f"unknown backend {name!r} (known: {', '.join(names())})")

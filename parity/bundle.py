@@ -22,8 +22,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from mlx_open1b import __version__
+from mlx_open1b.config import preset
 from mlx_open1b.contract import CONTRACT_VERSION
+from mlx_open1b.data.corpus import default_sources
+from mlx_open1b.data.prepare import prepare
+from mlx_open1b.data.tokenizer import Tokenizer
 from mlx_open1b.fsutil import write_json_atomic
+from mlx_open1b.train import Trainer
 from . import backends as _bk
 from .cases import OPS, make_case, execute
 from .runner import normalize
@@ -95,7 +100,7 @@ def machine_info(backend: str | None = None) -> dict:
             "libraries": {d: _version(d) for d in ("numpy", "click", "mlx", "cupy-cuda12x", "cupy-cuda11x", "cupy",
                                                     "torch")},
             "gpu": _gpu_info()}
-    try:
+    try:                          # a machine without the built C reference still describes itself
         from mlx_open1b import cpu_ref
         info["cpu_ref"] = {"simd": cpu_ref.simd_name(), "threads": cpu_ref.get_num_threads()}
     except ImportError:
@@ -134,15 +139,10 @@ def temp_trainer(backend: str, data_dir=None, log: Callable[[str], None] | None 
     """A Trainer of a preset (tiny) on `backend` in a temporary run directory, on the embedded
     default corpus (prepared into a temporary directory unless data_dir is given); `train_log`
     gets the trainer's progress lines (default: `log`)."""
-    from mlx_open1b.config import preset
-    from mlx_open1b.train import Trainer
     log = log or (lambda m: None)
     with tempfile.TemporaryDirectory(prefix="open1b-tiny-") as tmp:
         tmp = pathlib.Path(tmp)
         if data_dir is None:
-            from mlx_open1b.data.corpus import default_sources
-            from mlx_open1b.data.prepare import prepare
-            from mlx_open1b.data.tokenizer import Tokenizer
             log("preparing the embedded default corpus (~10 s)")
             data_dir = tmp / "data"
             prepare(default_sources(), data_dir, Tokenizer.load(None))

@@ -26,11 +26,14 @@ import importlib.metadata
 import pathlib
 import platform
 
-from .. import __version__
+from .. import __version__, cpu_ref
+from ..backend import load as get_backend
 from ..contract import CONTRACT_VERSION
 from ..fsutil import WriteError, write_bytes_atomic, write_json_atomic
 from ..ledger import canonical, canonical_dumps
 from .run import AttestError
+
+# cryptography is optional (the `sign` extra): imported by the functions that sign and verify
 
 ATT_KIND = "open1b-attestation/1"
 _UNSEALED = ("attestation_hash", "signature")
@@ -119,11 +122,9 @@ def environment(backend: str) -> dict:
     env["cpu"] = cpu
     try:
         if backend == "cpu_ref":
-            from .. import cpu_ref
             env["device"] = f"C reference (SIMD {cpu_ref.simd_name()})"
             env["threads"] = cpu_ref.get_num_threads()
         else:
-            from ..train import get_backend
             env["device"] = get_backend(backend).available()[1]
     except Exception as e:   # noqa: BLE001 - descriptive only
         env["device"] = f"unknown ({type(e).__name__})"

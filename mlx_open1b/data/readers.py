@@ -28,6 +28,7 @@ import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from ..fsutil import sha256_file
+from .corpus import SourceSpec
 from .format import DataError
 
 SUFFIXES = (".parquet", ".jsonl.zst", ".jsonl", ".txt")
@@ -209,7 +210,6 @@ def file_source(name: str, share: float, glob: str, text_field: str = "text"):
     """A SourceSpec over the files `glob` matches (sorted by POSIX path). Its inputs name every
     file with its size and SHA-256 (and the text field), so a changed file changes the source's
     fingerprint. DataError when the glob matches no file or a file of an unsupported type."""
-    from .corpus import SourceSpec
     files = expand_glob(glob)
     if not files:
         raise DataError(f"source {name!r}: {glob!r} matches no files")

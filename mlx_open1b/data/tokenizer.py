@@ -17,6 +17,7 @@ import pathlib
 from typing import Iterable, Sequence
 
 import numpy as np
+from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
 from .format import DataError
 
@@ -36,7 +37,6 @@ def default_tokenizer_path() -> pathlib.Path:
 def build_tokenizer_model():
     """An untrained byte-level BPE tokenizer: Llama-3 regex split, byte-level alphabet, no
     normalizer, no continuing-subword prefix, ByteLevel decoder, EOT a special token."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
     tok = HFTokenizer(models.BPE(fuse_unk=False, byte_fallback=False))   # no unk, no prefix/suffix
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -50,7 +50,6 @@ def build_tokenizer_model():
 def train_default_tokenizer(texts_iter: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Train the byte-level BPE on the texts; EOT gets id 0, the 256 byte symbols the next ids.
     Returns a `tokenizers.Tokenizer` (serialize with .to_str())."""
-    from tokenizers import pre_tokenizers, trainers
     tok = build_tokenizer_model()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   special_tokens=[EOT],
@@ -84,7 +83,6 @@ class Tokenizer:
         if default and sha != DEFAULT_TOKENIZER_SHA256:
             raise DataError(f"{path}: the shipped default tokenizer has SHA-256 {sha}, expected "
                             f"{DEFAULT_TOKENIZER_SHA256} (the package's tokenizer.json was changed)")
-        from tokenizers import Tokenizer as HFTokenizer
         try:
             hf = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as e:   # tokenizers raises plain Exception for malformed files

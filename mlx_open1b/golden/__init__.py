@@ -26,8 +26,20 @@ import pathlib
 import time
 from typing import Callable
 
+from ..config import preset
 from ..contract import CONTRACT_VERSION
+from ..data.corpus import default_sources
+from ..data.format import DataError, Manifest
+from ..data.stream import manifest_fingerprint
+from ..data.tokenizer import Tokenizer
 from ..errors import Open1bError
+from ..fsutil import write_bytes_atomic
+from ..ledger import genesis_hash
+from ..parity import backends as parity_backends
+from ..parity.bundle import array_hash, temp_trainer
+from ..parity.cases import OPS, execute, make_case
+from ..parity.runner import normalize
+from . import edge_cases
 
 FORMAT = "open1b-golden/1"
 FILE = pathlib.Path(__file__).resolve().with_name("known_answers.json")
@@ -64,9 +76,7 @@ class GoldenCase:
     def make(self):
         """The case itself (fresh inputs), regenerated from its seed or its edge-case name."""
         if self.kind == "edge":
-            from .edge_cases import edge_case
-            return edge_case(self.name)
-        from ..parity.cases import make_case
+            return edge_cases.edge_case(self.name)
         return make_case(self.op, self.index, SEED)
 
 
@@ -87,16 +97,12 @@ class Golden:
 
 # ------------------------------------------------------------------------- computing the set
 def _case_record(key: str, kind: str, case, quick: bool, ref, name: str | None = None) -> dict:
-    from ..parity.backends import resolve
-    from ..parity.bundle import array_hash
-    from ..parity.cases import execute
-    from ..parity.runner import normalize
     rec = {"key": key, "op": case.op, "kind": kind, "index": case.index}
     if name is not None:
         rec["name"] = name
     rec.update(seed=f"0x{case.seed:016x}", desc=case.desc, inputs=case.input_hash(), quick=quick)
     try:
-        outs = normalize(case.op, execute(resolve(ref, case.op), case))
+        outs = normalize(case.op, execute(parity_backends.resolve(ref, case.op), case))
         rec["outputs"] = {n: array_hash(a) for n, a in zip(case.outputs, outs)}
     except Exception as e:   # noqa: BLE001 - recorded: every backend must raise the same
         rec["error"] = f"{type(e).__name__}: {e}"
@@ -104,17 +110,14 @@ def _case_record(key: str, kind: str, case, quick: bool, ref, name: str | None =
 
 
 def compute_cases(log: Callable[[str], None] | None = None) -> list[dict]:
-    from ..parity.backends import load
-    from ..parity.cases import OPS, make_case
-    from .edge_cases import edge_cases
     log = log or (lambda m: None)
-    ref = load(REFERENCE)
+    ref = parity_backends.load(REFERENCE)
     out = []
     for op in OPS:
         for i in range(CASES_PER_OP):
             out.append(_case_record(f"{op}/{i}", "parity", make_case(op, i, SEED), i in QUICK_INDICES, ref))
         log(f"golden: {op}")
-    for name, case in edge_cases():
+    for name, case in edge_cases.edge_cases():
         out.append(_case_record(f"edge/{name}", "edge", case, True, ref, name))
     log(f"golden: {len(out)} cases")
     return out
@@ -124,7 +127,6 @@ def train_records(backend: str, steps: int, data_dir=None, on_step=None, log=Non
     """Train the tiny preset on the embedded default corpus for `steps` steps on `backend` in a
     temporary run directory (the corpus prepared into one unless data_dir is given); calls
     on_step(k, record) after each step, which may return False to stop. Returns (genesis, records)."""
-    from ..parity.bundle import temp_trainer
     with temp_trainer(backend, data_dir, log, train_log=lambda m: None, preset_name=PRESET) as tr:
         records = []
         for k in range(steps):
@@ -140,14 +142,8 @@ def check_corpus(data_dir, genesis: str | None = None) -> None:
     genesis, the one the golden run trained on (the tiny preset on it has that genesis); without,
     its sources and tokenizer are the default corpus's (regenerating). Another corpus is a usage
     error, not a backend difference."""
-    from ..config import preset
-    from ..data.format import DataError, Manifest
-    from ..data.stream import manifest_fingerprint
-    from ..ledger import genesis_hash
     m = Manifest.load(data_dir)
     if genesis is None:
-        from ..data.corpus import default_sources
-        from ..data.tokenizer import Tokenizer
         want = [(s.name, float(s.share), list(s.inputs)) for s in default_sources()]
         have = [(s.name, float(s.share), list(s.inputs)) for s in m.sources]
         if have != want or m.tokenizer_sha256 != Tokenizer.load(None).sha256:
@@ -169,7 +165,6 @@ def compute_training(steps: int = STEPS, data_dir=None, log=None) -> dict:
 
 def header() -> dict:
     """The file's fields other than the cases and the training records."""
-    from ..parity.cases import OPS
     return {"format": FORMAT,
             "about": "Known answers of the C reference (cpu_ref) for every contract op and the first steps of the "
                      "tiny preset: `open1b selftest` checks a backend against them; `open1b selftest --regenerate` "
@@ -206,7 +201,6 @@ def dumps(d: dict) -> bytes:
 
 def regenerate(out=None, data_dir=None, steps: int = STEPS, log=None) -> pathlib.Path:
     """Compute the set and write it atomically to `out` (default: the package's file)."""
-    from ..fsutil import write_bytes_atomic
     path = pathlib.Path(out) if out is not None else FILE
     write_bytes_atomic(path, dumps(compute(data_dir, steps, log)))
     return path
@@ -274,8 +268,6 @@ def _check_coverage(path, d: dict, cases: list) -> None:
     (parity.cases.OPS) with cases 0..cases_per_op-1, the quick ones being quick_indices (never
     none), and every edge case of edge_cases.py once, quick, with its op. A file that covers less
     would let a device pass on fewer cases than a first contact is meant to run."""
-    from ..parity.cases import OPS
-    from .edge_cases import edge_ops
     per_op, quick = d.get("cases_per_op"), d.get("quick_indices")
     if not (type(per_op) is int and per_op >= 1):
         raise file_error(path, f"cases_per_op {per_op!r} is not a positive integer")
@@ -286,7 +278,7 @@ def _check_coverage(path, d: dict, cases: list) -> None:
     if d.get("ops") != list(OPS):
         raise file_error(path, "its op list is not this package's contract ops (parity.cases.OPS)")
     parity: dict = {op: [] for op in OPS}
-    edge_want = edge_ops()
+    edge_want = edge_cases.edge_ops()
     edge_seen: set = set()
     for n, c in enumerate(cases):
         where = f"case {n} ({c.key})"
