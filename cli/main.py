@@ -101,6 +101,10 @@ from mlx_open1b.cli.selftest import selftest  # noqa: E402
 
 cli.add_command(selftest)
 
+from mlx_open1b.cli.config_cmd import config  # noqa: E402
+
+cli.add_command(config)
+
 for _cmd in (report, export, eval_):
     cli.add_command(_cmd)
 
