@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from mlx_open1b.cli import INT64_MAX, SEED, STEPS, Path, fail
+from mlx_open1b.cli import INT64_MAX, SEED, STEPS, Path, Positive, fail
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -42,7 +42,66 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
 
     Prints a table per op (cases, mismatching cases, seconds per backend, first mismatch with
     its index and both values); exits 1 on any mismatch, 2 on bad arguments."""
-    from mlx_open1b.parity import OPS, BackendUnavailable, available, format_table, load, run
+    from mlx_open1b.parity import format_table, run
+    loaded = _backends_or_fail(backends_opt)
+    ops = _ops_or_fail(ops_opt)
+    tty = sys.stderr.isatty()
+
+    def progress(op, res):
+        if tty:
+            click.echo(f"\r{op}: {res.cases} cases, {res.mismatches} mismatching" + " " * 20, err=True, nl=False)
+    report = run(loaded, ops, cases, seed, progress=progress)
+    if tty:
+        click.echo("\r" + " " * 70 + "\r", err=True, nl=False)
+    click.echo(format_table(report))
+    if json_out:
+        from mlx_open1b.fsutil import WriteError, write_json_atomic
+        try:
+            write_json_atomic(json_out, report.to_json())
+        except WriteError as e:
+            fail(e.context(intact="the table printed above", then="run the same parity run with a --json that "
+                                                                   "can be written"))
+    sys.exit(0 if report.ok else 1)
+
+
+@parity.command("fuzz")
+@click.option("--seconds", type=Positive("number of seconds"), required=True, help="how long to draw cases")
+@click.option("--backends", "backends_opt", default=None, metavar="A,B,...",
+              help="backends to compare; the first is the reference (default: every available one, cpu_ref first; "
+                   "spec when nothing else is available)")
+@click.option("--ops", "ops_opt", default=None, metavar="X,Y,...", help="ops to draw (default: all, in turn)")
+@click.option("--seed", type=SEED, default=None, help="base seed of the cases (default: a new one, printed)")
+@click.option("--json", "json_out", type=Path(dir_okay=False), default=None, help="also write the report as JSON")
+def fuzz_cmd(seconds, backends_opt, ops_opt, seed, json_out) -> None:
+    """Draw parity cases for SECONDS (every op in turn: tile remainders, single rows, special values,
+    random bit patterns), run them on every backend and compare bits; print cases per second and
+    every mismatch with the command that reproduces it. Exit 1 on any mismatch."""
+    import secrets
+
+    from mlx_open1b.parity.fuzz import format_fuzz, fuzz
+    loaded = _backends_or_fail(backends_opt)
+    ops = _ops_or_fail(ops_opt)
+    seed = secrets.randbits(63) if seed is None else seed
+    click.echo(f"parity fuzz: seed {seed}, {seconds:g} s, backends {', '.join(n for n, _ in loaded)}", err=True)
+
+    def progress(rep):
+        click.echo(f"  {rep.seconds:.0f} s: {rep.cases} cases, "
+                   f"{sum(r.mismatches for r in rep.ops.values())} mismatching", err=True)
+    rep = fuzz(loaded, ops, seconds, seed, progress=progress, every=max(10.0, seconds / 20))
+    click.echo(format_fuzz(rep))
+    if json_out:
+        from mlx_open1b.fsutil import WriteError, write_json_atomic
+        try:
+            write_json_atomic(json_out, rep.to_json())
+        except WriteError as e:
+            fail(e.context(intact="the report printed above", then="run the fuzz again with a --json that can be "
+                                                                  "written"))
+    sys.exit(0 if rep.ok else 1)
+
+
+def _backends_or_fail(backends_opt) -> list:
+    """(name, backend) of --backends (default: every available one, spec added when alone)."""
+    from mlx_open1b.parity import BackendUnavailable, available, load
     names = _split(backends_opt)
     if names is None:
         names = available()
@@ -62,28 +121,17 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
             loaded.append((n, load(n)))
         except BackendUnavailable as e:
             fail(f"--backends: {e}")
+    return loaded
+
+
+def _ops_or_fail(ops_opt) -> list | None:
+    from mlx_open1b.parity import OPS
     ops = _split(ops_opt)
     if ops is not None:
         unknown = [o for o in ops if o not in OPS]
         if unknown or not ops:
             fail(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OPS)}")
-    tty = sys.stderr.isatty()
-
-    def progress(op, res):
-        if tty:
-            click.echo(f"\r{op}: {res.cases} cases, {res.mismatches} mismatching" + " " * 20, err=True, nl=False)
-    report = run(loaded, ops, cases, seed, progress=progress)
-    if tty:
-        click.echo("\r" + " " * 70 + "\r", err=True, nl=False)
-    click.echo(format_table(report))
-    if json_out:
-        from mlx_open1b.fsutil import WriteError, write_json_atomic
-        try:
-            write_json_atomic(json_out, report.to_json())
-        except WriteError as e:
-            fail(e.context(intact="the table printed above", then="run the same parity run with a --json that "
-                                                                   "can be written"))
-    sys.exit(0 if report.ok else 1)
+    return ops
 
 
 @parity.command("export")
