@@ -1,6 +1,8 @@
 """The contract's scalar functions over arrays, bf16 conversions, and small elementwise ops."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from mlx_open1b import opargs
@@ -18,6 +20,19 @@ scalar_add = declare("o1b_scalar_add", c_f32, c_f32, restype=c_f32)
 scalar_sub = declare("o1b_scalar_sub", c_f32, c_f32, restype=c_f32)
 scalar_mul = declare("o1b_scalar_mul", c_f32, c_f32, restype=c_f32)
 scalar_div = declare("o1b_scalar_div", c_f32, c_f32, restype=c_f32)
+_set_vmath = declare("o1b_set_vmath", c_int)
+
+
+@contextlib.contextmanager
+def vector_math(on: bool):
+    """Temporarily choose the SIMD forms of the software functions and of the ops built on them
+    (cross-entropy, SwiGLU; vmath.c, the default) or contract.h's scalar loops. Both give the same
+    bits; the tests hold them equal at every SIMD level."""
+    _set_vmath(int(bool(on)))
+    try:
+        yield
+    finally:
+        _set_vmath(1)
 
 
 def _apply(index: int, x: np.ndarray) -> np.ndarray:

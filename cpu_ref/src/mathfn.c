@@ -2,9 +2,12 @@
  * elementwise ops of the training step (add, scale by a reciprocal, ...). */
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 typedef struct { int op; const float *x; float *y; } map_args;
-enum { OP_EXP, OP_LOG, OP_SIN, OP_COS, OP_SQRT, OP_RSQRT, OP_SIGMOID, OP_SILU, OP_SQRT_INT };
+enum { OP_EXP = O1B_FN_EXP, OP_LOG = O1B_FN_LOG, OP_SIN = O1B_FN_SIN, OP_COS = O1B_FN_COS,
+       OP_SQRT = O1B_FN_SQRT, OP_RSQRT = O1B_FN_RSQRT, OP_SIGMOID = O1B_FN_SIGMOID,
+       OP_SILU = O1B_FN_SILU, OP_SQRT_INT };
 
 static void map_range(void *ctx, int64_t lo, int64_t hi) {
     const map_args *a = (const map_args *)ctx;
@@ -24,8 +27,10 @@ static void map_range(void *ctx, int64_t lo, int64_t hi) {
         a->y[i] = o1b_store(y);
     }
 }
-/* y[i] = f(x[i]) for the function numbered `op` (the enum above). */
+/* y[i] = f(x[i]) for the function numbered `op` (the enum above, vmath.h's numbering for all
+ * but sqrt_int): the SIMD forms of vmath.c, which equal the scalar loop bit for bit. */
 O1B_API void o1b_map(int op, int64_t n, const float *x, float *y) {
+    if (op != OP_SQRT_INT) { o1b_vmap(op, n, x, y); return; }
     map_args a = {op, x, y};
     o1b_parallel_for(n, 4096, map_range, &a);
 }

@@ -3,9 +3,11 @@
  * Backward, with s = sigmoid(g):
  *   dup   = mul(dout, silu(g))
  *   dgate = mul(mul(dout, up), mul(s, add(1, mul(g, sub(1, s)))))
+ * Each row's elements are computed on SIMD lanes (vmath.c), which gives contract.h's bits.
  */
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 typedef struct { int64_t F; const float *h, *dout; float *out, *dh; } swiglu_args;
 
@@ -13,8 +15,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     const swiglu_args *a = (const swiglu_args *)ctx;
     for (int64_t n = lo; n < hi; n++) {
         const float *gate = a->h + n * 2 * a->F, *up = gate + a->F;
-        for (int64_t f = 0; f < a->F; f++)
-            a->out[n * a->F + f] = o1b_store(o1b_mul(o1b_silu(o1b_load(gate[f])), o1b_load(up[f])));
+        o1b_vswiglu_fwd(a->F, gate, up, a->out + n * a->F);
     }
 }
 static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
@@ -22,13 +23,7 @@ static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
         const float *gate = a->h + n * 2 * a->F, *up = gate + a->F, *dout = a->dout + n * a->F;
         float *dgate = a->dh + n * 2 * a->F, *dup = dgate + a->F;
-        for (int64_t f = 0; f < a->F; f++) {
-            float g = o1b_load(gate[f]), u = o1b_load(up[f]), d = o1b_load(dout[f]);
-            float s = o1b_sigmoid(g), silu = o1b_mul(g, s);
-            float dsilu = o1b_mul(s, o1b_add(1.0f, o1b_mul(g, o1b_sub(1.0f, s))));
-            dup[f] = o1b_store(o1b_mul(d, silu));
-            dgate[f] = o1b_store(o1b_mul(o1b_mul(d, u), dsilu));
-        }
+        o1b_vswiglu_bwd(a->F, dout, gate, up, dgate, dup);
     }
 }
 O1B_API void o1b_swiglu_forward(int64_t N, int64_t F, const float *h /* (N, 2F) */, float *out /* (N, F) */) {

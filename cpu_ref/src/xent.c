@@ -18,6 +18,7 @@
 #include "contract.h"
 #include "gemm.h"
 #include "runtime.h"
+#include "vmath.h"
 
 #define XENT_CHUNK 1024
 
@@ -44,24 +45,66 @@ typedef struct {
     float *m, *s, *zt;        /* (N,) running max, running sum of exp(z - m), target logit */
 } fwd_chunk_args;
 
-/* One chunk of the online logsumexp for rows [lo, hi). */
-static void fwd_chunk_rows(void *ctx, int64_t lo, int64_t hi) {
-    const fwd_chunk_args *a = (const fwd_chunk_args *)ctx;
+/* One chunk of the online logsumexp for rows [lo, hi). The exps of a group of rows are computed
+ * across the vocabulary on SIMD lanes (vmath.c, contract.h's bits) into a buffer the size of the
+ * chunk that stays in cache; then each row's sum runs over it in ascending v, the rows of a group
+ * interleaved so that their independent chains of adds overlap in the pipeline. */
+#define XENT_GROUP 4
+static void fwd_chunk_rows_buffered(const fwd_chunk_args *a, int64_t lo, int64_t hi, float *e) {
+    int64_t L = a->L;
+    for (int64_t n0 = lo; n0 < hi; n0 += XENT_GROUP) {
+        int G = hi - n0 < XENT_GROUP ? (int)(hi - n0) : XENT_GROUP;
+        float m_new[XENT_GROUP], cs[XENT_GROUP];
+        for (int g = 0; g < G; g++) {
+            int64_t n = n0 + g;
+            const float *zr = a->z + n * L;
+            float cm = -INFINITY;                       /* a NaN logit is passed over here ... */
+            for (int64_t v = 0; v < L; v++) cm = o1b_max(cm, o1b_load(zr[v]));
+            m_new[g] = o1b_max(a->m[n], cm);
+            o1b_vexp_sub(L, zr, m_new[g], e + g * L);
+            cs[g] = 0.0f;
+        }
+        if (G == XENT_GROUP) {                          /* ... and turns the sum NaN here */
+            for (int64_t v = 0; v < L; v++)
+                for (int g = 0; g < XENT_GROUP; g++) cs[g] = o1b_add(cs[g], e[g * L + v]);
+        } else {
+            for (int g = 0; g < G; g++)
+                for (int64_t v = 0; v < L; v++) cs[g] = o1b_add(cs[g], e[g * L + v]);
+        }
+        for (int g = 0; g < G; g++) {
+            int64_t n = n0 + g;
+            float corr = o1b_exp(o1b_sub(a->m[n], m_new[g]));   /* exp(-inf) = +0 on the first chunk */
+            a->s[n] = o1b_add(o1b_mul(a->s[n], corr), cs[g]);
+            a->m[n] = m_new[g];
+            int64_t t = (int64_t)a->targets[n] - a->v0;
+            if (t >= 0 && t < L) a->zt[n] = o1b_load(a->z[n * L + t]);
+        }
+    }
+}
+/* The same rows one exp at a time (no buffer to be had). */
+static void fwd_chunk_rows_scalar(const fwd_chunk_args *a, int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
         const float *zr = a->z + n * a->L;
-        float cm = -INFINITY;                           /* a NaN logit is passed over here ... */
+        float cm = -INFINITY;
         for (int64_t v = 0; v < a->L; v++) cm = o1b_max(cm, o1b_load(zr[v]));
         float m_old = a->m[n];
         float m_new = o1b_max(m_old, cm);
-        float corr = o1b_exp(o1b_sub(m_old, m_new));   /* exp(-inf) = +0 on the first chunk */
+        float corr = o1b_exp(o1b_sub(m_old, m_new));
         float cs = 0.0f;
-        for (int64_t v = 0; v < a->L; v++)              /* ... and turns the sum NaN here */
+        for (int64_t v = 0; v < a->L; v++)
             cs = o1b_add(cs, o1b_exp(o1b_sub(o1b_load(zr[v]), m_new)));
         a->s[n] = o1b_add(o1b_mul(a->s[n], corr), cs);
         a->m[n] = m_new;
         int64_t t = (int64_t)a->targets[n] - a->v0;
         if (t >= 0 && t < a->L) a->zt[n] = o1b_load(zr[t]);
     }
+}
+static void fwd_chunk_rows(void *ctx, int64_t lo, int64_t hi) {
+    const fwd_chunk_args *a = (const fwd_chunk_args *)ctx;
+    float *e = (float *)malloc(sizeof(float) * (size_t)(XENT_GROUP * a->L));
+    if (e) fwd_chunk_rows_buffered(a, lo, hi, e);
+    else fwd_chunk_rows_scalar(a, lo, hi);
+    free(e);
 }
 
 typedef struct {
@@ -144,11 +187,11 @@ static void bwd_chunk_rows(void *ctx, int64_t lo, int64_t hi) {
         float dl = o1b_load(a->dloss[n]);
         float coef = o1b_add(1.0f, o1b_mul(a->two_zcoef, lse));
         int64_t t = (int64_t)a->targets[n] - a->v0;
-        for (int64_t v = 0; v < a->L; v++) {
-            float pv = o1b_exp(o1b_sub(o1b_load(zr[v]), lse));
-            float g = o1b_mul(pv, coef);
-            if (v == t) g = o1b_sub(g, 1.0f);
-            dzr[v] = o1b_f32_to_bf16(o1b_mul(g, dl));
+        o1b_vxent_grad(a->L, zr, lse, coef, dl, dzr);    /* every v as if not the target ... */
+        if (t >= 0 && t < a->L) {                           /* ... then the target's own */
+            float pv = o1b_exp(o1b_sub(o1b_load(zr[t]), lse));
+            float g = o1b_sub(o1b_mul(pv, coef), 1.0f);
+            dzr[t] = o1b_f32_to_bf16(o1b_mul(g, dl));
         }
     }
 }

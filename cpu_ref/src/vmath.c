@@ -1,0 +1,460 @@
+/* vmath.c — contract.h's software functions on SIMD lanes, bit-identical to the scalar helpers.
+ *
+ * Why the bits cannot differ from contract.h:
+ *   1. Each lane performs the scalar helper's operations in the same order on the same values:
+ *      IEEE add, sub, mul, div and sqrt are correctly rounded in a SIMD lane as in a scalar
+ *      register, and the file is compiled with -ffp-contract=off (no FMA).
+ *   2. The flush rule, done per lane without a branch: a sum or difference below 2^-126 is exact,
+ *      so flushing the IEEE result is o1b_add's flush. A product or quotient whose IEEE result
+ *      has magnitude below 2^-126 has an exact value below 2^-126 too, and becomes a zero of its
+ *      sign, as in o1b_mul. Only a result of magnitude exactly 2^-126 needs the exact value (it
+ *      may come from a product just below 2^-126 rounded up); such a lane marks the vector, and
+ *      the whole vector is recomputed with the scalar helpers. These tests look at result bits
+ *      only, so they decide the same with the hardware flush modes (FTZ/DAZ, FZ) set or clear,
+ *      as the scalar helpers do.
+ *   3. The scalar helpers' special-case returns (NaN, overflow, underflow of exp; zero, negative,
+ *      inf of log; ...) become per-lane selects; the lanes they cover compute the main path on a
+ *      harmless stand-in value (so no lane converts an out-of-range float to int) and are
+ *      overwritten with the scalar helper's constant.
+ *
+ * Written once with GCC/clang vector extensions (the O1B_VMATH_TEMPLATE section at the end, which
+ * the file includes again per level) and instantiated for AVX-512F (16 lanes), AVX2 (8) and the
+ * portable 4 lanes (SSE2 on x86-64, NEON on arm64, generic vectors elsewhere), chosen at run time
+ * by o1b_simd_level() like the GEMM.
+ */
+#ifndef O1B_VMATH_TEMPLATE
+
+#include <stdint.h>
+#include <string.h>
+
+#include "contract.h"
+#include "runtime.h"
+#include "vmath.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define O1B_VM_X86 1
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+static int g_vmath = 1;
+O1B_API void o1b_set_vmath(int on) { g_vmath = on; }
+int o1b_vmath_on(void) { return g_vmath; }
+
+/* ---- the scalar definitions, for the exact path and the tails ---- */
+static inline float fn_scalar(int fn, float x) {
+    switch (fn) {
+    case O1B_FN_EXP: return o1b_exp(x);
+    case O1B_FN_LOG: return o1b_log(x);
+    case O1B_FN_SIN: return o1b_sin(x);
+    case O1B_FN_COS: return o1b_cos(x);
+    case O1B_FN_SQRT: return o1b_sqrt(x);
+    case O1B_FN_RSQRT: return o1b_rsqrt(x);
+    case O1B_FN_SIGMOID: return o1b_sigmoid(x);
+    default: return o1b_silu(x);
+    }
+}
+static void map_scalar(int fn, int64_t lo, int64_t hi, const float *x, float *y) {
+    for (int64_t i = lo; i < hi; i++) y[i] = o1b_store(fn_scalar(fn, o1b_load(x[i])));
+}
+static void exp_sub_scalar(int64_t lo, int64_t hi, const float *z, float m, float *e) {
+    for (int64_t i = lo; i < hi; i++) e[i] = o1b_exp(o1b_sub(o1b_load(z[i]), m));
+}
+static void xent_grad_scalar(int64_t lo, int64_t hi, const float *z, float lse, float coef,
+                             float dl, bf16 *dz) {
+    for (int64_t i = lo; i < hi; i++)
+        dz[i] = o1b_f32_to_bf16(o1b_mul(o1b_mul(o1b_exp(o1b_sub(o1b_load(z[i]), lse)), coef), dl));
+}
+static void swiglu_fwd_scalar(int64_t lo, int64_t hi, const float *g, const float *u, float *out) {
+    for (int64_t i = lo; i < hi; i++) out[i] = o1b_store(o1b_mul(o1b_silu(o1b_load(g[i])), o1b_load(u[i])));
+}
+static void swiglu_bwd_scalar(int64_t lo, int64_t hi, const float *dout, const float *gate,
+                              const float *up, float *dgate, float *dup) {
+    for (int64_t i = lo; i < hi; i++) {
+        float g = o1b_load(gate[i]), u = o1b_load(up[i]), d = o1b_load(dout[i]);
+        float s = o1b_sigmoid(g), silu = o1b_mul(g, s);
+        float dsilu = o1b_mul(s, o1b_add(1.0f, o1b_mul(g, o1b_sub(1.0f, s))));
+        dup[i] = o1b_store(o1b_mul(d, silu));
+        dgate[i] = o1b_store(o1b_mul(o1b_mul(d, u), dsilu));
+    }
+}
+
+/* ---- instantiations: this file again, from its template section ---- */
+#define O1B_VMATH_TEMPLATE 1
+#if defined(O1B_VM_X86)
+#define O1B_TGT __attribute__((target("avx512f")))
+#define O1B_SFX avx512
+#define O1B_W 16
+#define O1B_ANY(m) (_mm512_test_epi32_mask((__m512i)(m), (__m512i)(m)) != 0)
+#define O1B_VSQRT(x) ((vf)_mm512_sqrt_ps((__m512)(x)))
+#include "vmath.c"
+
+#define O1B_TGT __attribute__((target("avx2")))
+#define O1B_SFX avx2
+#define O1B_W 8
+#define O1B_ANY(m) (!_mm256_testz_si256((__m256i)(m), (__m256i)(m)))
+#define O1B_VSQRT(x) ((vf)_mm256_sqrt_ps((__m256)(x)))
+#include "vmath.c"
+
+#define O1B_ANY(m) (_mm_movemask_ps((__m128)(m)) != 0)
+#define O1B_VSQRT(x) ((vf)_mm_sqrt_ps((__m128)(x)))
+#elif defined(__aarch64__)
+#define O1B_ANY(m) (vmaxvq_u32((uint32x4_t)(m)) != 0)
+#define O1B_VSQRT(x) ((vf)vsqrtq_f32((float32x4_t)(x)))
+#endif
+#define O1B_TGT
+#define O1B_SFX portable
+#define O1B_W 4
+#include "vmath.c"
+
+#if defined(O1B_VM_X86)
+#define O1B_VM_DISPATCH(call)                                                  \
+    do {                                                                       \
+        int level_ = o1b_simd_level();                                         \
+        if (level_ >= 2) { call(avx512); return; }                             \
+        if (level_ >= 1) { call(avx2); return; }                               \
+        call(portable);                                                        \
+    } while (0)
+#else
+#define O1B_VM_DISPATCH(call) do { call(portable); } while (0)
+#endif
+
+typedef struct { int fn; const float *x; float *y; } vmap_args;
+static void vmap_range(void *ctx, int64_t lo, int64_t hi) {
+    const vmap_args *a = (const vmap_args *)ctx;
+    if (!g_vmath) { map_scalar(a->fn, lo, hi, a->x, a->y); return; }
+#define CALL(s) map_##s(a->fn, lo, hi, a->x, a->y)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vmap(int fn, int64_t n, const float *x, float *y) {
+    vmap_args a = {fn, x, y};
+    o1b_parallel_for(n, 4096, vmap_range, &a);
+}
+
+void o1b_vexp_sub(int64_t n, const float *z, float m, float *e) {
+    if (!g_vmath) { exp_sub_scalar(0, n, z, m, e); return; }
+#define CALL(s) exp_sub_##s(n, z, m, e)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vxent_grad(int64_t n, const float *z, float lse, float coef, float dl, bf16 *dz) {
+    if (!g_vmath) { xent_grad_scalar(0, n, z, lse, coef, dl, dz); return; }
+#define CALL(s) xent_grad_##s(n, z, lse, coef, dl, dz)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vswiglu_fwd(int64_t n, const float *g, const float *u, float *out) {
+    if (!g_vmath) { swiglu_fwd_scalar(0, n, g, u, out); return; }
+#define CALL(s) swiglu_fwd_##s(n, g, u, out)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vswiglu_bwd(int64_t n, const float *dout, const float *g, const float *u, float *dgate,
+                     float *dup) {
+    if (!g_vmath) { swiglu_bwd_scalar(0, n, dout, g, u, dgate, dup); return; }
+#define CALL(s) swiglu_bwd_##s(n, dout, g, u, dgate, dup)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+
+#else /* O1B_VMATH_TEMPLATE: one SIMD level's functions.
+       * Parameters: O1B_SFX name suffix, O1B_TGT function attribute, O1B_W lanes, O1B_ANY(m)
+       * whether any lane of an int mask is set, O1B_VSQRT(x) the lanes' IEEE square roots (both
+       * optional: lane loops otherwise). */
+
+#define O1B_CAT2(a, b) a##_##b
+#define O1B_CAT(a, b) O1B_CAT2(a, b)
+#define FN(name) O1B_CAT(name, O1B_SFX)
+#define AI static inline __attribute__((always_inline)) O1B_TGT
+
+typedef float FN(vf_t) __attribute__((vector_size(O1B_W * 4)));
+typedef int32_t FN(vi_t) __attribute__((vector_size(O1B_W * 4)));
+typedef uint32_t FN(vu_t) __attribute__((vector_size(O1B_W * 4)));
+typedef uint16_t FN(vh_t) __attribute__((vector_size(O1B_W * 2)));
+#define vf FN(vf_t)
+#define vi FN(vi_t)
+#define vu FN(vu_t)
+#define vh FN(vh_t)
+#define SIGN ((int32_t)0x80000000)
+#define BITS(x) ((vi)(x))
+#define VF(u) ((vf)(u))
+
+AI vf FN(splat)(float s) { return (vf){0} + s; }
+AI vi FN(isplat)(int32_t s) { return (vi){0} + s; }
+AI vf FN(load)(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+AI void FN(put)(float *p, vf x) { memcpy(p, &x, sizeof x); }
+AI int FN(any)(vi m) {
+#ifdef O1B_ANY
+    return O1B_ANY(m);
+#else
+    int32_t r = 0;
+    for (int k = 0; k < O1B_W; k++) r |= m[k];
+    return r != 0;
+#endif
+}
+AI vf FN(sqrt)(vf x) {
+#ifdef O1B_VSQRT
+    return O1B_VSQRT(x);
+#else
+    vf y;
+    for (int k = 0; k < O1B_W; k++) y[k] = sqrtf(x[k]);
+    return y;
+#endif
+}
+/* m ? a : b per lane (m all ones or zero) */
+AI vf FN(sel)(vi m, vf a, vf b) { return VF((m & BITS(a)) | (~m & BITS(b))); }
+/* o1b_flush */
+AI vf FN(flush)(vf x) {
+    vi u = BITS(x), sub = (u & 0x7F800000) == 0;
+    return VF(u & (~sub | SIGN));
+}
+/* o1b_canon(o1b_flush(x)) */
+AI vf FN(store)(vf x) {
+    vi nan = x != x;
+    return VF((BITS(FN(flush)(x)) & ~nan) | (nan & (int32_t)O1B_NAN_BITS));
+}
+AI vf FN(add)(vf a, vf b) { return FN(flush)(a + b); }
+AI vf FN(sub)(vf a, vf b) { return FN(flush)(a - b); }
+AI vf FN(neg)(vf a) { return VF(BITS(a) ^ SIGN); }
+/* IEEE result below 2^-126 -> zero of its sign; exactly 2^-126 -> mark the lane (rare path) */
+AI vf FN(tiny)(vf r, vi *rare) {
+    vi u = BITS(r), mag = u & 0x7FFFFFFF;
+    *rare |= mag == 0x00800000;
+    return VF(u & (~(mag < 0x00800000) | SIGN));
+}
+AI vf FN(mul)(vf a, vf b, vi *rare) { return FN(tiny)(a * b, rare); }
+AI vf FN(div)(vf a, vf b, vi *rare) { return FN(tiny)(a / b, rare); }
+AI vf FN(i2f)(vi i) { return FN(flush)(__builtin_convertvector(i, vf)); }
+
+/* o1b_exp */
+AI vf FN(exp)(vf x, vi *rare) {
+    vi nan = x != x, big = x > 0x1.62e42ep6f, small = x < -0x1.9cp6f;
+    vf xs = FN(sel)(nan | big | small, FN(splat)(0.0f), x);
+    vf nf = FN(sub)(FN(add)(FN(mul)(xs, FN(splat)(0x1.715476p0f), rare), FN(splat)(O1B_ROUND_MAGIC)),
+                    FN(splat)(O1B_ROUND_MAGIC));
+    vi n = __builtin_convertvector(nf, vi);          /* |nf| <= 150 on every lane */
+    vi under = n < -126, over = n > 127;
+    vf r = FN(sub)(FN(sub)(xs, FN(mul)(nf, FN(splat)(0x1.62e4p-1f), rare)),
+                   FN(mul)(nf, FN(splat)(0x1.7f7d1cp-20f), rare));
+    vf p = FN(splat)(0x1.a01a02p-13f);
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.6c16c2p-10f));
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.111112p-7f));
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.555556p-5f));
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.555556p-3f));
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1p-1f));
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(1.0f));
+    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(1.0f));
+    /* n > 127: mul(mul(p, 2), 2^127); else mul(p, 2^n) (n clamped where the lane is replaced) */
+    vi nc = BITS(FN(sel)(under, VF(FN(isplat)(-126)), VF(n)));
+    nc = BITS(FN(sel)(over, VF(FN(isplat)(127)), VF(nc)));
+    vf scale = FN(sel)(over, FN(splat)(0x1p127f), VF((nc + 127) << 23));
+    vi rare_p = {0};
+    vf p2 = FN(mul)(p, FN(splat)(2.0f), &rare_p);
+    vi rare_y = {0};
+    vf y = FN(mul)(FN(sel)(over, p2, p), scale, &rare_y);
+    *rare |= (rare_p & over) | (rare_y & ~under);    /* lanes replaced below cannot mark */
+    y = FN(sel)(small | under, FN(splat)(0.0f), y);
+    y = FN(sel)(big, FN(splat)(INFINITY), y);
+    return FN(sel)(nan, VF(FN(isplat)((int32_t)O1B_NAN_BITS)), y);
+}
+
+/* o1b_log */
+AI vf FN(log)(vf x, vi *rare) {
+    vi u = BITS(FN(flush)(x)), ax = u & 0x7FFFFFFF;
+    vi nan = ax > 0x7F800000, zero = ax == 0, neg = (u < 0) & ~nan & ~zero, pinf = u == 0x7F800000;
+    vi special = nan | zero | neg | pinf;
+    vi us = BITS(FN(sel)(special, FN(splat)(1.0f), VF(u)));
+    vi e = (us >> 23) - 127;
+    vf m = VF((us & 0x7FFFFF) | 0x3F800000);
+    vi big = m > 0x1.6a09e6p0f;
+    m = FN(sel)(big, FN(mul)(m, FN(splat)(0.5f), rare), m);
+    e = e - big;                                      /* big is -1 where set */
+    vf f = FN(sub)(m, FN(splat)(1.0f));
+    vf s = FN(div)(f, FN(add)(FN(splat)(2.0f), f), rare);
+    vf z = FN(mul)(s, s, rare);
+    vf R = FN(splat)(0x1.c71c72p-3f);
+    R = FN(add)(FN(mul)(R, z, rare), FN(splat)(0x1.24924ap-2f));
+    R = FN(add)(FN(mul)(R, z, rare), FN(splat)(0x1.99999ap-2f));
+    R = FN(add)(FN(mul)(R, z, rare), FN(splat)(0x1.555556p-1f));
+    R = FN(mul)(R, z, rare);
+    vf hfsq = FN(mul)(FN(splat)(0.5f), FN(mul)(f, f, rare), rare);
+    vf ef = FN(i2f)(e);
+    vf r = FN(add)(FN(mul)(s, FN(add)(hfsq, R), rare), FN(mul)(ef, FN(splat)(0x1.7f7d1cp-20f), rare));
+    r = FN(add)(FN(sub)(r, hfsq), f);
+    vf y = FN(add)(r, FN(mul)(ef, FN(splat)(0x1.62e4p-1f), rare));
+    y = FN(sel)(pinf, FN(splat)(INFINITY), y);
+    y = FN(sel)(zero, FN(splat)(-INFINITY), y);
+    return FN(sel)(nan | neg, VF(FN(isplat)((int32_t)O1B_NAN_BITS)), y);
+}
+
+/* o1b_sincos_reduce, o1b_sin_poly, o1b_cos_poly */
+AI vf FN(sin_poly)(vf r, vi *rare) {
+    vf z = FN(mul)(r, r, rare);
+    vf p = FN(splat)(0x1.71de3ap-19f);
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(-0x1.a01a02p-13f));
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(0x1.111112p-7f));
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(-0x1.555556p-3f));
+    return FN(add)(r, FN(mul)(FN(mul)(r, z, rare), p, rare));
+}
+AI vf FN(cos_poly)(vf r, vi *rare) {
+    vf z = FN(mul)(r, r, rare);
+    vf p = FN(splat)(-0x1.27e4fcp-22f);
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(0x1.a01a02p-16f));
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(-0x1.6c16c2p-10f));
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(0x1.555556p-5f));
+    p = FN(add)(FN(mul)(p, z, rare), FN(splat)(-0x1p-1f));
+    return FN(add)(FN(splat)(1.0f), FN(mul)(z, p, rare));
+}
+/* the sin and cos polynomials of the reduced argument, and the quadrant; x finite */
+AI void FN(sincos)(vf x, vf *sp, vf *cp, vi *q, vi *rare) {
+    vf nf = FN(sub)(FN(add)(FN(mul)(x, FN(splat)(0x1.45f306p-1f), rare), FN(splat)(O1B_ROUND_MAGIC)),
+                    FN(splat)(O1B_ROUND_MAGIC));
+    vf y = FN(sub)(x, FN(mul)(nf, FN(splat)(0x1.92p0f), rare));
+    y = FN(sub)(y, FN(mul)(nf, FN(splat)(0x1.fb4p-12f), rare));
+    vf r = FN(sub)(y, FN(mul)(nf, FN(splat)(0x1.4442d2p-24f), rare));
+    vi inrange = VF(BITS(nf) & 0x7FFFFFFF) < 0x1p31f;
+    *q = __builtin_convertvector(FN(sel)(inrange, nf, FN(splat)(0.0f)), vi) & 3;
+    *sp = FN(sin_poly)(r, rare);
+    *cp = FN(cos_poly)(r, rare);
+}
+AI vf FN(sin)(vf x, vi *rare) {
+    x = FN(flush)(x);
+    vf ax = VF(BITS(x) & 0x7FFFFFFF);
+    vi finite = ax <= 0x1.fffffep127f, small = ax < 0x1p-12f;
+    vf sp, cp; vi q;
+    FN(sincos)(FN(sel)(finite & ~small, x, FN(splat)(1.0f)), &sp, &cp, &q, rare);
+    vf v = FN(sel)((q & 1) != 0, cp, sp);
+    v = FN(sel)((q & 2) != 0, FN(neg)(v), v);
+    v = FN(sel)(small, x, v);
+    return FN(sel)(finite, v, VF(FN(isplat)((int32_t)O1B_NAN_BITS)));
+}
+AI vf FN(cos)(vf x, vi *rare) {
+    x = FN(flush)(x);
+    vf ax = VF(BITS(x) & 0x7FFFFFFF);
+    vi finite = ax <= 0x1.fffffep127f;
+    vf sp, cp; vi q;
+    FN(sincos)(FN(sel)(finite, x, FN(splat)(1.0f)), &sp, &cp, &q, rare);
+    vf v = FN(sel)((q & 1) != 0, sp, cp);
+    v = FN(sel)((q == 1) | (q == 2), FN(neg)(v), v);
+    return FN(sel)(finite, v, VF(FN(isplat)((int32_t)O1B_NAN_BITS)));
+}
+AI vf FN(sigmoid)(vf x, vi *rare) {
+    return FN(div)(FN(splat)(1.0f), FN(add)(FN(splat)(1.0f), FN(exp)(FN(neg)(x), rare)), rare);
+}
+AI vf FN(silu)(vf x, vi *rare) { return FN(mul)(x, FN(sigmoid)(x, rare), rare); }
+
+/* One function over [lo, hi); the switch is hoisted out of the loop by the per-function copies. */
+#define O1B_VM_MAP_LOOP(F)                                                                   \
+    for (; i + O1B_W <= hi; i += O1B_W) {                                                    \
+        vi rare = {0};                                                                       \
+        vf y = F(FN(flush)(FN(load)(x + i)), &rare);                                         \
+        if (__builtin_expect(FN(any)(rare), 0)) map_scalar(fn, i, i + O1B_W, x, y_out);     \
+        else FN(put)(y_out + i, FN(store)(y));                                               \
+    }
+AI vf FN(sqrt_r)(vf x, vi *rare) { (void)rare; return FN(sqrt)(x); }
+AI vf FN(rsqrt)(vf x, vi *rare) { return FN(div)(FN(splat)(1.0f), FN(sqrt)(x), rare); }
+static O1B_TGT void FN(map)(int fn, int64_t lo, int64_t hi, const float *x, float *y_out) {
+    int64_t i = lo;
+    switch (fn) {
+    case O1B_FN_EXP: O1B_VM_MAP_LOOP(FN(exp)); break;
+    case O1B_FN_LOG: O1B_VM_MAP_LOOP(FN(log)); break;
+    case O1B_FN_SIN: O1B_VM_MAP_LOOP(FN(sin)); break;
+    case O1B_FN_COS: O1B_VM_MAP_LOOP(FN(cos)); break;
+    case O1B_FN_SQRT: O1B_VM_MAP_LOOP(FN(sqrt_r)); break;
+    case O1B_FN_RSQRT: O1B_VM_MAP_LOOP(FN(rsqrt)); break;
+    case O1B_FN_SIGMOID: O1B_VM_MAP_LOOP(FN(sigmoid)); break;
+    default: O1B_VM_MAP_LOOP(FN(silu)); break;
+    }
+    map_scalar(fn, i, hi, x, y_out);
+}
+
+static O1B_TGT void FN(exp_sub)(int64_t n, const float *z, float m, float *e) {
+    vf mv = FN(splat)(m);
+    int64_t i = 0;
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi rare = {0};
+        vf y = FN(exp)(FN(sub)(FN(flush)(FN(load)(z + i)), mv), &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) exp_sub_scalar(i, i + O1B_W, z, m, e);
+        else FN(put)(e + i, y);
+    }
+    exp_sub_scalar(i, n, z, m, e);
+}
+
+/* o1b_f32_to_bf16 */
+AI vh FN(to_bf16)(vf x) {
+    vu u = (vu)FN(flush)(x);
+    vi nan = (vi)(u & 0x7FFFFFFFu) > 0x7F800000;
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    u = (vu)FN(sel)(nan, VF(FN(isplat)(O1B_BF16_NAN)), VF(u));
+    return __builtin_convertvector(u, vh);
+}
+
+static O1B_TGT void FN(xent_grad)(int64_t n, const float *z, float lse, float coef, float dl,
+                                  bf16 *dz) {
+    vf lv = FN(splat)(lse), cv = FN(splat)(coef), dv = FN(splat)(dl);
+    int64_t i = 0;
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi rare = {0};
+        vf pv = FN(exp)(FN(sub)(FN(flush)(FN(load)(z + i)), lv), &rare);
+        vf g = FN(mul)(FN(mul)(pv, cv, &rare), dv, &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            xent_grad_scalar(i, i + O1B_W, z, lse, coef, dl, dz);
+        } else {
+            vh h = FN(to_bf16)(g);
+            memcpy(dz + i, &h, sizeof h);
+        }
+    }
+    xent_grad_scalar(i, n, z, lse, coef, dl, dz);
+}
+
+static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, float *out) {
+    int64_t i = 0;
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi rare = {0};
+        vf y = FN(mul)(FN(silu)(FN(flush)(FN(load)(g + i)), &rare), FN(flush)(FN(load)(u + i)), &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + O1B_W, g, u, out);
+        else FN(put)(out + i, FN(store)(y));
+    }
+    swiglu_fwd_scalar(i, n, g, u, out);
+}
+
+static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *gate,
+                                   const float *up, float *dgate, float *dup) {
+    int64_t i = 0;
+    vf one = FN(splat)(1.0f);
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi rare = {0};
+        vf g = FN(flush)(FN(load)(gate + i)), u = FN(flush)(FN(load)(up + i));
+        vf d = FN(flush)(FN(load)(dout + i));
+        vf s = FN(sigmoid)(g, &rare), silu = FN(mul)(g, s, &rare);
+        vf dsilu = FN(mul)(s, FN(add)(one, FN(mul)(g, FN(sub)(one, s), &rare)), &rare);
+        vf a = FN(mul)(d, silu, &rare);
+        vf b = FN(mul)(FN(mul)(d, u, &rare), dsilu, &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            swiglu_bwd_scalar(i, i + O1B_W, dout, gate, up, dgate, dup);
+        } else {
+            FN(put)(dup + i, FN(store)(a));
+            FN(put)(dgate + i, FN(store)(b));
+        }
+    }
+    swiglu_bwd_scalar(i, n, dout, gate, up, dgate, dup);
+}
+
+#undef O1B_VM_MAP_LOOP
+#undef SIGN
+#undef BITS
+#undef VF
+#undef AI
+#undef vf
+#undef vi
+#undef vu
+#undef vh
+#undef FN
+#undef O1B_TGT
+#undef O1B_SFX
+#undef O1B_W
+#undef O1B_ANY
+#undef O1B_VSQRT
+#endif

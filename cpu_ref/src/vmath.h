@@ -1,0 +1,33 @@
+/* vmath.h — the contract's software functions (contract.h, CONTRACT.md §4) on SIMD lanes, and the
+ * array loops of the hot ops built on them (vmath.c). Every lane runs the scalar helper's
+ * sequence of operations, so each result equals contract.h's bit for bit; a vector in which some
+ * lane needs the scalar helper's rare path (a product or quotient that rounds to exactly 2^-126,
+ * whose flush the exact value decides) is recomputed lane by lane with contract.h. */
+#ifndef O1B_VMATH_H
+#define O1B_VMATH_H
+
+#include <stdint.h>
+
+#include "contract.h"
+
+enum { O1B_FN_EXP, O1B_FN_LOG, O1B_FN_SIN, O1B_FN_COS, O1B_FN_SQRT, O1B_FN_RSQRT, O1B_FN_SIGMOID,
+       O1B_FN_SILU };
+
+/* 1: the SIMD forms (the default), 0: contract.h's scalar loops (tests compare the two). */
+int o1b_vmath_on(void);
+
+/* y[i] = store(f(load(x[i]))) for the function numbered fn (the enum above), i in [0, n). */
+void o1b_vmap(int fn, int64_t n, const float *x, float *y);
+/* e[i] = exp(sub(load(z[i]), m)) (unstored: a NaN result is exp's canonical NaN). */
+void o1b_vexp_sub(int64_t n, const float *z, float m, float *e);
+/* dz[i] = f32_to_bf16(mul(mul(exp(sub(load(z[i]), lse)), coef), dl)): the cross-entropy
+ * gradient of every non-target logit of a row. */
+void o1b_vxent_grad(int64_t n, const float *z, float lse, float coef, float dl, bf16 *dz);
+/* out[i] = store(mul(silu(load(g[i])), load(u[i]))) */
+void o1b_vswiglu_fwd(int64_t n, const float *g, const float *u, float *out);
+/* s = sigmoid(g): dup[i] = store(mul(d, mul(g, s))),
+ * dgate[i] = store(mul(mul(d, u), mul(s, add(1, mul(g, sub(1, s)))))) (loads of d, g, u) */
+void o1b_vswiglu_bwd(int64_t n, const float *dout, const float *g, const float *u, float *dgate,
+                     float *dup);
+
+#endif

@@ -1,0 +1,175 @@
+"""The SIMD forms of the software functions and of the ops built on them (cpu_ref/src/vmath.c):
+at every SIMD level this machine has, bit-identical to contract.h's scalar loops and to the numpy
+spec, on every class of fp32 pattern, including the lanes that need the exact (scalar) path."""
+import contextlib
+
+import numpy as np
+import pytest
+
+import mlx_open1b.cpu_ref as C
+from mlx_open1b.cpu_ref import layers as CL, xent as CX
+from mlx_open1b.cpu_ref.mathfn import vector_math
+from mlx_open1b.spec import arith as A, layers as SL, mathfn as S
+
+from helpers import SPECIAL_F32, assert_bits_equal
+
+NAMES = ["exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu"]
+LEVELS = list(range(C.simd_level() + 1))     # 0 portable (SSE2/NEON), 1 AVX2, 2 AVX-512
+
+
+@contextlib.contextmanager
+def level(lv):
+    with C.settings(simd=lv), vector_math(True):
+        yield
+
+
+def scalar():
+    return vector_math(False)
+
+
+def patterns(lo: float, hi: float) -> np.ndarray:
+    """Every fp32 bit pattern between lo and hi (same sign)."""
+    a, b = sorted((int(np.float32(lo).view(np.uint32)), int(np.float32(hi).view(np.uint32))))
+    return np.arange(a, b + 1, dtype=np.uint32).view(np.float32)
+
+
+def pattern_classes(stride: int) -> np.ndarray:
+    """Every stride-th pattern of the whole fp32 line (both signs, NaNs and infinities included),
+    random values at several scales, the special values, and every pattern at the edges where the
+    scalar helpers branch: exp's overflow, underflow and 2^-126 thresholds, the smallest normals,
+    log's sqrt(2) split, sin's 2^-12 shortcut, sigmoid's edge."""
+    rng = np.random.default_rng(7)
+    whole = np.arange(0, 2 ** 32, stride, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    parts = [whole, SPECIAL_F32.astype(np.float32),
+             (rng.standard_normal(50000) * 3).astype(np.float32),
+             (rng.standard_normal(50000) * 300).astype(np.float32),
+             rng.integers(0, 2 ** 32, 50000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+             np.arange(0x00700000, 0x00900000, 3, dtype=np.uint32).view(np.float32),
+             np.arange(0x80700000, 0x80900000, 3, dtype=np.uint32).view(np.float32)]
+    for lo, hi in ((88.70, 88.73), (-87.34, -87.33), (-103.01, -102.99), (-88.73, -88.70),
+                   (1.41421, 1.41422), (0.70710, 0.70711), (2.0 ** -12 * 0.999, 2.0 ** -12 * 1.001)):
+        x = patterns(lo, hi)
+        parts += [x, -x]
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+def spec_sqrt(x):
+    # IEEE sqrt of the flushed input, flushed and canonical (the spec has no sqrt of its own).
+    with np.errstate(invalid="ignore"):
+        return A.canon(A.flush(np.sqrt(A.flush(x))))
+
+
+def check_all_levels(name: str, x: np.ndarray, spec: bool = True) -> None:
+    with scalar():
+        want = getattr(C, name)(x)
+    if spec:
+        ref = spec_sqrt(x) if name == "sqrt" else getattr(S, name)(x)
+        assert_bits_equal(want, ref, f"{name}: scalar C vs spec")
+    for lv in LEVELS:
+        with level(lv):
+            assert_bits_equal(getattr(C, name)(x), want, f"{name}: SIMD level {lv} vs scalar")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vector_functions_equal_scalar_and_spec(name):
+    # The numpy spec is slow on millions of points: it sees a strided part of the patterns.
+    x = pattern_classes(65537)
+    check_all_levels(name, x)
+    x = pattern_classes(4099)
+    check_all_levels(name, x, spec=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_vector_functions_equal_scalar_dense(name):
+    check_all_levels(name, pattern_classes(37), spec=False)
+
+
+def test_every_length_and_offset():
+    # Vectors of W lanes plus a scalar tail, in threads: each length up to three vectors of the
+    # widest level, at unaligned starts.
+    base = (np.random.default_rng(3).standard_normal(200) * 20).astype(np.float32)
+    for n in range(0, 50):
+        for off in (0, 1, 3):
+            x = np.ascontiguousarray(base[off:off + n])
+            check_all_levels("exp", x, spec=False)
+            check_all_levels("silu", x, spec=False)
+
+
+def tiny_product_pairs(s: np.ndarray) -> np.ndarray:
+    """For each fp32 s in (0.5, 1): a normal d whose exact product d*s lies in
+    [2^-126 - 2^-150, 2^-126), so the IEEE product rounds up to 2^-126 (gradual underflow and
+    x86 FTZ alike) while the contract flushes it to zero; NaN where no candidate d does."""
+    out = np.full(s.shape, np.nan, np.float32)
+    lo, hi = 2.0 ** -126 - 2.0 ** -150, 2.0 ** -126
+    for i, sv in enumerate(s.astype(np.float64)):
+        d0 = np.float32(2.0 ** -126 / sv).view(np.uint32)
+        for d in np.arange(d0 - 3, d0 + 4, dtype=np.uint32).view(np.float32):
+            if lo <= float(d) * sv < hi:
+                out[i] = d
+                break
+    return out
+
+
+def test_swiglu_lanes_on_the_exact_path():
+    # mul(dout, silu(g)) with an exact value just below 2^-126: the vector marks the lane and the
+    # whole vector is recomputed by the scalar helpers. Mixed with ordinary lanes in every vector.
+    rng = np.random.default_rng(5)
+    N, F = 4, 64
+    g = rng.uniform(0.8, 3.0, (N, F)).astype(np.float32)
+    with scalar():
+        sv = C.silu(g.ravel())
+    d = tiny_product_pairs(sv).reshape(N, F)
+    ok = ~np.isnan(d)
+    assert ok.sum() > N * F // 4
+    d = np.where(ok & (rng.random((N, F)) < 0.5), d, rng.standard_normal((N, F))).astype(np.float32)
+    u = rng.standard_normal((N, F)).astype(np.float32)
+    h = np.ascontiguousarray(np.concatenate([g, u], axis=1))
+    with scalar():
+        want_f, want_b = CL.swiglu_forward(h), CL.swiglu_backward(d, h)
+    assert_bits_equal(want_b, SL.swiglu_backward(d, h), "swiglu backward: scalar C vs spec")
+    assert_bits_equal(want_f, SL.swiglu_forward(h), "swiglu forward: scalar C vs spec")
+    dup = want_b[:, F:]
+    flushed = (ok & (np.abs(d) < 1e-37)).ravel()
+    assert (dup.ravel()[flushed] == 0).all() and flushed.any()   # the case is really exercised
+    for lv in LEVELS:
+        with level(lv):
+            assert_bits_equal(CL.swiglu_backward(d, h), want_b, f"swiglu backward, level {lv}")
+            assert_bits_equal(CL.swiglu_forward(h), want_f, f"swiglu forward, level {lv}")
+
+
+@pytest.mark.parametrize("F", [1, 7, 16, 37, 128])
+def test_swiglu_equals_scalar(F):
+    rng = np.random.default_rng(F)
+    N = 5
+    h = (rng.standard_normal((N, 2 * F)) * 4).astype(np.float32)
+    h.ravel()[:: 7] = np.resize(SPECIAL_F32.astype(np.float32), h.ravel()[::7].shape)
+    d = rng.standard_normal((N, F)).astype(np.float32)
+    with scalar():
+        want_f, want_b = CL.swiglu_forward(h), CL.swiglu_backward(d, h)
+    for lv in LEVELS:
+        with level(lv):
+            assert_bits_equal(CL.swiglu_forward(h), want_f, f"forward F={F} level {lv}")
+            assert_bits_equal(CL.swiglu_backward(d, h), want_b, f"backward F={F} level {lv}")
+
+
+@pytest.mark.parametrize("N,C_,V,chunk", [(9, 16, 3000, 1024), (5, 8, 37, 16), (33, 24, 1500, 1024)])
+def test_xent_equals_scalar(N, C_, V, chunk):
+    # Logits spread wide (exps near underflow, rows of 1..4 in a group, chunk tails), NaN-free.
+    rng = np.random.default_rng(N)
+    h = A.f32_to_bf16((rng.standard_normal((N, C_)) * 3).astype(np.float32))
+    w = A.f32_to_bf16((rng.standard_normal((V, C_)) * 3).astype(np.float32))
+    t = rng.integers(0, V, N).astype(np.int32)
+    dloss = (rng.standard_normal(N) * 1e-3).astype(np.float32)
+    zc = np.float32(1e-4)
+    with scalar():
+        want_f = CX._forward_chunked(h, w, t, zc, chunk)
+        want_b = CX._backward_chunked(h, w, t, zc, want_f[1], dloss, chunk)
+    for lv in LEVELS:
+        with level(lv):
+            got_f = CX._forward_chunked(h, w, t, zc, chunk)
+            got_b = CX._backward_chunked(h, w, t, zc, want_f[1], dloss, chunk)
+        for k, (a, b) in enumerate(zip(got_f, want_f)):
+            assert_bits_equal(a, b, f"xent forward output {k}, level {lv}")
+        for k, (a, b) in enumerate(zip(got_b, want_b)):
+            assert_bits_equal(a, b, f"xent backward output {k}, level {lv}")
