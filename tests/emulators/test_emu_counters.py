@@ -99,3 +99,28 @@ def test_counting_refuses_a_modelled_fault():
         with pytest.raises(metal_emu.EmuError, match="plain hardware"):
             k(inputs=[a, b, np.array([4, 2], np.int64)], output_shapes=[(4,)], output_dtypes=[np.float32],
               grid=(4, 1, 1), threadgroup=(4, 1, 1))
+
+
+def test_cuda_fused_multiply_adds_count_once_each():
+    """__fmaf_rn and the emulated PTX fma.rn.ftz (contract.cuh's o1b_fma_ftz) are one `fma` each:
+    n threads x m steps of each."""
+    src = r'''
+extern "C" __global__ void fma_rows(long long n, long long m, const float *a, float *y) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float acc = 0.0f, acc2 = 0.0f;
+    for (long long j = 0; j < m; j++) {
+        acc = __fmaf_rn(a[i * m + j], a[i * m + j], acc);
+        acc2 = emu_fma_rn_ftz(a[i * m + j], 2.0f, acc2);
+    }
+    y[i] = __fadd_rn(acc, acc2);
+}
+'''
+    n, m = 50, 7
+    a = np.random.default_rng(1).uniform(-1, 1, n * m).astype(np.float32)
+    fn = cuda_emu.EmuModule(src, "fma_rows.cu").get_function("fma_rows")
+    with counters.counting() as log:
+        fn((1,), (64,), (np.int64(n), np.int64(m), a, np.zeros(n, np.float32)))
+    (ln,) = log.launches
+    assert ln.ops == {"add": n, "sub": 0, "mul": 0, "div": 0, "sqrt": 0, "fma": 2 * n * m}
+    assert ln.flops == n + 4 * n * m
