@@ -9,6 +9,10 @@ from typing import NoReturn
 
 import click
 
+# What only a command runs is imported inside it: the device self-test (selftest and golden load the parity
+# harness and the trainer) and the distributed package; `open1b --help` and the other commands start without
+# loading it.
+
 BACKENDS = ("auto", "cpu_ref", "metal", "cuda")
 
 # the value types of options that several commands share: a bad value is refused while the command
@@ -119,8 +123,6 @@ def backend_option(extra: tuple = (), help: str | None = None, workers: bool = F
 
 def _first_contact_workers(requested: str, skip: bool, nproc) -> tuple[str, str | None]:
     """(backend, refusal) for a command that may run distributed (backend_option(workers=True))."""
-    import os
-
     from mlx_open1b.distributed import in_worker_env
     from mlx_open1b.selftest import SelftestRefused, local_devices, resolve
     if not in_worker_env():

@@ -7,9 +7,16 @@ import sys
 
 import click
 
+from mlx_open1b.checkpoint import CheckpointError
 from mlx_open1b.cli import INT64_MAX, Path, backend_option, fail, step_range
 
 from mlx_open1b.cli.train import audit as replay_cmd
+from mlx_open1b.data.format import DataError
+from mlx_open1b.fsutil import write_json_atomic
+from mlx_open1b.step import TrainError
+
+# What only a command runs is imported inside it: the audit package (the replay and the attestations);
+# `open1b --help` and the other commands start without loading it.
 
 SUBCOMMANDS = ("replay", "plan", "run", "report", "keygen")
 
@@ -49,9 +56,6 @@ audit.add_command(replay_cmd, name="replay")
 
 def _errors():
     from mlx_open1b.audit import AttestError
-    from mlx_open1b.checkpoint import CheckpointError
-    from mlx_open1b.data.format import DataError
-    from mlx_open1b.train import TrainError
     return AttestError, CheckpointError, DataError, TrainError
 
 
@@ -109,7 +113,6 @@ def run_cmd(run, range_, plan_file, auditor_index, name, backend, key, out):
         fail(e)
     a, b = att["range"]
     out = out or f"attestation-{a}-{b}.json"
-    from mlx_open1b.fsutil import write_json_atomic
     write_json_atomic(out, att)
     signed = " (signed)" if att.get("signature") else ""
     if att["verdict"] == "certified":
@@ -147,7 +150,6 @@ def report_cmd(run, attestations, plans, trust, require_signed, allow_prefix, js
         fail(e)
     click.echo(format_report(rep))
     if json_out:
-        from mlx_open1b.fsutil import write_json_atomic
         write_json_atomic(json_out, rep)
     if not rep["fully_certified"] or rep["rejected"]:
         sys.exit(1)

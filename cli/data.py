@@ -9,6 +9,10 @@ import click
 
 from mlx_open1b.cli import INT64_MAX, Path, Positive, fail
 from mlx_open1b.data.format import MANIFEST, DataError, Manifest
+from mlx_open1b.fsutil import WriteError
+
+# What only a command runs is imported inside it: the corpus pipeline (prepare, the readers, the tokenizer,
+# the default corpus, the stream); `open1b --help` and the other commands start without loading it.
 
 DONE_FILE = "_done.json"         # data.prepare.DONE: a finished source's record
 
@@ -152,7 +156,6 @@ def prepare(use_default, source_specs, shares, text_field, tokenizer_path, shard
         sources = _parse_sources(source_specs, shares, text_field)
     t0 = time.perf_counter()
     progress = _PrepareProgress()
-    from mlx_open1b.fsutil import WriteError
     try:
         m = run_prepare(sources, out_dir, tok, shard_tokens=shard_tokens, heldout_tokens=heldout_tokens,
                         progress=progress, force=force)

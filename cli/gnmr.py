@@ -9,7 +9,14 @@ import click
 
 from mlx_open1b.cli import INT64_MAX, THREADS, Path, backend_option, fail
 
+from mlx_open1b.cli.train import _default_corpus
 from mlx_open1b.config import PRESETS, ConfigError, preset
+from mlx_open1b.data.format import DataError, Manifest
+from mlx_open1b.gnmr import GNMRConfig, GNMRError
+from mlx_open1b.step import TrainError
+
+# What only a command runs is imported inside it: the GNMR experiment and the C reference; `open1b --help` and
+# the other commands start without loading it.
 
 
 @click.group()
@@ -41,11 +48,7 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_eve
     """Fixed low (int4 or int6), GNMR low/int8, fixed int8 and bf16 on the same tokens: held-out CE
     per arm, the promotion ratio and the hit-maxO rate; writes OUT/summary.json and OUT/curves.svg."""
     from mlx_open1b import cpu_ref
-    from mlx_open1b.cli.train import _default_corpus
-    from mlx_open1b.data.format import DataError, Manifest
-    from mlx_open1b.gnmr import GNMRConfig, GNMRError
     from mlx_open1b.gnmr_experiment import arms_for, run_experiment, table
-    from mlx_open1b.train import TrainError
     cpu_ref.set_num_threads(threads)
     all_arms = arms_for(low)
     chosen = list(all_arms) if arms is None else [a.strip() for a in arms.split(",") if a.strip()]

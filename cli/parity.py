@@ -6,6 +6,12 @@ import sys
 import click
 
 from mlx_open1b.cli import INT64_MAX, SEED, STEPS, Path, Positive, fail
+from mlx_open1b.data.format import DataError
+from mlx_open1b.fsutil import WriteError, write_json_atomic
+from mlx_open1b.step import TrainError
+
+# What only a command runs is imported inside it: the parity harness; `open1b --help` and the other commands
+# start without loading it.
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -55,7 +61,6 @@ def run_cmd(backends_opt, ops_opt, cases, seed, json_out) -> None:
         click.echo("\r" + " " * 70 + "\r", err=True, nl=False)
     click.echo(format_table(report))
     if json_out:
-        from mlx_open1b.fsutil import WriteError, write_json_atomic
         try:
             write_json_atomic(json_out, report.to_json())
         except WriteError as e:
@@ -147,10 +152,7 @@ def _ops_or_fail(ops_opt) -> list | None:
 def export_cmd(file, backend, cases, steps, seed, ops_opt, data_dir) -> None:
     """Write a bundle to FILE: per op and case the seed and output hashes, and a short run's
     ledger, with machine and library information (for `open1b parity compare`)."""
-    from mlx_open1b.data.format import DataError
-    from mlx_open1b.fsutil import WriteError
     from mlx_open1b.parity import OPS, BackendUnavailable, export_bundle, load
-    from mlx_open1b.train import TrainError
     ops = _split(ops_opt)
     if ops is not None:
         unknown = [o for o in ops if o not in OPS]

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import click
 
+from mlx_open1b.checkpoint import CheckpointError
 from mlx_open1b.cli import INT64_MAX, Path, STEP, backend_option, fail
+from mlx_open1b.config import ConfigError
+from mlx_open1b.data.format import DataError
+from mlx_open1b.fsutil import WriteError, write_json_atomic
+
+# What only a command runs is imported inside it: the report, the export and the evaluation; `open1b --help`
+# and the other commands start without loading it.
 
 
 @click.command()
@@ -20,9 +27,6 @@ def report(run, out, max_checkpoints, png, png_scale):
     """Write a self-contained HTML report of RUN: loss, gradient-norm, schedule and weight-norm
     figures (inline SVG, and one PNG per figure next to the page) and the run summary, all from the
     verified ledger and checkpoints."""
-    from mlx_open1b.checkpoint import CheckpointError
-    from mlx_open1b.config import ConfigError
-    from mlx_open1b.fsutil import WriteError
     from mlx_open1b.report import ReportError, write_report
     try:
         path = write_report(run, out, max_checkpoints, png, png_scale)
@@ -55,7 +59,6 @@ def export(run, step, fmt, out):
       - z-loss (training only).
     """
     from mlx_open1b.export import ExportError, export as do_export
-    from mlx_open1b.fsutil import WriteError
     try:
         path = do_export(run, step, fmt, out)
     except WriteError as e:
@@ -81,7 +84,6 @@ def export(run, step, fmt, out):
 def eval_(run, step, tasks, backend, limit, tokenizer, json_out):
     """Evaluate a checkpoint of RUN on the offline task set (the lm-eval adapter is
     mlx_open1b.evaluate.Open1BLM; with lm_eval installed it is registered as model "open1b")."""
-    from mlx_open1b.data.format import DataError
     from mlx_open1b.evaluate import TASKS, EvalError, Open1BLM, evaluate
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     unknown = [t for t in names if t not in TASKS]
@@ -98,7 +100,6 @@ def eval_(run, step, tasks, backend, limit, tokenizer, json_out):
         click.echo(f"  {name:6s} " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in m.items()))
     if json_out:
-        from mlx_open1b.fsutil import WriteError, write_json_atomic
         try:
             write_json_atomic(json_out, {"run": str(run), "step": lm.step, "backend": backend,
                                          "run_hash": lm.run_hash, "results": res})

@@ -1,11 +1,19 @@
 """`open1b selftest`: prove backends bit-exact against the shipped golden known answers, offline."""
 from __future__ import annotations
 
+import os
+import pathlib
 import sys
+import time
 
 import click
 
 from mlx_open1b.cli import Path, fail
+from mlx_open1b.data.format import DataError
+from mlx_open1b.fsutil import write_bytes_atomic
+
+# What only a command runs is imported inside it: the self-test, the golden set and the parity harness;
+# `open1b --help` and the other commands start without loading it.
 
 CHOICES = ("auto", "cpu_ref", "metal", "cuda", "all")
 
@@ -22,8 +30,6 @@ def _backends(choice: str) -> list[str]:
 def _check_writable(path: str, option: str) -> None:
     """Exit 2 now, not after the checking, when `path` cannot be written (atomically: a temporary
     file beside it, renamed; missing folders are created)."""
-    import os
-    import pathlib
     p = pathlib.Path(path)
     if p.is_dir():
         fail(f"{option} {path}: is a directory")
@@ -39,7 +45,6 @@ def _check_writable(path: str, option: str) -> None:
 def _check_corpus(data_dir: str, genesis: str | None) -> None:
     """Exit 2 unless --data is a prepared corpus (with genesis: the golden run's corpus)."""
     from mlx_open1b import golden as G
-    from mlx_open1b.data.format import DataError
     try:
         G.check_corpus(data_dir, genesis)
     except DataError as e:
@@ -49,7 +54,6 @@ def _check_corpus(data_dir: str, genesis: str | None) -> None:
 def _bundle_path(path: str, backend: str, several: bool) -> str:
     if not several:
         return path
-    import pathlib
     p = pathlib.Path(path)
     return str(p.with_name(f"{p.stem}.{backend}{p.suffix or '.json'}"))
 
@@ -83,7 +87,6 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
     golden file."""
     from mlx_open1b import golden as G
     from mlx_open1b import selftest as S
-    from mlx_open1b.data.format import DataError
     tty = sys.stderr.isatty()
     if regenerate:
         if bundle_path or full or golden_path or backend != "auto":
@@ -93,7 +96,6 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         if data_dir:
             _check_corpus(data_dir, None)
         data = G.dumps(G.compute(data_dir, log=lambda m: click.echo(m, err=True)))
-        from mlx_open1b.fsutil import write_bytes_atomic
         try:
             write_bytes_atomic(path, data)
         except OSError as e:
@@ -121,7 +123,6 @@ def selftest(backend, full, bundle_path, data_dir, golden_path, regenerate, out)
         except BackendUnavailable as e:
             fail(f"--backend {backend}: {e}")
 
-    import time
     last = [time.monotonic()]
 
     def progress(msg: str) -> None:
