@@ -193,14 +193,18 @@ def run_hash(path) -> str:
 # ------------------------------------------------------------------------------- writing
 class Ledger:
     """An open ledger. Opening verifies the existing chain (LedgerError if it is broken) and
-    removes an incomplete last line left by a crash, with a warning."""
+    removes an incomplete last line left by a crash, with a warning. Only the last record is kept
+    in memory (a run of a million steps holds one record, not a million); the rest is read from
+    the file when asked for (records, truncate_after, record_at: rare)."""
 
     def __init__(self, path, genesis: str):
         self.path = pathlib.Path(path)
         self.genesis = genesis
         data = self.path.read_bytes() if self.path.exists() else b""
         lines, tail = _split(data)
-        self._records = _check_lines(self.path, lines, genesis)
+        recs = _check_lines(self.path, lines, genesis)
+        self._last, self._count = (recs[-1] if recs else None), len(recs)
+        del recs
         if tail:
             warnings.warn(f"{self.path}: removing an incomplete last line ({len(tail)} bytes, "
                           f"line {len(lines) + 1}) left by an interrupted write", RuntimeWarning, stacklevel=2)
@@ -211,18 +215,20 @@ class Ledger:
 
     @property
     def last_hash(self) -> str:
-        return self._records[-1]["hash"] if self._records else self.genesis
+        return self._last["hash"] if self._last else self.genesis
 
     @property
     def last_step(self):
-        return self._records[-1]["step"] if self._records else None
+        return self._last["step"] if self._last else None
 
     def __len__(self) -> int:
-        return len(self._records)
+        return self._count
 
     def records(self) -> list[dict]:
-        """The records, oldest first (copies)."""
-        return copy.deepcopy(self._records)
+        """The records, oldest first, read back from the file (verified again: this process is the
+        run's one writer, RunDir.lock, so they are the ones it verified and appended)."""
+        lines, _ = _split(self.path.read_bytes()) if self.path.exists() else ([], b"")
+        return _check_lines(self.path, lines, self.genesis)
 
     def append(self, record: dict) -> str:
         """Add "prev" and "hash" to a copy of the record, append it as one line, flush and fsync;
@@ -237,31 +243,29 @@ class Ledger:
         step = rec.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise LedgerError(f"{self.path}: the record needs an integer \"step\", got {step!r}")
-        if self._records and step <= self._records[-1]["step"]:
+        if self._last and step <= self._last["step"]:
             raise LedgerError(f"{self.path}: step {step} does not follow the last record's step "
-                              f"{self._records[-1]['step']}", step=step)
+                              f"{self._last['step']}", step=step)
         rec["prev"] = self.last_hash
         rec["hash"] = record_hash(rec)
         line = (canonical_dumps(rec) + "\n").encode("ascii")
         append_durable(self.path, line)  # fsutil.WriteError on failure, the file cut back to its last record
-        self._records.append(rec)
+        self._last, self._count = rec, self._count + 1
         return rec["hash"]
 
     def truncate_after(self, step: int) -> int:
         """Keep the records with step <= `step` (resume from a checkpoint at `step`); the file is
         rewritten atomically. Returns how many records were removed."""
-        keep = [r for r in self._records if r["step"] <= step]
-        removed = len(self._records) - len(keep)
-        if removed:
-            write_bytes_atomic(self.path, "".join(canonical_dumps(r) + "\n" for r in keep).encode("ascii"))
-            self._records = keep
+        if self._last is None or self._last["step"] <= step:
+            return 0
+        keep = [r for r in self.records() if r["step"] <= step]
+        removed = self._count - len(keep)
+        write_bytes_atomic(self.path, "".join(canonical_dumps(r) + "\n" for r in keep).encode("ascii"))
+        self._last, self._count = (keep[-1] if keep else None), len(keep)
         return removed
 
     def record_at(self, step: int) -> dict | None:
-        for r in reversed(self._records):
-            if r["step"] == step:
-                return copy.deepcopy(r)
-            if r["step"] < step:
-                break
-        return None
+        if self._last is not None and self._last["step"] == step:     # the record just appended
+            return copy.deepcopy(self._last)
+        return next((r for r in self.records() if r["step"] == step), None)
 
