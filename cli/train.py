@@ -1,28 +1,38 @@
 """`open1b train`, `open1b audit`, `open1b hash`."""
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
 import time
 
 import click
 
+from mlx_open1b.checkpoint import CheckpointError
 from mlx_open1b.cli import SEED, STEPS, THREADS, WORKERS, Path, Positive, backend_option, fail, step_range
 
-from mlx_open1b.config import PRESETS, ConfigError, preset
-from mlx_open1b.data.format import DataError
+from mlx_open1b.config import PRESETS, ConfigError, preset, steps_for_tokens
+from mlx_open1b.data.format import DataError, Manifest
+from mlx_open1b.fsutil import WriteError
+from mlx_open1b.gnmr import GNMRConfig, GNMRError
+from mlx_open1b.ledger import LedgerError
 from mlx_open1b.rundir import RunDir, RunDirError
+from mlx_open1b.step import TrainError
+
+# What only a command runs is imported inside it: training, the distributed workers, the corpus pipeline,
+# torch and the audit; `open1b --help` and the other commands start without loading it.
 
 
 def _default_corpus(path: pathlib.Path) -> pathlib.Path:
     """Prepare the embedded default corpus once (idempotent: a finished one is reused; a lock
     file lets the workers of a distributed run on one machine share it)."""
-    import fcntl
-
     from mlx_open1b.data.corpus import default_sources
     from mlx_open1b.data.prepare import prepare
     from mlx_open1b.data.tokenizer import Tokenizer
-    from mlx_open1b.fsutil import WriteError
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.parent / f".{path.name}.lock", "w") as lock:
@@ -106,13 +116,9 @@ class _Progress:
 def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec, nproc, dist_timeout,
           selftest_refusal=None):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
-    import dataclasses
-
     from mlx_open1b import cpu_ref
-    from mlx_open1b.config import steps_for_tokens
     from mlx_open1b.distributed import in_worker_env
-    from mlx_open1b.fsutil import WriteError
-    from mlx_open1b.train import TrainError, Trainer
+    from mlx_open1b.train import Trainer
     out = pathlib.Path(out)
     worker = in_worker_env()
     if nproc is not None and worker:
@@ -126,7 +132,6 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
         if data_dir is None and not resume:
             data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
         elif data_dir is not None and not resume:
-            from mlx_open1b.data.format import Manifest
             Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
         cfg = preset(preset_name)
         if seed is not None:
@@ -137,7 +142,6 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
             if resume:
                 fail("--gnmr: a run's controller is part of its configuration (genesis); it cannot be set on "
                      "--resume", 2)
-            from mlx_open1b.gnmr import GNMRConfig, GNMRError
             try:
                 cfg = dataclasses.replace(cfg, gnmr=GNMRConfig.parse(gnmr_spec))
                 cfg.check()
@@ -188,12 +192,8 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
             precision, preset_name, timeout, gnmr_spec=None) -> None:
     """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
-    import os
-    import subprocess
-
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
-    import importlib.util
     if importlib.util.find_spec("torch") is None:
         fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
     rd = RunDir(out)
@@ -230,14 +230,8 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
 def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend: str, threads: int,
                   precision, timeout: float, selftest_refusal: str | None = None) -> None:
     """One torchrun worker of a distributed run (RANK, WORLD_SIZE, MASTER_ADDR... set by torchrun)."""
-    import os
-
     from mlx_open1b import cpu_ref
-    from mlx_open1b.checkpoint import CheckpointError
     from mlx_open1b.distributed import DistError, run_worker
-    from mlx_open1b.fsutil import WriteError
-    from mlx_open1b.ledger import LedgerError
-    from mlx_open1b.train import TrainError
     rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
     prog = {}
 
@@ -298,8 +292,6 @@ def _train_torch(cfg, data_dir, steps: int, threads: int) -> None:
 def audit(run, steps, backend, auditor, out):
     """Replay steps A-B of RUN and certify them against its ledger."""
     from mlx_open1b.audit import audit as do_audit
-    from mlx_open1b.checkpoint import CheckpointError
-    from mlx_open1b.train import TrainError
     first, last = step_range(steps, "--steps")
     out = out or f"attestation-{first}-{last}.json"
     try:
@@ -327,9 +319,6 @@ def audit(run, steps, backend, auditor, out):
 def hash_(run):
     """Recompute RUN's run hash from its ledger and checkpoints."""
     from mlx_open1b.audit import run_hash
-    from mlx_open1b.checkpoint import CheckpointError
-    from mlx_open1b.ledger import LedgerError
-    from mlx_open1b.train import TrainError
     try:
         r = run_hash(run)
     except (LedgerError, CheckpointError, TrainError) as e:
