@@ -21,20 +21,63 @@ import re
 import numpy as np
 import pytest
 
-import mlx_open1b.cpu_ref as C
-from mlx_open1b.spec import quant as spec_quant
+import mlx_open1b.cpu_ref as cpu_ref
+from mlx_open1b.spec import attention as spec_attention, quant as spec_quant
 from mlx_open1b.spec.arith import f32_to_bf16
 
 from helpers import (I8_SHAPES, QMAX4, QMAX6, SPECIAL_BF16, SPECIAL_F32, TINY_E, assert_bits_equal,
                      attention_i8_empty_and_bad_arguments, attention_i8_inputs, attention_i8_matches_spec,
                      attention_i8_special_rows, attention_i8_ties_to_even,
-                     attention_vquant_is_the_per_tensor_rule, check_attention_i8_backend, check_qlinear_low,
-                     rand_bf16, rand_f32, sprinkle)
+                     attention_vquant_is_the_per_tensor_rule, rand_bf16, rand_f32, sprinkle)
+from shared_reference import SharedReference
+
+# the references (cpu_ref, the numpy spec), each result computed once for both backends (one test
+# function's cases held at a time)
+C = SharedReference(cpu_ref)
+SQ = SharedReference(spec_quant)
+SA = SharedReference(spec_attention)
 
 OPS = ("gemm_i8", "hadamard_rows", "quant_weight_rows", "quant_tensor", "qlinear_forward", "qlinear_backward",
        "attention_forward_i8")
 QB, Q_MAX_P = C.quant.QB, C.quant.Q_MAX_P
 LOW_QMAX = pytest.mark.parametrize("qmax", [QMAX4, QMAX6], ids=["int4", "int6"])
+
+
+@pytest.fixture(autouse=True)
+def _references_shared_by_the_backends(request):
+    for ref in (C, SQ, SA):
+        ref.scope(request.function)
+
+
+def check_qlinear_low(gpu, x, w, dy, what, qmax=QMAX4):
+    """The backend's int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit
+    (tests/helpers.py's check, on the shared references)."""
+    what = f"{what} (qmax {qmax})"
+    y = gpu.qlinear_forward(x, w, qmax=qmax)
+    assert_bits_equal(y, SQ.qlinear_forward(x, w, qmax), f"{what} y")
+    dx, dw = gpu.qlinear_backward(dy, x, w, qmax=qmax)
+    want_dx, want_dw = SQ.qlinear_backward(dy, x, w, qmax)
+    assert_bits_equal(dx, want_dx, f"{what} dx")
+    assert_bits_equal(dw, want_dw, f"{what} dw")
+    assert_bits_equal(y, C.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
+    ref_dx, ref_dw = C.qlinear_backward(dy, x, w, qmax=qmax)
+    assert_bits_equal(dx, ref_dx, f"{what} dx, cpu_ref")
+    assert_bits_equal(dw, ref_dw, f"{what} dw, cpu_ref")
+    return y, dx, dw
+
+
+def check_attention_i8_backend(forward_i8, q, k, v, W, scale, what):
+    """A backend's attention_forward_i8 equals the numpy spec and the C reference bit for bit
+    (tests/helpers.py's check, on the shared references)."""
+    o, lse = forward_i8(q, k, v, W, scale)
+    want_o, want_lse = SA.attention_forward_i8(q, k, v, W, np.float32(scale))
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert_bits_equal(o, want_o, f"{what} o")
+    assert_bits_equal(lse, want_lse, f"{what} lse")
+    ref_o, ref_lse = C.attention_forward_i8(q, k, v, W, scale)
+    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
+    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
+    return o, lse
 
 
 def seeded(*key) -> np.random.Generator:
@@ -605,7 +648,7 @@ def test_int4_layer(gpu, case, qmax):
 def test_int4_need_flags_and_positional_arguments(gpu, qmax):
     for rng, N in ((seeded(31), 17), (named("flags4"), 9)):
         x, w, dy = rand_bf16(rng, (N, 11)), rand_bf16(rng, (13, 11), 0.02), rand_bf16(rng, (N, 13), 1e-3)
-        want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, qmax)
+        want_dx, want_dw = SQ.qlinear_backward(dy, x, w, qmax)
         dx, dw = gpu.qlinear_backward(dy, x, w, False, True, qmax)
         assert dx is None
         assert_bits_equal(dw, want_dw, "dw only")
@@ -619,7 +662,7 @@ def test_int4_need_flags_and_positional_arguments(gpu, qmax):
         assert dx is None
         assert_bits_equal(dw, want_dw, "dw only, keyword")
         assert gpu.qlinear_backward(dy, x, w, False, False, qmax) == (None, None)
-        assert_bits_equal(gpu.qlinear_forward(x, w, qmax), spec_quant.qlinear_forward(x, w, qmax), "positional qmax")
+        assert_bits_equal(gpu.qlinear_forward(x, w, qmax), SQ.qlinear_forward(x, w, qmax), "positional qmax")
         for q127 in (np.int64(127), np.int32(127)):
             assert_bits_equal(gpu.qlinear_forward(x, w, q127), gpu.qlinear_forward(x, w), "qmax 127 is int8")
 
@@ -711,7 +754,7 @@ def test_int4_clipping(gpu, qmax):
     w[30] = 0
     w[30, 0] = f32_to_bf16(np.float32(-9.0))    # a single nonzero: clipped at both
     q4, s4, clip4 = quant_w(gpu, w, qmax)
-    want_q, want_s, want_clip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=qmax)
+    want_q, want_s, want_clip = SQ.quant_weight_rows(w, with_clip=True, qmax=qmax)
     assert np.array_equal(q4, want_q) and np.array_equal(clip4, want_clip)
     assert_bits_equal(s4, want_s, f"s_w qmax {qmax}")
     q8, _, clip8 = quant_w(gpu, w)
@@ -733,7 +776,7 @@ def test_int4_levels_within_7(gpu, qmax):
     M_, K = 67, 301
     w = special_weights(rng, M_, K)
     q, s, clip = quant_w(gpu, w, qmax)
-    want_q, want_s, want_clip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=qmax)
+    want_q, want_s, want_clip = SQ.quant_weight_rows(w, with_clip=True, qmax=qmax)
     assert np.array_equal(q, want_q) and np.array_equal(clip, want_clip)
     assert_bits_equal(s, want_s, "s_w")
     assert q.min() == -qmax and q.max() == qmax and clip[8, 0] == 1 and (clip[5] == 2).all()
@@ -744,7 +787,7 @@ def test_int4_levels_within_7(gpu, qmax):
     for vv in (v, sprinkle(rng, rand_f32(rng, (50, 7), 1e-30), SPECIAL_F32[[0, 1, 5, 6, 7, 8, 9, 12, 13]], 0.2),
                np.array([np.inf, 1.0], np.float32), np.array([2.0 ** -124, 2.0 ** -126], np.float32)):
         qt, st = quant_t(gpu, vv, qmax)
-        want_q, want_s = spec_quant.quant_tensor_f32(vv, qmax)
+        want_q, want_s = SQ.quant_tensor_f32(vv, qmax)
         assert np.array_equal(qt, want_q.reshape(vv.shape)), vv.ravel()[:3]
         assert_bits_equal(st, np.float32(want_s), "s")
         assert np.abs(qt.astype(np.int64)).max(initial=0) <= qmax
@@ -758,7 +801,7 @@ def test_int4_levels_within_7(gpu, qmax):
     e = TINY_E[qmax]
     tv = np.array([2.0 ** e, -(2.0 ** (e - 1))], np.float32)
     qt, st = quant_t(gpu, tv, qmax)             # div(2^e, qmax) is a normal: not flushed, unlike / 127
-    assert st > 0 and qt[0] == qmax and qt.tolist() == spec_quant.quant_tensor_f32(tv, qmax)[0].tolist()
+    assert st > 0 and qt[0] == qmax and qt.tolist() == SQ.quant_tensor_f32(tv, qmax)[0].tolist()
     assert quant_t(gpu, np.array([2.0 ** e], np.float32))[1] == 0
     assert quant_t(gpu, np.array([2.0 ** (e - 1)], np.float32), qmax)[1] == 0     # div(2^(e-1), qmax) flushes
 
@@ -777,7 +820,7 @@ def test_int4_quantizers_levels_within_7(gpu, qmax):
     w[9] = 0x0080                               # flushed step size
     w[13] = bf(np.where(np.arange(K) % 2, 1.0, -1.0))   # constant magnitude: t = ±1/QW_COEF4 = ±1.32... (int6: ±2.78...)
     q, s, clip = quant_w(gpu, w, qmax)
-    wq, ws, wclip = spec_quant.quant_weight_rows(w, with_clip=True, qmax=qmax)
+    wq, ws, wclip = SQ.quant_weight_rows(w, with_clip=True, qmax=qmax)
     assert np.array_equal(q, wq) and np.array_equal(clip, wclip)
     assert_bits_equal(s, ws, "s_w")
     assert q.min() == -qmax and q.max() == qmax and clip[8, 0] == 1 and (clip[5] == 2).all() and not q[5].any()
@@ -794,7 +837,7 @@ def test_int4_quantizers_levels_within_7(gpu, qmax):
              np.array([1.0, np.nan], np.float32), sprinkle(rng, rand_bf16(rng, (40,)), SPECIAL_BF16[[0, 1, 6, 7, 8]])]
     for i, v in enumerate(cases):
         qt, st = quant_t(gpu, v, qmax)
-        wq, ws = (spec_quant.quant_tensor_f32 if v.dtype == np.float32 else spec_quant.quant_tensor)(v, qmax)
+        wq, ws = (SQ.quant_tensor_f32 if v.dtype == np.float32 else SQ.quant_tensor)(v, qmax)
         assert np.array_equal(qt, wq.reshape(v.shape)), i
         assert_bits_equal(st, np.float32(ws), f"s case {i}")
         assert np.abs(qt.astype(np.int64)).max() <= qmax, i
