@@ -27,10 +27,10 @@ WORKERS = click.IntRange(1, MAX_THREADS)  # processes on one machine
 
 
 class Positive(click.FloatRange):
-    """A finite number > 0 (FloatRange lets nan and inf through)."""
+    """A finite number > 0, or >= 0 with zero=True (FloatRange lets nan and inf through)."""
 
-    def __init__(self, name: str = "number"):
-        super().__init__(min=0, min_open=True)
+    def __init__(self, name: str = "number", zero: bool = False):
+        super().__init__(min=0, min_open=not zero)
         self.name = name
 
     def convert(self, value, param, ctx):

@@ -67,6 +67,7 @@ BASE = {
     "config show": ([], {}),
     "config check": (["{config}"], {}),
     "config keys": ([], {}),
+    "generate": (["{run}"], {"--prompt": "the", "--max-tokens": "1", "--backend": "cpu_ref", "--skip-selftest": None}),
 }
 
 # free-text options: the values each must refuse (a bad value for it is wrong in its own way)
@@ -88,12 +89,14 @@ BAD_TEXT = {
     ("eval", "--tasks"): ["", ",", "nosuch"],
     ("config show", "--set"): ["", "x", "nosuch.key=1", "model.d_model=abc", "model.d_model=-1"],
     ("train", "--set"): ["", "x", "nosuch.key=1", "model.d_model=abc", "model.d_model=-1"],
+    ("generate", "--prompt-ids"): ["", "x", "-1", "1,,2", str(2 ** 64)],
 }
 # free-text options any text is good for, and why
 ANY_TEXT = {
     ("data prepare", "--text-field"): "a column or field name; a file without it is reported when read",
     ("audit replay", "--auditor"): "the auditor's name, written into the attestation as given",
     ("audit run", "--name"): "the auditor's name, written into the attestation as given",
+    ("generate", "--prompt"): "any text is a prompt",
 }
 # extra arguments some bad values need to be reached (None: a flag; False: leave the baseline's option out)
 CONTEXT = {("data inspect", "--source"): {"--window": False, "--doc": "0"}}
@@ -107,7 +110,7 @@ INPUTS = {("data verify", "corpus_dir"), ("data inspect", "corpus_dir"), ("data 
 FORMATTED = {("data prepare", "tokenizer_path"), ("data verify", "tokenizer_path"), ("data inspect", "tokenizer_path"),
              ("audit run", "plan_file"), ("audit run", "key"), ("audit report", "attestations"),
              ("audit report", "plans"), ("parity compare", "a"), ("parity compare", "b"), ("selftest", "golden_path"),
-             ("eval", "tokenizer"), ("config check", "file"), ("config show", "config_file"), ("train", "config_file")}
+             ("eval", "tokenizer"), ("generate", "tokenizer"), ("config check", "file"), ("config show", "config_file"), ("train", "config_file")}
 # combinations a bad value is tried in, where the baseline alone would not read that option
 NEEDS = {("selftest", "--bundle"): {}, ("selftest", "--golden"): {}, ("selftest", "--data"): {"--full": None},
          ("selftest", "--out"): {"--regenerate": None, "--backend": False}}
@@ -166,6 +169,11 @@ def traps(monkeypatch):
             raise _Reached(what)
         return reached
 
+    try:
+        import mlx_open1b.generate as generate
+        monkeypatch.setattr(generate.Generator, "generate", trap("Generator.generate"))
+    except (ImportError, AttributeError):
+        pass
     for obj, name in ((Trainer, "__init__"), (prepare, "prepare"), (parity, "run"), (parity, "export_bundle"), (parity_fuzz, "fuzz"),
                       (selftest, "run_backend"), (selftest._Cases, "prepare"), (golden, "compute"),
                       (gnmr_experiment, "run_experiment"), (evaluate, "evaluate"), (subprocess, "call")):
