@@ -197,6 +197,9 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     if importlib.util.find_spec("torch") is None:
         fail("--nproc needs PyTorch (torch.distributed): pip install 'mlx-open1b[torch]'", 2)
     rd = RunDir(out)
+    if rd.exists():                  # another process writing the run: refused here, before any worker starts
+        rd.lock(error=RunDirError)   # (rank 0 takes the lock again when it opens the run)
+        rd.unlock()
     if resume and rd.exists():
         try:
             cfg = rd.info().config

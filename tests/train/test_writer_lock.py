@@ -145,3 +145,14 @@ def test_a_reader_meeting_a_record_being_appended_is_told_so(tmp_path, corpus, h
     with pytest.raises(LedgerError, match="incomplete last line") as e:
         RunDir(run).verify_ledger(tr.genesis)
     assert "being written" not in str(e.value)
+
+
+def test_train_nproc_is_refused_before_any_worker_starts(tmp_path, corpus, holder):  # noqa: F811
+    pytest.importorskip("torch.distributed")
+    run = tmp_path / "run"
+    tr = Trainer.new(run, micro_cfg(), corpus, log=lambda m: None)
+    tr.rundir.unlock()
+    p = holder(run)
+    r = _cli("train", "--resume", "--out", str(run), "--nproc", "2", "--backend", "cpu_ref", "--skip-selftest")
+    assert r.returncode == 2 and f"pid {p.pid} on host {socket.gethostname()}" in r.stderr, r.stderr
+    assert "torch.distributed" not in r.stderr and "rank" not in r.stderr      # no worker was started
