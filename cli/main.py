@@ -105,6 +105,10 @@ from mlx_open1b.cli.config_cmd import config  # noqa: E402
 
 cli.add_command(config)
 
+from mlx_open1b.cli.generate import generate  # noqa: E402
+
+cli.add_command(generate)
+
 for _cmd in (report, export, eval_):
     cli.add_command(_cmd)
 

@@ -31,4 +31,5 @@ STREAM_DATA_MIX = 2   # data stream: which source the next document comes from
 STREAM_DATA_SHARDS = 3  # data stream: shard order per (source, epoch)
 STREAM_DATA_DOCS = 4  # data stream: document order within a shard
 STREAM_MATH_TEXT = 5  # the generated math corpus
+STREAM_SAMPLE = 6     # sampled generation (open1b generate); index = the generated token's number
 STREAM_TESTS = 0xFFFF  # random inputs of tests and the parity harness
