@@ -6,9 +6,11 @@ who owns what, and moves bytes between the workers (CONTRACT.md §7, "Across wor
   1. worker w of N computes the microbatches [w*M//N, (w+1)*M//N) of the step's M (every worker
      reads all of the step's windows, so the stream position stays identical everywhere), as the
      maximal aligned dyadic blocks of that range (sharding.dyadic_blocks), each a tree-folded partial;
-  2. reduce-scatter by data movement: one all_to_all_single routes every block partial's slice of
+  2. reduce-scatter by data movement: all_to_all_single routes every block partial's slice of
      each owner's parameter range to that owner, which pushes the partials by microbatch index
-     into the tree fold of CONTRACT.md §7 (collectives.owner_fold);
+     into the tree fold of CONTRACT.md §7 (collectives.owner_fold); in rounds, each carrying one
+     slice of every owner's range, so that no owner holds more than RECV_BYTES of partials at once
+     (the fold is elementwise: a slice's fold is the fold's slice, the same bits in any rounds);
   3. the per-microbatch loss, CE and z-loss, the owners' gradient tensor hashes and their
      sum-of-squares block partials are all-gathered, so every worker folds the same scalars and
      norm and takes the same decisions (spike, skip, clip);
@@ -18,6 +20,7 @@ who owns what, and moves bytes between the workers (CONTRACT.md §7, "Across wor
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -29,13 +32,17 @@ from .collectives import Comm, owner_fold, route
 from .sharding import dyadic_blocks, microbatch_range, shard_tensors
 
 
+RECV_BYTES = 1 << 32      # the most bytes of partials an owner receives in one round of the reduce-scatter
+
+
 class DistributedReduce:
     """This worker's part: its microbatch blocks and its range of whole tensors (`mine`, one of
     `shards`, by rank). after_microbatches(rank, step), when given, runs once this worker's
     microbatches of a step are computed, before the reduce-scatter (tests stop a worker there)."""
 
-    def __init__(self, comm: Comm, ops, shapes, timing: dict, after_microbatches=None):
+    def __init__(self, comm: Comm, ops, shapes, timing: dict, after_microbatches=None, recv_bytes: int = RECV_BYTES):
         self.comm, self.ops, self.timing = comm, ops, timing
+        self.recv_bytes = recv_bytes
         self.shards = shard_tensors([int(np.prod(s)) for _, s, _ in shapes], comm.world)
         self.mine = self.shards[comm.rank]
         self.size = self.mine.size
@@ -72,33 +79,48 @@ class DistributedReduce:
         """A received array in the kind of `like` (the state's)."""
         return self.ops.to_device(a) if arrays.is_device(like) and not arrays.is_device(a) else a
 
+    def rounds(self, M: int) -> int:
+        """Rounds of the step's reduce-scatter: enough that no owner receives more than recv_bytes in
+        one (a function of M, the worker count and the shards: the same on every worker)."""
+        n = sum(len(self._dyadic(M, w)) for w in range(self.comm.world))
+        most = 4 * n * max(sh.size for sh in self.shards)
+        return max(1, -(-most // self.recv_bytes))
+
     def fold(self, parts: list, M: int, step: int):
         """The reduce-scatter: this owner's slice of the step's gradient sum (f32, size elements).
-        Consumes `parts` (the list is emptied once they are in the send buffer)."""
+        Consumes `parts` (the list is emptied once they are in the last round's send buffer)."""
         if self.after_microbatches is not None:
             self.after_microbatches(self.comm.rank, step)
-        N, size = self.comm.world, self.size
+        N, size, me = self.comm.world, self.size, self.comm.rank
         blocks = [self._dyadic(M, w) for w in range(N)]
-        send, send_counts = route(parts, self.shards)
-        parts.clear()       # consumed: the send buffer holds them, so they are not alive beside the receive buffer
-        recv = self._unwire(self.comm.all_to_all(self._wire(send), send_counts, [len(b) * size for b in blocks]),
-                            send)
-        on_device = arrays.is_device(send)
-        del send
-        t0 = time.perf_counter()
-        if size == 0:
+        K, out, on_device = self.rounds(M), None, False
+        for k in range(K):      # round k: the k-th of K near-equal slices of every owner's range
+            cut = [dataclasses.replace(sh, lo=sh.lo + sh.size * k // K, hi=sh.lo + sh.size * (k + 1) // K)
+                   for sh in self.shards]
+            send, send_counts = route(parts, cut)
+            if k == K - 1:
+                parts.clear()   # consumed: not alive beside the last receive buffer
+            piece = cut[me].size
+            recv = self._unwire(self.comm.all_to_all(self._wire(send), send_counts, [len(b) * piece for b in blocks]),
+                                send)
+            on_device = arrays.is_device(send)
+            del send
+            if not piece:
+                continue
+            t0 = time.perf_counter()
+            arrivals, off = [], 0
+            for w in range(N):
+                for start, level in blocks[w]:
+                    arrivals.append((start, level, recv[off:off + piece]))
+                    off += piece
+            if out is None:     # the sum leaves the receive buffers (every worker's partials) behind
+                out = arrays.FlatBuffer(size, np.float32, arrays.kind(recv))
+            out.write(cut[me].lo - self.mine.lo, owner_fold(arrivals, M, functools.partial(arrays.add_into, self.ops)))
+            del recv, arrivals
+            self.timing["reduce"] += time.perf_counter() - t0
+        if out is None:
             return self.ops.to_device(np.zeros(0, np.float32)) if on_device else np.zeros(0, np.float32)
-        arrivals, off = [], 0
-        for w in range(N):
-            for start, level in blocks[w]:
-                arrivals.append((start, level, recv[off:off + size]))
-                off += size
-        g = owner_fold(arrivals, M, functools.partial(arrays.add_into, self.ops))
-        # the sum is a slice of the receive buffer (every worker's partials): a copy lets that buffer
-        # go before the update, the hashes and the parameter all-gather
-        g = arrays.copy(g)
-        self.timing["reduce"] += time.perf_counter() - t0
-        return g
+        return out.result()
 
     def share_params(self, st, new) -> None:
         """Every owner's updated parameters to every worker (all-gather, data movement only)."""

@@ -8,13 +8,16 @@ rank sends to and receives from the others (net_out, net_in; a rank's piece for 
 network traffic). The process group is NCCL-like (device "cuda:0"): device arrays travel as they
 are, with no host copy. Object collectives pass the Python objects through (their pickled size is
 counted). Every collective is a barrier of the W threads; an error on one rank breaks the barrier
-so the others stop too (`SimWorld.run` raises the first real error).
+so the others stop too (`SimWorld.run` raises the first real error). SimWorld(values=True) moves
+the values of numpy arrays instead (the workers on the CPU backend, for tests of the reducer's bits).
 """
 from __future__ import annotations
 
 import contextlib
 import pickle
 import threading
+
+import numpy as np
 
 from ..distributed.collectives import Comm
 from . import array as xp
@@ -25,8 +28,8 @@ class SimWorld:
     """W ranks as threads of this process; `run(fn)` calls fn(rank) on each and returns the results
     by rank."""
 
-    def __init__(self, world: int):
-        self.world = world
+    def __init__(self, world: int, values: bool = False):
+        self.world, self.values = world, values
         self.barrier = threading.Barrier(world)
         self.slots: list = [None] * world
 
@@ -84,6 +87,8 @@ class SimComm(Comm):
     # ---- collectives on arrays
     def all_to_all(self, send, send_counts, recv_counts):
         item = send.dtype.itemsize
+        if self.sim.values:
+            return self._all_to_all_values(send, send_counts, recv_counts)
         with current().tagged("communication"):
             recv = xp.empty(int(sum(recv_counts)), send.dtype)
             xp.ascontiguousarray(send)
@@ -97,9 +102,23 @@ class SimComm(Comm):
                   sum(int(c) for r, c in enumerate(recv_counts) if r != me) * item)
         return recv
 
+    # ---- with values (numpy arrays on the CPU backend: tests compare the workers' bits)
+    def _all_to_all_values(self, send, send_counts, recv_counts):
+        got = self._exchange((np.array(send), [int(c) for c in send_counts]))
+        pieces = []
+        for src, (data, counts) in enumerate(got):
+            if counts[self.rank] != int(recv_counts[src]):
+                raise ValueError(f"all_to_all: rank {src} sends {counts[self.rank]} elements to rank {self.rank}, "
+                                 f"which expects {int(recv_counts[src])}")
+            at = sum(counts[:self.rank])
+            pieces.append(data[at:at + counts[self.rank]])
+        return np.concatenate(pieces) if pieces else np.zeros(0, send.dtype)
+
     def all_gather(self, own, counts):
         if len(own) != counts[self.rank]:
             raise ValueError(f"all_gather: rank {self.rank} holds {len(own)} elements, counts say {counts[self.rank]}")
+        if self.sim.values:
+            return [np.array(a) for a in self._exchange(np.array(own))]
         width = max(int(c) for c in counts)
         with current().tagged("communication"):
             out = xp.empty(self.world * width, own.dtype)

@@ -51,15 +51,17 @@ class ZeroStream:
         return {"windows": self.windows_emitted}
 
 
-def shape_trainer(cfg: RunConfig, comm: SimComm | None = None) -> Trainer:
-    """A trainer of cfg on the shape backend: one process, or rank comm.rank of a SimWorld."""
+def shape_trainer(cfg: RunConfig, comm: SimComm | None = None, backend: str = "shape") -> Trainer:
+    """A trainer of cfg on the shape backend: one process, or rank comm.rank of a SimWorld. Another
+    backend (cpu_ref) gives real values: the initial parameters of cfg's seed, zero moments."""
     from ..backend import load
+    from ..model import init_params
     from ..distributed.reduce import DistributedReduce
     from ..distributed.trainer import DistributedTrainer
     tr = Trainer.__new__(Trainer) if comm is None else DistributedTrainer.__new__(DistributedTrainer)
     tr.cfg = cfg.check()
     tr.model_cfg, tr.tcfg = tr.cfg.model, tr.cfg.train
-    tr.backend, tr.ops = "shape", load("shape")
+    tr.backend, tr.ops = backend, load(backend)
     tr.dir, tr.log, tr.readonly, tr.ledger, tr._probes = None, (lambda msg: None), False, None, None
     tr._build_model()
     tr.stream = ZeroStream(tr.model_cfg.seq_len)
@@ -72,8 +74,11 @@ def shape_trainer(cfg: RunConfig, comm: SimComm | None = None) -> Trainer:
         own = tr.own.size
         for k in ("compute", "reduce", "optim", "comm"):
             tr.timing[k] = 0.0
-    tr.state = TrainState(0, 0, 0, 0, xp.empty(P, np.uint16), xp.zeros(own, np.float32), xp.zeros(own, np.float32),
-                          tr.stream.state(), None)
+    if backend == "shape":
+        params, m, v = xp.empty(P, np.uint16), xp.zeros(own, np.float32), xp.zeros(own, np.float32)
+    else:
+        params, m, v = init_params(tr.model_cfg, tr.tcfg.seed), np.zeros(own, np.float32), np.zeros(own, np.float32)
+    tr.state = TrainState(0, 0, 0, 0, params, m, v, tr.stream.state(), None)
     return tr
 
 

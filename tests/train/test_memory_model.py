@@ -221,3 +221,23 @@ def test_recomputed_swiglu_input_gives_the_same_gradient_bits(precision):
     assert all(lc.gu is None for lc in cache.layers)
     got = again.loss_and_grad(params, windows)
     assert got[:3] == kept[:3] and (got[3].view(np.uint32) == kept[3].view(np.uint32)).all()
+
+
+def test_reduce_scatter_in_rounds_gives_the_bits_of_one_process():
+    """The workers' step (3 workers, CPU backend, collectives that move the values) gives the record
+    of one process, with the reduce-scatter in one round or in many (each a slice of every owner's
+    range)."""
+    from mlx_open1b.shape.comm import SimComm, SimWorld
+    from mlx_open1b.shape.run import shape_trainer
+    c = micro_cfg(phases=((0, 7),))
+    want = shape_trainer(c, None, backend="cpu_ref").compute_step()
+    for recv_bytes, rounds in ((1 << 32, 1), (4096, None)):
+        world = SimWorld(3, values=True)
+
+        def worker(r):
+            tr = shape_trainer(c, SimComm(world, r), backend="cpu_ref")
+            tr.reduce.recv_bytes = recv_bytes
+            return tr.compute_step(), tr.reduce.rounds(7)
+
+        for rec, k in world.run(worker):
+            assert rec == want and (k == rounds if rounds else k > 3), (recv_bytes, k)
