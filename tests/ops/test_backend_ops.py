@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 
 import numpy as np
 import pytest
@@ -244,14 +245,27 @@ def test_primitives(gpu):
 # ---------------------------------------------------------------------------------------------
 # §4 functions, §2 conversions, elementwise, host scalars
 # ---------------------------------------------------------------------------------------------
+_MAP_DIGESTS: dict = {}
+
+
+def _digest(a: np.ndarray) -> tuple:
+    return a.dtype.str, a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
+
+
 @pytest.mark.parametrize("name", C.FUNCTIONS)
 def test_map_functions(gpu, name):
     """Every §4 function on 8.6 million bit patterns (every 499th) and the specials, on ~30k
     specials, edges, random bit patterns and ordinary values, and on a 2-D array (kept shape)."""
     assert gpu.FUNCTIONS == C.FUNCTIONS
     fn, ref = getattr(gpu, name), getattr(C, name)
-    for x in (sweep(499), f32_inputs(named("math")), rand_f32(seeded(2), (3, 37), 30.0)):
-        assert_bits_equal(fn(x), ref(x), name)
+    for i, x in enumerate((sweep(499), f32_inputs(named("math")), rand_f32(seeded(2), (3, 37), 30.0))):
+        got = fn(x)
+        # the reference's digest is kept for the next backend (its 8.6 million results are not)
+        if _MAP_DIGESTS.get((name, i)) == _digest(got):
+            continue
+        want = ref(x)
+        _MAP_DIGESTS[name, i] = _digest(want)
+        assert_bits_equal(got, want, name)
 
 
 def test_conversions(gpu):
