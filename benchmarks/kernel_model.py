@@ -688,6 +688,16 @@ class Call:
     dims: dict | None
     launches: list         # the counters.Launch of its kernels
     syncs: list            # where the host read a device result
+    layer: int | None = None   # the transformer block that made the call (None: outside the blocks)
+
+
+def _layer_of_caller() -> int | None:
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name in ("_block_forward", "_block_backward") and "l" in f.f_locals:
+            return int(f.f_locals["l"])
+        f = f.f_back
+    return None
 
 
 def record_microbatch(ops, precision: str) -> tuple[list[Call], list[str]]:
@@ -706,7 +716,7 @@ def record_microbatch(ops, precision: str) -> tuple[list[Call], list[str]]:
 
     def to_host(a):
         f = sys._getframe(1)
-        if f.f_code.co_name != "_host":          # returning an op's result in numpy mode is not a sync
+        if f.f_code.co_name not in ("_host", "_write_back"):   # numpy mode returning or writing back an op's result: not a sync
             where = f"{pathlib.Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
             (current[-1].syncs if current else model_reads).append(where)
         return real_to_host(a)
@@ -720,7 +730,7 @@ def record_microbatch(ops, precision: str) -> tuple[list[Call], list[str]]:
             def call(*args, **kwargs):
                 if current:                         # an op called by an op: part of the outer call
                     return fn(*args, **kwargs)
-                c = Call(name, call_dims(name, args, kwargs), [], [])
+                c = Call(name, call_dims(name, args, kwargs), [], [], _layer_of_caller())
                 current.append(c)
                 n0 = len(log.launches)
                 try:
@@ -753,13 +763,29 @@ class KernelTotal:
     ops: set = dataclasses.field(default_factory=set)
 
 
-def fit_all(ops, names=None, log=print) -> dict[tuple[str, int], Fit]:
+def fit_all(ops, names=None, log=print, cache: pathlib.Path | None = None) -> dict[tuple[str, int], Fit]:
+    """The fits of the named ops; with `cache` (a JSON file for one backend and one set of kernel
+    sources) fits found there are reused and new ones are added to it."""
+    stored = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     out = {}
     for op, ws in workloads().items():
         if names is not None and op not in names:
             continue
         for i, w in enumerate(ws):
-            out[(op, i)] = fit(ops, w, log)
+            key = f"{op}[{i}]"
+            if key in stored:
+                d = stored[key]
+                out[(op, i)] = Fit(op, w.grid, w.fixed, {tuple(json.loads(p)): v for p, v in d["values"].items()},
+                                   w.check, d["check_measured"], d["check_ok"], d["check_diff"])
+                log(f"  fit {op} {dict(w.fixed)}: from {cache.name} (check " +
+                    ("passed" if d["check_ok"] else f"MISSED: {'; '.join(d['check_diff'][:3])}") + ")")
+                continue
+            f = out[(op, i)] = fit(ops, w, log)
+            if cache is not None:
+                stored[key] = {"values": {json.dumps(list(p)): v for p, v in f.values.items()},
+                               "check_measured": f.check_measured, "check_ok": f.check_ok, "check_diff": f.check_diff}
+                from mlx_open1b.fsutil import write_bytes_atomic
+                write_bytes_atomic(cache, json.dumps(stored).encode())
     return out
 
 
@@ -796,8 +822,13 @@ def microbatch(calls: list[Call], fits, big_cfg, seqs: int) -> tuple[dict[str, K
     m = size_map(micro_sizes, big_sizes)
     kernels: dict[str, KernelTotal] = {}
     notes, launches, syncs, macs = [], 0, 0, 0.0
+    micro_cfg = ModelConfig(**MICRO)
     for c in calls:
-        syncs += len(c.syncs)
+        # a block's calls stand for every block of the big model of the same kind (windowed or
+        # global); MICRO has one of each
+        n = 1 if c.layer is None else sum(big_cfg.is_global(l) == micro_cfg.is_global(c.layer)
+                                          for l in range(big_cfg.n_layers))
+        syncs += n * len(c.syncs)
         pred = None
         if c.dims is not None:
             dims = map_dims(c.dims, m, micro_sizes, big_sizes)
@@ -806,7 +837,7 @@ def microbatch(calls: list[Call], fits, big_cfg, seqs: int) -> tuple[dict[str, K
                 notes.append(note)
             w = workload_for(c.op, dims)
             call_macs = w.macs(dict(w.fixed, **dims)) if w else 0
-            macs += call_macs
+            macs += n * call_macs
         if not pred:              # an op without a fit: its counts as recorded at the micro size
             pred = summarize(c.launches)
             call_macs = 0
@@ -814,11 +845,11 @@ def microbatch(calls: list[Call], fits, big_cfg, seqs: int) -> tuple[dict[str, K
         for k, q in pred.items():
             t = kernels.setdefault(k, KernelTotal(dict.fromkeys(QUANTITIES, 0.0)))
             for name, v in q.items():
-                t.counts[name] += v
+                t.counts[name] += n * v
             t.ops.add(c.op)
             if k in gemms:          # the op's GEMM work, shared by its GEMM kernels
-                t.macs += call_macs / len(gemms)
-        launches += sum(q["launches"] for q in pred.values())
+                t.macs += n * call_macs / len(gemms)
+        launches += n * sum(q["launches"] for q in pred.values())
     where = sorted({w for c in calls for w in c.syncs})
     return kernels, {"launches": launches, "syncs": syncs, "model_macs": macs, "notes": sorted(set(notes)),
                      "micro": {"calls": len(calls), "launches": sum(len(c.launches) for c in calls),
@@ -1053,6 +1084,7 @@ def parse_args(argv=None):
     ap.add_argument("--cuda-bin", help="folder with nvcc and cuobjdump (default: PATH)")
     ap.add_argument("--json", help="write every number to this file")
     ap.add_argument("--bench-json", help="write the predictions for benchmarks/gpu_bench.py's shapes to this file")
+    ap.add_argument("--fits-cache", help="a folder keeping the fits per backend and kernel sources (reruns skip them)")
     return ap.parse_args(argv)
 
 
@@ -1081,7 +1113,11 @@ def run(args, out=print) -> dict:
             needed = set(workloads()) - ({"linear_forward", "linear_backward", "attention_forward"}
                                          if "bf16" not in precisions else set()) \
                 - ({"qlinear_forward", "qlinear_backward", "attention_forward_i8"} if "int8" not in precisions else set())
-            fits = fit_all(ops, needed, out)
+            cache = (pathlib.Path(args.fits_cache) / f"fits-{name}-{sources_digest(tree)[:16]}.json"
+                     if args.fits_cache else None)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+            fits = fit_all(ops, needed, out, cache)
             report.setdefault("fits", {})[name] = {f"{op}[{i}]": {"check_ok": f.check_ok, "check_diff": f.check_diff}
                                                    for (op, i), f in fits.items()}
             bench_mb = {}
