@@ -14,13 +14,18 @@
  *
  * Inputs are first copied into head-major fp32 rows (b, head, t, d): widening bf16 and
  * flushing fp32 loads are exact, so this only moves data, and the inner loops then read
- * contiguous rows.
+ * contiguous rows. The rows whose dot products with one vector a block needs (keys in the forward
+ * and the dq pass, queries in the dk/dv pass) are also copied transposed (b, head, d, t), so that
+ * the block's dot products run on SIMD lanes, one row per lane, each still summed d-ascending
+ * (vmath.c's o1b_vdots_t, contract.h's bits); the sums over d of the outputs (p v, ds k, ...) run
+ * across d on lanes the same way (o1b_vaxpy), and the exps of a block on lanes (o1b_vexp_sub).
  */
 #include <stdatomic.h>
 #include <stdlib.h>
 
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 #define O1B_ATTN_BK 64      /* contract constant: key block of the forward online softmax */
 O1B_API int o1b_attn_block(void) { return O1B_ATTN_BK; }
@@ -32,20 +37,12 @@ static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t first_key(int64_t i, int64_t W) { return (W == 0 || i < W) ? 0 : i - W + 1; }
 static int64_t last_query(int64_t j, int64_t T, int64_t W) { return W == 0 ? T - 1 : imin(T - 1, j + W - 1); }
 
-/* out[r] = sum_{d ascending} x[d] * rows[r*D + d], each accumulator starting at +0, for n
- * consecutive rows. The row loop is innermost only so that the n independent dot products
- * overlap in the pipeline (a single one is a chain of dependent adds); every sum is still the
- * contract's d-ascending sum, so the bits are those of n separate dot products. */
-static void dots(const float *x, const float *rows, int64_t n, int64_t D, float *out) {
-    for (int64_t r = 0; r < n; r++) out[r] = 0.0f;
-    for (int64_t d = 0; d < D; d++)
-        for (int64_t r = 0; r < n; r++) out[r] = o1b_add(out[r], o1b_mul(x[d], rows[r * D + d]));
-}
-
-/* The scores s[j] = mul(dot(q, k_j), scale) of n consecutive keys of a block; returns their max
- * (the written comparison, so a NaN score is passed over). */
-static float block_scores(const float *q, const float *k, int64_t n, int64_t D, float scale, float *s) {
-    dots(q, k, n, D, s);
+/* The scores s[j] = mul(dot(q, k_j), scale) of n consecutive keys of a block, from the keys
+ * transposed (kt[d * T + j]); returns their max (the written comparison, so a NaN score is passed
+ * over). */
+static float block_scores(const float *q, const float *kt, int64_t T, int64_t n, int64_t D,
+                          float scale, float *s) {
+    o1b_vdots_t(n, D, q, kt, T, s);
     float mb = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         s[j] = o1b_mul(s[j], scale);
@@ -72,11 +69,26 @@ static void to_head_major(const bf16 *h, const float *f, int64_t B, int64_t T, i
     widen_args a = {h, f, out, T, N, D};
     o1b_parallel_for(B * N * T, 1 + 4096 / (D > 0 ? D : 1), widen_range, &a);
 }
+/* head-major rows (b, n, t, d) -> transposed (b, n, d, t), one (b, n) per item */
+typedef struct { const float *in; float *out; int64_t T, D; } transpose_args;
+static void transpose_range(void *ctx, int64_t lo, int64_t hi) {
+    const transpose_args *a = (const transpose_args *)ctx;
+    for (int64_t r = lo; r < hi; r++) {
+        const float *in = a->in + r * a->T * a->D;
+        float *out = a->out + r * a->T * a->D;
+        for (int64_t t = 0; t < a->T; t++)
+            for (int64_t d = 0; d < a->D; d++) out[d * a->T + t] = in[t * a->D + d];
+    }
+}
+static void to_transposed(const float *hm, int64_t BN, int64_t T, int64_t D, float *out) {
+    transpose_args a = {hm, out, T, D};
+    o1b_parallel_for(BN, 1 + (1 << 14) / (1 + T * D), transpose_range, &a);
+}
 
 /* ---- forward (§6.6; with qv set, the int8 block product of §6.10) ---- */
 typedef struct {
     int64_t T, H, G, D, W; float scale;
-    const float *q, *k, *v;    /* (B,H,T,D), (B,G,T,D), (B,G,T,D) head-major, widened (v unused with qv) */
+    const float *q, *kt, *v;   /* (B,H,T,D), (B,G,D,T) transposed, (B,G,T,D) head-major, widened (v unused with qv) */
     const int8_t *qv;          /* NULL, or (B,G,T,D) quantized value rows (§6.10) */
     const float *sv;           /* with qv: (B,G,T) their step sizes */
     float *o, *lse;            /* (B,T,H,D), (B,H,T) */
@@ -115,12 +127,12 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     if (!acc) { atomic_store(&a->failed, 1); return; }
     float *pv = acc + D;
     int32_t *iacc = (int32_t *)(pv + D);
-    float s[O1B_ATTN_BK], t[O1B_ATTN_BK];
+    float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
     int8_t qp[O1B_ATTN_BK];
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         const float *q = a->q + r * D;
-        const float *k = a->k + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
+        const float *kt = a->kt + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
         const int8_t *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
         const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
         float m = -INFINITY, l = 0.0f;
@@ -129,22 +141,22 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
             int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
             int64_t n = j1 - j0 + 1;
-            float mb = block_scores(q, k + j0 * D, n, D, a->scale, s);
+            float mb = block_scores(q, kt + j0, T, n, D, a->scale, s);
             float m_new = o1b_max(m, mb);
             float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
             float ps = 0.0f, tmax = 0.0f;
             int nonfinite = 0;
             for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
+            o1b_vexp_sub(n, s, m_new, pb);                /* s is flushed: load(s) = s */
             for (int64_t jj = 0; jj < n; jj++) {
-                float p = o1b_exp(o1b_sub(s[jj], m_new));
+                float p = pb[jj];
                 ps = o1b_add(ps, p);
                 if (qv) {
                     t[jj] = o1b_mul(p, sv[j0 + jj]);             /* >= +0 or NaN */
                     if (t[jj] != t[jj]) nonfinite = 1;
                     else tmax = o1b_max(tmax, t[jj]);
                 } else {
-                    const float *vj = v + (j0 + jj) * D;
-                    for (int64_t d = 0; d < D; d++) pv[d] = o1b_add(pv[d], o1b_mul(p, vj[d]));
+                    o1b_vaxpy(D, p, v + (j0 + jj) * D, pv);
                 }
             }
             if (qv) block_pv_i8(t, n, tmax, nonfinite, qv + j0 * D, D, qp, iacc, pv);
@@ -171,13 +183,14 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
                                   float *lse) {   /* (B, H, T) m + log(l), for the backward */
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
-    float *qh = malloc((nq + 2 * nk + 1) * sizeof(float));
+    float *qh = malloc((nq + 3 * nk + 1) * sizeof(float));
     if (!qh) return -1;
-    float *kh = qh + nq, *vh = kh + nk;
+    float *kh = qh + nq, *vh = kh + nk, *kt = vh + nk;
     to_head_major(q, NULL, B, T, H, D, qh);
     to_head_major(k, NULL, B, T, G, D, kh);
     to_head_major(v, NULL, B, T, G, D, vh);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, NULL, NULL, o, lse, 0};
+    to_transposed(kh, B * G, T, D, kt);
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, vh, NULL, NULL, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
@@ -215,15 +228,16 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
                                      float *o, float *lse) {
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
-    float *qh = malloc((nq + nk + (size_t)(B * G * T) + 1) * sizeof(float) + nk + 64);
+    float *qh = malloc((nq + 2 * nk + (size_t)(B * G * T) + 1) * sizeof(float) + nk + 64);
     if (!qh) return -1;
-    float *kh = qh + nq, *sv = kh + nk;
+    float *kh = qh + nq, *kt = kh + nk, *sv = kt + nk;
     int8_t *qv = (int8_t *)(sv + B * G * T);
     to_head_major(q, NULL, B, T, H, D, qh);
     to_head_major(k, NULL, B, T, G, D, kh);
+    to_transposed(kh, B * G, T, D, kt);
     vquant_args va = {v, qv, sv, T, G, D};
     o1b_parallel_for(B * G * T, 1 + 4096 / (D > 0 ? D : 1), vquant_range, &va);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, NULL, qv, sv, o, lse, 0};
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, NULL, qv, sv, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
@@ -233,6 +247,7 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
 typedef struct {
     int64_t T, H, G, D, W; float scale;
     const float *q, *k, *v, *dout;   /* head-major: (B,H,T,D), (B,G,T,D), (B,G,T,D), (B,H,T,D) */
+    const float *qt, *kt, *vt, *dout_t;  /* the same transposed: (B,H,D,T), (B,G,D,T), ... */
     const float *o;                  /* (B,T,H,D) as given */
     const float *lse;                /* (B,H,T) as given (loaded with o1b_load) */
     float *Di;                       /* (B,H,T) sum_d dout*o */
@@ -253,7 +268,7 @@ static void di_range(void *ctx, int64_t lo, int64_t hi) {
 }
 
 /* The backward visits pairs in chunks of up to CHUNK keys (pass 1) or queries (pass 2), only
- * so that dots() can overlap their dot products; the chunk enters no sum. */
+ * so that o1b_vdots_t can run their dot products on lanes; the chunk enters no sum. */
 #define CHUNK 64
 
 /* p and ds of one visible pair from its dot(q_i, k_j) = s and dot(dout_i, v_j) = dp, and the
@@ -270,22 +285,23 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
     const int64_t T = a->T, H = a->H, D = a->D, rep = a->H / a->G;
     float *acc = malloc((size_t)(D > 0 ? D : 1) * sizeof(float));
     if (!acc) { atomic_store(&a->failed, 1); return; }
-    float s[CHUNK], dp[CHUNK];
+    float s[CHUNK], dp[CHUNK], pb[CHUNK];
     for (int64_t r = lo; r < hi; r++) {
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         const float *q = a->q + r * D, *dout = a->dout + r * D;
-        const float *k = a->k + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
+        const float *k = a->k + (b * a->G + g) * T * D;
+        const float *kt = a->kt + (b * a->G + g) * T * D, *vt = a->vt + (b * a->G + g) * T * D;
         float lse = o1b_load(a->lse[r]), Di = a->Di[r];
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         for (int64_t j0 = first_key(i, a->W); j0 <= i; j0 += CHUNK) {
             int64_t n = imin(CHUNK, i + 1 - j0);
-            dots(q, k + j0 * D, n, D, s);
-            dots(dout, v + j0 * D, n, D, dp);
+            o1b_vdots_t(n, D, q, kt + j0, T, s);
+            o1b_vdots_t(n, D, dout, vt + j0, T, dp);
+            for (int64_t c = 0; c < n; c++) s[c] = o1b_mul(s[c], a->scale);
+            o1b_vexp_sub(n, s, lse, pb);                  /* p = exp(s*scale - lse) */
             for (int64_t c = 0; c < n; c++) {             /* j = j0 + c ascending */
-                float p, ds;
-                p_ds(s[c], dp[c], a->scale, lse, Di, &p, &ds);
-                const float *kj = k + (j0 + c) * D;
-                for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(acc[d], o1b_mul(ds, kj[d]));
+                float ds = o1b_mul(pb[c], o1b_sub(dp[c], Di));
+                o1b_vaxpy(D, ds, k + (j0 + c) * D, acc);
             }
         }
         float *dq = a->dq + ((b * T + i) * H + h) * D;
@@ -313,17 +329,15 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
             int64_t row0 = (b * a->H + h) * T;            /* query row of (b, h, i = 0) */
             for (int64_t i0 = j; i0 <= ilast; i0 += CHUNK) {
                 int64_t n = imin(CHUNK, ilast + 1 - i0);
-                dots(kj, a->q + (row0 + i0) * D, n, D, s);      /* mul(k, q) = mul(q, k) */
-                dots(vj, a->dout + (row0 + i0) * D, n, D, dp);
+                /* mul(k, q) = mul(q, k): the same scores as pass 1 */
+                o1b_vdots_t(n, D, kj, a->qt + row0 * D + i0, T, s);
+                o1b_vdots_t(n, D, vj, a->dout_t + row0 * D + i0, T, dp);
                 for (int64_t c = 0; c < n; c++) {         /* i = i0 + c ascending */
                     int64_t qi = row0 + i0 + c;
                     float p, ds;
                     p_ds(s[c], dp[c], a->scale, o1b_load(a->lse[qi]), a->Di[qi], &p, &ds);
-                    const float *q = a->q + qi * D, *dout = a->dout + qi * D;
-                    for (int64_t d = 0; d < D; d++) {
-                        dk_acc[d] = o1b_add(dk_acc[d], o1b_mul(ds, q[d]));
-                        dv_acc[d] = o1b_add(dv_acc[d], o1b_mul(p, dout[d]));
-                    }
+                    o1b_vaxpy(D, ds, a->q + qi * D, dk_acc);
+                    o1b_vaxpy(D, p, a->dout + qi * D, dv_acc);
                 }
             }
         }
@@ -350,14 +364,20 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
                                    float *dv) {       /* (B, T, G, D) */
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D), nr = (size_t)(B * H * T);
-    float *qh = malloc((2 * nq + 2 * nk + nr + 1) * sizeof(float));
+    float *qh = malloc((4 * nq + 4 * nk + nr + 1) * sizeof(float));
     if (!qh) return -1;
     float *gh = qh + nq, *kh = gh + nq, *vh = kh + nk, *Di = vh + nk;
+    float *qt = Di + nr, *gt = qt + nq, *kt = gt + nq, *vt = kt + nk;
     to_head_major(q, NULL, B, T, H, D, qh);
     to_head_major(NULL, dout, B, T, H, D, gh);
     to_head_major(k, NULL, B, T, G, D, kh);
     to_head_major(v, NULL, B, T, G, D, vh);
-    bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, o, lse, Di, dq, dk, dv, 0};
+    to_transposed(qh, B * H, T, D, qt);
+    to_transposed(gh, B * H, T, D, gt);
+    to_transposed(kh, B * G, T, D, kt);
+    to_transposed(vh, B * G, T, D, vt);
+    bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, qt, kt, vt, gt, o, lse, Di,
+                  dq, dk, dv, 0};
     o1b_parallel_for(B * H * T, 1 + 4096 / (1 + D), di_range, &a);
     int64_t grain = 1 + (1 << 16) / (1 + T * D);
     o1b_parallel_for(B * H * T, grain, dq_range, &a);

@@ -80,6 +80,16 @@ static void swiglu_bwd_scalar(int64_t lo, int64_t hi, const float *dout, const f
     }
 }
 
+static void axpy_scalar(int64_t lo, int64_t hi, float a, const float *x, float *y) {
+    for (int64_t i = lo; i < hi; i++) y[i] = o1b_add(y[i], o1b_mul(a, x[i]));
+}
+static void dots_t_scalar(int64_t lo, int64_t hi, int64_t D, const float *x, const float *rows_t,
+                          int64_t ld, float *out) {
+    for (int64_t r = lo; r < hi; r++) out[r] = 0.0f;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t r = lo; r < hi; r++) out[r] = o1b_add(out[r], o1b_mul(x[d], rows_t[d * ld + r]));
+}
+
 /* ---- instantiations: this file again, from its template section ---- */
 #define O1B_VMATH_TEMPLATE 1
 #if defined(O1B_VM_X86)
@@ -155,6 +165,19 @@ void o1b_vswiglu_bwd(int64_t n, const float *dout, const float *g, const float *
                      float *dup) {
     if (!g_vmath) { swiglu_bwd_scalar(0, n, dout, g, u, dgate, dup); return; }
 #define CALL(s) swiglu_bwd_##s(n, dout, g, u, dgate, dup)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+
+void o1b_vaxpy(int64_t n, float a, const float *x, float *y) {
+    if (!g_vmath) { axpy_scalar(0, n, a, x, y); return; }
+#define CALL(s) axpy_##s(n, a, x, y)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vdots_t(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out) {
+    if (!g_vmath) { dots_t_scalar(0, n, D, x, rows_t, ld, out); return; }
+#define CALL(s) dots_t_##s(n, D, x, rows_t, ld, out)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -440,6 +463,49 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
         }
     }
     swiglu_bwd_scalar(i, n, dout, gate, up, dgate, dup);
+}
+
+static O1B_TGT void FN(axpy)(int64_t n, float a, const float *x, float *y) {
+    vf av = FN(splat)(a);
+    int64_t i = 0;
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi rare = {0};
+        vf r = FN(add)(FN(load)(y + i), FN(mul)(av, FN(load)(x + i), &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) axpy_scalar(i, i + O1B_W, a, x, y);
+        else FN(put)(y + i, r);
+    }
+    axpy_scalar(i, n, a, x, y);
+}
+
+/* Lanes are rows r; two vectors of rows at a time so that their chains of adds overlap. */
+static O1B_TGT void FN(dots_t)(int64_t n, int64_t D, const float *x, const float *rows_t,
+                               int64_t ld, float *out) {
+    int64_t r = 0;
+    for (; r + 2 * O1B_W <= n; r += 2 * O1B_W) {
+        vi rare = {0};
+        vf acc0 = {0}, acc1 = {0};
+        for (int64_t d = 0; d < D; d++) {
+            vf xv = FN(splat)(x[d]);
+            const float *row = rows_t + d * ld + r;
+            acc0 = FN(add)(acc0, FN(mul)(xv, FN(load)(row), &rare));
+            acc1 = FN(add)(acc1, FN(mul)(xv, FN(load)(row + O1B_W), &rare));
+        }
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            dots_t_scalar(r, r + 2 * O1B_W, D, x, rows_t, ld, out);
+        } else {
+            FN(put)(out + r, acc0);
+            FN(put)(out + r + O1B_W, acc1);
+        }
+    }
+    for (; r + O1B_W <= n; r += O1B_W) {
+        vi rare = {0};
+        vf acc = {0};
+        for (int64_t d = 0; d < D; d++)
+            acc = FN(add)(acc, FN(mul)(FN(splat)(x[d]), FN(load)(rows_t + d * ld + r), &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) dots_t_scalar(r, r + O1B_W, D, x, rows_t, ld, out);
+        else FN(put)(out + r, acc);
+    }
+    dots_t_scalar(r, n, D, x, rows_t, ld, out);
 }
 
 #undef O1B_VM_MAP_LOOP

@@ -29,5 +29,10 @@ void o1b_vswiglu_fwd(int64_t n, const float *g, const float *u, float *out);
  * dgate[i] = store(mul(mul(d, u), mul(s, add(1, mul(g, sub(1, s)))))) (loads of d, g, u) */
 void o1b_vswiglu_bwd(int64_t n, const float *dout, const float *g, const float *u, float *dgate,
                      float *dup);
+/* y[i] = add(y[i], mul(a, x[i])) for i in [0, n) (operands already flushed, unstored). */
+void o1b_vaxpy(int64_t n, float a, const float *x, float *y);
+/* out[r] = sum_{d = 0..D-1 ascending} mul(x[d], rows_t[d * ld + r]), each sum from +0, for
+ * r in [0, n): n dot products of x with the columns of a transposed block (flushed operands). */
+void o1b_vdots_t(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out);
 
 #endif

@@ -178,3 +178,76 @@ def test_xent_equals_scalar(N, C_, V, chunk):
             assert_bits_equal(a, b, f"xent forward output {k}, level {lv}")
         for k, (a, b) in enumerate(zip(got_b, want_b)):
             assert_bits_equal(a, b, f"xent backward output {k}, level {lv}")
+
+
+@pytest.mark.parametrize("B,T,H,G,D,W", [(1, 150, 4, 2, 20, 0), (2, 70, 2, 1, 16, 33), (1, 9, 1, 1, 3, 0),
+                                         (1, 131, 2, 2, 64, 0)])
+def test_attention_equals_scalar(B, T, H, G, D, W):
+    # Blocks of 64 keys and their tails, lanes of rows (2W, W and the scalar tail), windows, GQA.
+    from mlx_open1b.cpu_ref import attention as CA
+    from mlx_open1b.spec import attention as SA
+    rng = np.random.default_rng(T)
+    q = A.f32_to_bf16((rng.standard_normal((B, T, H, D)) * 2).astype(np.float32))
+    k = A.f32_to_bf16((rng.standard_normal((B, T, G, D)) * 2).astype(np.float32))
+    v = A.f32_to_bf16(rng.standard_normal((B, T, G, D)).astype(np.float32))
+    dout = (rng.standard_normal((B, T, H, D)) * 1e-2).astype(np.float32)
+    scale = float(np.float32(1 / np.sqrt(D)))
+    with scalar():
+        o, lse = CA.attention_forward(q, k, v, W, scale)
+        grads = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+        o8, lse8 = CA.attention_forward_i8(q, k, v, W, scale)
+    so, slse = SA.attention_forward(q, k, v, W, scale)
+    assert_bits_equal(o, so, "attention o: scalar C vs spec")
+    assert_bits_equal(lse, slse, "attention lse: scalar C vs spec")
+    for a, b, what in zip(grads, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
+        assert_bits_equal(a, b, f"attention d{what}: scalar C vs spec")
+    for lv in LEVELS:
+        with level(lv):
+            got = CA.attention_forward(q, k, v, W, scale)
+            got_g = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+            got8 = CA.attention_forward_i8(q, k, v, W, scale)
+        for a, b, what in zip(got + got8 + got_g, (o, lse, o8, lse8) + tuple(grads),
+                              ("o", "lse", "o i8", "lse i8", "dq", "dk", "dv")):
+            assert_bits_equal(a, b, f"attention {what}, level {lv}")
+
+
+def test_attention_lanes_on_the_exact_path():
+    # dv sums mul(p, dout): with dout rows at ~2^-126/p, products just below 2^-126 round up to
+    # 2^-126 in IEEE and are flushed by the contract; the vectors holding them go the scalar way.
+    from mlx_open1b.cpu_ref import attention as CA
+    from mlx_open1b.spec import attention as SA
+    B, T, H, G, D, W = 1, 40, 1, 1, 32, 0
+    rng = np.random.default_rng(11)
+    q = A.f32_to_bf16((rng.standard_normal((B, T, H, D)) * 0.1).astype(np.float32))
+    k = A.f32_to_bf16((rng.standard_normal((B, T, G, D)) * 0.1).astype(np.float32))
+    v = A.f32_to_bf16(rng.standard_normal((B, T, G, D)).astype(np.float32))
+    scale = float(np.float32(1 / np.sqrt(D)))
+    with scalar():
+        o, lse = CA.attention_forward(q, k, v, W, scale)
+    # p of the pair (query i, key j) as the backward recomputes it, for the last query row
+    qf, kf = A.bf16_to_f32(q)[0, :, 0], A.bf16_to_f32(k)[0, :, 0]
+    i = T - 1
+    s = np.array([SA_dot(qf[i], kf[j]) for j in range(T)], np.float32)
+    p = S.exp(A.sub(A.mul(s, np.float32(scale)), lse[0, 0, i]))
+    d = tiny_product_pairs(p[:1])
+    assert not np.isnan(d).any()
+    dout = np.zeros((B, T, H, D), np.float32)
+    dout[0, i, 0, :] = d[0]                        # key 0's dv is the one product mul(p_0i, d)
+    with scalar():
+        want = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+    for a, b, what in zip(want, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
+        assert_bits_equal(a, b, f"attention d{what}: scalar C vs spec")
+    assert (want[2][0, 0, 0] == 0).all()           # flushed: the case is really exercised
+    for lv in LEVELS:
+        with level(lv):
+            got = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+        for a, b, what in zip(got, want, "qkv"):
+            assert_bits_equal(a, b, f"attention d{what}, level {lv}")
+
+
+def SA_dot(x, y):
+    """sum_{d ascending} mul(x[d], y[d]) from +0, the contract's dot product."""
+    acc = np.float32(0.0)
+    for a, b in zip(x, y):
+        acc = A.add(acc, A.mul(a, b))
+    return acc
