@@ -1078,6 +1078,7 @@ def parse_args(argv=None):
     ap.add_argument("--rev", help="model the kernel sources and launch code of this git revision (git archive "
                                   "into a temp dir), e.g. 3622d88")
     ap.add_argument("--tree", help=argparse.SUPPRESS)      # run on an extracted tree (used by --rev)
+    ap.add_argument("--rev-name", help=argparse.SUPPRESS)  # the revision as resolved by the parent
     ap.add_argument("--part", choices=("all", "sass", "counts"), default="all")
     ap.add_argument("--backends", default="cuda,metal", help="emulated backends to count (default %(default)s)")
     ap.add_argument("--precisions", default="bf16,int8", help="microbatch precisions (default %(default)s)")
@@ -1150,13 +1151,20 @@ def run(args, out=print) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rev and not args.tree:
+        got = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", args.rev], capture_output=True, text=True)
+        if got.returncode:
+            raise SystemExit(f"error: --rev {args.rev}: not a revision of {ROOT} ({got.stderr.strip()})")
+        if got.stdout.strip() not in args.rev:
+            args.rev = f"{args.rev} ({got.stdout.strip()})"
         with tempfile.TemporaryDirectory(prefix="o1b-rev-") as tmp:
             checkout(args.rev, pathlib.Path(tmp))
-            rest = list(argv if argv is not None else sys.argv[1:])
+            rest = [a for a in (argv if argv is not None else sys.argv[1:])]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")]))
-            return subprocess.run([sys.executable, __file__, *rest, "--tree", tmp], env=env).returncode
+            return subprocess.run([sys.executable, __file__, *rest, "--rev-name", args.rev, "--tree", tmp],
+                                  env=env).returncode
     if args.tree:
         sys.path.insert(0, args.tree)
+        args.rev = args.rev_name or args.rev
     report = run(args)
     if args.json:
         from mlx_open1b.fsutil import write_bytes_atomic
