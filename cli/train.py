@@ -15,7 +15,9 @@ import click
 from mlx_open1b.checkpoint import CheckpointError
 from mlx_open1b.cli import SEED, STEPS, THREADS, WORKERS, Path, Positive, backend_option, fail, step_range
 
-from mlx_open1b.config import PRESETS, ConfigError, preset, steps_for_tokens
+from mlx_open1b.cli.config_cmd import config_options
+from mlx_open1b.config import PRESETS, ConfigError, steps_for_tokens
+from mlx_open1b.config_file import resolve as resolve_config
 from mlx_open1b.data.format import DataError, Manifest
 from mlx_open1b.fsutil import WriteError
 from mlx_open1b.gnmr import GNMRConfig, GNMRError
@@ -85,8 +87,9 @@ class _Progress:
 
 
 @click.command()
-@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
-              help="model and recipe preset")
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default=None,
+              help="model and recipe preset (default: the --config file's preset key, else tiny)")
+@config_options
 @click.option("--steps", type=STEPS, default=None, help="optimizer steps to reach (default: the preset's token budget)")
 @backend_option(extra=("torch",), workers=True,
                 help="auto: metal on Apple silicon, cuda on an NVIDIA GPU, else cpu_ref; cpu_ref: the C reference; "
@@ -113,8 +116,8 @@ class _Progress:
               help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an "
                    "error; work a rank does alone (rank 0 writing a checkpoint) may take longer, as long as its "
                    "heartbeat goes on")
-def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec, nproc, dist_timeout,
-          selftest_refusal=None):
+def train(preset_name, config_file, sets, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec,
+          nproc, dist_timeout, selftest_refusal=None):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     from mlx_open1b import cpu_ref
     from mlx_open1b.distributed import in_worker_env
@@ -129,11 +132,10 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
     if not worker:
         cpu_ref.set_num_threads(threads)
     try:
-        if data_dir is None and not resume:
-            data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
-        elif data_dir is not None and not resume:
-            Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
-        cfg = preset(preset_name)
+        # the configuration first: a bad value stops the command before anything is written
+        # on --resume, --set and --seed alone apply to the run's own config; a file or a preset is a whole config
+        own = resume and config_file is None and preset_name is None
+        cfg = resolve_config(preset_name, config_file, sets, base=_run_config(out) if own else None)
         if seed is not None:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
         if precision is not None:
@@ -147,10 +149,16 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
                 cfg.check()
             except GNMRError as e:
                 fail(e, 2)
+        if resume:
+            _check_resume_config(out, cfg)
+        if data_dir is None and not resume:
+            data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
+        elif data_dir is not None and not resume:
+            Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
         if nproc is not None:
             return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
                            seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
-                           gnmr_spec=gnmr_spec)
+                           gnmr_spec=gnmr_spec, config_file=config_file, sets=sets)
         if worker:
             return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout,
                                  selftest_refusal)
@@ -175,6 +183,31 @@ def train(preset_name, steps, backend, out, data_dir, resume, threads, seed, pre
         fail(e, 2)
 
 
+def _run_config(out: pathlib.Path):
+    """The config of the run in `out`, or None where there is no readable one (the trainer reports it)."""
+    rd = RunDir(out)
+    if not rd.exists():
+        return None
+    try:
+        return rd.info().config
+    except RunDirError:
+        return None
+
+
+def _check_resume_config(out: pathlib.Path, cfg) -> None:
+    """A configuration given on --resume must be the run's own: every key is part of its genesis hash."""
+    from mlx_open1b.config_file import first_difference
+    have = _run_config(out)
+    if have is None:
+        return
+    diff = first_difference(have, cfg)
+    if diff is not None:
+        key, was, given = diff
+        fail(f"{key}: the run in {out} has {was!r}, the configuration given on --resume has {given!r}; a run's "
+             f"configuration is part of its genesis hash and cannot change on resume (resume without "
+             f"--config/--set/--preset/--seed to continue it as it is)", 2)
+
+
 def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
     """--precision on --resume must be the run's own (it is part of the genesis hash)."""
     rd = RunDir(out)
@@ -190,7 +223,7 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
 
 
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
-            precision, preset_name, timeout, gnmr_spec=None) -> None:
+            precision, preset_name, timeout, gnmr_spec=None, config_file=None, sets=()) -> None:
     """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
@@ -212,10 +245,14 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
         fail(f"--nproc {nproc}: {e}", 2)
     per = threads or max(1, cpu_count() // nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "mlx_open1b.cli.main", "train", "--preset", preset_name, "--backend", backend, "--out", str(out),
+           "-m", "mlx_open1b.cli.main", "train", "--backend", backend, "--out", str(out),
            "--threads", str(per), "--dist-timeout", repr(float(timeout)),
            "--skip-selftest"]                 # this process checked every local device the workers use
-    for flag, val in (("--steps", steps), ("--seed", seed), ("--precision", precision), ("--gnmr", gnmr_spec),
+    for text in sets:
+        cmd += ["--set", text]
+    for flag, val in (("--preset", preset_name),
+                      ("--config", None if config_file is None else str(pathlib.Path(config_file).resolve())),
+                      ("--steps", steps), ("--seed", seed), ("--precision", precision), ("--gnmr", gnmr_spec),
                       ("--data", None if data_dir is None else str(pathlib.Path(data_dir).resolve()))):
         if val is not None:
             cmd += [flag, str(val)]
