@@ -185,6 +185,15 @@ def _transpose(a, axes):
     return np.ascontiguousarray(np.transpose(a, axes))
 
 
+GEMM_NT = 256       # threads per threadgroup of gemm.metal and gemm_i8.metal (a 64 x 64 tile of C)
+
+
+def _gemm_tiles(I: int, J: int) -> int:
+    """Threadgroups of gemm.metal / gemm_i8.metal for C (I, J): one per slabs.GEMM_TILE square."""
+    T = slabs.GEMM_TILE
+    return -(-I // T) * -(-J // T)
+
+
 def _gemm_blocks(I: int, J: int, P: int, launch):
     """C (I, J) from launch(i0, i1, j0, j1) -> the block C[i0:i1, j0:j1], over the bounded blocks of
     slabs.gemm_slabs (each output element computed whole by one thread of one launch)."""
@@ -289,8 +298,9 @@ def _gemm(I, J, P, A, oa, sai, sap, B, ob, sbp, sbj, C0=None) -> np.ndarray:
 
     def block(i0, i1, j0, j1):
         c0 = C0[i0:i1, j0:j1].reshape(-1) if acc else np.zeros(1, F32)
-        (C,) = _run("gemm", [A, B, c0, _i64(j1 - j0, P, oa + i0 * sai, sai, sap, ob + j0 * sbj, sbp, sbj)],
-                    [((i1 - i0, j1 - j0), F32)], (j1 - j0, i1 - i0, 1), (32, 8, 1), template=[("ACC", int(acc))])
+        (C,) = _run("gemm", [A, B, c0, _i64(i1 - i0, j1 - j0, P, oa + i0 * sai, sai, sap, ob + j0 * sbj, sbp, sbj)],
+                    [((i1 - i0, j1 - j0), F32)], (_gemm_tiles(i1 - i0, j1 - j0) * GEMM_NT, 1, 1), (GEMM_NT, 1, 1),
+                    template=[("ACC", int(acc))])
         return C
     return _gemm_blocks(I, J, P, block)
 
@@ -658,8 +668,8 @@ def _gemm_i8(I, J, P, A, sai, sap, B, sbj, sbp) -> np.ndarray:
     A, B = A.reshape(-1), B.reshape(-1)
 
     def block(i0, i1, j0, j1):
-        (C,) = _run("gemm_i8", [A, B, _i64(j1 - j0, P, sai, sap, sbj, sbp, i0 * sai, j0 * sbj)],
-                    [((i1 - i0, j1 - j0), I32)], (j1 - j0, i1 - i0, 1), (32, 8, 1))
+        (C,) = _run("gemm_i8", [A, B, _i64(i1 - i0, j1 - j0, P, sai, sap, sbj, sbp, i0 * sai, j0 * sbj)],
+                    [((i1 - i0, j1 - j0), I32)], (_gemm_tiles(i1 - i0, j1 - j0) * GEMM_NT, 1, 1), (GEMM_NT, 1, 1))
         return C
     return _gemm_blocks(I, J, P, block)
 

@@ -3,24 +3,27 @@ into the macOS GPU watchdog.
 
 macOS aborts a command buffer that runs for more than about 5 s ("GPU Timeout Error"), and MLX
 encodes many operations into one command buffer before it commits it (up to 50 on large
-devices: MLX_MAX_OPS_PER_BUFFER). Our GEMMs and attention kernels are naive (one thread per
-output element or row, the contract's sequential sums), and at the open1b preset one of them can
-hold ~10^12 operations. So each is launched in slabs along an output axis — rows of C (and column
-blocks when a row alone is too much), query or key rows of attention — each slab a separate
-dispatch writing its own part of the output. So are the row-wise and elementwise kernels whose work
-grows with the batch (held-out evaluation runs a source's eval_windows windows as one batch: 64
-sequences of 4096 tokens at open1b), in ranges of whole items: rows (sequences for RoPE), the
-absmax's and the norm's blocks of consecutive elements, the rotation's blocks of QB rows. A
-reduction across the items of one tensor (the absmax's second pass over the block maxima, the norm
-partials' fold) stays one launch over all of them, in the contract's order. Every output element
-is still computed by the same thread program, the same sequence of operations, so the slabs change
-no bit (tests check slabbed == unslabbed with a tiny bound). The pieces are joined on the device
-(numpy or mx concatenation: data movement only).
+devices: MLX_MAX_OPS_PER_BUFFER). Our kernels add the contract's sums in order, one accumulator
+per output, and at the open1b preset one GEMM or attention call can hold ~10^12 operations. So each
+is launched in slabs along an output axis — blocks of rows of C (64-row multiples where a slab
+holds that many, whole 64 x 64 tiles of the tiled GEMMs; column blocks when a row alone is too
+much: gemm_slabs), ranges of whole 32-row attention tiles (metal/ops.py attention_tile_slabs,
+over row_slabs) — each slab a separate dispatch writing its own part of the output. So are the
+row-wise and elementwise kernels whose work grows with the batch (held-out evaluation runs a
+source's eval_windows windows as one batch: 64 sequences of 4096 tokens at open1b), in ranges of
+whole items: rows (sequences for RoPE), the absmax's and the norm's blocks of consecutive
+elements, the rotation's blocks of QB rows. A reduction across the items of one tensor (the
+absmax's second pass over the block maxima, the norm partials' fold) stays one launch over all of
+them, in the contract's order. Every output element is still computed by the same sequence of
+operations, whichever launch and threadgroup computes it, so the slabs change no bit (tests check
+slabbed == unslabbed with a tiny bound). The pieces are joined on the device (numpy or mx
+concatenation: data movement only).
 
 The work bound: a slab may hold MAX_DISPATCH_WORK units, one unit being one of the contract's
 fp32 operations in a GEMM's inner loop (mul or add, so a GEMM is 2 I J P units). With a
-pessimistic naive-kernel rate of RATE units per second (public plain-fp32 GEMMs on Apple GPUs run
-~100 GFLOP/s naive on a 10-core M3; we take half), and WATCHDOG_S shared by OPS_PER_BUFFER
+pessimistic rate of RATE units per second (public plain-fp32 GEMMs on Apple GPUs run ~100 GFLOP/s
+with one thread per output on a 10-core M3, tiled ones several times that; we take half the
+naive rate), and WATCHDOG_S shared by OPS_PER_BUFFER
 dispatches in one command buffer, a full command buffer of maximal slabs still finishes in time:
 MAX_DISPATCH_WORK = WATCHDOG_S / OPS_PER_BUFFER * RATE = 5e9 units (0.1 s at the assumed rate).
 
@@ -35,6 +38,7 @@ WATCHDOG_S = 5.0            # macOS command buffer time limit (seconds)
 OPS_PER_BUFFER = 50         # dispatches MLX may put in one command buffer (its largest default)
 RATE = 50e9                 # units per second of a naive contract kernel on a small Apple GPU (pessimistic)
 MAX_DISPATCH_WORK = int(WATCHDOG_S / OPS_PER_BUFFER * RATE)      # 5e9 units per dispatch
+GEMM_TILE = 64              # rows and columns of C per threadgroup of gemm.metal and gemm_i8.metal
 
 
 #: Units per item of the kernels launched in bounded ranges of items (an item is what one range
@@ -90,8 +94,10 @@ def attention_pair_work(D: int) -> int:
 
 def gemm_slabs(I: int, J: int, P: int, bound: int | None = None) -> list[tuple[int, int, int, int]]:
     """(i0, i1, j0, j1) blocks of C (I, J) covering it row-block by row-block (j ascending within a
-    row block), each of at most `bound` units (2 (i1 - i0)(j1 - j0) P): whole rows when a row fits,
-    column blocks of one row otherwise. A single output element (2 P units) must fit."""
+    row block), each of at most `bound` units (2 (i1 - i0)(j1 - j0) P): whole rows when a row fits
+    (a multiple of GEMM_TILE rows when the bound allows that many), else column blocks (a multiple of
+    GEMM_TILE columns when that fits) of GEMM_TILE rows when a tile's square fits, of one row
+    otherwise. A single output element (2 P units) must fit."""
     bound = MAX_DISPATCH_WORK if bound is None else int(bound)
     I, J, P = int(I), int(J), int(P)
     if I <= 0 or J <= 0:
@@ -101,10 +107,16 @@ def gemm_slabs(I: int, J: int, P: int, bound: int | None = None) -> list[tuple[i
         raise ValueError(f"gemm: one output element sums {P} products ({per_elem} units), more than one "
                          f"dispatch may hold ({bound})")
     if per_elem * J <= bound:
-        rows = max(1, bound // (per_elem * J))
+        rows = _tile_multiple(bound // (per_elem * J))
         return [(i0, min(I, i0 + rows), 0, J) for i0 in range(0, I, rows)]
-    cols = bound // per_elem
-    return [(i0, i0 + 1, j0, min(J, j0 + cols)) for i0 in range(I) for j0 in range(0, J, cols)]
+    rows = GEMM_TILE if per_elem * GEMM_TILE * GEMM_TILE <= bound else 1
+    cols = _tile_multiple(bound // (per_elem * rows))
+    return [(i0, min(I, i0 + rows), j0, min(J, j0 + cols)) for i0 in range(0, I, rows) for j0 in range(0, J, cols)]
+
+
+def _tile_multiple(n: int) -> int:
+    """n rounded down to a multiple of GEMM_TILE when it is at least one tile (n >= 1)."""
+    return n - n % GEMM_TILE if n >= GEMM_TILE else max(1, n)
 
 
 def row_slabs(work: np.ndarray, bound: int | None = None) -> list[tuple[int, int]]:
@@ -135,20 +147,6 @@ def key_queries(T: int, W: int) -> np.ndarray:
     """(T,) queries that see key j: T - j, at most W when W > 0."""
     j = np.arange(int(T), dtype=np.int64)
     return np.minimum(T - j, W) if W > 0 else T - j
-
-
-def attention_query_slabs(B: int, T: int, H: int, W: int, D: int, bound: int | None = None):
-    """Slabs of the query rows r = (b T + i) H + h (o's row order) for attention_forward(_i8) and
-    attention_dq."""
-    per_row = np.repeat(query_keys(T, W), H) * attention_pair_work(D)
-    return row_slabs(np.tile(per_row, int(B)), bound)
-
-
-def attention_key_slabs(B: int, T: int, H: int, G: int, W: int, D: int, bound: int | None = None):
-    """Slabs of the key rows r = (b T + j) G + g (dk's row order) for attention_dkv: each key row
-    visits the H / G heads of its group."""
-    per_row = np.repeat(key_queries(T, W), G) * (int(H) // int(G)) * attention_pair_work(D)
-    return row_slabs(np.tile(per_row, int(B)), bound)
 
 
 def slab_work(slabs, work: np.ndarray) -> list[int]:

@@ -119,6 +119,17 @@ def _check_rows(slab_list, work):
     assert max(slabs.slab_work(slab_list, work)) <= BOUND
 
 
+def _check_tiles(B, T, heads, row_work):
+    """The attention kernels' launches (metal/ops.py attention_tile_slabs: ranges of whole tiles of
+    ATTN_ROWS rows of one head, row_work (T,) units a row) bound; returns their number."""
+    nt = -(-T // M.ATTN_ROWS)
+    work = np.zeros(nt * M.ATTN_ROWS, np.int64)
+    work[:T] = row_work
+    plan = M.attention_tile_slabs(B, T, heads, row_work)
+    _check_rows(plan, np.tile(work.reshape(nt, M.ATTN_ROWS).sum(1), B * heads))
+    return len(plan)
+
+
 def _check_ranges(plan, n, per):
     ranges = slabs.item_slabs(plan, n, per)
     assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -134,11 +145,9 @@ def test_plan_bounds_every_launch_at_the_preset(name):
             _check_gemm_plan(I, J, P)
         for B_, T, H, G, W, D in s["attention"]:
             pair = slabs.attention_pair_work(D)
-            qw = np.tile(np.repeat(slabs.query_keys(T, W), H), B_) * pair
-            _check_rows(slabs.attention_query_slabs(B_, T, H, W, D), qw)
+            _check_tiles(B_, T, H, slabs.query_keys(T, W) * pair)                  # forward (both), dq
             if backward:
-                kw = np.tile(np.repeat(slabs.key_queries(T, W), G), B_) * (H // G) * pair
-                _check_rows(slabs.attention_key_slabs(B_, T, H, G, W, D), kw)
+                _check_tiles(B_, T, G, slabs.key_queries(T, W) * (H // G) * pair)  # dk/dv
         for plan, n, per in s["ranged"]:
             _check_ranges(plan, n, per)
         over = {k: v for k, v in s["whole"].items() if v > BOUND}
@@ -161,7 +170,7 @@ def test_plan_is_needed_at_open1b():
     assert 2 * I * J * P > 100 * BOUND and _check_gemm_plan(I, J, P) > 100
     B, T, H, G, W, D = s["attention"][0]
     total = int(np.tile(np.repeat(slabs.query_keys(T, 0), H), B).sum()) * slabs.attention_pair_work(D)
-    assert total > 50 * BOUND and len(slabs.attention_query_slabs(B, T, H, 0, D)) > 50
+    assert total > 50 * BOUND and _check_tiles(B, T, H, slabs.query_keys(T, 0) * slabs.attention_pair_work(D)) > 50
     largest = max(n for plan, n, _ in s["ranged"] if plan == "trunc_normal")
     assert _check_ranges("trunc_normal", largest, 1) > 10
     e = launches("open1b", PRESETS["open1b"].train.eval_windows, False)
@@ -175,6 +184,11 @@ def test_row_plan_edges():
     assert slabs.row_slabs(np.array([30, 1, 1]), bound=10) == [(0, 1), (1, 3)]     # an over-bound row alone
     assert slabs.gemm_slabs(3, 5, 2, bound=8) == [(i, i + 1, j, min(5, j + 2)) for i in range(3) for j in (0, 2, 4)]
     assert slabs.gemm_slabs(4, 2, 3, bound=24) == [(0, 2, 0, 2), (2, 4, 0, 2)]
+    # whole 64 x 64 tiles of the tiled kernels where the bound allows a tile's rows (or its square)
+    T = slabs.GEMM_TILE
+    assert slabs.gemm_slabs(200, 10, 5, bound=2 * 5 * 10 * 100) == [(i, min(200, i + T), 0, 10) for i in range(0, 200, T)]
+    assert slabs.gemm_slabs(70, 5000, 1, bound=2 * T * T) == [(i, min(70, i + T), j, min(5000, j + T))
+                                                             for i in (0, T) for j in range(0, 5000, T)]
     with pytest.raises(ValueError, match="one output element sums 10 products"):
         slabs.gemm_slabs(2, 2, 10, bound=8)
     assert slabs.even_slabs(0, 3) == [(0, 0)] and slabs.even_slabs(7, 3, bound=6) == [(0, 2), (2, 4), (4, 6), (6, 7)]
