@@ -33,20 +33,26 @@ def _ids(text: str) -> list[int]:
 @click.option("--tokenizer", type=Path(exists=True, dir_okay=False), default=None,
               help="the run's tokenizer.json (default: the shipped one; its SHA-256 must be the run's)")
 @click.option("--ids", "show_ids", is_flag=True, help="also print the generated token ids (stderr)")
+@click.option("--kv-cache/--no-kv-cache", default=None,
+              help="decode each new position alone on cached keys and values (default: in bf16 runs, where it "
+                   "gives the full forward's bits; quantized runs recompute every window) or recompute every "
+                   "window; the tokens are the same either way")
 @backend_option()
-def generate(run, step, prompt, prompt_ids, max_tokens, temperature, top_k, seed, tokenizer, show_ids, backend):
+def generate(run, step, prompt, prompt_ids, max_tokens, temperature, top_k, seed, tokenizer, show_ids, kv_cache,
+             backend):
     """Continue a prompt with RUN's model; tokens are printed as they come.
 
     Greedy or sampled: a checkpoint, a prompt and a seed give the same tokens on every backend
-    (the rule: mlx_open1b/generate.py). Every token recomputes the forward pass of its window."""
+    (the rule: mlx_open1b/generate.py)."""
     from mlx_open1b.generate import GenerateError, Generator, Sampling
     if (prompt is None) == (prompt_ids is None):
         fail("give the prompt as --prompt TEXT or as --prompt-ids ID,ID,... (one of them)", 2)
     try:
-        g = Generator(run, step, backend=backend, tokenizer=tokenizer)
+        g = Generator(run, step, backend=backend, tokenizer=tokenizer, kv_cache=kv_cache)
         ids = g.encode(prompt) if prompt is not None else g.check_ids(_ids(prompt_ids), "--prompt-ids")
         how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k or 'all'}, seed {seed}"
-        click.echo(f"{run} step {g.step}, backend {backend}, {how}", err=True)
+        click.echo(f"{run} step {g.step}, backend {backend}, {how}, "
+                   f"{'KV cache' if g.kv_cache else 'recompute every window'}", err=True)
 
         def show(text):
             click.echo(text, nl=False)

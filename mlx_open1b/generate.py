@@ -12,14 +12,22 @@ with the end-of-text id to seq_len (causal attention: padding never reaches the 
 it in bf16; in the quantized precisions the per-tensor activation scales of §6.9 see the padding,
 and the rule above fixes it too).
 
-**No KV cache: every token recomputes the window.** A KV cache would compute each new position alone
-and keep the keys and values of the earlier ones. In the quantized precisions (int8, int6, int4;
-the open1b preset) that cannot give the full forward's bits: each quantized GEMM's activation scale
-is one absmax over every row of the tensor (§6.9), so the keys and values of a position depend on
-rows that come later. In bf16 every op is row-independent, but the attention forward (§6.6) is
-defined on a whole window of queries; one query row against cached keys is a new op that the
-contract, the C reference and the Metal and CUDA kernels would all have to define with the same
-block order. Recompute costs one forward pass of seq_len positions per token and needs neither.
+**KV cache in bf16, recompute in the quantized precisions.** The logits are defined as those of the
+full forward pass of the window above; a KV cache is used only where it gives those bits.
+- bf16 (the tiny and small presets): every op is row-independent: the GEMMs (§6.1: each output
+  element is one dot product in a fixed order, whatever the number of rows), the norms, RoPE (a
+  position's row of the table), and the attention forward (§6.6: query row i is an online softmax
+  over aligned 64-key blocks of keys 0..i, whatever comes after it). So the prompt's window is run
+  once (keeping every layer's bf16 keys and values after RoPE), and each new position then runs
+  alone through the blocks: its one row through the GEMMs, norms and RoPE, and the attention
+  forward on the cached keys and values with the new query in the last row (the other query rows
+  are zeros whose outputs are dropped: the contract has no one-row attention op, so the op runs
+  t rows, still no GEMM over the window). A test checks the bits against the full forward on
+  every backend. Once the context is longer than seq_len, the window slides: every position
+  moves, the cache is void, and each token recomputes its window.
+- int8, int6, int4 (the open1b preset): every token recomputes its window. Each quantized GEMM's
+  activation scale is one absmax over every row of the tensor (§6.9), padding included, so the
+  keys and values of a position depend on rows that come later: a cache cannot give those bits.
 
 **Choosing the token** from the logits z (V fp32) of the last position. Candidates are the ids below
 min(model vocabulary, tokenizer vocabulary); a NaN logit is never a candidate (no candidate left:
@@ -115,7 +123,10 @@ def choose(z: np.ndarray, n_candidates: int, sampling: Sampling, index: int) -> 
 class Generator:
     """The model program at one verified checkpoint of a run, decoding on one backend."""
 
-    def __init__(self, run_dir, step: int | None = None, backend: str = "cpu_ref", tokenizer=None):
+    def __init__(self, run_dir, step: int | None = None, backend: str = "cpu_ref", tokenizer=None,
+                 kv_cache: bool | None = None):
+        """kv_cache: None: in bf16 (module docstring); False: recompute every window; True: refused
+        in the quantized precisions."""
         from .train import TrainError, get_backend
         rd = RunDir(run_dir)
         if not rd.path.is_dir():
@@ -154,6 +165,13 @@ class Generator:
         self.T, self.V = self.cfg.model.seq_len, self.cfg.model.vocab_size
         self.eot = tokenizer.eot_id
         self.n_candidates = min(self.V, tokenizer.vocab_size)
+        bf16 = self.cfg.precision == "bf16"
+        if kv_cache and not bf16:
+            raise GenerateError(f"kv_cache: a {self.cfg.precision} run's logits depend on every row of the window "
+                                f"(per-tensor activation scales, CONTRACT.md §6.9); only bf16 runs decode with a "
+                                f"KV cache")
+        self.kv_cache = bf16 if kv_cache is None else bool(kv_cache)
+        self._kv = None            # (context ids, [(k_b, v_b) per layer] (1, n, G, D) bf16) of the cached rows
 
     def encode(self, prompt: str) -> np.ndarray:
         ids = self.tok.encode(prompt)
@@ -173,8 +191,18 @@ class Generator:
         return a.astype(np.uint32)
 
     def logits(self, context: np.ndarray) -> np.ndarray:
-        """The next-token logits (V,) fp32 after `context` (the window rule of the module docstring)."""
-        ctx = np.asarray(context, np.uint32)[-self.T:]
+        """The next-token logits (V,) fp32 after `context` (the window rule of the module docstring):
+        from the KV cache when it holds all of the context but its last token, else by the full
+        forward pass of the window (which fills the cache)."""
+        ctx = np.asarray(context, np.uint32)
+        kv = self._kv
+        if (self.kv_cache and kv is not None and len(ctx) <= self.T and len(ctx) == len(kv[0]) + 1
+                and np.array_equal(ctx[:-1], kv[0])):
+            return self._decode(ctx)
+        return self._window_logits(ctx)
+
+    def _window_logits(self, ctx: np.ndarray) -> np.ndarray:
+        ctx = ctx[-self.T:]
         n = len(ctx)
         w = np.full(self.T + 1, self.eot, np.uint32)
         w[:n] = ctx
@@ -183,7 +211,50 @@ class Generator:
         cache = Cache(B, self.T, inputs, targets)
         self.model._forward(self.params, inputs, targets, B, cache)
         z = arrays.to_host(self.ops.linear_forward(cache.hn_b, self.lm_head))     # (T, V)
+        if self.kv_cache:
+            self._kv = (ctx.copy(), [(arrays.contiguous(lc.k_b[:, :n]), arrays.contiguous(lc.v_b[:, :n]))
+                                     for lc in cache.layers])
         return np.asarray(z, F32)[n - 1]
+
+    def _decode(self, ctx: np.ndarray) -> np.ndarray:
+        """The logits of the last token of ctx at position t = len(ctx) - 1, the rows before it cached:
+        Model._block_forward's program on one row (bf16 only; the module docstring says why the
+        bits are the full forward's)."""
+        m, ops, cfg = self.model, self.ops, self.cfg.model
+        eps, put = m.eps, m._put
+        t = len(ctx) - 1
+        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        w = views(self.params, m.layout)
+        cos_t, sin_t = m._rope()
+        cos1, sin1 = arrays.contiguous(cos_t[t:t + 1]), arrays.contiguous(sin_t[t:t + 1])   # position t's row
+        x0 = ops.embedding_forward(put(ctx[t:].astype(np.int32)), w["wte"])          # (1, d)
+        h, _ = ops.rmsnorm_forward(x0, w["emb_norm"], eps)
+        q_rows = put(np.zeros((1, t + 1, H, D), np.uint16))                           # bf16 zeros
+        new = []
+        for l, (k_c, v_c) in enumerate(self._kv[1]):
+            p = f"layers.{l}."
+            lo, hi = m.layout.qkv_range(l)
+            a, _ = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)
+            qkv = m._linear_forward(l, "qkv", ops.f32_to_bf16(a), self.params[lo:hi].reshape((H + 2 * G) * D, -1))
+            qn, _ = ops.rmsnorm_forward(arrays.contiguous(qkv[:, :H * D]).reshape(H, D), None, eps)
+            kn, _ = ops.rmsnorm_forward(arrays.contiguous(qkv[:, H * D:(H + G) * D]).reshape(G, D), None, eps)
+            q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(1, 1, H, D), cos1, sin1))
+            k_b = arrays.concat([k_c, ops.f32_to_bf16(ops.rope_forward(kn.reshape(1, 1, G, D), cos1, sin1))], axis=1)
+            v_b = arrays.concat([v_c, ops.f32_to_bf16(arrays.contiguous(qkv[:, (H + G) * D:]).reshape(1, 1, G, D))],
+                                axis=1)
+            new.append((k_b, v_b))
+            q = arrays.concat([q_rows[:, :t], q_b], axis=1) if t else q_b
+            o, _ = m._path(l, "attn")[2](q, k_b, v_b, m.windows[l], m.attn_scale)     # (1, t+1, H, D)
+            o_b = ops.f32_to_bf16(arrays.contiguous(o[:, t:]).reshape(1, H * D))
+            h_mid = ops.add(h, m._linear_forward(l, "wo", o_b, w[p + "wo"]))
+            f, _ = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
+            gu = m._linear_forward(l, "gate_up", ops.f32_to_bf16(f), w[p + "w_gate_up"])
+            s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))
+            h = ops.add(h_mid, m._linear_forward(l, "down", s_b, w[p + "w_down"]))
+        hn, _ = ops.rmsnorm_forward(h, w["final_norm"], eps)
+        z = arrays.to_host(ops.linear_forward(ops.f32_to_bf16(hn), self.lm_head))    # (1, V)
+        self._kv = (ctx.copy(), new)
+        return np.asarray(z, F32)[0]
 
     def tokens(self, prompt_ids, max_tokens: int, sampling: Sampling = Sampling()) -> Iterator[int]:
         """The generated token ids, one at a time (stops at max_tokens or before the end-of-text id)."""

@@ -22,27 +22,54 @@ def run(tmp_path_factory, default_corpus):
     t = TrainConfig(seed=1, microbatch_seqs=2, phases=((0, 1),), total_tokens=4000, warmup_tokens=64,
                     checkpoint_every=2, eval_every=0, eval_windows=2)
     Trainer(run, RunConfig(m, t, "gentiny"), default_corpus, log=lambda m: None).train(2)
+    Trainer(run.with_name("run8"), RunConfig(m, t, "gentiny", precision="int8"), default_corpus,
+            log=lambda m: None).train(2)
     return run
 
 
 PROMPT = "Compute 4 + 10.\n\nAnswer:"
+NEAR_FULL = "Compute 4 + 10 and 3.\n\nAnswer:"                      # 12 of the window's 16 tokens
 LONG = "The quick brown fox jumps over the lazy dog; " * 3          # longer than seq_len: cut on the left
 
 
 def test_same_tokens_on_every_backend(run):
+    """Greedy and sampled tokens, and the logits bit for bit, on every backend; in bf16 the KV cache's
+    logits are the full forward's, also past seq_len (where the window slides and recomputes)."""
     got = {}
     for backend in ("cpu_ref", "metal", "cuda"):
-        g = Generator(run, backend=backend)
+        g, full = Generator(run, backend=backend), Generator(run, backend=backend, kv_cache=False)
+        assert g.kv_cache and not full.kv_cache
+        ids = list(g.encode(NEAR_FULL))
+        logits, decoded = [], 0
+        while len(ids) < g.T + 2:
+            cached = g._kv is not None and len(g._kv[0]) == len(ids) - 1 and len(ids) <= g.T
+            z = g.logits(np.array(ids, np.uint32))
+            decoded += cached
+            assert np.array_equal(z.view(np.uint32), full.logits(np.array(ids, np.uint32)).view(np.uint32)), \
+                (backend, len(ids))
+            logits.append(z.view(np.uint32))
+            ids.append(int(np.argmax(z)))
+        assert decoded == g.T - len(g.encode(NEAR_FULL))           # the cache served every position up to seq_len
         long_ids = g.encode(LONG)
         assert len(long_ids) > g.T
-        got[backend] = (g.logits(long_ids).view(np.uint32),
-                        g.generate(g.encode(PROMPT), 4),
+        got[backend] = (np.stack(logits), g.generate(g.encode(PROMPT), 4),
                         g.generate(long_ids, 3, Sampling(temperature=0.8, top_k=50, seed=3)))
     ref = got["cpu_ref"]
     for backend in ("metal", "cuda"):
         assert np.array_equal(got[backend][0], ref[0]), backend         # the logits, bit for bit
         assert got[backend][1:] == ref[1:], backend
     assert len(ref[1]) == 4 and len(ref[2]) == 3
+
+
+def test_quantized_runs_recompute(run):
+    run8 = run.with_name("run8")
+    g = Generator(run8)
+    assert not g.kv_cache
+    with pytest.raises(GenerateError, match="int8"):
+        Generator(run8, kv_cache=True)
+    ids = g.encode(PROMPT)
+    want = g.generate(ids, 2, Sampling(temperature=0.5, seed=1))
+    assert Generator(run8, backend="metal").generate(ids, 2, Sampling(temperature=0.5, seed=1)) == want
 
 
 def test_greedy_is_the_argmax_of_the_program_logits(run):
