@@ -18,7 +18,8 @@
 // when it is contiguous along p (stride 1: x and W in y = x W^T, dy in dx = dy W) thread t reads
 // row t / 4, p = 4 (t % 4) ... + 3; otherwise (dW's dy^T and x, dx's W) rows 4 (t % 16) ... + 3 at
 // p = t / 16, adjacent when the rows are. Any strides work either way. The 64-bit offset of each
-// of the thread's four values is computed once; a slice moves them by one pointer step.
+// of the thread's four values is computed once and a slice moves them by one step, so the
+// loops hold no 64-bit multiply and one variant serves buffers of any size.
 // prm (int64) = I, J, P, oa, sa_i, sa_p, ob, sb_p, sb_j. Grid (tiles * 256), threadgroup 256;
 // tile (row-major over ceil(I / 64) x ceil(J / 64)) = threadgroup_position_in_grid.x.
 #define GM_BM 64
@@ -36,7 +37,7 @@ int nI = (int)(I - i0 < GM_BM ? I - i0 : GM_BM), nJ = (int)(J - j0 < GM_BN ? J -
 // this thread's staged values: q-th at row ra[q] (of the tile) and p = pa[q] (of the slice)
 bool apc = sap == 1, bpc = sbp == 1;
 int ra[4], pa[4], rb[4], pb[4];
-long offa[4], offb[4];                                  // from A + oa + i0 sa_i + p0 sa_p, B likewise
+long offa[4], offb[4];                                  // from abase (A's at i0, p0), bbase likewise
 for (int q = 0; q < 4; q++) {
     ra[q] = apc ? t / 4 : (t % 16) * 4 + q;
     pa[q] = apc ? (t % 4) * 4 + q : t / 16;
@@ -45,7 +46,7 @@ for (int q = 0; q < 4; q++) {
     offa[q] = (long)ra[q] * sai + (long)pa[q] * sap;
     offb[q] = (long)rb[q] * sbj + (long)pb[q] * sbp;
 }
-const device ushort *Aslice = A + oa + i0 * sai, *Bslice = B + ob + j0 * sbj;
+long abase = oa + i0 * sai, bbase = ob + j0 * sbj;   // the slice's (i0, p0) and (p0, j0)
 long stepa = GM_BK * sap, stepb = GM_BK * sbp;
 float acc[4][4];
 for (int r = 0; r < 4; r++)
@@ -56,22 +57,22 @@ for (int r = 0; r < 4; r++)
 bool active = ty * 4 < nI && tx * 4 < nJ;               // threads with no output skip the products
 ushort va[4], vb[4];
 for (int q = 0; q < 4; q++) {
-    va[q] = (ra[q] < nI && pa[q] < P) ? Aslice[offa[q]] : (ushort)0;
-    vb[q] = (rb[q] < nJ && pb[q] < P) ? Bslice[offb[q]] : (ushort)0;
+    va[q] = (ra[q] < nI && pa[q] < P) ? A[abase + offa[q]] : (ushort)0;
+    vb[q] = (rb[q] < nJ && pb[q] < P) ? B[bbase + offb[q]] : (ushort)0;
 }
-for (long p0 = 0, s = 0; p0 < P; p0 += GM_BK, s++) {
-    int st = (int)(s & 1) * GM_BK;
+int st = 0;                                             // the slice's buffer: 0 or GM_BK (its p offset)
+for (long p0 = 0; p0 < P; p0 += GM_BK) {
     for (int q = 0; q < 4; q++) {
         As[(st + pa[q]) * GM_BM + ra[q]] = o1b_bf16_to_f32(va[q]);
         Bs[(st + pb[q]) * GM_BN + rb[q]] = o1b_bf16_to_f32(vb[q]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (p0 + GM_BK < P) {                               // the next slice's loads, before the products
-        Aslice += stepa;
-        Bslice += stepb;
+        abase += stepa;
+        bbase += stepb;
         for (int q = 0; q < 4; q++) {
-            va[q] = (ra[q] < nI && p0 + GM_BK + pa[q] < P) ? Aslice[offa[q]] : (ushort)0;
-            vb[q] = (rb[q] < nJ && p0 + GM_BK + pb[q] < P) ? Bslice[offb[q]] : (ushort)0;
+            va[q] = (ra[q] < nI && p0 + GM_BK + pa[q] < P) ? A[abase + offa[q]] : (ushort)0;
+            vb[q] = (rb[q] < nJ && p0 + GM_BK + pb[q] < P) ? B[bbase + offb[q]] : (ushort)0;
         }
     }
     int n = P - p0 < GM_BK ? (int)(P - p0) : GM_BK;     // padding p is never added
@@ -85,6 +86,7 @@ for (long p0 = 0, s = 0; p0 < P; p0 += GM_BK, s++) {
             for (int r = 0; r < 4; r++)
                 for (int c = 0; c < 4; c++) acc[r][c] = o1b_add(acc[r][c], o1b_mul(a[r], b[c]));
         }
+    st = GM_BK - st;
 }
 for (int r = 0; r < 4; r++)
     for (int c = 0; c < 4; c++) {

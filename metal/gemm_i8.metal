@@ -8,7 +8,7 @@
 // barrier per slice), eight values per operand and thread, read along the operand's contiguous axis:
 // contiguous along p (the forward's qx and qw): row t / 4, p = 8 (t % 4) ... + 7; otherwise (the
 // backward's rotated operands, contiguous along rows): rows 8 (t % 8) ... + 7 at p = t / 8. Zeros
-// pad the edges (they add nothing to an exact sum).
+// pad the edges (they add nothing to an exact sum). 64-bit offsets are computed once per thread.
 // prm (int64) = I, J, P, sa_i, sa_p, sb_j, sb_p, oa, ob. Grid (tiles * 256), threadgroup 256;
 // tile (row-major over ceil(I / 64) x ceil(J / 64)) = threadgroup_position_in_grid.x.
 #define QM_BM 64
@@ -25,7 +25,7 @@ long i0 = (tile / ntj) * QM_BM, j0 = (tile % ntj) * QM_BN;
 int nI = (int)(I - i0 < QM_BM ? I - i0 : QM_BM), nJ = (int)(J - j0 < QM_BN ? J - j0 : QM_BN);
 bool apc = sap == 1, bpc = sbp == 1;
 int ra[8], pa[8], rb[8], pb[8];
-long offa[8], offb[8];                                  // from A + oa + i0 sa_i + p0 sa_p, B likewise
+long offa[8], offb[8];                                  // from abase (A's at i0, p0), bbase likewise
 for (int q = 0; q < 8; q++) {
     ra[q] = apc ? t / 4 : (t % 8) * 8 + q;
     pa[q] = apc ? (t % 4) * 8 + q : t / 8;
@@ -34,7 +34,7 @@ for (int q = 0; q < 8; q++) {
     offa[q] = (long)ra[q] * sai + (long)pa[q] * sap;
     offb[q] = (long)rb[q] * sbj + (long)pb[q] * sbp;
 }
-const device int8_t *Aslice = A + oa + i0 * sai, *Bslice = B + ob + j0 * sbj;
+long abase = oa + i0 * sai, bbase = ob + j0 * sbj;   // the slice's (i0, p0) and (j0, p0)
 long stepa = QM_BK * sap, stepb = QM_BK * sbp;
 int acc[4][4];
 for (int r = 0; r < 4; r++)
@@ -42,22 +42,22 @@ for (int r = 0; r < 4; r++)
 bool active = ty * 4 < nI && tx * 4 < nJ;               // threads with no output skip the products
 short va[8], vb[8];
 for (int q = 0; q < 8; q++) {
-    va[q] = (ra[q] < nI && pa[q] < P) ? (short)Aslice[offa[q]] : (short)0;
-    vb[q] = (rb[q] < nJ && pb[q] < P) ? (short)Bslice[offb[q]] : (short)0;
+    va[q] = (ra[q] < nI && pa[q] < P) ? (short)A[abase + offa[q]] : (short)0;
+    vb[q] = (rb[q] < nJ && pb[q] < P) ? (short)B[bbase + offb[q]] : (short)0;
 }
-for (long p0 = 0, s = 0; p0 < P; p0 += QM_BK, s++) {
-    int st = (int)(s & 1) * QM_BK;
+int st = 0;                                             // the slice's buffer: 0 or QM_BK (its p offset)
+for (long p0 = 0; p0 < P; p0 += QM_BK) {
     for (int q = 0; q < 8; q++) {
         Aq[(st + pa[q]) * QM_BM + ra[q]] = va[q];
         Bq[(st + pb[q]) * QM_BN + rb[q]] = vb[q];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (p0 + QM_BK < P) {                               // the next slice's loads, before the products
-        Aslice += stepa;
-        Bslice += stepb;
+        abase += stepa;
+        bbase += stepb;
         for (int q = 0; q < 8; q++) {
-            va[q] = (ra[q] < nI && p0 + QM_BK + pa[q] < P) ? (short)Aslice[offa[q]] : (short)0;
-            vb[q] = (rb[q] < nJ && p0 + QM_BK + pb[q] < P) ? (short)Bslice[offb[q]] : (short)0;
+            va[q] = (ra[q] < nI && p0 + QM_BK + pa[q] < P) ? (short)A[abase + offa[q]] : (short)0;
+            vb[q] = (rb[q] < nJ && p0 + QM_BK + pb[q] < P) ? (short)B[bbase + offb[q]] : (short)0;
         }
     }
     if (active)
@@ -70,6 +70,7 @@ for (long p0 = 0, s = 0; p0 < P; p0 += QM_BK, s++) {
             for (int r = 0; r < 4; r++)
                 for (int c = 0; c < 4; c++) acc[r][c] += a[r] * b[c];
         }
+    st = QM_BK - st;
 }
 for (int r = 0; r < 4; r++)
     for (int c = 0; c < 4; c++) {

@@ -76,15 +76,19 @@ def test_fp32_operators_only_in_the_primitives():
 
 # (file, text found exactly once, its replacement, a phrase of the expected violation)
 PLANTS = [
-    ("gemm.metal", "acc = o1b_add(acc, o1b_mul(a, b));", "acc = a * b + acc;", "in a kernel"),
-    ("gemm.metal", "acc = o1b_add(acc, o1b_mul(a, b));", "acc += o1b_mul(a, b);", "in a kernel"),
+    ("gemm.metal", "acc[r][c] = o1b_add(acc[r][c], o1b_mul(a[r], b[c]));", "acc[r][c] = a[r] * b[c] + acc[r][c];",
+     "in a kernel"),
+    ("gemm.metal", "acc[r][c] = o1b_add(acc[r][c], o1b_mul(a[r], b[c]));", "acc[r][c] += o1b_mul(a[r], b[c]);",
+     "in a kernel"),
     ("add.metal", "out[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));",
      "out[i] = a[i] * b[i] + a[i];", "in a kernel"),                     # buffer elements, types unknown
     ("swiglu_forward.metal", "out[n * F + f] = o1b_store(o1b_mul(o1b_silu(gate), up));",
      "out[n * F + f] = o1b_store(gate * up);", "in a kernel"),
     ("swiglu_forward.metal", "long F = prm[0];", "long F = prm[0];\n#define SQ(x) ((x) * (x))", "in a kernel"),
-    ("gemm.metal", "C[ci] = o1b_store(acc);", "C[ci] = C0[ci] * C0[ci];", "in a kernel"),   # ALL-CAPS buffers
-    ("gemm.metal", "long ci = i * J + j;", "long ci = i * J + j + OFFSET;", "is not declared"),   # no such name
+    ("gemm.metal", "C[(i0 + ii) * J + j0 + jj] = o1b_store(acc[r][c]);", "C[(i0 + ii) * J + j0 + jj] = C0[0] * C0[0];",
+     "in a kernel"),                                                     # ALL-CAPS buffers
+    ("gemm.metal", "long ob = prm[6], sbp = prm[7], sbj = prm[8];", "long ob = prm[6] + OFFSET, sbp = prm[7], sbj = prm[8];",
+     "is not declared"),                                                 # no such name
     (HEADER, "    p = o1b_add(o1b_mul(p, r), O1B_F(0x3AB60B61u));",
      "    p = p * r + O1B_F(0x3AB60B61u);", "outside"),                  # a * b + c in a helper
     (HEADER, "inline float o1b_sub(float a, float b) { return o1b_add(a, o1b_neg(b)); }",
