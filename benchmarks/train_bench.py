@@ -6,14 +6,76 @@ same preset, windows and threads; hashing as a share of step time; audit replay 
 
 --precision bf16,int8 trains the same preset, windows and threads once per precision (in rounds,
 alternated, so that both see the same machine load) and prints their step times side by side.
+
+--profile: where one step's time goes, ours per C reference op (each call of the backend module
+timed at the outermost level; the rest is Python, hashing and the optimizer's host work) next to
+torch's profiler for the same architecture (self CPU time per aten op), both per step, and the
+ratio line. Measure on an idle machine: both sides share the CPUs with whatever else runs.
+
+    python benchmarks/train_bench.py --preset tiny --steps 5 --profile
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import pathlib
 import tempfile
 import time
+
+
+@contextlib.contextmanager
+def timed_ops(module, totals: dict):
+    """Wrap every public function of `module` (the backend the model calls by attribute) so that
+    totals[name] = [seconds, calls] accumulate; a call made inside another timed call counts only
+    in the outer one."""
+    depth = [0]
+    saved = {}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kw):
+            if depth[0]:
+                return fn(*args, **kw)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                depth[0] -= 1
+                rec = totals.setdefault(name, [0.0, 0])
+                rec[0] += time.perf_counter() - t0
+                rec[1] += 1
+        return timed
+
+    skip = {"settings", "set_num_threads", "get_num_threads", "available", "contract_version",
+            "simd_level", "simd_name"}
+    for name in dir(module):
+        fn = getattr(module, name)
+        if name.startswith("_") or name in skip or not callable(fn) or isinstance(fn, type):
+            continue
+        if getattr(fn, "__module__", "") and not fn.__module__.startswith("mlx_open1b"):
+            continue
+        saved[name] = fn
+        setattr(module, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def print_table(title: str, rows, step_s: float, top: int = 24) -> None:
+    """rows: (name, seconds per step, calls per step), largest first."""
+    print(f"  {title}: {1e3 * step_s:.1f} ms/step")
+    print(f"    {'op':34s} {'ms/step':>9s} {'share':>7s} {'calls':>7s}")
+    rows = sorted(rows, key=lambda r: -r[1])
+    for name, sec, calls in rows[:top]:
+        print(f"    {name:34s} {1e3 * sec:9.2f} {100 * sec / step_s:6.1f}% {calls:7.1f}")
+    rest = sum(r[1] for r in rows[top:])
+    if rest:
+        print(f"    {'(the other ' + str(len(rows) - top) + ')':34s} {1e3 * rest:9.2f} {100 * rest / step_s:6.1f}%")
 
 
 
@@ -26,6 +88,7 @@ def main() -> None:
     ap.add_argument("--precision", default="", help="bf16, int8, or both comma-separated (default: the preset's)")
     ap.add_argument("--only-ours", action="store_true", help="skip the PyTorch baselines and the audit replay")
     ap.add_argument("--rounds", type=int, default=1, help="repetitions of each precision's run (alternated)")
+    ap.add_argument("--profile", action="store_true", help="per-op time table of a step, ours and torch's")
     a = ap.parse_args()
 
     from mlx_open1b import cpu_ref
@@ -63,6 +126,10 @@ def main() -> None:
                 assert att["verdict"] == "certified", att
         return ours, step_s, hash_share, replay
 
+    if a.profile:
+        profile(a, base, precisions[0], tokens, M)
+        return
+
     if len(precisions) > 1 or a.only_ours:
         steps = {p: [] for p in precisions}
         for _ in range(a.rounds):
@@ -99,6 +166,58 @@ def main() -> None:
     for name, v in results.items():
         print(f"  {name:24s} {v:10,.0f} tok/s   ratio torch/ours {v / ours:5.2f}")
     print(f"  audit replay             {replay:10,.0f} tok/s   replay/train {replay / ours:5.2f}")
+
+
+def profile(a, base, precision, tokens, M) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from mlx_open1b import cpu_ref
+    from mlx_open1b.data.stream import Stream
+    from mlx_open1b.model import init_params
+    from mlx_open1b.torch_model import TorchTrainer
+    from mlx_open1b.train import Trainer
+
+    cfg = dataclasses.replace(base, precision=precision)
+    t, m = cfg.train, cfg.model
+    totals: dict = {}
+    # wrapped before the model is built: it keeps references to some ops (the linear layers)
+    with tempfile.TemporaryDirectory() as d, timed_ops(cpu_ref, totals):
+        tr = Trainer(pathlib.Path(d) / "run", cfg, a.data)
+        tr.step()                                       # warm-up step (allocations, thread start)
+        tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
+        totals.clear()
+        t0 = time.perf_counter()
+        tr.train(1 + a.steps)
+        wall = time.perf_counter() - t0
+        hash_s = tr.timing["hash"]
+    n = a.steps
+    ours_step = wall / n
+    rows = [(name, sec / n, calls / n) for name, (sec, calls) in totals.items()]
+    rows.append(("hashing (state hashes)", hash_s / n, 1.0))
+    rows.append(("rest: Python, data, ledger", max(0.0, ours_step - sum(r[1] for r in rows)), 0.0))
+
+    torch.set_num_threads(a.threads)
+    stream = Stream(a.data, t.seed, m.seq_len)
+    tt = TorchTrainer(m, init_params(m, t.seed), betas=(t.beta1, t.beta2), eps=t.eps,
+                      weight_decay=t.weight_decay, clip_norm=t.clip_norm)
+    batches = (stream.next_windows(t.microbatch_seqs) for _ in iter(int, 1))
+    tt.train_steps(batches, 1, t.peak_lr, microbatches=M)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        tt.train_steps(batches, n, t.peak_lr, microbatches=M)
+        torch_wall = time.perf_counter() - t0
+    torch_step = torch_wall / n
+    trows = [(e.key, e.self_cpu_time_total * 1e-6 / n, e.count / n) for e in prof.key_averages()]
+    covered = sum(r[1] for r in trows)
+    trows.append(("rest: Python, profiler overhead", max(0.0, torch_step - covered), 0.0))
+
+    print(f"preset {a.preset} ({precision}), {m.n_params():,} params, {tokens} tokens/step, "
+          f"{a.threads} threads, {n} steps each (SIMD {cpu_ref.simd_name()})")
+    print_table("reproducible (cpu_ref), per C reference op", rows, ours_step)
+    print_table("torch float32 eager (torch.profiler, self CPU time; profiled, so slower)", trows, torch_step)
+    print(f"  ratio torch/ours (step time ours / torch, both profiled): {ours_step / torch_step:5.2f}")
+    print("  figures from a shared machine are indicative only; re-run on an idle one")
 
 
 if __name__ == "__main__":

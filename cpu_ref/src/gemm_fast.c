@@ -22,6 +22,14 @@
  *   3. NaN: whether a result is NaN does not depend on the payload, and every NaN is replaced by
  *      0x7FC00000 when the final value is stored; an accumulated C input is flushed when loaded.
  * Padding lanes of edge tiles compute on zeros in a scratch tile and are never stored.
+ *   4. The fused step (AVX-512 level): a tile of packed A and B panels over one depth block whose
+ *      nonzero operands pass CONTRACT.md §6.1's guard (min E(A) + min E(B) >= 128,
+ *      max E(A) + max E(B) <= 380, no inf or NaN; E the exponent field) runs every step as one
+ *      vfmadd. §6.1 proves that a fused multiply-add with a sign-preserving flush of a tiny result
+ *      equals add(acc, mul(a, b)) there; x86 FTZ (set by the worker, see 2) is that flush: a tiny
+ *      result becomes the zero of the true result's sign, and a result below 2^-126 is exact
+ *      (§6.1), so detecting tininess after rounding changes nothing. Any other tile takes the
+ *      separate multiply and add. The exponent ranges are read once per packed panel.
  *
  * The kernel is written once with GCC/clang vector extensions (the O1B_GEMM_TEMPLATE section at
  * the end of this file, which the file includes again with different parameters) and
@@ -38,6 +46,7 @@
  */
 #ifndef O1B_GEMM_TEMPLATE
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,6 +80,34 @@ typedef struct {
     float *C; int64_t ldc; int accumulate;
     int split_rows;                /* 1: the parallel index runs over row panels, 0: column panels */
 } fast_args;
+
+/* The fused path on (1, default) or off (0: every tile multiplies and adds separately), and how
+ * many tile steps (tile x depth block) took it, for the tests. */
+static int g_gemm_fma = 1;
+static _Atomic int64_t g_gemm_fma_tiles;
+O1B_API void o1b_set_gemm_fma(int on) { g_gemm_fma = on; }
+O1B_API int64_t o1b_gemm_fma_tiles(int reset) {
+    return reset ? atomic_exchange(&g_gemm_fma_tiles, 0) : atomic_load(&g_gemm_fma_tiles);
+}
+
+/* §6.1's guard inputs for a packed panel of n fp32 values (flushed: a zero exponent field is a
+ * zero): the min and max exponent fields of the nonzero values (1000 and 0 when there is none) and
+ * whether one is inf or NaN. */
+typedef struct { int emin, emax, special; } erange;
+static erange panel_range(const uint32_t *v, int64_t n) {
+    int emin = 1000, emax = 0, special = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int e = (int)((v[i] >> 23) & 0xFFu);
+        emin = e != 0 && e < emin ? e : emin;
+        emax = e > emax ? e : emax;
+        special |= e == 0xFF;
+    }
+    erange r = {emin, emax, special};
+    return r;
+}
+static int fma_guard(erange a, erange b) {
+    return !a.special && !b.special && a.emin + b.emin >= 128 && a.emax + b.emax <= 380;
+}
 
 /* bf16 bits -> fp32 bits, subnormal -> signed zero (o1b_bf16_to_f32 without the float trip). */
 static inline uint32_t widen(bf16 h) {
@@ -187,6 +224,7 @@ static void rows_cols_simple(const fast_args *g, int64_t i0, int64_t i1, int64_t
 #define O1B_MC 96
 #define O1B_NC 512
 #define O1B_BCAST(s) ((vf)_mm512_set1_ps(s))
+#define O1B_FMA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
 #define O1B_TRANSPOSE transpose_avx512
 #include "gemm_fast.c"
 
@@ -259,7 +297,8 @@ typedef int32_t FN(vi_t) __attribute__((vector_size(O1B_W * 4)));
  * previous depth blocks); flush_c: flush C as it is loaded (the accumulate input); final: store
  * with the NaN canonicalized. */
 static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float *restrict b,
-                               float *restrict c, int64_t ldc, int load_c, int flush_c, int final) {
+                               float *restrict c, int64_t ldc, int load_c, int flush_c, int final,
+                               int fused) {
     vf acc[O1B_MR][O1B_NV];
 #pragma GCC unroll 16
     for (int r = 0; r < O1B_MR; r++)
@@ -278,6 +317,21 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
                 acc[r][v] = (vf){0};
             }
         }
+#ifdef O1B_FMA
+    if (fused) {                            /* the tile passed §6.1's guard: one vfmadd a step */
+        for (int64_t p = 0; p < kc; p++) {
+            vf bv[O1B_NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < O1B_NV; v++) memcpy(&bv[v], b + p * NR + v * O1B_W, sizeof(vf));
+#pragma GCC unroll 16
+            for (int r = 0; r < O1B_MR; r++) {
+                vf av = O1B_BCAST(a[p * O1B_MR + r]);
+#pragma GCC unroll 4
+                for (int v = 0; v < O1B_NV; v++) acc[r][v] = O1B_FMA(av, bv[v], acc[r][v]);
+            }
+        }
+    } else
+#endif
     for (int64_t p = 0; p < kc; p++) {
         vf bv[O1B_NV];
 #pragma GCC unroll 4
@@ -289,6 +343,7 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
             for (int v = 0; v < O1B_NV; v++) acc[r][v] = acc[r][v] + av * bv[v];  /* mul, then add */
         }
     }
+    (void)fused;
 #pragma GCC unroll 16
     for (int r = 0; r < O1B_MR; r++)
 #pragma GCC unroll 4
@@ -358,6 +413,13 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
         return;
     }
     float tile[O1B_MR * NR] __attribute__((aligned(64))) = {0};
+    erange ra[MC / O1B_MR], rb[NC / NR];
+#ifdef O1B_FMA
+    const int use_fma = g_gemm_fma;
+#else
+    const int use_fma = 0;
+#endif
+    int64_t fused_tiles = 0;
     for (int64_t jc = j0; jc < j1; jc += NC) {
         int64_t nc = j1 - jc < NC ? j1 - jc : NC;
         for (int64_t pc = 0; pc < g->P; pc += O1B_KC) {
@@ -365,9 +427,14 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
             int load_c = g->accumulate || pc > 0, flush_c = g->accumulate && pc == 0;
             int final = pc + kc == g->P;
             FN(pack_b)(pb, g->B + pc * g->sb_p + jc * g->sb_j, g->sb_j, g->sb_p, nc, kc);
+            if (use_fma)
+                for (int64_t jr = 0; jr < nc; jr += NR) rb[jr / NR] = panel_range(pb + jr * kc, NR * kc);
             for (int64_t ic = i0; ic < i1; ic += MC) {
                 int64_t mc = i1 - ic < MC ? i1 - ic : MC;
                 FN(pack_a)(pa, g->A + ic * g->sa_i + pc * g->sa_p, g->sa_i, g->sa_p, mc, kc);
+                if (use_fma)
+                    for (int64_t ir = 0; ir < mc; ir += O1B_MR)
+                        ra[ir / O1B_MR] = panel_range(pa + ir * kc, O1B_MR * kc);
                 for (int64_t jr = 0; jr < nc; jr += NR) {
                     int64_t nr = nc - jr < NR ? nc - jr : NR;
                     const float *bp = (const float *)(pb + jr * kc);
@@ -375,13 +442,15 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
                         int64_t mr = mc - ir < O1B_MR ? mc - ir : O1B_MR;
                         const float *ap = (const float *)(pa + ir * kc);
                         float *c = g->C + (ic + ir) * g->ldc + (jc + jr);
+                        int fused = use_fma && fma_guard(ra[ir / O1B_MR], rb[jr / NR]);
+                        fused_tiles += fused;
                         if (mr == O1B_MR && nr == NR) {
-                            FN(kernel)(kc, ap, bp, c, g->ldc, load_c, flush_c, final);
+                            FN(kernel)(kc, ap, bp, c, g->ldc, load_c, flush_c, final, fused);
                         } else {                      /* edge tile: through the scratch tile */
                             if (load_c)
                                 for (int64_t r = 0; r < mr; r++)
                                     memcpy(tile + r * NR, c + r * g->ldc, (size_t)nr * 4);
-                            FN(kernel)(kc, ap, bp, tile, NR, load_c, flush_c, final);
+                            FN(kernel)(kc, ap, bp, tile, NR, load_c, flush_c, final, fused);
                             for (int64_t r = 0; r < mr; r++)
                                 memcpy(c + r * g->ldc, tile + r * NR, (size_t)nr * 4);
                         }
@@ -390,6 +459,7 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
             }
         }
     }
+    if (fused_tiles) atomic_fetch_add(&g_gemm_fma_tiles, fused_tiles);
     free(pa); free(pb);
 }
 
@@ -431,5 +501,6 @@ static void FN(run)(fast_args *g) {
 #undef O1B_MC
 #undef O1B_NC
 #undef O1B_BCAST
+#undef O1B_FMA
 #undef O1B_TRANSPOSE
 #endif

@@ -1,0 +1,169 @@
+"""The C reference GEMM's fused path (cpu_ref/src/gemm_fast.c, AVX-512 level): tiles whose packed
+operands pass CONTRACT.md §6.1's exponent guard run one vfmadd a step, under the worker's FTZ; the
+result must equal the definition (the plain loop, settings(gemm_fast=False)) bit for bit on every
+boundary the guard draws, at every SIMD level this machine has."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import mlx_open1b.cpu_ref as C
+from mlx_open1b.cpu_ref import _lib
+
+from helpers import assert_bits_equal
+
+_gemm = _lib.lib.o1b_gemm
+_gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + \
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+_gemm.restype = None
+_fma_tiles = _lib.lib.o1b_gemm_fma_tiles
+_fma_tiles.argtypes = [ctypes.c_int]
+_fma_tiles.restype = ctypes.c_int64
+_set_fma = _lib.lib.o1b_set_gemm_fma
+_set_fma.argtypes = [ctypes.c_int]
+
+LEVELS = list(range(C.simd_level() + 1))
+HAS_FUSED = C.simd_level() >= 2          # the fused path exists on the AVX-512 level only
+MR, NR, KC = 12, 32, 512                 # the AVX-512 tile and depth block
+I, J, P = 2 * MR + 5, 2 * NR + 7, KC + 37   # edge tiles in both dimensions, a partial depth block
+
+
+def bf(v: float) -> int:
+    b = int(np.array(v, np.float32).view(np.uint32))
+    assert b & 0xFFFF == 0, v
+    return b >> 16
+
+
+def gemm(A, B, C0=None, fast=True):
+    """C (+)= A B with A (I, P), B (P, J) bf16 row-major; the contract GEMM."""
+    I_, P_ = A.shape
+    J_ = B.shape[1]
+    out = np.zeros((I_, J_), np.float32) if C0 is None else C0.copy()
+    args = (I_, J_, P_, A.ctypes.data, P_, 1, B.ctypes.data, J_, 1, out.ctypes.data, J_, int(C0 is not None))
+    if fast:                                       # (settings() would also reset the SIMD cap)
+        _gemm(*args)
+    else:
+        with C.settings(gemm_fast=False):
+            _gemm(*args)
+    return out
+
+
+def ordinary(rng, shape):
+    """bf16 values with exponents near 127, so that their tiles pass the guard."""
+    v = rng.uniform(1.0, 2.0, shape) * rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.integers(-3, 4, shape)
+    return (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+# Sequences of (a, b) products put on one output, each on one side of the guard (CONTRACT.md §6.1):
+# name -> (pairs, whether a fused multiply-add of them gives other bits than the contract).
+CASES = {
+    "tiny product after a normal sum (exponent sum 127)": ([(2.0 ** -100, 2.0 ** -26), (2.0 ** -64, -(2.0 ** -64))], True),
+    "a lone tiny negative product (+0 + -0)": ([(2.0 ** -64, -(2.0 ** -64))], True),
+    "overflowing product (exponent sum 382)": ([(-3.3895313892515355e38, 1.0), (2.0 ** 64, 2.0 ** 64)], True),
+    "product one exponent over the bound (381)": ([(-3.3895313892515355e38, 1.0), (1.5 * 2.0 ** 63, 1.5 * 2.0 ** 64)], True),
+    "product at the bound (380), fused": ([(1.5 * 2.0 ** 63, 1.5 * 2.0 ** 63), (-(2.0 ** 127), 1.0)], False),
+    "product exactly 2^-126 (128), fused": ([(2.0 ** -63, 2.0 ** -63), (2.0 ** -63, 2.0 ** -63)], False),
+    "cancellation to a negative tiny sum, fused": ([(1.5 * 2.0 ** -63, 2.0 ** -63), (-(2.0 ** -62), 2.0 ** -63)], False),
+    "cancellation to a positive tiny sum, fused": ([(-1.5 * 2.0 ** -63, 2.0 ** -63), (2.0 ** -62, 2.0 ** -63)], False),
+    "signed zeros only": ([(-0.0, 1.0), (0.0, -1.0), (-0.0, -0.0)], False),
+    "inf and NaN in the tile": ([(float("inf"), 1.0), (float("nan"), 2.0)], False),
+}
+
+
+def place(rng, pairs, r0, c0, p0):
+    A, B = ordinary(rng, (I, P)), ordinary(rng, (P, J))
+    # The output (r0, c0) is the case's sequence among products -0 * (b > 0) = -0, which keep a
+    # zero's sign: +0 stays +0 (add(+0, -0)) and -0 stays -0.
+    A[r0, :] = 0x8000
+    B[:, c0] &= 0x7FFF
+    for k, (a, b) in enumerate(pairs):
+        A[r0, p0 + k], B[p0 + k, c0] = bf(a), bf(b)
+    return A, B
+
+
+def fused_model(pairs, c0=0.0):
+    """The sequence with one rounding per step and a sign-preserving flush (float64 holds every
+    exact product and sum here; an overflow is the fp32 infinity)."""
+    acc = np.float64(c0)
+    for a, b in pairs:
+        s = acc + np.float64(a) * np.float64(b)
+        acc = np.float64(np.float32(s)) if abs(s) >= 2.0 ** -126 or s == 0 else np.copysign(0.0, s)
+    return np.float32(acc)
+
+
+def test_cases_have_teeth():
+    # Where the case says so, the fused sequence differs from the definition's bits.
+    rng = np.random.default_rng(0)
+    for name, (pairs, differs) in CASES.items():
+        if not differs:
+            continue
+        A, B = place(rng, pairs, 0, 0, 0)
+        want = gemm(A, B, fast=False)[0, 0]
+        assert np.float32(want).view(np.uint32) != fused_model(pairs).view(np.uint32), name
+
+
+@pytest.mark.parametrize("where", [(0, 0, 0), (MR + 3, NR + 1, 5), (2 * MR + 4, 2 * NR + 6, KC + 30),
+                                   (MR - 1, 2 * NR, KC - 1)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_guard_cases_equal_the_definition(name, where):
+    # The case in a full tile, an inner one, the edge tiles and across the depth block boundary.
+    rng = np.random.default_rng(hash(name) % 2 ** 32)
+    A, B = place(rng, CASES[name][0], *where)
+    want = gemm(A, B, fast=False)
+    C0 = np.where(rng.random((I, J)) < 0.5, np.float32(-0.0), rng.standard_normal((I, J))).astype(np.float32)
+    want_acc = gemm(A, B, C0, fast=False)
+    for lv in LEVELS:
+        with C.settings(simd=lv):
+            _fma_tiles(1)
+            assert_bits_equal(gemm(A, B), want, f"{name}, level {lv}")
+            assert_bits_equal(gemm(A, B, C0), want_acc, f"{name}, accumulate, level {lv}")
+            fused = _fma_tiles(1)
+        # the ordinary tiles around the case did take the fused path
+        assert (fused > 0) == (lv >= 2), (lv, fused)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exponent_boundaries_across_tiles(seed):
+    # Row panels and column panels with exponent fields set so that tiles sit at, just inside and
+    # just outside both bounds (min sums 127/128/129, max sums 379/380/381), plus random mantissas
+    # and signs; every tile's bits equal the definition's whichever path it takes.
+    rng = np.random.default_rng(seed)
+    lo_a = rng.choice([63, 64, 65, 120, 127], I // MR + 1)
+    hi_a = rng.choice([127, 189, 190, 191], I // MR + 1)
+    lo_b = rng.choice([63, 64, 65, 127], J // NR + 1)
+    hi_b = rng.choice([127, 189, 190], J // NR + 1)
+
+    def make(shape, lo, hi, axis, panel):
+        e = np.empty(shape, np.int64)
+        for k in range(shape[axis]):
+            sl = (k, slice(None)) if axis == 0 else (slice(None), k)
+            e[sl] = rng.integers(lo[k // panel], hi[k // panel] + 1, shape[1 - axis])
+            # the panel's extreme exponents appear for certain
+            e[sl][0], e[sl][-1] = lo[k // panel], hi[k // panel]
+        m = rng.integers(0, 128, shape)
+        s = rng.integers(0, 2, shape)
+        return ((s << 15) | (e << 7) | m).astype(np.uint16)
+
+    A = make((I, P), lo_a, hi_a, 0, MR)
+    B = make((P, J), lo_b, hi_b, 1, NR)
+    want = gemm(A, B, fast=False)
+    for lv in LEVELS:
+        with C.settings(simd=lv):
+            assert_bits_equal(gemm(A, B), want, f"seed {seed}, level {lv}")
+
+
+def test_switch_off_takes_no_fused_tile():
+    rng = np.random.default_rng(4)
+    A, B = ordinary(rng, (I, P)), ordinary(rng, (P, J))
+    want = gemm(A, B, fast=False)
+    _set_fma(0)
+    try:
+        _fma_tiles(1)
+        assert_bits_equal(gemm(A, B), want, "fused path off")
+        assert _fma_tiles(1) == 0
+    finally:
+        _set_fma(1)
+    assert_bits_equal(gemm(A, B), want, "fused path on")
+    assert (_fma_tiles(1) > 0) == HAS_FUSED
