@@ -128,6 +128,11 @@ def test_bad_input_errors(run, tmp_path):
     assert res.exit_code == 2 and "--prompt" in res.output
     res = r.invoke(cli, ["generate", str(tmp_path), "--prompt", "hi", "--backend", "cpu_ref"])
     assert res.exit_code == 2 and str(tmp_path) in res.output
+    other = tmp_path / "tokenizer.json"              # a valid tokenizer file that is not the run's
+    from mlx_open1b.data.tokenizer import default_tokenizer_path
+    other.write_text(default_tokenizer_path().read_text() + "\n")
+    res = r.invoke(cli, base + ["--prompt", "hi", "--tokenizer", str(other)])
+    assert res.exit_code == 2 and str(other) in res.output and "trained with tokenizer" in res.output, res.output
     g = Generator(run)
     g.V = 100                                         # a model vocabulary smaller than the tokenizer's
     with pytest.raises(GenerateError, match=r"prompt: token 0 is id \d+ \('"):
