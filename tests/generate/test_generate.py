@@ -80,6 +80,9 @@ def test_greedy_is_the_argmax_of_the_program_logits(run):
         z = g.logits(np.array(ids, np.uint32))
         assert t == int(np.argmax(z[:g.n_candidates]))
         ids.append(t)
+    chunks = []                                       # streamed: the text arrives as the tokens come
+    assert g.generate(g.encode(PROMPT), 3, on_text=chunks.append) == out
+    assert "".join(chunks) == g.tok.decode(out) and len(chunks) >= 2
     other = g.generate(g.encode(PROMPT), 3, Sampling(temperature=1.0, seed=9))
     assert g.generate(g.encode(PROMPT), 3, Sampling(temperature=1.0, seed=9)) == other
     assert g.generate(g.encode(PROMPT), 3, Sampling(temperature=1.0, top_k=1, seed=9)) == out
