@@ -125,14 +125,21 @@ def read_shard(path) -> tuple[np.ndarray, np.ndarray]:
     path = pathlib.Path(path)
     if not path.exists():
         raise DataError(f"{path}: shard file is missing")
+    bad = (pa.ArrowException, IndexError, OSError, ValueError)    # every Arrow error, undecodable metadata
     try:
         source = pa.memory_map(str(path), "r")
         batch = pa.ipc.open_file(source).get_batch(0)
-        col = batch.column(0)
-        tokens = col.values.to_numpy(zero_copy_only=True)
-        offsets = col.offsets.to_numpy(zero_copy_only=True)
-    except (pa.ArrowException, IndexError, OSError, ValueError) as e:    # every Arrow error, undecodable metadata
+    except bad as e:
         raise DataError(f"{path}: not a valid token shard ({e})") from None
     if batch.schema != SCHEMA:
         raise DataError(f"{path}: unexpected schema {batch.schema}")
+    try:
+        # lengths and offsets inside their buffers, checked before numpy views them: arrays that
+        # claim more than the file holds would make a view over memory that is not there
+        batch.validate(full=True)
+        col = batch.column(0)
+        tokens = col.values.to_numpy(zero_copy_only=True)
+        offsets = col.offsets.to_numpy(zero_copy_only=True)
+    except bad as e:
+        raise DataError(f"{path}: not a valid token shard ({e})") from None
     return tokens, offsets
