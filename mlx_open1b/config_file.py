@@ -69,6 +69,10 @@ RANGES = {
 }
 CHOICES = {"preset": tuple(sorted(PRESETS)), "precision": PRECISIONS, "attention_pv": ("int8", "fp32"),
            "gnmr.mode": ("op", "block")}
+# [gnmr]'s ranges in words: GNMRConfig.check enforces them (its messages name the key)
+GNMR_RANGES = {"gnmr.alpha": "(0, inf), a normal fp32", "gnmr.alpha_init": "(0, inf), a normal fp32",
+               "gnmr.beta": "(0, inf), a normal fp32", "gnmr.eps": "(0, inf), a normal fp32",
+               "gnmr.warm": "[0.0, 1.0]", "gnmr.max_o": ">= 0", "gnmr.lock": ">= 0", "gnmr.window": ">= 1"}
 PHASES_HELP = "[[from_tokens, microbatches], ...]: from_tokens ascending from 0, microbatches >= 1"
 
 _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "gnmr": GNMRConfig}
@@ -97,8 +101,8 @@ def _range_text(name: str, ftype: str) -> str:
         return "one of " + ", ".join(CHOICES[name])
     if name == "gnmr.high":
         return "bf16 (int8 for an int6 or int4 run)"
-    if name.startswith("gnmr."):
-        return "see GNMRConfig.check"
+    if name in GNMR_RANGES:
+        return GNMR_RANGES[name]
     return "any"
 
 

@@ -2,9 +2,11 @@
 
 The logits of each new token are the model program's own (Model._forward on the backend, then the
 LM head GEMM, CONTRACT.md §6.1, on the final norm's bf16 output: the operands of the fused
-cross-entropy). Everything after the logits is host arithmetic fixed here, in fp32 with the
-contract's own operations (spec.arith: IEEE add/mul with §3's flush; spec.mathfn.exp: §4's exp), so
-a checkpoint, a prompt and a seed give the same tokens on cpu_ref, metal and cuda, emulated or not.
+cross-entropy), every unit at the run's precision (a GNMR run's per-step recovery paths are
+training decisions, not part of the model). Everything after the logits is host arithmetic fixed
+here, in fp32 with the contract's own operations (spec.arith: IEEE add/mul with §3's flush;
+spec.mathfn.exp: §4's exp), so a checkpoint, a prompt and a seed give the same tokens on cpu_ref,
+metal and cuda, emulated or not.
 
 **The window.** Token i+1 is chosen from the logits of the last position of one forward pass over
 the context: the last seq_len tokens of prompt + generated (cut on the left), padded on the right
