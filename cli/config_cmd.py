@@ -28,14 +28,20 @@ def config() -> None:
 @config.command()
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default=None,
               help="the preset to start from (default: the file's preset key, else tiny)")
+@click.option("--run", "run_dir", type=Path(exists=True, file_okay=False), default=None,
+              help="start from this run's own configuration (its run.json) instead of a preset")
 @config_options
-def show(preset_name, config_file, sets):
+def show(preset_name, run_dir, config_file, sets):
     """Print the complete resolved configuration as TOML (`> run.toml` to start a config file)."""
     from mlx_open1b.config_file import resolve, to_toml
+    from mlx_open1b.rundir import RunDir, RunDirError
+    if run_dir is not None and (preset_name is not None or config_file is not None):
+        fail("--run: a run's configuration is the base; --preset and --config name another one", 2)
     try:
-        cfg = resolve(preset_name, config_file, sets)
-    except ConfigError as e:
-        fail(e, 2)
+        base = RunDir(run_dir).info().config if run_dir is not None else None
+        cfg = resolve(preset_name, config_file, sets, base=base)
+    except (ConfigError, RunDirError) as e:
+        fail(e)
     click.echo(to_toml(cfg), nl=False)
 
 

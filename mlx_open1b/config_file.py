@@ -3,8 +3,9 @@
 Every key, its type and its help text come from the dataclasses of config.py (and gnmr.py for the
 [gnmr] table): `keys()` lists them, `to_toml` writes a complete config (every key, its help as a
 comment), `resolve` reads one back. Resolution, in order: the preset (the file's `preset` key or
-the caller's, default tiny), the file's values, then each --set in the order given; then the
-ranges below and RunConfig.check. Every bad value is a ConfigError naming the key, the allowed
+the caller's, default tiny; a name that is no preset labels a file that gives every [model] and
+[train] key), the file's values, then each --set in the order given; then the ranges below and
+RunConfig.check. Every bad value is a ConfigError naming the key, the allowed
 range and where the value came from, raised before the caller writes anything.
 
 A key's value keeps the field's Python type (an integer given for a float field becomes a float):
@@ -67,7 +68,7 @@ RANGES = {
     "train.eval_every": (0, INT64_MAX, False, False),        # 0: no held-out evaluation
     "train.eval_windows": (1, INT32_MAX, False, False),
 }
-CHOICES = {"preset": tuple(sorted(PRESETS)), "precision": PRECISIONS, "attention_pv": ("int8", "fp32"),
+CHOICES = {"precision": PRECISIONS, "attention_pv": ("int8", "fp32"),
            "gnmr.mode": ("op", "block")}
 # [gnmr]'s ranges in words: GNMRConfig.check enforces them (its messages name the key)
 GNMR_RANGES = {"gnmr.alpha": "(0, inf), a normal fp32", "gnmr.alpha_init": "(0, inf), a normal fp32",
@@ -99,6 +100,9 @@ def _range_text(name: str, ftype: str) -> str:
         return PHASES_HELP
     if name in CHOICES:
         return "one of " + ", ".join(CHOICES[name])
+    if name == "preset":
+        return (f"one of {', '.join(sorted(PRESETS))}, or a name of your own in a file that gives every [model] "
+                f"and [train] key")
     if name == "gnmr.high":
         return "bf16 (int8 for an int6 or int4 run)"
     if name in GNMR_RANGES:
@@ -280,19 +284,26 @@ def resolve(preset_name: str | None = None, config_file=None, sets=(), base: Run
     name = preset_name
     for key, value, where in given:
         if key == "preset":
-            if base is None or value != base.preset:
-                value = _coerce(key, value, where)
+            value = _coerce(key, value, where)
             if preset_name is not None and value != preset_name:
                 raise ConfigError(f"preset: {where} gives {value!r}, --preset gives {preset_name!r}")
             name = value
     if base is not None and name in (None, base.preset):
         cfg = base
-    else:
+    elif (name or "tiny") in PRESETS:
         cfg = PRESETS[name or "tiny"]
+    else:
+        # a name of one's own labels a complete config: no preset supplies what the file leaves out
+        missing = [k for k in _KEYS if k.startswith(("model.", "train.")) and k not in {g[0] for g in given}]
+        if missing:
+            raise ConfigError(f"preset: {name!r} is none of the presets ({', '.join(sorted(PRESETS))}); a config "
+                              f"that names its own gives every [model] and [train] key (missing: "
+                              f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''})")
+        cfg = RunConfig(preset=name)
     parts: dict[str, dict] = {"model": {}, "train": {}, "gnmr": {}, "": {}}
     for key, value, where in given:
         section, _, sub = key.rpartition(".")
-        parts[section][sub] = value if key == "preset" else _coerce(key, value, where)
+        parts[section][sub] = _coerce(key, value, where)
     gnmr = cfg.gnmr
     if parts["gnmr"]:
         gnmr = dataclasses.replace(gnmr if gnmr is not None else GNMRConfig(), **parts["gnmr"])

@@ -126,6 +126,19 @@ def test_train_records_resolved_config_and_resume_refuses_change(tmp_path, monke
     assert res.exit_code == 0, res.output
     res = r.invoke(cli, base + ["--resume", "--steps", "3"])
     assert res.exit_code == 0, res.output
+    # a run's own config as a file: the same config; under a name of one's own it needs every key
+    shown = r.invoke(cli, ["config", "show", "--run", str(out)])
+    assert shown.exit_code == 0, shown.output
+    g = tmp_path / "again.toml"
+    g.write_text(shown.output)
+    assert resolve(None, g) == want and resolve(None, g).dumps() == want.dumps()
+    g.write_text(shown.output.replace('preset = "tiny"', 'preset = "mine"'))
+    assert resolve(None, g) == dataclasses.replace(want, preset="mine")
+    g.write_text('preset = "mine"\n[model]\nd_model = 64\n')
+    res = r.invoke(cli, ["config", "check", str(g)])
+    assert res.exit_code == 2 and "'mine' is none of the presets" in res.output and "model.vocab_size" in res.output
+    res = r.invoke(cli, ["config", "show", "--run", str(tmp_path)])
+    assert res.exit_code == 2 and "not a run directory" in res.output, res.output
 
 
 def test_preset_as_a_file_is_the_same_run(tmp_path, monkeypatch, default_corpus):
