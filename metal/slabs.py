@@ -23,8 +23,8 @@ The work bound: a slab may hold MAX_DISPATCH_WORK units, one unit being one of t
 fp32 operations in a GEMM's inner loop (mul or add, so a GEMM is 2 I J P units). With a
 pessimistic rate of RATE units per second (public plain-fp32 GEMMs on Apple GPUs run ~100 GFLOP/s
 with one thread per output on a 10-core M3, tiled ones several times that; we take half the
-naive rate), and WATCHDOG_S shared by OPS_PER_BUFFER
-dispatches in one command buffer, a full command buffer of maximal slabs still finishes in time:
+naive rate), and WATCHDOG_S shared by OPS_PER_BUFFER dispatches in one command buffer, a full
+command buffer of maximal slabs still finishes in time:
 MAX_DISPATCH_WORK = WATCHDOG_S / OPS_PER_BUFFER * RATE = 5e9 units (0.1 s at the assumed rate).
 
 The functions here are pure (no mlx, no numpy arrays of data): tests check them at every preset's

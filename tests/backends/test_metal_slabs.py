@@ -186,7 +186,8 @@ def test_row_plan_edges():
     assert slabs.gemm_slabs(4, 2, 3, bound=24) == [(0, 2, 0, 2), (2, 4, 0, 2)]
     # whole 64 x 64 tiles of the tiled kernels where the bound allows a tile's rows (or its square)
     T = slabs.GEMM_TILE
-    assert slabs.gemm_slabs(200, 10, 5, bound=2 * 5 * 10 * 100) == [(i, min(200, i + T), 0, 10) for i in range(0, 200, T)]
+    rows = [(i, min(200, i + T), 0, 10) for i in range(0, 200, T)]
+    assert slabs.gemm_slabs(200, 10, 5, bound=2 * 5 * 10 * 100) == rows           # 100 rows fit: 64 a slab
     assert slabs.gemm_slabs(70, 5000, 1, bound=2 * T * T) == [(i, min(70, i + T), j, min(5000, j + T))
                                                              for i in (0, T) for j in range(0, 5000, T)]
     with pytest.raises(ValueError, match="one output element sums 10 products"):
