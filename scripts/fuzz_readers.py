@@ -1,9 +1,10 @@
 """Hostile files: every reader of the package's own files fed mutated and truncated copies of a good
 one (a checkpoint's meta.json and state.safetensors, run.json, the ledger, a corpus manifest and
 shard, an audit plan, an attestation, a parity bundle, a tokenizer, an export). Only the reader's
-own error types may come out: any other exception is a crash, a case over --case-seconds a hang, a
-MemoryError an allocation sized by an untrusted header (the address space is capped). Each failure
-is printed with the seed that reproduces it (--only READER --seed S --cases 1).
+own error types may come out: any other exception is a crash, and so is a case that kills the
+process (each reader runs in a forked process; the next case starts a new one), a case over
+--case-seconds a hang, a MemoryError an allocation sized by an untrusted header (the address space
+is capped). Each failure is printed with the seed that reproduces it (--only READER --seed S --cases 1).
 
     python scripts/fuzz_readers.py --cases 100000          # the benchmark: cases/s and outcomes per reader
     python scripts/fuzz_readers.py --cases 2000 --seed 7   # what CI runs (tests/cli/test_scripts.py)
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import pathlib
 import random
 import resource
@@ -257,6 +259,40 @@ def run_case(t: Target, seed: int, scratch: pathlib.Path, good: bytes, case_seco
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def _worker(t: Target, seeds: list, scratch: pathlib.Path, case_seconds: float, memory: int, out) -> None:
+    """Run the cases of `seeds` in this (forked) process, sending (seed, outcome, detail) for each."""
+    signal.signal(signal.SIGALRM, _alarm)
+    resource.setrlimit(resource.RLIMIT_AS, (memory, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    good = t.good.read_bytes()
+    for seed in seeds:
+        out.send((seed, *run_case(t, seed, scratch, good, case_seconds)))
+    out.close()
+
+
+def run_target(t: Target, seeds: list, scratch: pathlib.Path, case_seconds: float, memory: int):
+    """(seed, outcome, detail) of every case, each reader run in a forked process so that a case
+    that kills the process (a segfault in a C library) is a crash reported with its seed, and the
+    cases after it still run, in a new process."""
+    ctx = multiprocessing.get_context("fork")
+    i = 0
+    while i < len(seeds):
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(t, seeds[i:], scratch, case_seconds, memory, w))
+        p.start()
+        w.close()
+        while True:
+            try:
+                msg = r.recv()
+            except EOFError:
+                break
+            i += 1
+            yield msg
+        p.join()
+        if i < len(seeds):
+            yield seeds[i], "crash", f"the process died (exit code {p.exitcode}) on this case"
+            i += 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=100_000, help="cases in all, spread over the readers")
@@ -266,7 +302,6 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-gb", type=float, default=6.0, help="address-space cap (an allocation sized by a "
                                                                    "hostile header fails with MemoryError)")
     a = ap.parse_args(argv)
-    signal.signal(signal.SIGALRM, _alarm)
     work = pathlib.Path(tempfile.mkdtemp(prefix="open1b-fuzz-"))
     try:
         t0 = time.perf_counter()
@@ -278,21 +313,19 @@ def main(argv=None) -> int:
                 print(f"--only: no reader named {a.only!r}", file=sys.stderr)
                 return 2
         print(f"good files made in {time.perf_counter() - t0:.1f} s; {len(targets)} readers, {a.cases} cases")
-        soft = int(a.memory_gb * (1 << 30))
-        resource.setrlimit(resource.RLIMIT_AS, (soft, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        memory = int(a.memory_gb * (1 << 30))
         per = max(1, a.cases // len(targets))
         failures, total, t_all = [], 0, time.perf_counter()
         print(f"{'reader':30s} {'cases':>7s} {'refused':>8s} {'ok':>6s} {'crash':>6s} {'hang':>5s} {'memory':>6s} "
               f"{'cases/s':>8s}")
         for t in targets:
-            good = t.good.read_bytes()
             counts = dict.fromkeys(("ok", "refused", "crash", "hang", "memory"), 0)
             t1 = time.perf_counter()
-            for i in range(per):
-                outcome, detail = run_case(t, a.seed + i, work / "scratch", good, a.case_seconds)
+            seeds = [a.seed + i for i in range(per)]
+            for seed, outcome, detail in run_target(t, seeds, work / "scratch", a.case_seconds, memory):
                 counts[outcome] += 1
                 if outcome in ("crash", "hang", "memory"):
-                    failures.append(f"{t.name} seed {a.seed + i}: {outcome}: {detail}")
+                    failures.append(f"{t.name} seed {seed}: {outcome}: {detail}")
             dt = time.perf_counter() - t1
             total += per
             print(f"{t.name:30s} {per:7d} {counts['refused']:8d} {counts['ok']:6d} {counts['crash']:6d} "

@@ -82,3 +82,28 @@ def test_a_checkpoint_from_another_run_is_located(tmp_path):
     res = _invoke("train", "--resume", "--out", run, "--steps", 6, "--backend", "cpu_ref", "--skip-selftest")
     assert res.exit_code == 2 and f"{run / 'ckpt-00000004'}: checkpoint belongs to another run" in res.output, \
         res.output
+
+
+def test_the_fuzzer_survives_a_case_that_kills_the_process(tmp_path):
+    """A reader that dies by a signal on some inputs (as a C library's segfault would): each such
+    case is a crash with its seed, and the cases after it still run."""
+    import importlib.util
+    import os
+    import signal
+    spec = importlib.util.spec_from_file_location("fuzz_readers", ROOT / "scripts" / "fuzz_readers.py")
+    fz = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_readers"] = fz          # its dataclasses look their module up
+    spec.loader.exec_module(fz)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"a": [1, 2, 3], "b": "text"}))
+
+    def reader(p):
+        if len(pathlib.Path(p).read_bytes()) % 3 == 0:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        raise ValueError("refused")
+    t = fz.Target("dies", good, reader, (ValueError,))
+    got = list(fz.run_target(t, list(range(40)), tmp_path / "scratch", 5.0, 4 << 30))
+    assert [s for s, _, _ in got] == list(range(40))
+    crashed = [s for s, o, d in got if o == "crash"]
+    assert crashed and all("the process died" in d for s, o, d in got if o == "crash")
+    assert {o for _, o, _ in got} == {"crash", "refused"}
