@@ -6,7 +6,9 @@ SharedReference(module) answers like the module; its functions return copies of 
 for arguments equal bit for bit (arrays by dtype, shape and bytes; other values by type and repr),
 except the functions named in `in_place` (they write their arguments) and results larger than
 `max_bytes` (cheaper to compute again than to hold). `scope(owner)` forgets every result when the
-owner (the test function) changes, so one test's cases are held at a time.
+owner (the test function) changes, so one test's cases are held at a time. CPU_REF, SPEC_QUANT
+and SPEC_ATTENTION are the ones the backend op tests and the emulators' flush-mode tests share, with
+tests/helpers.py's int8 checks on them.
 """
 from __future__ import annotations
 
@@ -74,3 +76,51 @@ class SharedReference:
                 self._memo[key] = _copy(out)
             return out
         return shared
+
+
+# ------------------------------------------------------------------ the references the op tests share
+import mlx_open1b.cpu_ref as _cpu_ref  # noqa: E402
+from mlx_open1b.spec import attention as _spec_attention, quant as _spec_quant  # noqa: E402
+
+from helpers import QMAX4, assert_bits_equal  # noqa: E402
+
+CPU_REF = SharedReference(_cpu_ref, in_place=("add_inplace", "scale_inplace", "adamw_step"))
+SPEC_QUANT = SharedReference(_spec_quant)
+SPEC_ATTENTION = SharedReference(_spec_attention)
+
+
+def scope(owner) -> None:
+    """Every shared reference holds owner's (a test function's) results only."""
+    for ref in (CPU_REF, SPEC_QUANT, SPEC_ATTENTION):
+        ref.scope(owner)
+
+
+def check_qlinear_low(ops, x, w, dy, what, qmax=QMAX4):
+    """A backend's int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit
+    (tests/helpers.py's check, on the shared references)."""
+    what = f"{what} (qmax {qmax})"
+    y = ops.qlinear_forward(x, w, qmax=qmax)
+    assert_bits_equal(y, SPEC_QUANT.qlinear_forward(x, w, qmax), f"{what} y")
+    dx, dw = ops.qlinear_backward(dy, x, w, qmax=qmax)
+    want_dx, want_dw = SPEC_QUANT.qlinear_backward(dy, x, w, qmax)
+    assert_bits_equal(dx, want_dx, f"{what} dx")
+    assert_bits_equal(dw, want_dw, f"{what} dw")
+    assert_bits_equal(y, CPU_REF.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
+    ref_dx, ref_dw = CPU_REF.qlinear_backward(dy, x, w, qmax=qmax)
+    assert_bits_equal(dx, ref_dx, f"{what} dx, cpu_ref")
+    assert_bits_equal(dw, ref_dw, f"{what} dw, cpu_ref")
+    return y, dx, dw
+
+
+def check_attention_i8_backend(forward_i8, q, k, v, W, scale, what):
+    """A backend's attention_forward_i8 equals the numpy spec and the C reference bit for bit
+    (tests/helpers.py's check, on the shared references)."""
+    o, lse = forward_i8(q, k, v, W, scale)
+    want_o, want_lse = SPEC_ATTENTION.attention_forward_i8(q, k, v, W, np.float32(scale))
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert_bits_equal(o, want_o, f"{what} o")
+    assert_bits_equal(lse, want_lse, f"{what} lse")
+    ref_o, ref_lse = CPU_REF.attention_forward_i8(q, k, v, W, scale)
+    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
+    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
+    return o, lse

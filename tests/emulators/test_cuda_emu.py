@@ -8,15 +8,17 @@ tests/ops/test_backend_ops.py's and test_backend_quant.py's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 
 import numpy as np
 import pytest
 
 from helpers import (QMAX4, QMAX6, SPECIAL_BF16, SPECIAL_F32, TINY_E, assert_bits_equal, attention_i8_inputs,
-                     check_attention_i8_backend, check_qlinear_low, rand_bf16, rand_f32, sprinkle)
+                     rand_bf16, rand_f32, sprinkle)
+# cpu_ref and the numpy spec, each result computed once for every flush mode of a test
+from shared_reference import CPU_REF as ref, check_attention_i8_backend, check_qlinear_low, scope
 
-import mlx_open1b.cpu_ref as ref
 from mlx_open1b.cuda import emu, ops as cu, runtime
 from mlx_open1b.spec.arith import f32_to_bf16
 
@@ -30,6 +32,11 @@ ftz_ids = lambda m: f"emu-ftz{m}"
 EDGES = np.array([2.0 ** -126, 2.0 ** -126 * (1 + 2.0 ** -23), 2.0 ** -125, 1.1754942e-38, 1.4e-45,
                   3.4028235e38, 3.4028233e38, 88.72283, 88.72284, -87.33655, -103.0, -103.00001,
                   2.0 ** -12, 2.0 ** -12 * (1 - 2.0 ** -24), 25735.0, 1e30], np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _references_shared_by_the_modes(request):
+    scope(request.function)
 
 
 def rng_for(name: str) -> np.random.Generator:
@@ -109,12 +116,9 @@ extern "C" __global__ void o1b_binary_raw(int op, i64 n, const float *a, const f
 """
 
 
-@pytest.mark.parametrize("ftz", FTZ_MODES, ids=ftz_ids)
-def test_primitive_ops_tiny_results_in_every_flush_mode(ftz):
-    """add/sub/mul/div/sqrt of the kernels against the C reference's scalar ops, on random bit
-    patterns and on products/quotients next to 2^-126 (including the exact-product decision):
-    through mathfn.cu's o1b_binary (stored results) and unstored (NaNs made canonical, nothing
-    else changed), in each flush mode."""
+@functools.cache
+def primitive_cases():
+    """(a, b, wants): operand pairs and the C reference's scalar add, sub, mul, div, sqrt of each."""
     rng = rng_for("prim")
     x = f32_inputs(rng, 3000)
     y = rng.permutation(x)
@@ -127,12 +131,21 @@ def test_primitive_ops_tiny_results_in_every_flush_mode(ftz):
     b = np.ascontiguousarray(np.concatenate([y, tb, qb, sb]))
     refs = (ref.mathfn.scalar_add, ref.mathfn.scalar_sub, ref.mathfn.scalar_mul, ref.mathfn.scalar_div,
             lambda u, v: ref.optim.scalar_sqrt(u))
+    return a, b, [np.array([fref(float(u), float(v)) for u, v in zip(a, b)], np.float32) for fref in refs]
+
+
+@pytest.mark.parametrize("ftz", FTZ_MODES, ids=ftz_ids)
+def test_primitive_ops_tiny_results_in_every_flush_mode(ftz):
+    """add/sub/mul/div/sqrt of the kernels against the C reference's scalar ops, on random bit
+    patterns and on products/quotients next to 2^-126 (including the exact-product decision):
+    through mathfn.cu's o1b_binary (stored results) and unstored (NaNs made canonical, nothing
+    else changed), in each flush mode."""
+    a, b, wants = primitive_cases()
     with ftz_mode(ftz):
         raw = runtime.CudaModule(runtime.read_source_text(PRIM_RAW_SRC, "prim_raw.cu"), name="prim_raw.cu")
-        for op, fref in enumerate(refs):
+        for op, want in enumerate(wants):
             out = np.empty_like(a)
             (out,) = run_kernel("mathfn.cu", "o1b_binary", a.size, np.int32(op), np.int64(a.size), a, b, out)[4:]
-            want = np.array([fref(float(u), float(v)) for u, v in zip(a, b)], np.float32)
             assert_bits_equal(out, want, f"binary op {op}")
             dev = [cu._dev(v) for v in (a, b, np.empty_like(a))]
             raw.get_function("o1b_binary_raw")(((a.size + 127) // 128,), (128,),

@@ -21,21 +21,14 @@ import re
 import numpy as np
 import pytest
 
-import mlx_open1b.cpu_ref as cpu_ref
-from mlx_open1b.spec import attention as spec_attention, quant as spec_quant
 from mlx_open1b.spec.arith import f32_to_bf16
 
 from helpers import (I8_SHAPES, QMAX4, QMAX6, SPECIAL_BF16, SPECIAL_F32, TINY_E, assert_bits_equal,
                      attention_i8_empty_and_bad_arguments, attention_i8_inputs, attention_i8_matches_spec,
                      attention_i8_special_rows, attention_i8_ties_to_even,
                      attention_vquant_is_the_per_tensor_rule, rand_bf16, rand_f32, sprinkle)
-from shared_reference import SharedReference
-
-# the references (cpu_ref, the numpy spec), each result computed once for both backends (one test
-# function's cases held at a time)
-C = SharedReference(cpu_ref)
-SQ = SharedReference(spec_quant)
-SA = SharedReference(spec_attention)
+# the references (cpu_ref, the numpy spec), each result computed once for both backends
+from shared_reference import CPU_REF as C, SPEC_QUANT as SQ, check_attention_i8_backend, check_qlinear_low, scope
 
 OPS = ("gemm_i8", "hadamard_rows", "quant_weight_rows", "quant_tensor", "qlinear_forward", "qlinear_backward",
        "attention_forward_i8")
@@ -45,39 +38,7 @@ LOW_QMAX = pytest.mark.parametrize("qmax", [QMAX4, QMAX6], ids=["int4", "int6"])
 
 @pytest.fixture(autouse=True)
 def _references_shared_by_the_backends(request):
-    for ref in (C, SQ, SA):
-        ref.scope(request.function)
-
-
-def check_qlinear_low(gpu, x, w, dy, what, qmax=QMAX4):
-    """The backend's int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit
-    (tests/helpers.py's check, on the shared references)."""
-    what = f"{what} (qmax {qmax})"
-    y = gpu.qlinear_forward(x, w, qmax=qmax)
-    assert_bits_equal(y, SQ.qlinear_forward(x, w, qmax), f"{what} y")
-    dx, dw = gpu.qlinear_backward(dy, x, w, qmax=qmax)
-    want_dx, want_dw = SQ.qlinear_backward(dy, x, w, qmax)
-    assert_bits_equal(dx, want_dx, f"{what} dx")
-    assert_bits_equal(dw, want_dw, f"{what} dw")
-    assert_bits_equal(y, C.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
-    ref_dx, ref_dw = C.qlinear_backward(dy, x, w, qmax=qmax)
-    assert_bits_equal(dx, ref_dx, f"{what} dx, cpu_ref")
-    assert_bits_equal(dw, ref_dw, f"{what} dw, cpu_ref")
-    return y, dx, dw
-
-
-def check_attention_i8_backend(forward_i8, q, k, v, W, scale, what):
-    """A backend's attention_forward_i8 equals the numpy spec and the C reference bit for bit
-    (tests/helpers.py's check, on the shared references)."""
-    o, lse = forward_i8(q, k, v, W, scale)
-    want_o, want_lse = SA.attention_forward_i8(q, k, v, W, np.float32(scale))
-    assert o.dtype == np.float32 and lse.dtype == np.float32
-    assert_bits_equal(o, want_o, f"{what} o")
-    assert_bits_equal(lse, want_lse, f"{what} lse")
-    ref_o, ref_lse = C.attention_forward_i8(q, k, v, W, scale)
-    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
-    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
-    return o, lse
+    scope(request.function)
 
 
 def seeded(*key) -> np.random.Generator:
