@@ -8,21 +8,14 @@
  */
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
-typedef struct { bf16 *p; const float *g; float *m, *v; float lr, b1, b2, omb1, omb2, eps, decay, bc1, bc2; } adamw_args;
+typedef struct { bf16 *p; const float *g; float *m, *v; float k[9]; } adamw_args;
 
+/* The elements on SIMD lanes (vmath.c: contract.h's bits, the formulas above). */
 static void adamw_range(void *ctx, int64_t lo, int64_t hi) {
     const adamw_args *a = (const adamw_args *)ctx;
-    for (int64_t i = lo; i < hi; i++) {
-        float g = o1b_load(a->g[i]);
-        float m = o1b_add(o1b_mul(a->b1, o1b_load(a->m[i])), o1b_mul(a->omb1, g));
-        float v = o1b_add(o1b_mul(a->b2, o1b_load(a->v[i])), o1b_mul(a->omb2, o1b_mul(g, g)));
-        float u = o1b_div(o1b_mul(m, a->bc1), o1b_add(o1b_sqrt(o1b_mul(v, a->bc2)), a->eps));
-        float p = o1b_sub(o1b_mul(o1b_bf16_to_f32(a->p[i]), a->decay), o1b_mul(a->lr, u));
-        a->m[i] = o1b_store(m);
-        a->v[i] = o1b_store(v);
-        a->p[i] = o1b_f32_to_bf16(p);
-    }
+    o1b_vadamw(hi - lo, a->p + lo, a->g + lo, a->m + lo, a->v + lo, a->k);
 }
 O1B_API void o1b_adamw_step(int64_t n,
                             bf16 *p,          /* (n,) params, updated in place */
@@ -31,7 +24,7 @@ O1B_API void o1b_adamw_step(int64_t n,
                             float *v,         /* (n,) second moment, in place */
                             float lr, float b1, float b2, float omb1, float omb2, float eps,
                             float decay, float bc1, float bc2) {
-    adamw_args a = {p, g, m, v, o1b_load(lr), o1b_load(b1), o1b_load(b2), o1b_load(omb1),
-                    o1b_load(omb2), o1b_load(eps), o1b_load(decay), o1b_load(bc1), o1b_load(bc2)};
+    adamw_args a = {p, g, m, v, {o1b_load(lr), o1b_load(b1), o1b_load(b2), o1b_load(omb1),
+                    o1b_load(omb2), o1b_load(eps), o1b_load(decay), o1b_load(bc1), o1b_load(bc2)}};
     o1b_parallel_for(n, 4096, adamw_range, &a);
 }

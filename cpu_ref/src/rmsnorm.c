@@ -6,6 +6,7 @@
  */
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 typedef struct {
     int64_t N, C; const float *x; const bf16 *g; float eps; float *y; float *rstd;
@@ -23,12 +24,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         for (int64_t c = 0; c < a->C; c++) { float v = o1b_load(x[c]); ss = o1b_add(ss, o1b_mul(v, v)); }
         float r = o1b_rsqrt(o1b_add(o1b_mul(ss, invC), a->eps));
         a->rstd[n] = o1b_store(r);
-        float *y = a->y + n * a->C;
-        for (int64_t c = 0; c < a->C; c++) {
-            float v = o1b_mul(o1b_load(x[c]), r);
-            if (a->g) v = o1b_mul(v, o1b_bf16_to_f32(a->g[c]));
-            y[c] = o1b_store(v);
-        }
+        o1b_vrms_scale(a->C, x, r, a->g, a->y + n * a->C);
     }
 }
 O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
@@ -55,27 +51,20 @@ static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
             dot = o1b_add(dot, o1b_mul(t, o1b_load(x[c])));
         }
         float b = o1b_mul(o1b_mul(dot, o1b_mul(o1b_mul(r, r), r)), invC);
-        float *dx = a->dx + n * a->C;
-        for (int64_t c = 0; c < a->C; c++) {
-            float t = o1b_load(dy[c]);
-            if (a->g) t = o1b_mul(t, o1b_bf16_to_f32(a->g[c]));
-            dx[c] = o1b_store(o1b_sub(o1b_mul(t, r), o1b_mul(o1b_load(x[c]), b)));
-        }
+        o1b_vrms_dx(a->C, dy, x, a->g, r, b, a->dx + n * a->C);
     }
 }
 /* dg_c = sum over rows n ascending of mul(dy[n,c], mul(x[n,c], r_n)) — a column sum, so threads
- * split the columns and each walks the rows in order. */
+ * split the columns and each walks the rows in order, its columns on SIMD lanes (the unstored
+ * accumulators live in dg until the last row). */
 static void dg_range(void *ctx, int64_t lo, int64_t hi) {
     const norm_args *a = (const norm_args *)ctx;
     float *dg = a->y;   /* reused slot: the dg output */
-    for (int64_t c = lo; c < hi; c++) {
-        float acc = 0.0f;
-        for (int64_t n = 0; n < a->N; n++) {
-            float xr = o1b_mul(o1b_load(a->x[n * a->C + c]), o1b_load(a->rstd[n]));
-            acc = o1b_add(acc, o1b_mul(o1b_load(a->dy[n * a->C + c]), xr));
-        }
-        dg[c] = o1b_store(acc);
-    }
+    for (int64_t c = lo; c < hi; c++) dg[c] = 0.0f;
+    for (int64_t n = 0; n < a->N; n++)
+        o1b_vrms_dg_row(hi - lo, a->dy + n * a->C + lo, a->x + n * a->C + lo, o1b_load(a->rstd[n]),
+                        dg + lo);
+    for (int64_t c = lo; c < hi; c++) dg[c] = o1b_store(dg[c]);
 }
 O1B_API void o1b_rmsnorm_backward(int64_t N, int64_t C,
                                   const float *dy,   /* (N, C) */

@@ -90,6 +90,42 @@ static void dots_t_scalar(int64_t lo, int64_t hi, int64_t D, const float *x, con
         for (int64_t r = lo; r < hi; r++) out[r] = o1b_add(out[r], o1b_mul(x[d], rows_t[d * ld + r]));
 }
 
+static void adamw_scalar(int64_t lo, int64_t hi, bf16 *pp, const float *gg, float *mm, float *vv,
+                         const float *k) {
+    const float lr = k[0], b1 = k[1], b2 = k[2], omb1 = k[3], omb2 = k[4], eps = k[5], decay = k[6],
+                bc1 = k[7], bc2 = k[8];
+    for (int64_t i = lo; i < hi; i++) {
+        float g = o1b_load(gg[i]);
+        float m = o1b_add(o1b_mul(b1, o1b_load(mm[i])), o1b_mul(omb1, g));
+        float v = o1b_add(o1b_mul(b2, o1b_load(vv[i])), o1b_mul(omb2, o1b_mul(g, g)));
+        float u = o1b_div(o1b_mul(m, bc1), o1b_add(o1b_sqrt(o1b_mul(v, bc2)), eps));
+        float p = o1b_sub(o1b_mul(o1b_bf16_to_f32(pp[i]), decay), o1b_mul(lr, u));
+        mm[i] = o1b_store(m);
+        vv[i] = o1b_store(v);
+        pp[i] = o1b_f32_to_bf16(p);
+    }
+}
+static void rms_scale_scalar(int64_t lo, int64_t hi, const float *x, float r, const bf16 *g, float *y) {
+    for (int64_t c = lo; c < hi; c++) {
+        float v = o1b_mul(o1b_load(x[c]), r);
+        if (g) v = o1b_mul(v, o1b_bf16_to_f32(g[c]));
+        y[c] = o1b_store(v);
+    }
+}
+static void rms_dx_scalar(int64_t lo, int64_t hi, const float *dy, const float *x, const bf16 *g,
+                          float r, float b, float *dx) {
+    for (int64_t c = lo; c < hi; c++) {
+        float t = o1b_load(dy[c]);
+        if (g) t = o1b_mul(t, o1b_bf16_to_f32(g[c]));
+        dx[c] = o1b_store(o1b_sub(o1b_mul(t, r), o1b_mul(o1b_load(x[c]), b)));
+    }
+}
+static void rms_dg_row_scalar(int64_t lo, int64_t hi, const float *dy, const float *x, float r,
+                              float *acc) {
+    for (int64_t c = lo; c < hi; c++)
+        acc[c] = o1b_add(acc[c], o1b_mul(o1b_load(dy[c]), o1b_mul(o1b_load(x[c]), r)));
+}
+
 /* ---- instantiations: this file again, from its template section ---- */
 #define O1B_VMATH_TEMPLATE 1
 #if defined(O1B_VM_X86)
@@ -181,6 +217,30 @@ void o1b_vdots_t(int64_t n, int64_t D, const float *x, const float *rows_t, int6
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
+void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const float *k) {
+    if (!g_vmath) { adamw_scalar(0, n, p, g, m, v, k); return; }
+#define CALL(s) adamw_##s(n, p, g, m, v, k)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y) {
+    if (!g_vmath) { rms_scale_scalar(0, n, x, r, g, y); return; }
+#define CALL(s) rms_scale_##s(n, x, r, g, y)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx) {
+    if (!g_vmath) { rms_dx_scalar(0, n, dy, x, g, r, b, dx); return; }
+#define CALL(s) rms_dx_##s(n, dy, x, g, r, b, dx)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc) {
+    if (!g_vmath) { rms_dg_row_scalar(0, n, dy, x, r, acc); return; }
+#define CALL(s) rms_dg_row_##s(n, dy, x, r, acc)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
 
 #else /* O1B_VMATH_TEMPLATE: one SIMD level's functions.
        * Parameters: O1B_SFX name suffix, O1B_TGT function attribute, O1B_W lanes, O1B_ANY(m)
@@ -204,8 +264,9 @@ typedef uint16_t FN(vh_t) __attribute__((vector_size(O1B_W * 2)));
 #define BITS(x) ((vi)(x))
 #define VF(u) ((vf)(u))
 
-AI vf FN(splat)(float s) { return (vf){0} + s; }
 AI vi FN(isplat)(int32_t s) { return (vi){0} + s; }
+/* W copies of s, bit for bit (a float add of +0 would turn -0 into +0) */
+AI vf FN(splat)(float s) { return VF(FN(isplat)((int32_t)o1b_bits(s))); }
 AI vf FN(load)(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 AI void FN(put)(float *p, vf x) { memcpy(p, &x, sizeof x); }
 AI int FN(any)(vi m) {
@@ -506,6 +567,81 @@ static O1B_TGT void FN(dots_t)(int64_t n, int64_t D, const float *x, const float
         else FN(put)(out + r, acc);
     }
     dots_t_scalar(r, n, D, x, rows_t, ld, out);
+}
+
+/* o1b_bf16_to_f32 of W values */
+AI vf FN(widen)(const bf16 *h) {
+    vh x;
+    memcpy(&x, h, sizeof x);
+    return FN(flush)(VF(__builtin_convertvector(x, vi) << 16));
+}
+
+static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, float *vv,
+                              const float *k) {
+    vf lr = FN(splat)(k[0]), b1 = FN(splat)(k[1]), b2 = FN(splat)(k[2]), omb1 = FN(splat)(k[3]);
+    vf omb2 = FN(splat)(k[4]), eps = FN(splat)(k[5]), decay = FN(splat)(k[6]);
+    vf bc1 = FN(splat)(k[7]), bc2 = FN(splat)(k[8]);
+    int64_t i = 0;
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi rare = {0};
+        vf g = FN(flush)(FN(load)(gg + i));
+        vf m = FN(add)(FN(mul)(b1, FN(flush)(FN(load)(mm + i)), &rare), FN(mul)(omb1, g, &rare));
+        vf v = FN(add)(FN(mul)(b2, FN(flush)(FN(load)(vv + i)), &rare),
+                       FN(mul)(omb2, FN(mul)(g, g, &rare), &rare));
+        vf u = FN(div)(FN(mul)(m, bc1, &rare), FN(add)(FN(sqrt)(FN(mul)(v, bc2, &rare)), eps), &rare);
+        vf p = FN(sub)(FN(mul)(FN(widen)(pp + i), decay, &rare), FN(mul)(lr, u, &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            adamw_scalar(i, i + O1B_W, pp, gg, mm, vv, k);
+        } else {
+            FN(put)(mm + i, FN(store)(m));
+            FN(put)(vv + i, FN(store)(v));
+            vh h = FN(to_bf16)(p);
+            memcpy(pp + i, &h, sizeof h);
+        }
+    }
+    adamw_scalar(i, n, pp, gg, mm, vv, k);
+}
+
+static O1B_TGT void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *y) {
+    vf rv = FN(splat)(r);
+    int64_t c = 0;
+    for (; c + O1B_W <= n; c += O1B_W) {
+        vi rare = {0};
+        vf v = FN(mul)(FN(flush)(FN(load)(x + c)), rv, &rare);
+        if (g) v = FN(mul)(v, FN(widen)(g + c), &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) rms_scale_scalar(c, c + O1B_W, x, r, g, y);
+        else FN(put)(y + c, FN(store)(v));
+    }
+    rms_scale_scalar(c, n, x, r, g, y);
+}
+
+static O1B_TGT void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, float r,
+                               float b, float *dx) {
+    vf rv = FN(splat)(r), bv = FN(splat)(b);
+    int64_t c = 0;
+    for (; c + O1B_W <= n; c += O1B_W) {
+        vi rare = {0};
+        vf t = FN(flush)(FN(load)(dy + c));
+        if (g) t = FN(mul)(t, FN(widen)(g + c), &rare);
+        vf d = FN(sub)(FN(mul)(t, rv, &rare), FN(mul)(FN(flush)(FN(load)(x + c)), bv, &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) rms_dx_scalar(c, c + O1B_W, dy, x, g, r, b, dx);
+        else FN(put)(dx + c, FN(store)(d));
+    }
+    rms_dx_scalar(c, n, dy, x, g, r, b, dx);
+}
+
+static O1B_TGT void FN(rms_dg_row)(int64_t n, const float *dy, const float *x, float r, float *acc) {
+    vf rv = FN(splat)(r);
+    int64_t c = 0;
+    for (; c + O1B_W <= n; c += O1B_W) {
+        vi rare = {0};
+        vf a = FN(add)(FN(load)(acc + c),
+                       FN(mul)(FN(flush)(FN(load)(dy + c)),
+                               FN(mul)(FN(flush)(FN(load)(x + c)), rv, &rare), &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) rms_dg_row_scalar(c, c + O1B_W, dy, x, r, acc);
+        else FN(put)(acc + c, a);
+    }
+    rms_dg_row_scalar(c, n, dy, x, r, acc);
 }
 
 #undef O1B_VM_MAP_LOOP

@@ -34,5 +34,15 @@ void o1b_vaxpy(int64_t n, float a, const float *x, float *y);
 /* out[r] = sum_{d = 0..D-1 ascending} mul(x[d], rows_t[d * ld + r]), each sum from +0, for
  * r in [0, n): n dot products of x with the columns of a transposed block (flushed operands). */
 void o1b_vdots_t(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out);
+/* The AdamW step of elements [0, n) (adamw.c, CONTRACT.md §6.7); k = {lr, b1, b2, omb1, omb2,
+ * eps, decay, bc1, bc2}, loaded by the caller. */
+void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const float *k);
+/* RMSNorm's elementwise loops (rmsnorm.c, CONTRACT.md §6.3), g NULL without a gain:
+ *   y[c]  = store(mul(mul(load(x[c]), r), g_c))              (without gain mul(load(x[c]), r))
+ *   dx[c] = store(sub(mul(t_c, r), mul(load(x[c]), b))),  t_c = mul(load(dy[c]), g_c) or load(dy[c])
+ *   acc[c] = add(acc[c], mul(load(dy[c]), mul(load(x[c]), r)))   one row of the gain's column sums */
+void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y);
+void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx);
+void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);
 
 #endif

@@ -161,6 +161,7 @@ def test_xent_equals_scalar(N, C_, V, chunk):
     w = A.f32_to_bf16((rng.standard_normal((V, C_)) * 3).astype(np.float32))
     t = rng.integers(0, V, N).astype(np.int32)
     dloss = (rng.standard_normal(N) * 1e-3).astype(np.float32)
+    dloss[::3] = -0.0                           # rows whose loss gradient is -0
     zc = np.float32(1e-4)
     with scalar():
         want_f = CX._forward_chunked(h, w, t, zc, chunk)
@@ -251,3 +252,51 @@ def SA_dot(x, y):
     for a, b in zip(x, y):
         acc = A.add(acc, A.mul(a, b))
     return acc
+
+
+@pytest.mark.parametrize("gain", [True, False])
+@pytest.mark.parametrize("N,Cc", [(17, 64), (33, 130), (4, 7)])
+def test_rmsnorm_equals_scalar(N, Cc, gain):
+    # Rows with inf, NaN, -FLT_MAX and subnormals (r = 0, b = -0, products of zeros of both signs).
+    from helpers import sprinkle
+    rng = np.random.default_rng(N + Cc)
+    x = sprinkle(rng, (rng.standard_normal((N, Cc)) * 3).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.03)
+    x[1, 0] = np.float32(-3.4028235e38)
+    g = A.f32_to_bf16(rng.standard_normal(Cc).astype(np.float32)) if gain else None
+    dy = rng.standard_normal((N, Cc)).astype(np.float32)
+    dy[2] = -0.0
+    with scalar():
+        y, r = CL.rmsnorm_forward(x, g, 1e-6)
+        dx, dg = CL.rmsnorm_backward(dy, x, g, r)
+    for lv in LEVELS:
+        with level(lv):
+            y2, r2 = CL.rmsnorm_forward(x, g, 1e-6)
+            dx2, dg2 = CL.rmsnorm_backward(dy, x, g, r)
+        assert_bits_equal(y2, y, f"rmsnorm y, level {lv}")
+        assert_bits_equal(r2, r, f"rmsnorm rstd, level {lv}")
+        assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
+        if gain:
+            assert_bits_equal(dg2, dg, f"rmsnorm dg, level {lv}")
+
+
+@pytest.mark.parametrize("n", [5, 16, 1000])
+def test_adamw_equals_scalar(n):
+    # Gradients and moments with specials and zeros of both signs; the first and a later step.
+    from helpers import sprinkle
+    from mlx_open1b.cpu_ref import optim as CO
+    rng = np.random.default_rng(n)
+    p0 = A.f32_to_bf16((rng.standard_normal(n) * 0.02).astype(np.float32))
+    g = sprinkle(rng, (rng.standard_normal(n) * 1e-3).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.05)
+    m0 = sprinkle(rng, (rng.standard_normal(n) * 1e-4).astype(np.float32), np.array([0.0, -0.0], np.float32), 0.1)
+    v0 = np.abs(rng.standard_normal(n) * 1e-7).astype(np.float32)
+    for step in (1, 7):
+        outs = []
+        for ctx in [scalar()] + [level(lv) for lv in LEVELS]:
+            p, m, v = p0.copy(), m0.copy(), v0.copy()
+            with ctx:
+                CO.adamw_step(p, g, m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                              step=step)
+            outs.append((p, m, v))
+        for lv, got in zip(LEVELS, outs[1:]):
+            for a, b, what in zip(got, outs[0], "pmv"):
+                assert_bits_equal(a, b, f"adamw {what}, step {step}, level {lv}")
