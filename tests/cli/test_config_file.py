@@ -142,13 +142,13 @@ def test_train_records_resolved_config_and_resume_refuses_change(tmp_path, monke
 
 
 def test_preset_as_a_file_is_the_same_run(tmp_path, monkeypatch, default_corpus):
-    """`train --config` of the tiny preset's shown config writes the run.json bytes and run hash of
+    """`train --config` of the tiny preset's shown config writes the run.json bytes (config, genesis) and run hash of
     `train --preset tiny`: a preset's genesis (and the README's run hash) does not change."""
     monkeypatch.chdir(tmp_path)
     f = tmp_path / "tiny.toml"
     f.write_text(_show("--preset", "tiny"))
     r = CliRunner()
-    common = ["--steps", "1", "--data", str(default_corpus), "--backend", "cpu_ref", "--skip-selftest"]
+    common = ["--steps", "0", "--data", str(default_corpus), "--backend", "cpu_ref", "--skip-selftest"]
     a = r.invoke(cli, ["train", "--out", str(tmp_path / "a"), *common])
     b = r.invoke(cli, ["train", "--out", str(tmp_path / "b"), "--config", str(f), *common])
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
