@@ -54,12 +54,8 @@ class Trainer:
 
     def __init__(self, run_dir, cfg: RunConfig | None = None, corpus_dir=None, backend: str = "cpu_ref",
                  resume: bool = False, log=None, readonly: bool = False, at_step: int | None = None):
-        self.dir = pathlib.Path(run_dir)
-        self.rundir = rd = RunDir(run_dir)
-        self.log = log or (lambda msg: print(msg, file=sys.stderr))
-        self.backend = backend = resolve_backend(backend)
-        self.ops = get_backend(backend)
-        run_file = rd.run_file
+        self._attach(run_dir, backend, log)
+        rd, run_file = self.rundir, self.rundir.run_file
         if resume or readonly:
             if not rd.exists():
                 raise TrainError(f"{run_file}: no run to resume (start one without --resume)", exit_code=2)
@@ -113,7 +109,6 @@ class Trainer:
         st = self.state              # the state in the backend's arrays (mx.array, cupy; numpy: itself)
         st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
-        self._probes = None
 
     @classmethod
     def new(cls, run_dir, cfg: RunConfig, corpus_dir, backend: str = "cpu_ref", log=None) -> "Trainer":
@@ -130,6 +125,15 @@ class Trainer:
         """The run in run_dir at its newest checkpoint at or before at_step, read-only: its steps
         are recomputed (compute_step) and nothing is written."""
         return cls(run_dir, backend=backend, readonly=True, at_step=at_step, log=log)
+
+    def _attach(self, run_dir, backend: str, log) -> None:
+        """This process's handles: the run directory (nothing read yet), the log, the backend."""
+        self.dir = pathlib.Path(run_dir)
+        self.rundir = RunDir(run_dir)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.backend = resolve_backend(backend)
+        self.ops = get_backend(self.backend)
+        self._probes = None
 
     def _open_corpus(self, corpus_dir) -> None:
         """The corpus of self.cfg: its manifest, fingerprint and the run's genesis hash."""

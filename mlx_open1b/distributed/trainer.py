@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import pathlib
 import signal
 import sys
 
@@ -178,16 +177,11 @@ class DistributedTrainer(Trainer):
 
     def _init_replica(self, run_dir, cfg: RunConfig, corpus_dir, backend: str, log) -> None:
         """What Trainer.__init__ builds, without touching the run directory (rank 0 owns it)."""
-        self.dir = pathlib.Path(run_dir)
-        self.log = log or (lambda msg: print(msg, file=sys.stderr))
-        self.ops = get_backend(backend)
-        self.backend = backend
+        self._attach(run_dir, backend, log)
         self.cfg = cfg.check()
         self._open_corpus(corpus_dir)
         self._build_model()
-        self.readonly = False
-        self.ledger = None
-        self._probes = None
+        self.readonly, self.ledger = False, None
 
     def _distribute_state(self) -> None:
         """Rank 0's state to every worker: counters and stream position, the parameters, and each
