@@ -52,10 +52,14 @@ def named(name: str) -> np.random.Generator:
     return np.random.default_rng([ord(c) for c in name])
 
 
+@functools.cache
 def sweep(stride: int) -> np.ndarray:
-    """Every stride-th fp32 bit pattern (both signs, all exponents), plus the specials."""
+    """Every stride-th fp32 bit pattern (both signs, all exponents), plus the specials; built once
+    and read-only (every test reads it)."""
     u = np.arange(0, 2 ** 32, stride, dtype=np.uint64).astype(np.uint32)
-    return np.concatenate([u.view(np.float32), SPECIALS])
+    x = np.concatenate([u.view(np.float32), SPECIALS])
+    x.setflags(write=False)
+    return x
 
 
 def with_specials(rng, a, frac=0.05):
