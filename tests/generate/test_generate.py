@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from fake_cupy import fake_gpu  # noqa: F401 (a fixture)
+from mlx_open1b import arrays
 from mlx_open1b.cli.main import cli
 from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig
 from mlx_open1b.generate import GenerateError, Generator, Sampling, choose
@@ -59,6 +61,19 @@ def test_same_tokens_on_every_backend(run):
         assert np.array_equal(got[backend][0], ref[0]), backend         # the logits, bit for bit
         assert got[backend][1:] == ref[1:], backend
     assert len(ref[1]) == 4 and len(ref[2]) == 3
+
+
+def test_kv_cache_on_device_arrays(run, fake_gpu):
+    """The CUDA backend as on a GPU (cupy arrays; here the stand-in, kernels on the emulator): the
+    KV cache keeps device arrays and gives the logits of cpu_ref's full forward."""
+    g, ref = Generator(run, backend="cuda"), Generator(run, kv_cache=False)
+    assert arrays.kind(g.params) == arrays.CUPY
+    ids = list(g.encode(NEAR_FULL))
+    for _ in range(3):
+        z = g.logits(np.array(ids, np.uint32))
+        assert np.array_equal(z.view(np.uint32), ref.logits(np.array(ids, np.uint32)).view(np.uint32))
+        ids.append(int(np.argmax(z)))
+    assert arrays.kind(g._kv[1][0][0]) == arrays.CUPY and len(g._kv[0]) == len(ids) - 1     # two decoded
 
 
 def test_quantized_runs_recompute(run):
