@@ -110,10 +110,9 @@ def choose(z: np.ndarray, n_candidates: int, sampling: Sampling, index: int) -> 
     else:
         s = F32(f32(1.0 / sampling.temperature))
         w = exp(arith.mul(arith.sub(zc, zc[0]), s))
-    c = np.empty_like(w)
-    acc = F32(0.0)
-    for j in range(w.size):                            # sequential: the sum's order is the definition
-        acc = c[j] = arith.add(acc, w[j])
+    # c_j = add(c_{j-1}, w_j) in order: accumulate is that sequential loop (no pairwise tree), and
+    # every c_j >= w_0 = 1 is normal, so add's flush never acts
+    c = np.add.accumulate(w, dtype=F32)
     word = int(philox_block(sampling.seed, STREAM_SAMPLE, index)[0])
     u = arith.mul(F32(word >> 8), _U_SCALE)           # exact: a 24-bit integer times 2^-24
     r = arith.mul(u, c[-1])

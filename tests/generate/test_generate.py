@@ -13,6 +13,8 @@ from mlx_open1b import arrays
 from mlx_open1b.cli.main import cli
 from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig
 from mlx_open1b.generate import GenerateError, Generator, Sampling, choose
+from mlx_open1b.spec import arith
+from mlx_open1b.spec.mathfn import exp
 from mlx_open1b.train import Trainer
 
 
@@ -120,6 +122,13 @@ def test_choose_rule():
     # golden values pinning the rule across machines (Philox draws of seed 11, CONTRACT.md §5)
     assert [choose(z, 8, Sampling(0.7, 0, 11), i) for i in range(12)] == [7, 2, 5, 2, 6, 0, 1, 0, 5, 2, 7, 2]
     assert [choose(z, 8, Sampling(1.3, 3, 11), i) for i in range(12)] == [7, 2, 7, 2, 7, 7, 1, 7, 7, 2, 7, 2]
+    # the running sums: numpy's accumulate (what choose runs) is the rule's sequential add, bit for bit
+    w = exp(np.random.default_rng(5).uniform(-80, 0, 3000).astype(np.float32))
+    w[0] = 1.0
+    acc, loop = np.float32(0), np.empty_like(w)
+    for j in range(w.size):
+        acc = loop[j] = arith.add(acc, w[j])
+    assert np.array_equal(np.add.accumulate(w, dtype=np.float32).view(np.uint32), loop.view(np.uint32))
     # the draws follow softmax(z / t): two equal logits, each about half of 1000 draws (sd ~16)
     picks = [choose(np.zeros(2, np.float32), 2, Sampling(1.0, 0, 4), i) for i in range(1000)]
     assert abs(sum(picks) - 500) < 80
