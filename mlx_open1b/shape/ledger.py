@@ -110,6 +110,11 @@ def _where(frame) -> str:
     return " > ".join(reversed(names))
 
 
+#: The classes whose instances own "fold stack" and "activations" memory (step.TreeFold, model.Cache).
+#: shape.run fills them in: shape arrays import this module, so it imports nothing of the model.
+OWNER_TYPES: dict[str, tuple] = {"fold stack": (), "activations": ()}
+
+
 class MemoryLedger:
     """One worker's allocations. `roots`: [(owner, fn() -> arrays)] evaluated at each breakdown."""
 
@@ -200,8 +205,7 @@ class MemoryLedger:
 
     # ---- breakdowns
     def _owners_by_reference(self, frame) -> dict[int, str]:
-        from ..model import Cache
-        from ..step import TreeFold
+        fold_types, cache_types = OWNER_TYPES["fold stack"], OWNER_TYPES["activations"]
         marks: dict[int, str] = {}
 
         def mark(owner, a):
@@ -217,9 +221,9 @@ class MemoryLedger:
         while f is not None:
             loc = f.f_locals
             for v in loc.values():
-                if isinstance(v, TreeFold):
+                if isinstance(v, fold_types):
                     folds.append(v)
-                elif isinstance(v, Cache):
+                elif isinstance(v, cache_types):
                     caches.append(v)
             if f.f_code.co_flags & inspect.CO_OPTIMIZED:
                 # a function frame's f_locals is a snapshot the frame keeps: left filled, it would

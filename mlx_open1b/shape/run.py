@@ -19,11 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import RunConfig
+from ..model import Cache
+from ..step import TreeFold
 from ..train import Trainer, TrainState
 from . import array as xp
 from .comm import SimComm, SimWorld
 from .ledger import DEVICE, HOST, MemoryLedger, Peak
 from .replay import install
+from . import ledger as _ledger
+
+_ledger.OWNER_TYPES.update({"fold stack": (TreeFold,), "activations": (Cache,)})
 
 
 class ZeroStream:
