@@ -175,7 +175,14 @@ class Generator:
         self._kv = None            # (context ids, [(k_b, v_b) per layer] (1, n, G, D) bf16) of the cached rows
 
     def encode(self, prompt: str) -> np.ndarray:
+        """The prompt's token ids; GenerateError where the tokenizer cannot represent it (a character
+        it drops: a tokenizer without a byte-level alphabet) or where an id is outside the model's vocabulary."""
         ids = self.tok.encode(prompt)
+        back = self.tok.decode(ids)
+        if back != prompt:
+            i = next((k for k, (a, b) in enumerate(zip(prompt, back)) if a != b), min(len(prompt), len(back)))
+            raise GenerateError(f"prompt: the tokenizer {self.tok.path} does not encode it as written (character "
+                                f"{i}, {prompt[i:i + 1]!r}, comes back as {back[i:i + 1]!r})")
         return self.check_ids(ids, "prompt")
 
     def check_ids(self, ids, what: str = "prompt") -> np.ndarray:

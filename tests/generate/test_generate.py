@@ -164,6 +164,17 @@ def test_bad_input_errors(run, tmp_path):
     g.V = 100                                         # a model vocabulary smaller than the tokenizer's
     with pytest.raises(GenerateError, match=r"prompt: token 0 is id \d+ \('"):
         g.encode("zebra")
+    assert len(Generator(run).encode("héllo 日本 🙂")) > 0     # byte-level: every character has tokens
+
+    real = g.tok
+
+    class Dropping:                                   # a tokenizer that cannot represent a character
+        path = "dropping.json"
+        encode = staticmethod(lambda text: real.encode(text.replace("é", "")))
+        decode = staticmethod(real.decode)
+    g.tok, g.V = Dropping(), 8192
+    with pytest.raises(GenerateError, match=r"does not encode it as written \(character 1, 'é'"):
+        g.encode("héllo")
     # a checkpoint that does not match the ledger: the run's own files are broken (exit 1)
     broken = tmp_path / "broken"
     shutil.copytree(run, broken)
