@@ -312,33 +312,41 @@ AI vf FN(mul)(vf a, vf b, vi *rare) { return FN(tiny)(a * b, rare); }
 AI vf FN(div)(vf a, vf b, vi *rare) { return FN(tiny)(a / b, rare); }
 AI vf FN(i2f)(vi i) { return FN(flush)(__builtin_convertvector(i, vf)); }
 
-/* o1b_exp */
+/* o1b_exp. Only the last multiply needs the flush rule; every other operation of the main path
+ * gets o1b_exp's bits with the bare IEEE operation (xs flushed, |xs| <= 103), because its result
+ * is never below 2^-126 unless it is zero:
+ *   - mul(xs, log2e): log2e > 1, so |xs log2e| >= |xs| >= 2^-126 (or 0). mul(nf, ln2_hi|lo): nf is
+ *     an integer, the constants exceed 2^-20.
+ *   - add/sub of a and b with |b| >= 2^-100 (the rounding constant; ln2_hi nf and ln2_lo nf for
+ *     nf != 0; the Horner constants, >= 1/6!): either |a| < 2^-101 and |a + b| > 2^-101, or both
+ *     are multiples of 2^-124 and so is the sum. With nf = 0 the two subtractions take away +0
+ *     from xs, which is flushed.
+ *   - mul(p, r) in the Horner steps may be tiny, and then o1b_mul's zero and the IEEE result
+ *     (subnormal or 2^-126) differ; but each is added to a Horner constant c >= 2^-10 next, and
+ *     c + t rounds to c for any |t| <= 2^-126 (far below half an ulp of c): the same p either way.
+ *   - mul(p, 2) for p in [0.7, 1.5]. */
 AI vf FN(exp)(vf x, vi *rare) {
     vi nan = x != x, big = x > 0x1.62e42ep6f, small = x < -0x1.9cp6f;
-    vf xs = FN(sel)(nan | big | small, FN(splat)(0.0f), x);
-    vf nf = FN(sub)(FN(add)(FN(mul)(xs, FN(splat)(0x1.715476p0f), rare), FN(splat)(O1B_ROUND_MAGIC)),
-                    FN(splat)(O1B_ROUND_MAGIC));
+    vf xs = FN(sel)(nan | big | small, FN(splat)(0.0f), FN(flush)(x));
+    vf nf = ((xs * FN(splat)(0x1.715476p0f)) + FN(splat)(O1B_ROUND_MAGIC)) - FN(splat)(O1B_ROUND_MAGIC);
     vi n = __builtin_convertvector(nf, vi);          /* |nf| <= 150 on every lane */
     vi under = n < -126, over = n > 127;
-    vf r = FN(sub)(FN(sub)(xs, FN(mul)(nf, FN(splat)(0x1.62e4p-1f), rare)),
-                   FN(mul)(nf, FN(splat)(0x1.7f7d1cp-20f), rare));
+    vf r = (xs - nf * FN(splat)(0x1.62e4p-1f)) - nf * FN(splat)(0x1.7f7d1cp-20f);
     vf p = FN(splat)(0x1.a01a02p-13f);
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.6c16c2p-10f));
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.111112p-7f));
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.555556p-5f));
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1.555556p-3f));
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(0x1p-1f));
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(1.0f));
-    p = FN(add)(FN(mul)(p, r, rare), FN(splat)(1.0f));
+    p = p * r + FN(splat)(0x1.6c16c2p-10f);
+    p = p * r + FN(splat)(0x1.111112p-7f);
+    p = p * r + FN(splat)(0x1.555556p-5f);
+    p = p * r + FN(splat)(0x1.555556p-3f);
+    p = p * r + FN(splat)(0x1p-1f);
+    p = p * r + FN(splat)(1.0f);
+    p = p * r + FN(splat)(1.0f);
     /* n > 127: mul(mul(p, 2), 2^127); else mul(p, 2^n) (n clamped where the lane is replaced) */
     vi nc = BITS(FN(sel)(under, VF(FN(isplat)(-126)), VF(n)));
     nc = BITS(FN(sel)(over, VF(FN(isplat)(127)), VF(nc)));
     vf scale = FN(sel)(over, FN(splat)(0x1p127f), VF((nc + 127) << 23));
-    vi rare_p = {0};
-    vf p2 = FN(mul)(p, FN(splat)(2.0f), &rare_p);
     vi rare_y = {0};
-    vf y = FN(mul)(FN(sel)(over, p2, p), scale, &rare_y);
-    *rare |= (rare_p & over) | (rare_y & ~under);    /* lanes replaced below cannot mark */
+    vf y = FN(mul)(FN(sel)(over, p * FN(splat)(2.0f), p), scale, &rare_y);
+    *rare |= rare_y & ~under;                        /* lanes replaced below cannot mark */
     y = FN(sel)(small | under, FN(splat)(0.0f), y);
     y = FN(sel)(big, FN(splat)(INFINITY), y);
     return FN(sel)(nan, VF(FN(isplat)((int32_t)O1B_NAN_BITS)), y);
