@@ -1154,13 +1154,13 @@ def main(argv=None) -> int:
         got = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", args.rev], capture_output=True, text=True)
         if got.returncode:
             raise SystemExit(f"error: --rev {args.rev}: not a revision of {ROOT} ({got.stderr.strip()})")
-        if got.stdout.strip() not in args.rev:
-            args.rev = f"{args.rev} ({got.stdout.strip()})"
+        commit = got.stdout.strip()
+        name = args.rev if commit.startswith(args.rev) else f"{args.rev} ({commit})"
         with tempfile.TemporaryDirectory(prefix="o1b-rev-") as tmp:
-            checkout(args.rev, pathlib.Path(tmp))
+            checkout(commit, pathlib.Path(tmp))
             rest = [a for a in (argv if argv is not None else sys.argv[1:])]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")]))
-            return subprocess.run([sys.executable, __file__, *rest, "--rev-name", args.rev, "--tree", tmp],
+            return subprocess.run([sys.executable, __file__, *rest, "--rev-name", name, "--tree", tmp],
                                   env=env).returncode
     if args.tree:
         sys.path.insert(0, args.tree)
