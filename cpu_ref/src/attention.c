@@ -271,12 +271,8 @@ static void di_range(void *ctx, int64_t lo, int64_t hi) {
  * so that o1b_vdots_t can run their dot products on lanes; the chunk enters no sum. */
 #define CHUNK 64
 
-/* p and ds of one visible pair from its dot(q_i, k_j) = s and dot(dout_i, v_j) = dp, and the
- * query row's lse and Di:  p = exp(s*scale - lse),  ds = p * (dp - Di). */
-static inline void p_ds(float s, float dp, float scale, float lse, float Di, float *p, float *ds) {
-    *p = o1b_exp(o1b_sub(o1b_mul(s, scale), lse));
-    *ds = o1b_mul(*p, o1b_sub(dp, Di));
-}
+/* p and ds of a visible pair, from its dot(q_i, k_j) = s and dot(dout_i, v_j) = dp and the query
+ * row's lse and Di:  p = exp(sub(mul(s, scale), lse)),  ds = mul(p, sub(dp, Di)). */
 
 /* Pass 1, one query row per item r = (b*H + h)*T + i:
  *   dq_i = scale * sum_{visible j ascending} ds_ij k_j */
@@ -319,7 +315,7 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
     float *dk_acc = malloc(2 * (size_t)(D > 0 ? D : 1) * sizeof(float));
     if (!dk_acc) { atomic_store(&a->failed, 1); return; }
     float *dv_acc = dk_acc + D;
-    float s[CHUNK], dp[CHUNK];
+    float s[CHUNK], dp[CHUNK], pb[CHUNK];
     for (int64_t r = lo; r < hi; r++) {
         int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
         const float *kj = a->k + r * D, *vj = a->v + r * D;
@@ -332,12 +328,16 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
                 /* mul(k, q) = mul(q, k): the same scores as pass 1 */
                 o1b_vdots_t(n, D, kj, a->qt + row0 * D + i0, T, s);
                 o1b_vdots_t(n, D, vj, a->dout_t + row0 * D + i0, T, dp);
+                /* p = exp(s*scale - lse_i): the exponents, then their exps on lanes (sub(u, +0) = u
+                 * for every u, so o1b_vexp_sub with m = +0 is exp itself) */
+                for (int64_t c = 0; c < n; c++)
+                    s[c] = o1b_sub(o1b_mul(s[c], a->scale), o1b_load(a->lse[row0 + i0 + c]));
+                o1b_vexp_sub(n, s, 0.0f, pb);
                 for (int64_t c = 0; c < n; c++) {         /* i = i0 + c ascending */
                     int64_t qi = row0 + i0 + c;
-                    float p, ds;
-                    p_ds(s[c], dp[c], a->scale, o1b_load(a->lse[qi]), a->Di[qi], &p, &ds);
+                    float ds = o1b_mul(pb[c], o1b_sub(dp[c], a->Di[qi]));
                     o1b_vaxpy(D, ds, a->q + qi * D, dk_acc);
-                    o1b_vaxpy(D, p, a->dout + qi * D, dv_acc);
+                    o1b_vaxpy(D, pb[c], a->dout + qi * D, dv_acc);
                 }
             }
         }
