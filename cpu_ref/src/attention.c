@@ -17,8 +17,8 @@
  * contiguous rows. The rows whose dot products with one vector a block needs (keys in the forward
  * and the dq pass, queries in the dk/dv pass) are also copied transposed (b, head, d, t), so that
  * the block's dot products run on SIMD lanes, one row per lane, each still summed d-ascending
- * (vmath.c's o1b_vdots_t, contract.h's bits); the sums over d of the outputs (p v, ds k, ...) run
- * across d on lanes the same way (o1b_vaxpy), and the exps of a block on lanes (o1b_vexp_sub).
+ * (vmath.c's dots_t, contract.h's bits); the sums over d of the outputs (p v, ds k, ...) run
+ * across d on lanes the same way (axpy), and the exps of a block on lanes (exp_sub).
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -40,9 +40,9 @@ static int64_t last_query(int64_t j, int64_t T, int64_t W) { return W == 0 ? T -
 /* The scores s[j] = mul(dot(q, k_j), scale) of n consecutive keys of a block, from the keys
  * transposed (kt[d * T + j]); returns their max (the written comparison, so a NaN score is passed
  * over). */
-static float block_scores(const float *q, const float *kt, int64_t T, int64_t n, int64_t D,
-                          float scale, float *s) {
-    o1b_vdots_t(n, D, q, kt, T, s);
+static float block_scores(const o1b_vkernels *vk, const float *q, const float *kt, int64_t T,
+                          int64_t n, int64_t D, float scale, float *s) {
+    vk->dots_t(n, D, q, kt, T, s);
     float mb = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         s[j] = o1b_mul(s[j], scale);
@@ -128,6 +128,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     float *pv = acc + D;
     int32_t *iacc = (int32_t *)(pv + D);
     float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
+    const o1b_vkernels *vk = o1b_vkernels_now();
     int8_t qp[O1B_ATTN_BK];
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
@@ -141,13 +142,13 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
             int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
             int64_t n = j1 - j0 + 1;
-            float mb = block_scores(q, kt + j0, T, n, D, a->scale, s);
+            float mb = block_scores(vk, q, kt + j0, T, n, D, a->scale, s);
             float m_new = o1b_max(m, mb);
             float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
             float ps = 0.0f, tmax = 0.0f;
             int nonfinite = 0;
             for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
-            o1b_vexp_sub(n, s, m_new, pb);                /* s is flushed: load(s) = s */
+            vk->exp_sub(n, s, m_new, pb);                 /* s is flushed: load(s) = s */
             for (int64_t jj = 0; jj < n; jj++) {
                 float p = pb[jj];
                 ps = o1b_add(ps, p);
@@ -156,7 +157,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
                     if (t[jj] != t[jj]) nonfinite = 1;
                     else tmax = o1b_max(tmax, t[jj]);
                 } else {
-                    o1b_vaxpy(D, p, v + (j0 + jj) * D, pv);
+                    vk->axpy(D, p, v + (j0 + jj) * D, pv);
                 }
             }
             if (qv) block_pv_i8(t, n, tmax, nonfinite, qv + j0 * D, D, qp, iacc, pv);
@@ -268,7 +269,7 @@ static void di_range(void *ctx, int64_t lo, int64_t hi) {
 }
 
 /* The backward visits pairs in chunks of up to CHUNK keys (pass 1) or queries (pass 2), only
- * so that o1b_vdots_t can run their dot products on lanes; the chunk enters no sum. */
+ * so that dots_t can run their dot products on lanes; the chunk enters no sum. */
 #define CHUNK 64
 
 /* p and ds of a visible pair, from its dot(q_i, k_j) = s and dot(dout_i, v_j) = dp and the query
@@ -282,6 +283,7 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
     float *acc = malloc((size_t)(D > 0 ? D : 1) * sizeof(float));
     if (!acc) { atomic_store(&a->failed, 1); return; }
     float s[CHUNK], dp[CHUNK], pb[CHUNK];
+    const o1b_vkernels *vk = o1b_vkernels_now();
     for (int64_t r = lo; r < hi; r++) {
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         const float *q = a->q + r * D, *dout = a->dout + r * D;
@@ -291,13 +293,13 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         for (int64_t j0 = first_key(i, a->W); j0 <= i; j0 += CHUNK) {
             int64_t n = imin(CHUNK, i + 1 - j0);
-            o1b_vdots_t(n, D, q, kt + j0, T, s);
-            o1b_vdots_t(n, D, dout, vt + j0, T, dp);
+            vk->dots_t(n, D, q, kt + j0, T, s);
+            vk->dots_t(n, D, dout, vt + j0, T, dp);
             for (int64_t c = 0; c < n; c++) s[c] = o1b_mul(s[c], a->scale);
-            o1b_vexp_sub(n, s, lse, pb);                  /* p = exp(s*scale - lse) */
+            vk->exp_sub(n, s, lse, pb);                   /* p = exp(s*scale - lse) */
             for (int64_t c = 0; c < n; c++) {             /* j = j0 + c ascending */
                 float ds = o1b_mul(pb[c], o1b_sub(dp[c], Di));
-                o1b_vaxpy(D, ds, k + (j0 + c) * D, acc);
+                vk->axpy(D, ds, k + (j0 + c) * D, acc);
             }
         }
         float *dq = a->dq + ((b * T + i) * H + h) * D;
@@ -316,6 +318,7 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
     if (!dk_acc) { atomic_store(&a->failed, 1); return; }
     float *dv_acc = dk_acc + D;
     float s[CHUNK], dp[CHUNK], pb[CHUNK];
+    const o1b_vkernels *vk = o1b_vkernels_now();
     for (int64_t r = lo; r < hi; r++) {
         int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
         const float *kj = a->k + r * D, *vj = a->v + r * D;
@@ -326,18 +329,18 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
             for (int64_t i0 = j; i0 <= ilast; i0 += CHUNK) {
                 int64_t n = imin(CHUNK, ilast + 1 - i0);
                 /* mul(k, q) = mul(q, k): the same scores as pass 1 */
-                o1b_vdots_t(n, D, kj, a->qt + row0 * D + i0, T, s);
-                o1b_vdots_t(n, D, vj, a->dout_t + row0 * D + i0, T, dp);
+                vk->dots_t(n, D, kj, a->qt + row0 * D + i0, T, s);
+                vk->dots_t(n, D, vj, a->dout_t + row0 * D + i0, T, dp);
                 /* p = exp(s*scale - lse_i): the exponents, then their exps on lanes (sub(u, +0) = u
-                 * for every u, so o1b_vexp_sub with m = +0 is exp itself) */
+                 * for every u, so exp_sub with m = +0 is exp itself) */
                 for (int64_t c = 0; c < n; c++)
                     s[c] = o1b_sub(o1b_mul(s[c], a->scale), o1b_load(a->lse[row0 + i0 + c]));
-                o1b_vexp_sub(n, s, 0.0f, pb);
+                vk->exp_sub(n, s, 0.0f, pb);
                 for (int64_t c = 0; c < n; c++) {         /* i = i0 + c ascending */
                     int64_t qi = row0 + i0 + c;
                     float ds = o1b_mul(pb[c], o1b_sub(dp[c], a->Di[qi]));
-                    o1b_vaxpy(D, ds, a->q + qi * D, dk_acc);
-                    o1b_vaxpy(D, pb[c], a->dout + qi * D, dv_acc);
+                    vk->axpy(D, ds, a->q + qi * D, dk_acc);
+                    vk->axpy(D, pb[c], a->dout + qi * D, dv_acc);
                 }
             }
         }

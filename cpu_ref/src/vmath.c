@@ -242,6 +242,25 @@ void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float 
 #undef CALL
 }
 
+static void exp_sub_s(int64_t n, const float *z, float m, float *e) { exp_sub_scalar(0, n, z, m, e); }
+static void axpy_s(int64_t n, float a, const float *x, float *y) { axpy_scalar(0, n, a, x, y); }
+static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out) {
+    dots_t_scalar(0, n, D, x, rows_t, ld, out);
+}
+const o1b_vkernels *o1b_vkernels_now(void) {
+    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s};
+    static const o1b_vkernels portable = {exp_sub_portable, axpy_portable, dots_t_portable};
+#if defined(O1B_VM_X86)
+    static const o1b_vkernels avx2 = {exp_sub_avx2, axpy_avx2, dots_t_avx2};
+    static const o1b_vkernels avx512 = {exp_sub_avx512, axpy_avx512, dots_t_avx512};
+    if (!g_vmath) return &scalar;
+    int level = o1b_simd_level();
+    return level >= 2 ? &avx512 : level >= 1 ? &avx2 : &portable;
+#else
+    return g_vmath ? &portable : &scalar;
+#endif
+}
+
 #else /* O1B_VMATH_TEMPLATE: one SIMD level's functions.
        * Parameters: O1B_SFX name suffix, O1B_TGT function attribute, O1B_W lanes, O1B_ANY(m)
        * whether any lane of an int mask is set, O1B_VSQRT(x) the lanes' IEEE square roots (both

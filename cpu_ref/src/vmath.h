@@ -45,4 +45,14 @@ void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y)
 void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx);
 void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);
 
+/* The three kernels above for the SIMD level and switch in force, resolved once: for loops that
+ * call them many times on short rows (attention), where choosing per call would cost more than
+ * the work. */
+typedef struct {
+    void (*exp_sub)(int64_t n, const float *z, float m, float *e);
+    void (*axpy)(int64_t n, float a, const float *x, float *y);
+    void (*dots_t)(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out);
+} o1b_vkernels;
+const o1b_vkernels *o1b_vkernels_now(void);
+
 #endif
