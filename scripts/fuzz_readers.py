@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                 return 2
         print(f"good files made in {time.perf_counter() - t0:.1f} s; {len(targets)} readers, {a.cases} cases")
         memory = int(a.memory_gb * (1 << 30))
-        per = max(1, a.cases // len(targets))
+        per = max(1, -(-a.cases // len(targets)))       # at least --cases in all
         failures, total, t_all = [], 0, time.perf_counter()
         print(f"{'reader':30s} {'cases':>7s} {'refused':>8s} {'ok':>6s} {'crash':>6s} {'hang':>5s} {'memory':>6s} "
               f"{'cases/s':>8s}")
