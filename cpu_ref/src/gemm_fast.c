@@ -5,9 +5,10 @@
  * Why the bits cannot differ from the definition (CONTRACT.md, "The fast GEMM"):
  *   1. Every C element is computed by one SIMD lane of one thread, in the order p = 0, 1, ...,
  *      P-1, with the same operations in the same order: one rounded multiply, one rounded add
- *      (the file is compiled with -ffp-contract=off and uses no FMA). The depth is blocked by KC
- *      for the caches, but between blocks the fp32 accumulator is stored to C and loaded back
- *      unchanged, so the sequence of roundings is that of the plain loop. Threads split output
+ *      (the file is compiled with -ffp-contract=off; the only FMA is the explicit one of 4). The
+ *      depth is blocked by KC for the caches, but between blocks the fp32 accumulator is stored
+ *      to C and loaded back unchanged, so the sequence of roundings is that of the plain loop.
+ *      Threads split output
  *      tiles, never the sum, so neither the thread count nor any tile size enters the arithmetic.
  *   2. The operands are widened bf16 -> fp32 when packed (a 16-bit shift) and flushed there
  *      (o1b_bf16_to_f32). Every product of two such values has at most 8+8 significant bits, so
