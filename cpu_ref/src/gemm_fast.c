@@ -8,8 +8,8 @@
  *      (the file is compiled with -ffp-contract=off; the only FMA is the explicit one of 4). The
  *      depth is blocked by KC for the caches, but between blocks the fp32 accumulator is stored
  *      to C and loaded back unchanged, so the sequence of roundings is that of the plain loop.
- *      Threads split output
- *      tiles, never the sum, so neither the thread count nor any tile size enters the arithmetic.
+ *      Threads split output tiles, never the sum, so neither the thread count nor any tile size
+ *      enters the arithmetic.
  *   2. The operands are widened bf16 -> fp32 when packed (a 16-bit shift) and flushed there
  *      (o1b_bf16_to_f32). Every product of two such values has at most 8+8 significant bits, so
  *      it is exact in fp32 unless it overflows (inf in both) or its exact value is below 2^-126;
