@@ -39,9 +39,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from mlx_open1b.config import ConfigError, preset  # noqa: E402
 from mlx_open1b.distributed.sharding import ShardingError  # noqa: E402
+from mlx_open1b.fsutil import write_bytes_atomic  # noqa: E402
 from mlx_open1b.shape.run import measure  # noqa: E402
 
 G = 1e9
+LABEL = "MODEL"
 SHORT = {"fold stack": "fold", "activations": "activ", "communication": "comm", "transients": "trans",
          "gradients": "grads", "moments": "moments", "params": "params", "constants": "const"}
 COLUMNS = ("params", "moments", "gradients", "fold stack", "activations", "communication", "transients")
@@ -116,6 +118,8 @@ def main(argv=None) -> int:
     print(f"{a.preset}: {P / 1e9:.2f} B parameters, batch phases {cfg.train.phases} (microbatches of "
           f"{cfg.train.microbatch_seqs} x {cfg.model.seq_len} tokens), precision {cfg.precision}; "
           f"one step per phase; GB = 1e9 bytes per worker")
+    print(f"[{LABEL}] the live bytes of the shape-only backend's allocations, not measured on a device: "
+          "no allocator rounding or fragmentation, CUDA context, library workspaces or NCCL buffers")
     all_rows = []
     for w in workers:
         t0 = time.perf_counter()
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
         for r in all_rows:
             print(details(r))
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(all_rows, indent=1, sort_keys=True))
+        write_bytes_atomic(a.json, json.dumps(all_rows, indent=1, sort_keys=True).encode())
     return 0
 
 

@@ -201,7 +201,9 @@ def test_benchmark_prints_the_table(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [(r["workers"], r["M"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["peak"] == sum(r["owners"].values()) for r in rows)
-    assert "peak" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "peak" in printed and "MODEL" in printed and "not measured on a device" in printed   # the figures' label
+    assert not list(tmp_path.glob("*.tmp*"))                                                     # written atomically
     assert bench.main(["--preset", "tiny", "--workers", "3"]) == 2          # more workers than microbatches
     assert "valid worker counts are 1-2" in capsys.readouterr().err
 
