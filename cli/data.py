@@ -273,3 +273,59 @@ def inspect(corpus_dir, window, seed, seq_len, source, doc, heldout, ids, tokeni
         click.echo(text)
         if sep:
             click.echo("# <end of text>")
+
+
+@data.group(cls=_DataGroup)
+def tokenizer() -> None:
+    """Train a tokenizer on your own corpus."""
+
+
+@tokenizer.command(name="train")
+@click.option("--default", "use_default", is_flag=True, help="Train on the embedded default corpus.")
+@click.option("--source", "source_specs", multiple=True, metavar="NAME=GLOB",
+              help="Training text: files matching GLOB (*.parquet, *.jsonl, *.jsonl.zst, *.txt; ** recurses), "
+                   "the same --source as `data prepare`. Repeatable; read in the order given.")
+@click.option("--text-field", default="text", show_default=True, help="Parquet column / JSON field holding the text.")
+@click.option("--vocab", "vocab_size", type=click.IntRange(257, (1 << 31) - 1), required=True,
+              help="Vocabulary size: the separator, the 256 bytes, then merges (fewer when the text runs out "
+                   "of pairs seen twice; the size trained is printed).")
+@click.option("--force", is_flag=True, help="Replace an existing --out file with different content.")
+@click.option("--out", "out_file", required=True, type=Path(dir_okay=False), help="The tokenizer.json to write.")
+def tokenizer_train(use_default, source_specs, text_field, vocab_size, force, out_file):
+    """Train a byte-level BPE tokenizer (the default's recipe) on the sources. Deterministic: the
+    same files in the same order give the same bytes; its SHA-256 is printed and is what
+    `data prepare --tokenizer` records in the manifest and every run records in run.json."""
+    import hashlib
+
+    from mlx_open1b.data.tokenizer import Tokenizer, train_tokenizer_bytes
+    from mlx_open1b.fsutil import write_bytes_atomic
+    if use_default == bool(source_specs):
+        raise click.UsageError("give either --default or one or more --source NAME=GLOB")
+    if use_default:
+        from mlx_open1b.data.corpus import default_sources
+        sources = default_sources()
+    else:
+        sources = _parse_sources(source_specs, (), text_field)
+
+    def texts():
+        for s in sources:
+            yield from s.documents()
+
+    out = pathlib.Path(out_file)
+    if out.exists() and not out.is_file():
+        raise DataError(f"{out}: exists and is not a file")
+    t0 = time.perf_counter()
+    data = train_tokenizer_bytes(texts(), vocab_size)    # reads every document before anything is written
+    sha = hashlib.sha256(data).hexdigest()
+    if out.exists() and not force and hashlib.sha256(out.read_bytes()).hexdigest() != sha:
+        raise DataError(f"{out}: exists with other content (a corpus prepared with it would no longer match); "
+                        f"use --force to replace it or choose another --out")
+    try:
+        write_bytes_atomic(out, data)
+    except WriteError as e:
+        fail(e.context(intact=f"any earlier {out} (the file is replaced whole)", then="run the same command again"))
+    tok = Tokenizer.load(out)
+    click.echo(f"{out}: vocab {tok.vocab_size} (asked {vocab_size}), separator {tok.eot_id}, sha256 {sha}; "
+               f"trained in {time.perf_counter() - t0:.1f} s")
+    click.echo(f"next: open1b data prepare --tokenizer {out} --source ... --out DIR, then open1b train --data DIR "
+               f"--tokenizer {out} --set model.vocab_size={tok.vocab_size}")

@@ -99,6 +99,9 @@ class _Progress:
               help="run directory")
 @click.option("--data", "data_dir", type=Path(file_okay=False), default=None,
               help="prepared corpus (default: the embedded default corpus, prepared on first use)")
+@click.option("--tokenizer", "tokenizer_path", type=Path(exists=True, dir_okay=False), default=None,
+              help="the corpus's tokenizer.json: checked against the SHA-256 the corpus (or, on --resume, the run) "
+                   "records, before anything is written")
 @click.option("--resume", is_flag=True, help="continue the run in --out from its latest checkpoint")
 @click.option("--threads", type=THREADS, default=0, help="kernel threads (0: one per CPU); never changes a bit")
 @click.option("--seed", type=SEED, default=None, help="override the preset's seed")
@@ -116,8 +119,8 @@ class _Progress:
               help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an "
                    "error; work a rank does alone (rank 0 writing a checkpoint) may take longer, as long as its "
                    "heartbeat goes on")
-def train(preset_name, config_file, sets, steps, backend, out, data_dir, resume, threads, seed, precision, gnmr_spec,
-          nproc, dist_timeout, selftest_refusal=None):
+def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokenizer_path, resume, threads, seed,
+          precision, gnmr_spec, nproc, dist_timeout, selftest_refusal=None):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     from mlx_open1b import cpu_ref
     from mlx_open1b.distributed import in_worker_env
@@ -155,6 +158,8 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, resume,
             data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
         elif data_dir is not None and not resume:
             Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
+        if tokenizer_path is not None:
+            _check_tokenizer(tokenizer_path, out if resume else data_dir, resume)
         if nproc is not None:
             return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
                            seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
@@ -181,6 +186,23 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, resume,
         fail(e)
     except (DataError, ConfigError) as e:
         fail(e, 2)
+
+
+def _check_tokenizer(tokenizer_path, where, resume: bool) -> None:
+    """--tokenizer must be the one the corpus was prepared with (or the run recorded): both hashes named."""
+    from mlx_open1b.data.tokenizer import Tokenizer
+    tok = Tokenizer.load(tokenizer_path)
+    if resume:
+        try:
+            want, what = RunDir(where).info().tokenizer_sha256, f"the run in {where}"
+        except RunDirError:
+            return                       # the trainer reports an unreadable run
+    else:
+        want, what = Manifest.load(where).tokenizer_sha256, f"{pathlib.Path(where) / 'manifest.json'}"
+    if tok.sha256 != want:
+        fail(f"--tokenizer {tokenizer_path}: SHA-256 {tok.sha256}, but {what} records tokenizer {want}; "
+             f"prepare the corpus with this tokenizer (open1b data prepare --tokenizer {tokenizer_path}) or pass "
+             f"the one it was prepared with", 2)
 
 
 def _run_config(out: pathlib.Path):

@@ -60,6 +60,19 @@ def train_default_tokenizer(texts_iter: Iterable[str], vocab_size: int = DEFAULT
     return tok
 
 
+MIN_VOCAB_SIZE = 257     # EOT and the 256 byte symbols: a vocabulary below it cannot encode every text
+
+
+def train_tokenizer_bytes(texts_iter: Iterable[str], vocab_size: int) -> bytes:
+    """The tokenizer.json bytes of a byte-level BPE trained on the texts (as the shipped default:
+    same model, trainer and serialization), so the same texts in the same order give the same
+    bytes and hence the same SHA-256, which every corpus prepared with it and every run records."""
+    if not MIN_VOCAB_SIZE <= vocab_size <= (1 << 31) - 1:
+        raise DataError(f"vocab_size: {vocab_size} is outside {MIN_VOCAB_SIZE}..{(1 << 31) - 1} "
+                        f"(EOT and the 256 bytes come first)")
+    return train_default_tokenizer(texts_iter, vocab_size=vocab_size).to_str(pretty=True).encode("utf-8")
+
+
 class Tokenizer:
     """A loaded tokenizer.json: .path, .sha256 (of the file's bytes), .vocab_size, .eot_id."""
 

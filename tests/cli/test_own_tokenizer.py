@@ -1,0 +1,99 @@
+"""Your data end to end: `data tokenizer train` on a generated corpus (parquet and jsonl.zst) is
+deterministic, `data prepare --tokenizer` records its hash, `train --data --tokenizer` runs, and a
+tokenizer that does not match the corpus is refused with both hashes, exit code 2, nothing written."""
+import hashlib
+import json
+import pathlib
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_open1b.cli.main import cli
+from mlx_open1b.data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer, default_tokenizer_path
+
+
+def write_parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), path)
+
+
+def write_jsonl(path, records):
+    import pyarrow as pa
+    with pa.CompressedOutputStream(str(path), "zstd") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in records).encode())
+
+VOCAB = 400
+
+
+def _corpus(root: pathlib.Path) -> None:
+    rng = random.Random(0)
+    words = "the a river stone garden model token city light water book mountain step loss".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(30, 90))) + f" {k}." for k in range(120)]
+    (root / "docs").mkdir()
+    write_parquet(root / "docs" / "a.parquet", docs[:60])
+    write_jsonl(root / "docs" / "b.jsonl.zst", [{"text": t} for t in docs[60:]])
+
+
+def _ok(r, args):
+    res = r.invoke(cli, args)
+    assert res.exit_code == 0, f"{args}\n{res.output}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("own")
+    _corpus(root)
+    r = CliRunner()
+    src = ["--source", f"mine={root}/docs/*"]
+    outs = []
+    for name in ("tok1.json", "tok2.json"):
+        res = _ok(r, ["data", "tokenizer", "train", *src, "--vocab", str(VOCAB), "--out", str(root / name)])
+        outs.append((root / name).read_bytes())
+    return root, outs, res.output
+
+
+def test_tokenizer_train_is_deterministic(trained):
+    root, (a, b), output = trained
+    assert a == b                                    # same corpus -> same bytes
+    sha = hashlib.sha256(a).hexdigest()
+    assert sha in output and sha != DEFAULT_TOKENIZER_SHA256
+    tok = Tokenizer.load(root / "tok1.json")
+    assert tok.eot_id == 0 and 257 < tok.vocab_size <= VOCAB
+    text = "the river 17. garden stone"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_prepare_and_train_with_own_tokenizer(trained, tmp_path):
+    root, (a, _), _ = trained
+    tokf, data = root / "tok1.json", tmp_path / "data"
+    tok = Tokenizer.load(tokf)
+    r = CliRunner()
+    _ok(r, ["data", "prepare", "--source", f"mine={root}/docs/*", "--tokenizer", str(tokf),
+            "--heldout-tokens", "300", "--out", str(data)])
+    m = json.loads((data / "manifest.json").read_text())
+    assert m["tokenizer_sha256"] == hashlib.sha256(a).hexdigest() and m["vocab_size"] == tok.vocab_size
+    # the packaged tokenizer does not match this corpus: both hashes named, exit 2, no run directory
+    run = tmp_path / "run"
+    small = ["--preset", "tiny", "--set", "model.n_layers=1", "--set", f"model.vocab_size={tok.vocab_size}"]
+    res = r.invoke(cli, ["train", *small, "--data", str(data), "--tokenizer", str(default_tokenizer_path()),
+                         "--out", str(run), "--steps", "2"])
+    assert res.exit_code == 2, res.output
+    assert DEFAULT_TOKENIZER_SHA256 in res.output and tok.sha256 in res.output and "Traceback" not in res.output
+    assert not run.exists()
+    _ok(r, ["train", *small, "--data", str(data), "--tokenizer", str(tokf), "--out", str(run), "--steps", "2"])
+    info = json.loads((run / "run.json").read_text())
+    assert info["tokenizer_sha256"] == tok.sha256
+    assert len((run / "ledger.jsonl").read_text().splitlines()) >= 2
+
+
+def test_tokenizer_train_refuses_to_replace_other_content(trained, tmp_path):
+    root, _, _ = trained
+    f = tmp_path / "t.json"
+    f.write_bytes(default_tokenizer_path().read_bytes())
+    res = CliRunner().invoke(cli, ["data", "tokenizer", "train", "--source", f"mine={root}/docs/*", "--vocab",
+                                   str(VOCAB), "--out", str(f)])
+    assert res.exit_code == 2 and "--force" in res.output and "Traceback" not in res.output
+    assert f.read_bytes() == default_tokenizer_path().read_bytes()
