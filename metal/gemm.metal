@@ -17,9 +17,10 @@
 // Staging, per operand and slice, four values a thread, read along the operand's contiguous axis:
 // when it is contiguous along p (stride 1: x and W in y = x W^T, dy in dx = dy W) thread t reads
 // row t / 4, p = 4 (t % 4) ... + 3; otherwise (dW's dy^T and x, dx's W) rows 4 (t % 16) ... + 3 at
-// p = t / 16, adjacent when the rows are. Any strides work either way. The 64-bit offset of each
-// of the thread's four values is computed once and a slice moves them by one step, so the
-// loops hold no 64-bit multiply and one variant serves buffers of any size.
+// p = t / 16, adjacent when the rows are. Any strides work either way. A thread's 64-bit offset
+// into each operand is computed once and moved by one add per slice, its four values at q times a
+// fixed stride from it (q a constant once the loop is unrolled): the loops hold no 64-bit multiply
+// by a variable, so one variant serves buffers of any size.
 // prm (int64) = I, J, P, oa, sa_i, sa_p, ob, sb_p, sb_j. Grid (tiles * 256), threadgroup 256;
 // tile (row-major over ceil(I / 64) x ceil(J / 64)) = threadgroup_position_in_grid.x.
 #define GM_BM 64
@@ -34,19 +35,14 @@ int t = (int)thread_index_in_threadgroup, tx = t % 16, ty = t / 16;
 long ntj = (J + GM_BN - 1) / GM_BN, tile = (long)threadgroup_position_in_grid.x;
 long i0 = (tile / ntj) * GM_BM, j0 = (tile % ntj) * GM_BN;
 int nI = (int)(I - i0 < GM_BM ? I - i0 : GM_BM), nJ = (int)(J - j0 < GM_BN ? J - j0 : GM_BN);
-// this thread's staged values: q-th at row ra[q] (of the tile) and p = pa[q] (of the slice)
+// this thread's staged values q = 0 ... 3 of each operand: A's at row ra + q dra of the tile and
+// p = pa + q (1 - dra) of the slice, at abase + q qa in A (abase moves by one slice's step); B's likewise
 bool apc = sap == 1, bpc = sbp == 1;
-int ra[4], pa[4], rb[4], pb[4];
-long offa[4], offb[4];                                  // from abase (A's at i0, p0), bbase likewise
-for (int q = 0; q < 4; q++) {
-    ra[q] = apc ? t / 4 : (t % 16) * 4 + q;
-    pa[q] = apc ? (t % 4) * 4 + q : t / 16;
-    rb[q] = bpc ? t / 4 : (t % 16) * 4 + q;
-    pb[q] = bpc ? (t % 4) * 4 + q : t / 16;
-    offa[q] = (long)ra[q] * sai + (long)pa[q] * sap;
-    offb[q] = (long)rb[q] * sbj + (long)pb[q] * sbp;
-}
-long abase = oa + i0 * sai, bbase = ob + j0 * sbj;   // the slice's (i0, p0) and (p0, j0)
+int ra = apc ? t / 4 : (t % 16) * 4, pa = apc ? (t % 4) * 4 : t / 16, dra = apc ? 0 : 1;
+int rb = bpc ? t / 4 : (t % 16) * 4, pb = bpc ? (t % 4) * 4 : t / 16, drb = bpc ? 0 : 1;
+long abase = oa + (i0 + ra) * sai + (long)pa * sap;    // value 0 of A's, at slice 0
+long bbase = ob + (j0 + rb) * sbj + (long)pb * sbp;    // value 0 of B's, at slice 0
+long qa = apc ? sap : sai, qb = bpc ? sbp : sbj;
 long stepa = GM_BK * sap, stepb = GM_BK * sbp;
 float acc[4][4];
 for (int r = 0; r < 4; r++)
@@ -57,22 +53,22 @@ for (int r = 0; r < 4; r++)
 bool active = ty * 4 < nI && tx * 4 < nJ;               // threads with no output skip the products
 ushort va[4], vb[4];
 for (int q = 0; q < 4; q++) {
-    va[q] = (ra[q] < nI && pa[q] < P) ? A[abase + offa[q]] : (ushort)0;
-    vb[q] = (rb[q] < nJ && pb[q] < P) ? B[bbase + offb[q]] : (ushort)0;
+    va[q] = (ra + q * dra < nI && pa + q * (1 - dra) < P) ? A[abase + q * qa] : (ushort)0;
+    vb[q] = (rb + q * drb < nJ && pb + q * (1 - drb) < P) ? B[bbase + q * qb] : (ushort)0;
 }
 int st = 0;                                             // the slice's buffer: 0 or GM_BK (its p offset)
 for (long p0 = 0; p0 < P; p0 += GM_BK) {
     for (int q = 0; q < 4; q++) {
-        As[(st + pa[q]) * GM_BM + ra[q]] = o1b_bf16_to_f32(va[q]);
-        Bs[(st + pb[q]) * GM_BN + rb[q]] = o1b_bf16_to_f32(vb[q]);
+        As[(st + pa + q * (1 - dra)) * GM_BM + ra + q * dra] = o1b_bf16_to_f32(va[q]);
+        Bs[(st + pb + q * (1 - drb)) * GM_BN + rb + q * drb] = o1b_bf16_to_f32(vb[q]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (p0 + GM_BK < P) {                               // the next slice's loads, before the products
         abase += stepa;
         bbase += stepb;
         for (int q = 0; q < 4; q++) {
-            va[q] = (ra[q] < nI && p0 + GM_BK + pa[q] < P) ? A[abase + offa[q]] : (ushort)0;
-            vb[q] = (rb[q] < nJ && p0 + GM_BK + pb[q] < P) ? B[bbase + offb[q]] : (ushort)0;
+            va[q] = (ra + q * dra < nI && p0 + GM_BK + pa + q * (1 - dra) < P) ? A[abase + q * qa] : (ushort)0;
+            vb[q] = (rb + q * drb < nJ && p0 + GM_BK + pb + q * (1 - drb) < P) ? B[bbase + q * qb] : (ushort)0;
         }
     }
     int n = P - p0 < GM_BK ? (int)(P - p0) : GM_BK;     // padding p is never added

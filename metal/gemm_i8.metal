@@ -8,7 +8,7 @@
 // barrier per slice), eight values per operand and thread, read along the operand's contiguous axis:
 // contiguous along p (the forward's qx and qw): row t / 4, p = 8 (t % 4) ... + 7; otherwise (the
 // backward's rotated operands, contiguous along rows): rows 8 (t % 8) ... + 7 at p = t / 8. Zeros
-// pad the edges (they add nothing to an exact sum). 64-bit offsets are computed once per thread.
+// pad the edges (they add nothing to an exact sum). 64-bit offsets as in gemm.metal: one add per slice.
 // prm (int64) = I, J, P, sa_i, sa_p, sb_j, sb_p, oa, ob. Grid (tiles * 256), threadgroup 256;
 // tile (row-major over ceil(I / 64) x ceil(J / 64)) = threadgroup_position_in_grid.x.
 #define QM_BM 64
@@ -23,18 +23,14 @@ int t = (int)thread_index_in_threadgroup, tx = t % 16, ty = t / 16;
 long ntj = (J + QM_BN - 1) / QM_BN, tile = (long)threadgroup_position_in_grid.x;
 long i0 = (tile / ntj) * QM_BM, j0 = (tile % ntj) * QM_BN;
 int nI = (int)(I - i0 < QM_BM ? I - i0 : QM_BM), nJ = (int)(J - j0 < QM_BN ? J - j0 : QM_BN);
+// this thread's staged values q = 0 ... 7 of each operand: A's at row ra + q dra of the tile and
+// p = pa + q (1 - dra) of the slice, at abase + q qa in A (abase moves by one slice's step); B's likewise
 bool apc = sap == 1, bpc = sbp == 1;
-int ra[8], pa[8], rb[8], pb[8];
-long offa[8], offb[8];                                  // from abase (A's at i0, p0), bbase likewise
-for (int q = 0; q < 8; q++) {
-    ra[q] = apc ? t / 4 : (t % 8) * 8 + q;
-    pa[q] = apc ? (t % 4) * 8 + q : t / 8;
-    rb[q] = bpc ? t / 4 : (t % 8) * 8 + q;
-    pb[q] = bpc ? (t % 4) * 8 + q : t / 8;
-    offa[q] = (long)ra[q] * sai + (long)pa[q] * sap;
-    offb[q] = (long)rb[q] * sbj + (long)pb[q] * sbp;
-}
-long abase = oa + i0 * sai, bbase = ob + j0 * sbj;   // the slice's (i0, p0) and (j0, p0)
+int ra = apc ? t / 4 : (t % 8) * 8, pa = apc ? (t % 4) * 8 : t / 8, dra = apc ? 0 : 1;
+int rb = bpc ? t / 4 : (t % 8) * 8, pb = bpc ? (t % 4) * 8 : t / 8, drb = bpc ? 0 : 1;
+long abase = oa + (i0 + ra) * sai + (long)pa * sap;    // value 0 of A's, at slice 0
+long bbase = ob + (j0 + rb) * sbj + (long)pb * sbp;    // value 0 of B's, at slice 0
+long qa = apc ? sap : sai, qb = bpc ? sbp : sbj;
 long stepa = QM_BK * sap, stepb = QM_BK * sbp;
 int acc[4][4];
 for (int r = 0; r < 4; r++)
@@ -42,22 +38,22 @@ for (int r = 0; r < 4; r++)
 bool active = ty * 4 < nI && tx * 4 < nJ;               // threads with no output skip the products
 short va[8], vb[8];
 for (int q = 0; q < 8; q++) {
-    va[q] = (ra[q] < nI && pa[q] < P) ? (short)A[abase + offa[q]] : (short)0;
-    vb[q] = (rb[q] < nJ && pb[q] < P) ? (short)B[bbase + offb[q]] : (short)0;
+    va[q] = (ra + q * dra < nI && pa + q * (1 - dra) < P) ? (short)A[abase + q * qa] : (short)0;
+    vb[q] = (rb + q * drb < nJ && pb + q * (1 - drb) < P) ? (short)B[bbase + q * qb] : (short)0;
 }
 int st = 0;                                             // the slice's buffer: 0 or QM_BK (its p offset)
 for (long p0 = 0; p0 < P; p0 += QM_BK) {
     for (int q = 0; q < 8; q++) {
-        Aq[(st + pa[q]) * QM_BM + ra[q]] = va[q];
-        Bq[(st + pb[q]) * QM_BN + rb[q]] = vb[q];
+        Aq[(st + pa + q * (1 - dra)) * QM_BM + ra + q * dra] = va[q];
+        Bq[(st + pb + q * (1 - drb)) * QM_BN + rb + q * drb] = vb[q];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (p0 + QM_BK < P) {                               // the next slice's loads, before the products
         abase += stepa;
         bbase += stepb;
         for (int q = 0; q < 8; q++) {
-            va[q] = (ra[q] < nI && p0 + QM_BK + pa[q] < P) ? (short)A[abase + offa[q]] : (short)0;
-            vb[q] = (rb[q] < nJ && p0 + QM_BK + pb[q] < P) ? (short)B[bbase + offb[q]] : (short)0;
+            va[q] = (ra + q * dra < nI && p0 + QM_BK + pa + q * (1 - dra) < P) ? (short)A[abase + q * qa] : (short)0;
+            vb[q] = (rb + q * drb < nJ && p0 + QM_BK + pb + q * (1 - drb) < P) ? (short)B[bbase + q * qb] : (short)0;
         }
     }
     if (active)
