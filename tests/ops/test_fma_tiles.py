@@ -239,6 +239,29 @@ def test_each_tile_takes_the_path_the_guard_says():
             assert fused == (path == "fused"), f"{name} ({layout}): the {'fused' if fused else 'exact'} path was taken"
 
 
+@needs_emulator
+@pytest.mark.parametrize("special", [0x7F80, 0xFF80, 0x7FC0], ids=["inf", "-inf", "nan"])
+def test_inf_or_nan_alone_sends_the_tile_to_the_exact_path(special):
+    """A tile whose exponent sums pass both bounds with its inf or NaN counted as exponent 255
+    (maxA + maxB = 255 + 124 <= 380) still takes the exact path: the guard's own inf/NaN clause,
+    which the boundary cases above never isolate (their inf and NaN tiles also exceed 380). Row 0
+    is the probe (1.5*2^-126 - 2^-125: -0 on the exact path, +0 fused under flush_unsigned); the
+    special value sits in row 1 of the same tile. The definition's bits on the plain unit too."""
+    P = BK
+    A = np.full((2, P), 0x8000, np.uint16)
+    A[0, 0], A[0, 1] = bf(1.5 * 2.0 ** -123), bf(-(2.0 ** -122))     # exponent fields 4 and 5
+    A[1, 0] = special
+    B = np.full((P, 1), bf(2.0 ** -3), np.uint16)                       # exponent field 124
+    C0 = np.zeros((2, 1), np.float32)
+    want = reference(A, B, C0, False)
+    assert want[0, 0].view(np.uint32) == 0x80000000
+    with runtime.emulate():
+        assert_bits_equal(cuda_gemm(A, B, C0, False), want, "plain unit")
+        with emu.hardware(fault="flush_unsigned"):
+            got = cuda_gemm(A, B, C0, False)
+    assert got[0, 0].view(np.uint32) == 0x80000000, "the fused path was taken"
+
+
 def mixed_operand(rng, shape):
     """Ordinary values with a sprinkling of zeros, bf16 subnormals, tiny and huge values, inf and NaN:
     some slices fused, some exact."""
