@@ -222,6 +222,8 @@ class Trainer:
 
     def step(self) -> dict:
         """Compute the next step, append its ledger record, checkpoint when due."""
+        if self.readonly:      # a replay computes steps (compute_step) and never writes the run
+            raise TrainError(f"{self.dir}: opened read-only (a replay); it cannot take training steps")
         with self._failures(self.state.step):
             record = self.add_eval(self.compute_step())
             if self.writer:

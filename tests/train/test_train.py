@@ -266,3 +266,13 @@ def test_nan_loss_stops_with_checkpoint_intact(tmp_path, corpus, monkeypatch):
     step, path = list_checkpoints(run)[-1]
     assert step == 4
     load_checkpoint(path)
+
+
+def test_a_replay_cannot_take_training_steps(tmp_path, corpus):
+    run = tmp_path / "run"
+    Trainer(run, micro_cfg(), corpus).train(3)
+    before = {p.name: p.stat().st_mtime_ns for p in run.rglob("*")}
+    replay = Trainer.replay(run, at_step=2, log=lambda m: None)
+    with pytest.raises(TrainError, match="read-only"):
+        replay.step()
+    assert {p.name: p.stat().st_mtime_ns for p in run.rglob("*")} == before
