@@ -70,6 +70,22 @@ def _empty(shape, dtype):
     return _xp().empty(shape, dtype)
 
 
+_dummies: dict = {}     # (device id, dtype) -> a 1-element device array
+
+
+def _dummy(a: np.ndarray):
+    """The 1-element placeholder a (numpy) for a kernel argument the launch does not use, in the
+    kernels' memory: on a GPU uploaded once per device and dtype, not on every call."""
+    if not runtime.real_cuda():
+        return a
+    import cupy
+    key = (cupy.cuda.Device().id, a.dtype.str)
+    d = _dummies.get(key)
+    if d is None:
+        d = _dummies[key] = cupy.asarray(a)
+    return d
+
+
 _mode = threading.local()      # .device: the running op was given a device (cupy) array
 
 
@@ -225,7 +241,7 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
     N, V, C = opargs.embedding_backward(tokens, dout, V)
     # the stable counting sort of positions by token, on the host (data movement only; the index
     # arrays go to the device with the launch)
-    tokens = arrays.to_host(tokens)
+    tokens = opargs.host_ids(tokens)
     start = np.zeros(V + 1, np.int64)
     np.cumsum(np.bincount(tokens, minlength=V), out=start[1:])
     pos = np.argsort(tokens, kind="stable").astype(np.int64)
@@ -237,7 +253,8 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
     return _host(dwte)
 
 
-_NO_GAIN = np.zeros(1, np.uint16)
+_NO_GAIN = np.zeros(1, np.uint16)       # the 1-element placeholders of unused arguments (_dummy)
+_NO_F32 = np.zeros(1, np.float32)
 
 
 @_given_kind
@@ -246,7 +263,7 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
     y = _empty((N, C), np.float32)
     rstd = _empty((N,), np.float32)
     _launch1d("rmsnorm.cu", "o1b_rmsnorm_forward", N, i64(N), i64(C), _dev(x),
-              _dev(g if g is not None else _NO_GAIN), i32(g is not None), f32(eps), y, rstd)
+              (_dev(g) if g is not None else _dummy(_NO_GAIN)), i32(g is not None), f32(eps), y, rstd)
     return _host(y), _host(rstd)
 
 
@@ -256,7 +273,7 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, g: np.ndarray | None, rstd: 
     ddy, xd, drstd = _dev(dy), _dev(x), _dev(rstd)
     dx = _empty((N, C), np.float32)
     _launch1d("rmsnorm.cu", "o1b_rmsnorm_backward_dx", N, i64(N), i64(C), ddy, xd,
-              _dev(g if g is not None else _NO_GAIN), i32(g is not None), drstd, dx)
+              (_dev(g) if g is not None else _dummy(_NO_GAIN)), i32(g is not None), drstd, dx)
     dg = None
     if g is not None:
         dg = _empty((C,), np.float32)
@@ -337,7 +354,7 @@ def sumsq_blocks(x: np.ndarray) -> np.ndarray:
 def treefold(values: np.ndarray) -> float:
     n = opargs.treefold(values)
     out = _empty((1,), np.float32)
-    _launch1d("reduce.cu", "o1b_treefold", 1, i64(n), _dev(values if values.size else np.zeros(1, F32)), out)
+    _launch1d("reduce.cu", "o1b_treefold", 1, i64(n), _dev(values) if values.size else _dummy(_NO_F32), out)
     return float(np.float32(arrays.to_host(out)[0]))
 
 
@@ -480,7 +497,6 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 # qmax 7 / 31 are the simulated int4 / int6 paths: the kernels that depend on the level bound take it
 # as an argument.
 Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per absmax partial (no result depends on it)
-_NO_F32 = np.zeros(1, np.float32)
 _NO_U8 = np.zeros(1, np.uint8)
 
 
@@ -494,7 +510,7 @@ def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):
     q = _empty((M, K), np.int8)
     s = _empty((max(M, 1),), np.float32)
     inv = _empty((max(M, 1),), np.float32)
-    c = _empty((M, K), np.uint8) if clip else _dev(_NO_U8)
+    c = _empty((M, K), np.uint8) if clip else _dummy(_NO_U8)
     _launch1d("quant.cu", "o1b_q_weight_scales", M, i64(M), i64(K), dw_, s, inv, i32(qmax))
     _launch1d("quant.cu", "o1b_q_weight_levels", M * K, i64(M), i64(K), dw_, s, inv, q, c, i32(int(clip)),
               i32(qmax))
@@ -506,7 +522,7 @@ def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX, rows: int = 0):
     [-qmax, qmax]); returns the device scale array sc (sc[0] = s, sc[1] = div(1, s) where used).
     rows > 0 (fp32 only): src is (rows, n // rows) and q receives the levels transposed, (n // rows,
     rows) — the layout the int8 GEMM contracts fastest (data movement only)."""
-    xb, xf = (_dev(_NO_GAIN), src) if is_f32 else (src, _dev(_NO_F32))
+    xb, xf = (_dummy(_NO_GAIN), src) if is_f32 else (src, _dummy(_NO_F32))
     nc = (n + Q_CHUNK - 1) // Q_CHUNK
     part = _empty((max(nc, 1),), np.uint32)
     sc = _empty((2,), np.float32)

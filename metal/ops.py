@@ -337,7 +337,7 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
     N, V, C = opargs.embedding_backward(tokens, dout, V)
     # the stable counting sort of positions by token (data movement only, on the host; the
     # index arrays go back to the device with the launch)
-    tokens = arrays.to_host(tokens)
+    tokens = opargs.host_ids(tokens)
     start = np.zeros(V + 1, I64)
     start[1:] = np.cumsum(np.bincount(tokens, minlength=V))
     pos = np.argsort(tokens, kind="stable").astype(I64)

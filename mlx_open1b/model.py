@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import arrays, cpu_ref
+from . import arrays, cpu_ref, opargs
 from .config import ModelConfig
 from .contract import QMAX4, QMAX6, STREAM_INIT
 from .hostmath import f32, reciprocal
@@ -185,6 +185,7 @@ class Cache:
     rstd_final: np.ndarray | None = None  # (N,) fp32
     hn_b: np.ndarray | None = None     # (N, d) bf16 final_norm output, the LM head's input
     lse: np.ndarray | None = None      # (N,) fp32  logsumexp of the logits (xent)
+    ids: tuple = ()    # (inputs, targets) on the host, checked by Model._split: no op reads ids back
 
 
 # --------------------------------------------------------------------------------- program
@@ -266,10 +267,11 @@ class Model:
         """-> (loss, ce, zl, cache): the microbatch means of loss = ce + z-term, of ce and of the
         z-term (Python floats holding fp32 values), and the cache for backward."""
         self._check_params(params)
-        inputs, targets, B = self._split(windows)
-        inputs, targets = self._put(inputs), self._put(targets)
-        cache = Cache(B, self.cfg.seq_len, inputs, targets)
-        loss_n, lse_n, ce_n = self._forward(params, inputs, targets, B, cache)
+        inputs_h, targets_h, B = self._split(windows)
+        inputs, targets = self._put(inputs_h), self._put(targets_h)
+        cache = Cache(B, self.cfg.seq_len, inputs, targets, ids=(inputs_h, targets_h))
+        with self._checked_ids(cache):
+            loss_n, lse_n, ce_n = self._forward(params, inputs, targets, B, cache)
         return (*self._means(loss_n, lse_n, ce_n), cache)
 
     def backward(self, params: np.ndarray, cache: Cache) -> np.ndarray:
@@ -278,12 +280,14 @@ class Model:
         self._check_params(params)
         if not isinstance(cache, Cache) or cache.lse is None:
             raise ValueError("cache: expected the Cache returned by Model.forward")
-        return self._backward(params, cache)
+        with self._checked_ids(cache):
+            return self._backward(params, cache)
 
     def loss_and_grad(self, params: np.ndarray, windows: np.ndarray):
         """-> (loss, ce, zl, grads fp32 (n_params,))."""
         loss, ce, zl, cache = self.forward(params, windows)
-        return loss, ce, zl, self._backward(params, cache)
+        with self._checked_ids(cache):
+            return loss, ce, zl, self._backward(params, cache)
 
     def eval_loss(self, params: np.ndarray, windows: np.ndarray, batch: int | None = None) -> np.ndarray:
         """Per-window mean cross-entropy (B,) fp32, forward only, nothing cached. In bf16 every op is
@@ -301,9 +305,12 @@ class Model:
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
             rows = slice(b0 * T, (b0 + nb) * T)
-            _, _, ce_n = self._forward(params, self._put(inputs[rows]), self._put(targets[rows]), nb, None)
+            ids = (self._put(inputs[rows]), self._put(targets[rows]))
+            with opargs.checked_ids(self.cfg.vocab_size, (ids[0], inputs[rows]), (ids[1], targets[rows])):
+                _, _, ce_n = self._forward(params, *ids, nb, None)
+            ce_h = arrays.to_host(ce_n)          # one transfer; the means on the host (same contract ops)
             for i in range(nb):
-                out[b0 + i] = self.ops.scalar_mul(self.ops.treefold(ce_n[i * T:(i + 1) * T]), r)
+                out[b0 + i] = cpu_ref.scalar_mul(cpu_ref.treefold(ce_h[i * T:(i + 1) * T]), r)
         return out
 
     # ---- input checks
@@ -330,14 +337,25 @@ class Model:
         return (np.ascontiguousarray(w[:, :-1]).reshape(-1), np.ascontiguousarray(w[:, 1:]).reshape(-1),
                 windows.shape[0])
 
+    def _checked_ids(self, cache: Cache):
+        """Around the ops of a microbatch: its token ids count as checked (by _split, on the host),
+        so no op reads them back from the device."""
+        V = self.cfg.vocab_size
+        return opargs.checked_ids(V, *zip((cache.inputs, cache.targets), cache.ids))
+
     # ---- forward
     def _means(self, loss_n, lse_n, ce_n):
         """Microbatch means: mul(treefold(rows), 1/N). The z-term rows are recomputed on the host
-        exactly as xent defines them, zl = mul(zcoef, mul(lse, lse)) (for logging)."""
-        ops, r = self.ops, reciprocal(loss_n.size)
-        lse_h = arrays.to_host(lse_n)
+        exactly as xent defines them, zl = mul(zcoef, mul(lse, lse)) (for logging). The three row
+        arrays come to the host in one transfer and the folds run there (the C reference's treefold
+        and scalar_mul: the contract's ops, so the same bits as the backend's, without a blocking
+        read per fold)."""
+        N, r = loss_n.size, reciprocal(loss_n.size)
+        rows = arrays.to_host(arrays.concat([loss_n, ce_n, lse_n]))
+        loss_h, ce_h, lse_h = rows[:N], rows[N:2 * N], rows[2 * N:]
         zl_n = arith.mul(np.float32(self.zcoef), arith.mul(lse_h, lse_h))
-        return tuple(float(ops.scalar_mul(ops.treefold(x), r)) for x in (loss_n, ce_n, zl_n))
+        return tuple(float(cpu_ref.scalar_mul(cpu_ref.treefold(np.ascontiguousarray(x)), r))
+                     for x in (loss_h, ce_h, zl_n))
 
     def _forward(self, params, inputs, targets, B, cache: Cache | None):
         """-> loss_n, lse_n, ce_n (N,) fp32; fills cache when one is given."""

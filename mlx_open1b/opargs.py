@@ -7,8 +7,10 @@ host-side contract modules are imported, so a backend can check arguments withou
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -71,10 +73,42 @@ def uint(name: str, value: int, bits: int) -> int:
     return int(value)
 
 
+_checked = threading.local()    # .ids: ((device array, host copy, V), ...) of checked_ids
+
+
+@contextlib.contextmanager
+def checked_ids(V: int, *pairs):
+    """Within: each (device, host) pair of token-id arrays, whose host copy the caller made the
+    device array from and has checked to lie in [0, V), is taken as checked by the ops (no read
+    back of the device ids for the range check), and ops that need the ids on the host use the host
+    copy. A device array of ids is then read back by no op: a model checks its windows once per
+    microbatch on the host."""
+    old = getattr(_checked, "ids", ())
+    _checked.ids = old + tuple((d, h, int(V)) for d, h in pairs)
+    try:
+        yield
+    finally:
+        _checked.ids = old
+
+
+def _checked_copy(a, V: int | None = None):
+    """The host copy of a, given to checked_ids (for the bound V when V is given), or None."""
+    for d, h, v in getattr(_checked, "ids", ()):
+        if d is a and (V is None or v == V):
+            return h
+    return None
+
+
+def host_ids(a) -> np.ndarray:
+    """Token ids on the host: checked_ids' host copy when a has one, else a read back."""
+    h = _checked_copy(a)
+    return h if h is not None else arrays.to_host(a)
+
+
 def tokens(tokens: np.ndarray, V: int) -> np.ndarray:
     """int32 token ids (N,), each in [0, V)."""
     check("tokens", tokens, I32, ndim=1)
-    if tokens.size:
+    if tokens.size and _checked_copy(tokens, V) is None:
         t = arrays.to_host(tokens)          # a few bytes per row; device ids are checked on the host
         bad = np.flatnonzero((t < 0) | (t >= V))
         if bad.size:
@@ -307,7 +341,9 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
         if size == 0:
             raise ValueError(f"{name}: must be at least 1, got shape h {h.shape}, w {w.shape}")
     check("targets", targets, I32, shape=(N,))
-    t = arrays.to_host(targets)
+    t = _checked_copy(targets, V)
+    if t is None:
+        t = arrays.to_host(targets)
     bad = np.flatnonzero((t < 0) | (t >= V))
     if bad.size:
         i = int(bad[0])
