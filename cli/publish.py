@@ -45,12 +45,17 @@ def report(run, out, max_checkpoints, png, png_scale):
 @click.option("--format", "fmt", type=click.Choice(["mlx", "hf"]), default="mlx", show_default=True,
               help="mlx: the model program's tensor names; hf: Hugging Face Llama names + model.embed_norm")
 @click.option("--out", type=Path(file_okay=False), required=True, help="new output directory")
-def export(run, step, fmt, out):
+@click.option("--tokenizer", type=Path(exists=True, dir_okay=False), default=None,
+              help="the run's tokenizer.json to ship with it (default: the shipped one, when it is the run's; its "
+                   "SHA-256 must be the run's)")
+def export(run, step, fmt, out, tokenizer):
     """Export a checkpoint's weights (bf16, bit-identical) with config.json and tokenizer.json.
 
     \b
     Loads in plain MLX (mx.load; mlx_open1b.export.mlx_forward runs it) and in PyTorch
-    (mlx_open1b.export.torch_model -> mlx_open1b.torch_model.TorchModel). What does NOT map onto
+    (mlx_open1b.export.torch_model -> mlx_open1b.torch_model.TorchModel); --format hf also ships
+    the model code, so transformers' AutoModelForCausalLM.from_pretrained(OUT,
+    trust_remote_code=True) loads it and generates. What does NOT map onto
     HF / mlx-lm Llama, so the config says model_type "open1b", not "llama":
       - the RMSNorm on the embedding output (embed_norm),
       - QK-norm: gain-free per-head RMSNorm of q and k before RoPE (= Qwen3's q_norm/k_norm with
@@ -60,9 +65,10 @@ def export(run, step, fmt, out):
     """
     from mlx_open1b.export import ExportError, export as do_export
     try:
-        path = do_export(run, step, fmt, out)
+        path = do_export(run, step, fmt, out, tokenizer)
     except WriteError as e:
-        again = f"open1b export {run}{f' --step {step}' if step is not None else ''} --format {fmt} --out {out}"
+        again = (f"open1b export {run}{f' --step {step}' if step is not None else ''} --format {fmt} --out {out}"
+                 f"{f' --tokenizer {tokenizer}' if tokenizer else ''}")
         fail(e.context(intact=f"the run (an export only reads it); nothing is left under {out} (an export is "
                               f"renamed into place only when complete)", then=f"run `{again}` again"))
     except ExportError as e:

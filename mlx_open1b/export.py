@@ -7,8 +7,13 @@ Both formats write into a new directory (atomically: built beside it, then renam
                                                          safetensors writer; no extra dependency)
     config.json                                          the architecture (below) and provenance: run
                                                          hash, genesis, step, the ledger's parameter hash
-    tokenizer.json                                       the run's tokenizer (when it is the shipped one)
+    tokenizer.json                                       the run's tokenizer (the shipped one, or the file given
+                                                         as `tokenizer`, whose SHA-256 must be the run's)
     README.md                                            what maps to other libraries and what does not
+    configuration_open1b.py, modeling_open1b.py (hf)     the model for `transformers`, named by config.json's
+                                                         `auto_map`: AutoModelForCausalLM.from_pretrained(DIR,
+                                                         trust_remote_code=True) loads it and generates
+    tokenizer_config.json (hf, with tokenizer.json)      so AutoTokenizer.from_pretrained(DIR) loads the tokenizer
 
 `mlx`: tensors under the model program's names (`wte`, `emb_norm`, `layers.<l>.attn_norm`, `wq`, `wk`,
 `wv`, `wo`, `ffn_norm`, `w_gate_up` = [gate | up], `w_down`, `final_norm`, `lm_head`), shapes (out, in);
@@ -19,7 +24,7 @@ into `mlx_open1b.torch_model.TorchModel` (`load_state_dict`, strict).
 `model.layers.<l>.self_attn.{q,k,v,o}_proj.weight`, `input_layernorm`, `post_attention_layernorm`,
 `mlp.{gate,up,down}_proj.weight` with w_gate_up split in its gate and up halves, `model.norm.weight`,
 `lm_head.weight`) plus `model.embed_norm.weight`, and a Llama-like config.json with
-`model_type: "open1b"`. What does NOT map onto HF/mlx-lm Llama (a Llama loader would silently compute
+`model_type: "open1b"` and the model code (mlx_open1b/export_hf/) that computes all of it. What does NOT map onto HF/mlx-lm Llama (a Llama loader would silently compute
 something else, so the config does not claim to be Llama):
   - the RMSNorm on the embedding output (`embed_norm`; it can be folded into the embedding table in
     fp32, at the cost of one more rounding if stored in bf16);
@@ -46,7 +51,7 @@ import numpy as np
 from . import __version__, cpu_ref
 from .checkpoint import CheckpointError, load_checkpoint, read_safetensors, write_safetensors
 from .config import ModelConfig
-from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, default_tokenizer_path
+from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, EOT
 from .errors import Open1bError
 from .fsutil import WriteError, write_file
 from .model import Model, ParamLayout, views
@@ -56,6 +61,8 @@ from .rundir import RunDir
 
 FORMAT = "open1b-export/1"
 FILES = {"mlx": "weights.safetensors", "hf": "model.safetensors"}
+HF_CODE = ("configuration_open1b.py", "modeling_open1b.py")       # copied from mlx_open1b/export_hf/
+_HF_DIR = pathlib.Path(__file__).resolve().parent / "export_hf"
 NOT_MAPPED = [
     "embed_norm: RMSNorm (with gain) on the embedding output; no Llama equivalent (foldable into the "
     "embedding table in fp32)",
@@ -89,7 +96,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
     return out
 
 
-def _config_json(cfg: ModelConfig, fmt: str, provenance: dict) -> dict:
+def _config_json(cfg: ModelConfig, fmt: str, provenance: dict, eot_id: int | None = None) -> dict:
     windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
     base = {"format": FORMAT, "export_format": fmt, "model_type": "open1b",
             "architecture": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
@@ -103,18 +110,23 @@ def _config_json(cfg: ModelConfig, fmt: str, provenance: dict) -> dict:
             "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
             "torch_dtype": "bfloat16", "sliding_window": cfg.window,
             "layer_types": ["full_attention" if w == 0 else "sliding_attention" for w in windows],
-            "qk_norm": "per-head RMSNorm without gain, before RoPE", "embed_norm": True})
+            "qk_norm": "per-head RMSNorm without gain, before RoPE", "embed_norm": True,
+            "auto_map": {"AutoConfig": "configuration_open1b.Open1BConfig",
+                         "AutoModelForCausalLM": "modeling_open1b.Open1BForCausalLM"},
+            "eos_token_id": eot_id})            # the separator, when the tokenizer is shipped with it
     return base
 
 
 # ------------------------------------------------------------------------------- export
-def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
-    """Write checkpoint `step` (default: the latest) of the run in `fmt` to the new directory out_dir."""
+def export(run_dir, step: int | None, fmt: str, out_dir, tokenizer=None) -> pathlib.Path:
+    """Write checkpoint `step` (default: the latest) of the run in `fmt` to the new directory out_dir.
+    tokenizer: the run's tokenizer.json to ship (default: the shipped one, when it is the run's)."""
     if fmt not in FILES:
         raise ExportError(f"--format: expected mlx or hf, got {fmt!r}")
     rd = RunDir(run_dir)
     run = rd.path
     info = rd.info(error=ExportError)
+    tok = _run_tokenizer(tokenizer, info.tokenizer_sha256)
     cfg = info.config.model
     step = rd.select_checkpoint(step, ExportError)
     out = pathlib.Path(out_dir)
@@ -149,10 +161,21 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     except OSError as e:
         raise WriteError.of_part(out, e, "the export ") from None
     try:                             # into a temporary directory, renamed onto out once complete
-        write_safetensors(tmp / FILES[fmt], named, {"format": FORMAT, "step": str(step),
-                                                     "params_hash": str(meta.get("params_hash"))})
-        write_file(tmp / "config.json", [(json.dumps(_config_json(cfg, fmt, provenance), indent=2) + "\n").encode()])
-        _copy_tokenizer(info.tokenizer_sha256, tmp)
+        # transformers (4.x) refuses a safetensors file whose "format" is not one of its frameworks: "pt" names
+        # the PyTorch layout (Linear weights (out, in)) the hf names follow
+        write_safetensors(tmp / FILES[fmt], named, {"format": "pt" if fmt == "hf" else FORMAT, "open1b_format": FORMAT,
+                                                     "step": str(step), "params_hash": str(meta.get("params_hash"))})
+        conf = _config_json(cfg, fmt, provenance, None if tok is None else tok.eot_id)
+        write_file(tmp / "config.json", [(json.dumps(conf, indent=2) + "\n").encode()])
+        if tok is not None:
+            write_file(tmp / "tokenizer.json", [tok.path.read_bytes()])
+        if fmt == "hf":
+            for name in HF_CODE:
+                write_file(tmp / name, [(_HF_DIR / name).read_bytes()])
+            if tok is not None:
+                write_file(tmp / "tokenizer_config.json", [(json.dumps(
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
+                     "model_max_length": cfg.seq_len}, indent=2) + "\n").encode()])
         write_file(tmp / "README.md", [_readme(fmt, provenance).encode()])
         os.chmod(tmp, 0o755)
         if out.exists():
@@ -166,9 +189,21 @@ def export(run_dir, step: int | None, fmt: str, out_dir) -> pathlib.Path:
     return out
 
 
-def _copy_tokenizer(tokenizer_sha256: str, dest: pathlib.Path) -> None:
-    if tokenizer_sha256 == DEFAULT_TOKENIZER_SHA256:
-        write_file(dest / "tokenizer.json", [pathlib.Path(default_tokenizer_path()).read_bytes()])
+def _run_tokenizer(path, run_sha256: str):
+    """The tokenizer to ship: the file given (its SHA-256 must be the run's), else the shipped default
+    when it is the run's, else None."""
+    from .data.format import DataError
+    from .data.tokenizer import Tokenizer
+    if path is None and run_sha256 != DEFAULT_TOKENIZER_SHA256:
+        return None
+    try:
+        tok = Tokenizer.load(path)
+    except DataError as e:
+        raise ExportError(f"--tokenizer: {e}") from None
+    if tok.sha256 != run_sha256:
+        raise ExportError(f"--tokenizer {path}: SHA-256 {tok.sha256}, but the run was trained with tokenizer "
+                          f"{run_sha256}; pass the tokenizer.json its corpus was prepared with")
+    return tok
 
 
 def _readme(fmt: str, prov: dict) -> str:
@@ -176,8 +211,13 @@ def _readme(fmt: str, prov: dict) -> str:
              f"Checkpoint step {prov['step']} of run `{prov['run_hash']}` (genesis `{prov['genesis']}`), parameter "
              f"hash `{prov['params_hash']}` as in the run's ledger. Weights are bf16, bit-identical to the checkpoint.",
              "", "Load: `mx.load(\"" + FILES[fmt] + "\")` (MLX); `mlx_open1b.export.mlx_forward` runs them in plain MLX; "
-             "`mlx_open1b.export.torch_model(DIR)` gives a `mlx_open1b.torch_model.TorchModel`.", "",
-             "Not mapped onto Hugging Face / mlx-lm Llama (config `model_type` is `open1b` on purpose):", ""]
+             "`mlx_open1b.export.torch_model(DIR)` gives a `mlx_open1b.torch_model.TorchModel`.", ""]
+    if fmt == "hf":
+        lines += ["Hugging Face `transformers` (torch; no mlx-open1b needed): "
+                  "`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `modeling_open1b.py` "
+                  "(the full architecture below, float32 norms and softmax), `.generate(...)` included; "
+                  "`AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` reads tokenizer.json where shipped.", ""]
+    lines += ["Not mapped onto Hugging Face / mlx-lm Llama (config `model_type` is `open1b` on purpose):", ""]
     lines += [f"- {n}" for n in NOT_MAPPED]
     return "\n".join(lines) + "\n"
 

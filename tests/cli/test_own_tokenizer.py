@@ -87,6 +87,16 @@ def test_prepare_and_train_with_own_tokenizer(trained, tmp_path):
     info = json.loads((run / "run.json").read_text())
     assert info["tokenizer_sha256"] == tok.sha256
     assert len((run / "ledger.jsonl").read_text().splitlines()) >= 2
+    # the export ships the run's own tokenizer; another one is refused, both hashes named, nothing written
+    bad = r.invoke(cli, ["export", str(run), "--format", "hf", "--tokenizer", str(default_tokenizer_path()),
+                         "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 2, bad.output
+    assert DEFAULT_TOKENIZER_SHA256 in bad.output and tok.sha256 in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "bad").exists()
+    _ok(r, ["export", str(run), "--format", "hf", "--tokenizer", str(tokf), "--out", str(tmp_path / "hf")])
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == a
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["eos_token_id"] == tok.eot_id and conf["vocab_size"] == tok.vocab_size
 
 
 def test_tokenizer_train_refuses_to_replace_other_content(trained, tmp_path):

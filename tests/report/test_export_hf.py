@@ -1,0 +1,102 @@
+"""`open1b export --format hf` loads in Hugging Face `transformers` (AutoModelForCausalLM with
+trust_remote_code, the shipped modeling_open1b.py) without mlx-open1b's code, and its logits are
+the model program's within an argued bound; greedy generation follows the program's argmax.
+Runs where `transformers` is installed (the `hf` extra)."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mlx_open1b.export import export, program_logits
+from mlx_open1b.model import ParamLayout
+from mlx_open1b.train import Trainer
+
+from data_helpers import make_corpus
+from runs import micro_cfg
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# The bound of test_export.py, same argument: the model program rounds every GEMM input to bf16
+# (<= 2^-9 relative each, about 11 on the path to the final norm's output hn); this float32 forward
+# does not, so hn is off by <= EPS relative to first order, and each logit z_v = hn . w_v by
+# <= EPS * |hn| * |w_v| (Cauchy-Schwarz), |hn| <= sqrt(d) * max|final norm gain|. The fp32
+# reassociation between two fp32 forwards is ~2^-24 per op, invisible at this scale.
+EPS = 11 * 2.0 ** -9
+# Against mlx_open1b's own float32 PyTorch forward (TorchModel), the same formulas with no bf16 rounding:
+# only fp32 reassociation differs, <= 2^-24 relative per op on a path of at most 64 roundings in
+# sequence (norms, projections, RoPE, softmax, sums over <= 48 terms): 2^-18. Measured on the micro
+# model: 2^-25 (Frobenius, relative); a RoPE angle off by 1e-3 relative gives 2^-16.4.
+EPS_FP32 = 2.0 ** -18
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export_hf")
+    make_corpus(root / "corpus", {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    Trainer(root / "run", micro_cfg(checkpoint_every=4, peak_lr=3e-3, spike_threshold=5.0), root / "corpus",
+            log=lambda m: None).train(4)
+    out = export(root / "run", 4, "hf", root / "hf")
+    return root / "run", out
+
+
+def _load(out):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    return m.eval()
+
+
+def test_hf_export_ships_model_code(exported):
+    _, out = exported
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["auto_map"]["AutoModelForCausalLM"] == "modeling_open1b.Open1BForCausalLM"
+    assert (out / "modeling_open1b.py").is_file() and (out / "configuration_open1b.py").is_file()
+    src = (out / "modeling_open1b.py").read_text() + (out / "configuration_open1b.py").read_text()
+    assert "mlx_open1b" not in src                     # self-contained: loads without this package
+
+
+def test_hf_logits_match_the_program(exported):
+    run, out = exported
+    from mlx_open1b.checkpoint import load_checkpoint
+    m = _load(out)
+    cfg_json = json.loads((out / "config.json").read_text())
+    from mlx_open1b.config import ModelConfig
+    cfg = ModelConfig(**cfg_json["architecture"])
+    bits = load_checkpoint(run / "ckpt-00000004")[0]["params"][0]
+    # the loaded float32 weights are the bf16 bits widened exactly
+    w = (bits.astype(np.uint32) << 16).view(np.float32)
+    layout = ParamLayout(cfg)
+    lm = layout["lm_head"]
+    assert np.array_equal(m.lm_head.weight.detach().numpy().reshape(-1), w[lm.offset:lm.offset + lm.size])
+    tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, cfg.seq_len))
+    z = program_logits(cfg, bits, tok).astype(np.float64)
+    with torch.no_grad():
+        zh = m(torch.from_numpy(tok)).logits.numpy().astype(np.float64)
+    w64 = w.astype(np.float64)
+    w_norm = np.linalg.norm(w64[lm.offset:lm.offset + lm.size].reshape(lm.shape), axis=1)
+    g = layout["final_norm"]
+    bound = EPS * math.sqrt(cfg.d_model) * np.abs(w64[g.offset:g.offset + g.size]).max() * w_norm
+    d = np.abs(zh - z)
+    assert (d <= bound).all(), float((d / bound).max())
+    assert np.linalg.norm(d) <= EPS * np.linalg.norm(z)
+    from mlx_open1b.export import torch_model
+    zt = torch_model(out).logits(tok).numpy().astype(np.float64)
+    assert np.linalg.norm(zh - zt) <= EPS_FP32 * np.linalg.norm(zt)
+    # greedy generation: the first new token is the program's argmax wherever the bound makes it certain
+    # (z[v] - bound[v] above z[u] + bound[u] for every other u)
+    checked = 0
+    for r in range(tok.shape[0]):
+        for t in range(1, cfg.seq_len):
+            row = z[r, t]
+            v = int(row.argmax())
+            if not (row[v] - bound[v] > np.delete(row + bound, v)).all():
+                continue
+            with torch.no_grad():
+                gen = m.generate(torch.from_numpy(tok[r:r + 1, :t + 1]), max_new_tokens=1, do_sample=False)
+            assert int(gen[0, -1]) == v, (r, t)
+            checked += 1
+    assert checked >= 3, checked
+    with torch.no_grad():
+        gen = m.generate(torch.from_numpy(tok[:1, :4]), max_new_tokens=8, do_sample=False)
+    assert gen.shape == (1, 12)
