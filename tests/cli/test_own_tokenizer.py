@@ -107,3 +107,11 @@ def test_tokenizer_train_refuses_to_replace_other_content(trained, tmp_path):
                                    str(VOCAB), "--out", str(f)])
     assert res.exit_code == 2 and "--force" in res.output and "Traceback" not in res.output
     assert f.read_bytes() == default_tokenizer_path().read_bytes()
+
+
+@pytest.mark.slow
+def test_tokenizer_train_default_reproduces_the_shipped_tokenizer(tmp_path):
+    # golden: the shipped tokenizer's pinned SHA-256 (tools/train_tokenizer.py made it); ~16 s
+    out = tmp_path / "tok.json"
+    _ok(CliRunner(), ["data", "tokenizer", "train", "--default", "--vocab", "8192", "--out", str(out)])
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == DEFAULT_TOKENIZER_SHA256
