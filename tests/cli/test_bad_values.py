@@ -42,6 +42,7 @@ BASE = {
     "info": ([], {}),
     "data prepare": ([], {"--source": ["web={texts}/*.txt"], "--heldout-tokens": "0", "--out": "{tmp}/prepared"}),
     "data verify": (["{corpus}"], {}),
+    "data tokenizer train": ([], {"--source": ["web={texts}/*.txt"], "--vocab": "300", "--out": "{tmp}/tok-new.json"}),
     "data inspect": (["{corpus}"], {"--window": "0", "--seq-len": "8"}),
     "train": ([], {"--out": "{tmp}/new", "--data": "{micro}", "--backend": "cpu_ref", "--skip-selftest": None}),
     "audit replay": (["{run}"], {"--steps": "0-1", "--backend": "cpu_ref", "--skip-selftest": None,
@@ -74,6 +75,7 @@ BASE = {
 BAD_TEXT = {
     ("data prepare", "--source"): ["", "web", "=x/*.txt", "web=", "web={tmp}/nothing-here/*.txt", "b@d=*.txt"],
     ("data inspect", "--source"): ["", "nosuch"],          # with --doc 0 instead of --window
+    ("data tokenizer train", "--source"): ["", "web", "=x/*.txt", "web=", "web={tmp}/nothing-here/*.txt", "b@d=*.txt"],
     ("train", "--gnmr"): ["alpha=x", "nosuch=1", "alpha"],
     ("audit replay", "--steps"): ["", "x", "-5", "5-2", "0-1-2", "0-99", str(2 ** 64)],
     ("audit run", "--range"): ["", "x", "-5", "5:2", "0:99", str(2 ** 64)],
@@ -94,6 +96,7 @@ BAD_TEXT = {
 # free-text options any text is good for, and why
 ANY_TEXT = {
     ("data prepare", "--text-field"): "a column or field name; a file without it is reported when read",
+    ("data tokenizer train", "--text-field"): "a column or field name; a file without it is reported when read",
     ("audit replay", "--auditor"): "the auditor's name, written into the attestation as given",
     ("audit run", "--name"): "the auditor's name, written into the attestation as given",
     ("generate", "--prompt"): "any text is a prompt",
@@ -110,7 +113,7 @@ INPUTS = {("data verify", "corpus_dir"), ("data inspect", "corpus_dir"), ("data 
 FORMATTED = {("data prepare", "tokenizer_path"), ("data verify", "tokenizer_path"), ("data inspect", "tokenizer_path"),
              ("audit run", "plan_file"), ("audit run", "key"), ("audit report", "attestations"),
              ("audit report", "plans"), ("parity compare", "a"), ("parity compare", "b"), ("selftest", "golden_path"),
-             ("eval", "tokenizer"), ("generate", "tokenizer"), ("config check", "file"), ("config show", "config_file"), ("train", "config_file")}
+             ("eval", "tokenizer"), ("generate", "tokenizer"), ("train", "tokenizer_path"), ("export", "tokenizer"), ("config check", "file"), ("config show", "config_file"), ("train", "config_file")}
 # combinations a bad value is tried in, where the baseline alone would not read that option
 NEEDS = {("selftest", "--bundle"): {}, ("selftest", "--golden"): {}, ("selftest", "--data"): {"--full": None},
          ("selftest", "--out"): {"--regenerate": None, "--backend": False}}
@@ -163,6 +166,7 @@ def traps(monkeypatch):
     import mlx_open1b.parity as parity
     import mlx_open1b.parity.fuzz as parity_fuzz
     import mlx_open1b.selftest as selftest
+    import mlx_open1b.data.tokenizer as tokenizer
 
     def trap(what):
         def reached(*a, **k):
@@ -176,7 +180,8 @@ def traps(monkeypatch):
         pass
     for obj, name in ((Trainer, "__init__"), (prepare, "prepare"), (parity, "run"), (parity, "export_bundle"), (parity_fuzz, "fuzz"),
                       (selftest, "run_backend"), (selftest._Cases, "prepare"), (golden, "compute"),
-                      (gnmr_experiment, "run_experiment"), (evaluate, "evaluate"), (subprocess, "call")):
+                      (gnmr_experiment, "run_experiment"), (evaluate, "evaluate"), (subprocess, "call"),
+                      (tokenizer, "train_tokenizer_bytes")):
         monkeypatch.setattr(obj, name, trap(f"{getattr(obj, '__name__', obj)}.{name}"))
 
 
