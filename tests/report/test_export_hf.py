@@ -99,4 +99,11 @@ def test_hf_logits_match_the_program(exported):
     assert checked >= 3, checked
     with torch.no_grad():
         gen = m.generate(torch.from_numpy(tok[:1, :4]), max_new_tokens=8, do_sample=False)
+        # a left-padded batch (attention_mask) gives each row the logits it has alone
+        ids = torch.from_numpy(tok[:2, :10]).clone()
+        mask = torch.ones_like(ids)
+        ids[1, :3], mask[1, :3] = 0, 0
+        zb = m(ids, attention_mask=mask).logits.numpy().astype(np.float64)
+        alone = m(ids[1:, 3:]).logits.numpy().astype(np.float64)
     assert gen.shape == (1, 12)
+    assert np.linalg.norm(zb[1, 3:] - alone[0]) <= EPS_FP32 * np.linalg.norm(alone)
