@@ -24,7 +24,8 @@ into `mlx_open1b.torch_model.TorchModel` (`load_state_dict`, strict).
 `model.layers.<l>.self_attn.{q,k,v,o}_proj.weight`, `input_layernorm`, `post_attention_layernorm`,
 `mlp.{gate,up,down}_proj.weight` with w_gate_up split in its gate and up halves, `model.norm.weight`,
 `lm_head.weight`) plus `model.embed_norm.weight`, and a Llama-like config.json with
-`model_type: "open1b"` and the model code (mlx_open1b/export_hf/) that computes all of it. What does NOT map onto HF/mlx-lm Llama (a Llama loader would silently compute
+`model_type: "open1b"` and the model code (mlx_open1b/export_hf/) that computes all of it. What does
+NOT map onto HF/mlx-lm Llama (a Llama loader would silently compute
 something else, so the config does not claim to be Llama):
   - the RMSNorm on the embedding output (`embed_norm`; it can be folded into the embedding table in
     fp32, at the cost of one more rounding if stored in bf16);
@@ -216,7 +217,8 @@ def _readme(fmt: str, prov: dict) -> str:
         lines += ["Hugging Face `transformers` (torch; no mlx-open1b needed): "
                   "`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `modeling_open1b.py` "
                   "(the full architecture below, float32 norms and softmax), `.generate(...)` included; "
-                  "`AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` reads tokenizer.json where shipped.", ""]
+                  "`AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` reads tokenizer.json where "
+                  "shipped.", ""]
     lines += ["Not mapped onto Hugging Face / mlx-lm Llama (config `model_type` is `open1b` on purpose):", ""]
     lines += [f"- {n}" for n in NOT_MAPPED]
     return "\n".join(lines) + "\n"
