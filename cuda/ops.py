@@ -70,19 +70,20 @@ def _empty(shape, dtype):
     return _xp().empty(shape, dtype)
 
 
-_dummies: dict = {}     # (device id, dtype) -> a 1-element device array
+_dummies: dict = {}     # (device id, dtype) -> a 1-element cupy array
 
 
 def _dummy(a: np.ndarray):
     """The 1-element placeholder a (numpy) for a kernel argument the launch does not use, in the
-    kernels' memory: on a GPU uploaded once per device and dtype, not on every call."""
-    if not runtime.real_cuda():
-        return a
-    import cupy
-    key = (cupy.cuda.Device().id, a.dtype.str)
+    kernels' memory: on a GPU uploaded once per device and dtype, not on every call. (The
+    shape-only kind, whose ledger counts what stays on the device, keeps the per-call copy.)"""
+    xp = _xp()
+    if xp is np or not hasattr(xp, "cuda"):
+        return xp.asarray(a)
+    key = (xp.cuda.Device().id, a.dtype.str)
     d = _dummies.get(key)
     if d is None:
-        d = _dummies[key] = cupy.asarray(a)
+        d = _dummies[key] = xp.asarray(a)
     return d
 
 

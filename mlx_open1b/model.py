@@ -20,9 +20,11 @@ Every parameter lives in one contiguous bf16 buffer in the canonical order of
 Array kinds (mlx_open1b.arrays): the program works in the kind of the parameter buffer it is
 given — numpy, or the backend's device arrays (`ops.to_device`: mx.array for metal, cupy for
 cuda). With device params every activation, cache entry and gradient stays on the device; only
-token ids go up and the per-row losses' sums come down. On a device with memory of its own (cupy)
+token ids go up (checked on the host first, so no op reads them back) and the per-row losses come
+down, in one transfer per microbatch. On a device with memory of its own (cupy)
 the cache does not keep the SwiGLU input: the backward recomputes it (recompute_gate_up). Host-side steps are data movement only
-(slices, reshapes, joins), so the kind never changes a bit.
+(slices, reshapes, joins) or contract ops of the C reference (the means' folds), so the kind never
+changes a bit.
 
 Choices that decide bits (everything else is the ops' own contract):
 - wq, wk, wv are adjacent in the buffer, so they are used as one ((H+2G)·D, d) matrix: one GEMM

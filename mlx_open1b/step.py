@@ -100,11 +100,20 @@ def norm_partials(ops, tensors) -> dict:
 
 def norm_from_partials(partials, ops) -> float:
     """sqrt(tree fold of the block partials of every tensor, tensors in canonical order): exactly
-    ops.global_norm of the whole gradient (CONTRACT.md §7)."""
+    ops.global_norm of the whole gradient (CONTRACT.md §7). Partials on the host are folded there
+    by the C reference (the contract's treefold and sqrt: the same bits as ops', without a launch
+    and a blocking read back of a single-thread fold)."""
     joined = arrays.concat(partials)
     if arrays.kind(joined) == arrays.NUMPY:
+        ops = _host_ops()
         joined = np.ascontiguousarray(joined, np.float32)
     return float(ops.scalar_sqrt(ops.treefold(joined)))
+
+
+def _host_ops():
+    """The C reference: the contract's ops on host scalars and host arrays."""
+    from . import cpu_ref
+    return cpu_ref
 
 
 def adamw_tensors(ops, tcfg, lr: float, step: int, tensors, n: int, like):
@@ -231,7 +240,7 @@ def take_step(tr, reduce: Reduce) -> dict:
     lr = f32(tcfg.lr_at(st.consumed + tokens))
     if not skipped and math.isfinite(norm):
         t0 = time.perf_counter()
-        coef = ops.clip_coef(norm, tcfg.clip_norm)
+        coef = _host_ops().clip_coef(norm, tcfg.clip_norm)   # two host scalars: no launch
         if coef < 1.0:
             if grads.size:                  # a worker may own no tensor
                 grads = arrays.scale_into(ops, grads, coef)
@@ -288,7 +297,7 @@ def _gather_step(tr, reduce: Reduce, M: int, scalars: dict, grads):
         alld.update(d)
         partials.update(p)
     rM = reciprocal(M)
-    means = tuple(float(np.float32(ops.treefold(np.array([every[i][k] for i in range(M)], np.float32)))
+    means = tuple(float(np.float32(_host_ops().treefold(np.array([every[i][k] for i in range(M)], np.float32)))
                         * np.float32(rM)) for k in range(3))
     return means, hashing.collection_hash_from_tensor_hashes("grads", alld), partials
 
