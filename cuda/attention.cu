@@ -49,6 +49,19 @@
 #define ATTN_DQ_TILE ATTN_FIT(4 * ATTN_D + 2 * 4 * ATTN_ROWS)
 /* dk/dv: queries per tile (q bf16 and dout fp32 rows, lse, Di, p and dp of 64 key rows) */
 #define ATTN_DKV_TILE ATTN_FIT(6 * ATTN_D + 8 + 2 * 4 * ATTN_ROWS)
+/* forward: keys staged per sub-tile of the 64-key block, the largest power of two <= 64 of key rows
+ * costing `per` bytes each that fits ATTN_SHARED beside the block's fixed tiles (`fixed` bytes).
+ * Only the staging is split: the block (where the running sum is rescaled) stays 64 keys and each
+ * sum still takes its terms in the block's key order. */
+#define ATTN_FIT_KEYS(per, fixed) ((fixed) + 64 * (per) <= ATTN_SHARED ? 64 : (fixed) + 32 * (per) <= ATTN_SHARED ? 32 \
+    : (fixed) + 16 * (per) <= ATTN_SHARED ? 16 : (fixed) + 8 * (per) <= ATTN_SHARED ? 8                         \
+    : (fixed) + 4 * (per) <= ATTN_SHARED ? 4 : (fixed) + 2 * (per) <= ATTN_SHARED ? 2 : 1)
+/* bf16: k (then v) rows bf16; the fixed tile is S (fp32 scores of 64 rows x 64 keys) */
+#define ATTN_FWD_FIXED (4 * ATTN_ROWS * ATTN_BLOCK)
+#define ATTN_FWD_TILE ATTN_FIT_KEYS(2 * ATTN_D, ATTN_FWD_FIXED)
+/* int8: k rows bf16 and q_v rows int8; fixed: S, s_v of the block (fp32), q_p (int8, 64 x 64) */
+#define ATTN_I8_FIXED (4 * ATTN_ROWS * ATTN_BLOCK + 4 * ATTN_BLOCK + ATTN_ROWS * ATTN_BLOCK)
+#define ATTN_I8_TILE ATTN_FIT_KEYS(3 * ATTN_D, ATTN_I8_FIXED)
 #define ATTN_NW ((ATTN_D + 1) / 2)            /* words of a bf16 row packed two to a word */
 #define ATTN_NC ((ATTN_D + 1) / 2)            /* forward: columns per part, d = part + 2c */
 /* dq and dk/dv: four parts per row (ATTN_BNT = 256 threads), so that a thread holding a whole fp32
@@ -111,18 +124,22 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, i64 step,
     }
 }
 
-/* The forward of one query block, both precisions (i8: the §6.10 block product from qv, sv). */
+/* The forward of one query block, both precisions (I8: the §6.10 block product from qv, sv). The
+ * block's keys are staged FT at a time (a power of two dividing 64): k for the scores, then v (or
+ * q_v) for the block product, whose per-column sums run over the sub-tiles in key order. */
+template <bool I8, int FT>
 __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float scale, const bf16 *q,
                                               const bf16 *k, const bf16 *v, const signed char *qv,
-                                              const float *sv, float *o, float *lse, bool i8,
+                                              const float *sv, float *o, float *lse,
                                               bf16 *Ks, float *S, signed char *QV, float *SV, signed char *QP) {
     const int t = threadIdx.x, rr = t % ATTN_ROWS, part = t / ATTN_ROWS;
+    const int half = (FT + 1) / 2;                          /* a part's share of a sub-tile's keys */
     const i64 qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, g = h / (H / G);
     const i64 i0 = qb * ATTN_BLOCK, ilast = imin(T - 1, i0 + ATTN_BLOCK - 1), i = i0 + rr;
     const bool row = i < T;
     const float sc = o1b_load(scale);
     const i64 qrow = ((b * T + i) * H + h) * ATTN_D, kstep = G * ATTN_D;
-    const bf16 *kg = k + (b * T * G + g) * ATTN_D, *vg = i8 ? k : v + (b * T * G + g) * ATTN_D;
+    const bf16 *kg = k + (b * T * G + g) * ATTN_D, *vg = I8 ? k : v + (b * T * G + g) * ATTN_D;
     u32 qw[ATTN_NW];
     pack_row(qw, q + (row ? qrow : 0), row);
     float acc[ATTN_NC];
@@ -135,20 +152,27 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
         /* the row visits the blocks from its first visible key's to its own */
         const bool visit = row && kb >= jlo / ATTN_BLOCK && kb <= i / ATTN_BLOCK;
         const int c0 = (int)(imax(kbase, jlo) - kbase), c1 = (int)(imin(kbase + ATTN_BLOCK - 1, i) - kbase);
-        stage_bf16(Ks, kg, kstep, kbase, ATTN_BLOCK, ilast, ATTN_NT);
-        if (i8)
-            for (int e = t; e < ATTN_BLOCK * ATTN_D; e += ATTN_NT) {
+        if (I8)
+            for (int jj = t; jj < ATTN_BLOCK; jj += ATTN_NT)
+                SV[jj] = kbase + jj <= ilast ? o1b_load(sv[(b * T + kbase + jj) * G + g]) : 0.0f;
+        /* scores s_j = mul(dot(q_i, k_j), scale), this part's keys of each sub-tile */
+#pragma unroll
+        for (int s0 = 0; s0 < ATTN_BLOCK; s0 += FT) {
+            stage_bf16(Ks, kg, kstep, kbase + s0, FT, ilast, ATTN_NT);
+            __syncthreads();
+            if (visit)
+                for (int jj = s0 + part * half; jj < s0 + FT && jj < s0 + (part + 1) * half; jj++)
+                    if (jj >= c0 && jj <= c1)
+                        S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul(dot_packed(qw, Ks + (jj - s0) * ATTN_D), sc);
+            __syncthreads();
+        }
+        /* the scores are done with k: the first sub-tile of v (or q_v) */
+        if (!I8) stage_bf16(Ks, vg, kstep, kbase, FT, ilast, ATTN_NT);
+        else
+            for (int e = t; e < FT * ATTN_D; e += ATTN_NT) {
                 int jj = e / ATTN_D, d = e % ATTN_D;
                 QV[e] = kbase + jj <= ilast ? qv[((b * T + kbase + jj) * G + g) * ATTN_D + d] : (signed char)0;
-                if (d == 0) SV[jj] = kbase + jj <= ilast ? o1b_load(sv[(b * T + kbase + jj) * G + g]) : 0.0f;
             }
-        __syncthreads();
-        if (visit)                       /* scores s_j = mul(dot(q_i, k_j), scale), this part's keys */
-            for (int jj = part * (ATTN_BLOCK / 2); jj < (part + 1) * (ATTN_BLOCK / 2); jj++)
-                if (jj >= c0 && jj <= c1)
-                    S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul(dot_packed(qw, Ks + jj * ATTN_D), sc);
-        __syncthreads();
-        if (!i8) stage_bf16(Ks, vg, kstep, kbase, ATTN_BLOCK, ilast, ATTN_NT);      /* the scores are done with k */
         float mb = o1b_neg(o1b_inf());
         if (visit)
             for (int jj = c0; jj <= c1; jj++) mb = o1b_max(mb, S[ATTN_CELL(rr, jj, ATTN_BLOCK)]);
@@ -165,24 +189,10 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
         float ps = 0.0f;
         if (visit)
             for (int jj = c0; jj <= c1; jj++) ps = o1b_add(ps, S[ATTN_CELL(rr, jj, ATTN_BLOCK)]);
-        if (!i8) {
-            if (visit) {
-#pragma unroll
-                for (int c = 0; c < ATTN_NC; c++) {
-                    const int d = part + 2 * c;
-                    if (d < ATTN_D) {
-                        float pv = 0.0f;
-                        for (int jj = c0; jj <= c1; jj++)
-                            pv = o1b_add(pv, o1b_mul(S[ATTN_CELL(rr, jj, ATTN_BLOCK)],
-                                                     o1b_bf16_to_f32(Ks[jj * ATTN_D + d])));
-                        acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
-                    }
-                }
-            }
-        } else {
-            /* t_j = mul(p_j, s_v[j]) (recomputed where needed: same bits); a = max t_j (t_j >= +0) */
-            float a = 0.0f, sp = 0.0f, inv = 0.0f;
-            bool bad = false, zero = true;
+        /* i8: t_j = mul(p_j, s_v[j]) (recomputed where needed: same bits); a = max t_j (t_j >= +0) */
+        float a = 0.0f, sp = 0.0f, inv = 0.0f;
+        bool bad = false, zero = true;
+        if (I8) {
             if (visit) {
                 for (int jj = c0; jj <= c1; jj++) {
                     float tj = o1b_mul(S[ATTN_CELL(rr, jj, ATTN_BLOCK)], SV[jj]);
@@ -200,23 +210,45 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
                 }
             }
             __syncthreads();
+        }
+        /* the block product per column d = part + 2c: pv = sum over j ascending from +0 of
+         * mul(p_j, v_jd) (bf16), or the exact int32 sum of q_p[j] q_v[j, d] (i8), over the sub-tiles */
+        float pv[ATTN_NC];
+        int ia[ATTN_NC];
+#pragma unroll
+        for (int s0 = 0; s0 < ATTN_BLOCK; s0 += FT) {
+            if (s0 > 0) {
+                __syncthreads();                            /* the previous sub-tile read */
+                if (!I8) stage_bf16(Ks, vg, kstep, kbase + s0, FT, ilast, ATTN_NT);
+                else
+                    for (int e = t; e < FT * ATTN_D; e += ATTN_NT) {
+                        int jj = e / ATTN_D, d = e % ATTN_D;
+                        QV[e] = kbase + s0 + jj <= ilast ? qv[((b * T + kbase + s0 + jj) * G + g) * ATTN_D + d]
+                                                         : (signed char)0;
+                    }
+                __syncthreads();
+            }
+            const int j0 = c0 > s0 ? c0 : s0, j1 = c1 < s0 + FT - 1 ? c1 : s0 + FT - 1;
             if (visit) {
 #pragma unroll
                 for (int c = 0; c < ATTN_NC; c++) {
                     const int d = part + 2 * c;
                     if (d < ATTN_D) {
-                        float pv;
-                        if (bad) {
-                            pv = o1b_nan();
-                        } else if (zero) {
-                            pv = 0.0f;
-                        } else {
-                            int ia = 0;                     /* exact: at most 64 terms of |.| <= 127^2 */
-                            for (int jj = c0; jj <= c1; jj++)
-                                ia += (int)QP[ATTN_CELL(rr, jj, ATTN_BLOCK)] * (int)QV[jj * ATTN_D + d];
-                            pv = o1b_mul(o1b_i2f(ia), sp);
+                        if (!I8) {
+                            if (s0 == 0) pv[c] = 0.0f;
+                            for (int jj = j0; jj <= j1; jj++)
+                                pv[c] = o1b_add(pv[c], o1b_mul(S[ATTN_CELL(rr, jj, ATTN_BLOCK)],
+                                                               o1b_bf16_to_f32(Ks[(jj - s0) * ATTN_D + d])));
+                        } else if (!bad && !zero) {
+                            if (s0 == 0) ia[c] = 0;         /* exact: at most 64 terms of |.| <= 127^2 */
+                            for (int jj = j0; jj <= j1; jj++)
+                                ia[c] += (int)QP[ATTN_CELL(rr, jj, ATTN_BLOCK)] * (int)QV[(jj - s0) * ATTN_D + d];
                         }
-                        acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
+                        if (s0 + FT == ATTN_BLOCK) {        /* the block's last sub-tile */
+                            const float p = !I8 ? pv[c] : bad ? o1b_nan() : zero ? 0.0f
+                                                        : o1b_mul(o1b_i2f(ia[c]), sp);
+                            acc[c] = o1b_add(o1b_mul(acc[c], corr), p);
+                        }
                     }
                 }
             }
@@ -228,11 +260,11 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
         __syncthreads();                                    /* before the next block's staging */
     }
     if (row) {
-        const float inv = o1b_div(1.0f, l);
+        const float inv_l = o1b_div(1.0f, l);
 #pragma unroll
         for (int c = 0; c < ATTN_NC; c++) {
             const int d = part + 2 * c;
-            if (d < ATTN_D) o[qrow + d] = o1b_store(o1b_mul(acc[c], inv));
+            if (d < ATTN_D) o[qrow + d] = o1b_store(o1b_mul(acc[c], inv_l));
         }
         if (part == 0) lse[(b * H + h) * T + i] = o1b_store(o1b_add(m, o1b_log(l)));
     }
@@ -242,9 +274,9 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
 extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64 W, float scale,
                                                  const bf16 *q, const bf16 *k, const bf16 *v,
                                                  float *o, float *lse) {
-    __shared__ bf16 Ks[ATTN_BLOCK * ATTN_D];                /* k of the block, then its v */
+    __shared__ bf16 Ks[ATTN_FWD_TILE * ATTN_D];             /* k of a sub-tile, then its v */
     __shared__ float S[ATTN_ROWS * ATTN_BLOCK];             /* scores, then p */
-    forward_block(T, H, G, W, scale, q, k, v, 0, 0, o, lse, false, Ks, S, 0, 0, 0);
+    forward_block<false, ATTN_FWD_TILE>(T, H, G, W, scale, q, k, v, 0, 0, o, lse, Ks, S, 0, 0, 0);
 }
 
 /* §6.10 forward; qv (B,T,G,D) int8 and sv (B,T,G) fp32 from o1b_attention_vquant. Per block: the
@@ -255,12 +287,12 @@ extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64
 extern "C" __global__ void o1b_attention_forward_i8(i64 B, i64 T, i64 H, i64 G, i64 W, float scale,
                                                     const bf16 *q, const bf16 *k, const signed char *qv,
                                                     const float *sv, float *o, float *lse) {
-    __shared__ bf16 Ks[ATTN_BLOCK * ATTN_D];
+    __shared__ bf16 Ks[ATTN_I8_TILE * ATTN_D];
     __shared__ float S[ATTN_ROWS * ATTN_BLOCK];
-    __shared__ signed char QV[ATTN_BLOCK * ATTN_D];
+    __shared__ signed char QV[ATTN_I8_TILE * ATTN_D];
     __shared__ float SV[ATTN_BLOCK];
     __shared__ signed char QP[ATTN_ROWS * ATTN_BLOCK];
-    forward_block(T, H, G, W, scale, q, k, 0, qv, sv, o, lse, true, Ks, S, QV, SV, QP);
+    forward_block<true, ATTN_I8_TILE>(T, H, G, W, scale, q, k, 0, qv, sv, o, lse, Ks, S, QV, SV, QP);
 }
 
 /* §6.10 value rows: one thread per key row r = (b*T + j)*G + g of v (n = B*T*G rows of D values).

@@ -15,7 +15,15 @@
 #define AT_ROWS 32
 #define AT_NT 64
 #define AT_NW ((D + 1) / 2)
-threadgroup ushort Ks[O1B_ATTN_BK * D];                 // k of the block, then its v
+// keys staged per sub-tile of AT_FT (the largest power of two <= 64 whose bf16 rows fit 32 KiB
+// beside S); the block (where the sum is rescaled) stays 64 keys, the sums take its keys in order
+constexpr int AT_FT = 4 * AT_ROWS * O1B_ATTN_BK + 64 * 2 * D <= 32768 ? 64
+                    : 4 * AT_ROWS * O1B_ATTN_BK + 32 * 2 * D <= 32768 ? 32
+                    : 4 * AT_ROWS * O1B_ATTN_BK + 16 * 2 * D <= 32768 ? 16
+                    : 4 * AT_ROWS * O1B_ATTN_BK + 8 * 2 * D <= 32768 ? 8
+                    : 4 * AT_ROWS * O1B_ATTN_BK + 4 * 2 * D <= 32768 ? 4
+                    : 4 * AT_ROWS * O1B_ATTN_BK + 2 * 2 * D <= 32768 ? 2 : 1;
+threadgroup ushort Ks[AT_FT * D];                       // k of a sub-tile, then its v
 threadgroup float S[AT_ROWS * O1B_ATTN_BK];             // scores, then p
 long T = prm[0], H = prm[1], G = prm[2], W = prm[3], t0 = prm[4];
 long nqb = (T + AT_ROWS - 1) / AT_ROWS, tile = t0 + (long)threadgroup_position_in_grid.x;
@@ -41,24 +49,27 @@ for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
     bool visit = row && kb >= jlo / O1B_ATTN_BK && kb <= i / O1B_ATTN_BK;
     int c0 = (int)((kbase > jlo ? kbase : jlo) - kbase);
     int c1 = (int)((kbase + O1B_ATTN_BK - 1 < i ? kbase + O1B_ATTN_BK - 1 : i) - kbase);
-    for (int e = t; e < O1B_ATTN_BK * D; e += AT_NT) {
-        long j = kbase + e / D;
-        Ks[e] = j <= ilast ? k[((b * T + j) * G + g) * D + e % D] : (ushort)0;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (visit) {
-        for (int jj = part * (O1B_ATTN_BK / 2); jj < (part + 1) * (O1B_ATTN_BK / 2); jj++) {
-            if (jj < c0 || jj > c1) continue;
-            float sdot = 0.0f;
-            for (int d = 0; d < D; d++) {
-                ushort qd = (ushort)((d & 1) ? qw[d >> 1] >> 16 : qw[d >> 1] & 0xFFFFu);
-                sdot = o1b_add(sdot, o1b_mul(o1b_bf16_to_f32(qd), o1b_bf16_to_f32(Ks[jj * D + d])));
-            }
-            S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] = o1b_mul(sdot, sc);
+    for (int s0 = 0; s0 < O1B_ATTN_BK; s0 += AT_FT) {
+        for (int e = t; e < AT_FT * D; e += AT_NT) {
+            long j = kbase + s0 + e / D;
+            Ks[e] = j <= ilast ? k[((b * T + j) * G + g) * D + e % D] : (ushort)0;
         }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (visit) {
+            int half = (AT_FT + 1) / 2;                 // a part's share of the sub-tile's keys
+            for (int jj = s0 + part * half; jj < s0 + AT_FT && jj < s0 + (part + 1) * half; jj++) {
+                if (jj < c0 || jj > c1) continue;
+                float sdot = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    ushort qd = (ushort)((d & 1) ? qw[d >> 1] >> 16 : qw[d >> 1] & 0xFFFFu);
+                    sdot = o1b_add(sdot, o1b_mul(o1b_bf16_to_f32(qd), o1b_bf16_to_f32(Ks[(jj - s0) * D + d])));
+                }
+                S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] = o1b_mul(sdot, sc);
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int e = t; e < O1B_ATTN_BK * D; e += AT_NT) {  // the scores are done with k
+    for (int e = t; e < AT_FT * D; e += AT_NT) {        // the scores are done with k: v's first sub-tile
         long j = kbase + e / D;
         Ks[e] = j <= ilast ? v[((b * T + j) * G + g) * D + e % D] : (ushort)0;
     }
@@ -75,18 +86,32 @@ for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
                 S[cell] = o1b_exp(o1b_sub(S[cell], m_new));
             }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (visit) {
-        float ps = 0.0f;
-        for (int jj = c0; jj <= c1; jj++) ps = o1b_add(ps, S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))]);
+    // pv = sum over j ascending from +0 of mul(p_j, v_jd) per column, over the sub-tiles of v
+    float pv[AT_NW];
+    for (int s0 = 0; s0 < O1B_ATTN_BK; s0 += AT_FT) {
+        if (s0 > 0) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);     // the previous sub-tile read
+            for (int e = t; e < AT_FT * D; e += AT_NT) {
+                long j = kbase + s0 + e / D;
+                Ks[e] = j <= ilast ? v[((b * T + j) * G + g) * D + e % D] : (ushort)0;
+            }
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        if (!visit) continue;
+        int j0 = c0 > s0 ? c0 : s0, j1 = c1 < s0 + AT_FT - 1 ? c1 : s0 + AT_FT - 1;
         for (int c = 0; c < AT_NW; c++) {
             int d = part + 2 * c;
             if (d >= D) continue;
-            float pv = 0.0f;
-            for (int jj = c0; jj <= c1; jj++)
-                pv = o1b_add(pv, o1b_mul(S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))],
-                                         o1b_bf16_to_f32(Ks[jj * D + d])));
-            acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
+            if (s0 == 0) pv[c] = 0.0f;
+            for (int jj = j0; jj <= j1; jj++)
+                pv[c] = o1b_add(pv[c], o1b_mul(S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))],
+                                               o1b_bf16_to_f32(Ks[(jj - s0) * D + d])));
+            if (s0 + AT_FT == O1B_ATTN_BK) acc[c] = o1b_add(o1b_mul(acc[c], corr), pv[c]);
         }
+    }
+    if (visit) {
+        float ps = 0.0f;
+        for (int jj = c0; jj <= c1; jj++) ps = o1b_add(ps, S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))]);
         l = o1b_add(o1b_mul(l, corr), ps);
         m = m_new;
     }

@@ -15,9 +15,15 @@
 #define AT_ROWS 32
 #define AT_NT 64
 #define AT_NW ((D + 1) / 2)
-// KQ: the block's k (bf16, two to a word), then its q_v (int8, four to a word): one buffer, so that
-// D = 128 needs 26 KiB of threadgroup memory (32 KiB is the limit)
-#define AT_KW ((O1B_ATTN_BK * D + 1) / 2)
+// KQ: a sub-tile of AT_FT of the block's keys: their k (bf16, two to a word), then their q_v (int8,
+// four to a word): one buffer, so that D = 128 needs 26 KiB of threadgroup memory. AT_FT: the
+// largest power of two <= 64 whose rows fit 32 KiB beside S, SV and QP; the block (where the sum is
+// rescaled) stays 64 keys and the block product's int32 sum is exact in any order.
+#define AT_FIXED (4 * AT_ROWS * O1B_ATTN_BK + 4 * O1B_ATTN_BK + AT_ROWS * O1B_ATTN_BK)
+constexpr int AT_FT = AT_FIXED + 4 * ((64 * D + 1) / 2) <= 32768 ? 64 : AT_FIXED + 4 * ((32 * D + 1) / 2) <= 32768 ? 32
+                    : AT_FIXED + 4 * ((16 * D + 1) / 2) <= 32768 ? 16 : AT_FIXED + 4 * ((8 * D + 1) / 2) <= 32768 ? 8
+                    : AT_FIXED + 4 * ((4 * D + 1) / 2) <= 32768 ? 4 : AT_FIXED + 4 * ((2 * D + 1) / 2) <= 32768 ? 2 : 1;
+#define AT_KW ((AT_FT * D + 1) / 2)
 threadgroup uint KQ[AT_KW];
 threadgroup float S[AT_ROWS * O1B_ATTN_BK];             // scores, then p
 threadgroup float SV[O1B_ATTN_BK];                      // s_v of the block's keys
@@ -46,33 +52,36 @@ for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
     bool visit = row && kb >= jlo / O1B_ATTN_BK && kb <= i / O1B_ATTN_BK;
     int c0 = (int)((kbase > jlo ? kbase : jlo) - kbase);
     int c1 = (int)((kbase + O1B_ATTN_BK - 1 < i ? kbase + O1B_ATTN_BK - 1 : i) - kbase);
-    for (int w = t; w < AT_KW; w += AT_NT) {
-        uint word = 0u;
-        for (int e = 2 * w; e < 2 * w + 2 && e < O1B_ATTN_BK * D; e++) {
-            long j = kbase + e / D;
-            uint x = j <= ilast ? (uint)k[((b * T + j) * G + g) * D + e % D] : 0u;
-            word |= x << ((e & 1) << 4);
-        }
-        KQ[w] = word;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (visit) {
-        for (int jj = part * (O1B_ATTN_BK / 2); jj < (part + 1) * (O1B_ATTN_BK / 2); jj++) {
-            if (jj < c0 || jj > c1) continue;
-            float sdot = 0.0f;
-            for (int d = 0; d < D; d++) {
-                ushort qd = (ushort)((d & 1) ? qw[d >> 1] >> 16 : qw[d >> 1] & 0xFFFFu);
-                int e = jj * D + d;
-                ushort kd = (ushort)((KQ[e >> 1] >> ((e & 1) << 4)) & 0xFFFFu);
-                sdot = o1b_add(sdot, o1b_mul(o1b_bf16_to_f32(qd), o1b_bf16_to_f32(kd)));
+    for (int s0 = 0; s0 < O1B_ATTN_BK; s0 += AT_FT) {
+        for (int w = t; w < AT_KW; w += AT_NT) {
+            uint word = 0u;
+            for (int e = 2 * w; e < 2 * w + 2 && e < AT_FT * D; e++) {
+                long j = kbase + s0 + e / D;
+                uint x = j <= ilast ? (uint)k[((b * T + j) * G + g) * D + e % D] : 0u;
+                word |= x << ((e & 1) << 4);
             }
-            S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] = o1b_mul(sdot, sc);
+            KQ[w] = word;
         }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (visit) {
+            int half = (AT_FT + 1) / 2;                 // a part's share of the sub-tile's keys
+            for (int jj = s0 + part * half; jj < s0 + AT_FT && jj < s0 + (part + 1) * half; jj++) {
+                if (jj < c0 || jj > c1) continue;
+                float sdot = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    ushort qd = (ushort)((d & 1) ? qw[d >> 1] >> 16 : qw[d >> 1] & 0xFFFFu);
+                    int e = (jj - s0) * D + d;
+                    ushort kd = (ushort)((KQ[e >> 1] >> ((e & 1) << 4)) & 0xFFFFu);
+                    sdot = o1b_add(sdot, o1b_mul(o1b_bf16_to_f32(qd), o1b_bf16_to_f32(kd)));
+                }
+                S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] = o1b_mul(sdot, sc);
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int w = t; w < (O1B_ATTN_BK * D + 3) / 4; w += AT_NT) {    // the scores are done with k
+    for (int w = t; w < (AT_FT * D + 3) / 4; w += AT_NT) {    // the scores are done with k: q_v's first sub-tile
         uint word = 0u;
-        for (int e = 4 * w; e < 4 * w + 4 && e < O1B_ATTN_BK * D; e++) {
+        for (int e = 4 * w; e < 4 * w + 4 && e < AT_FT * D; e++) {
             long j = kbase + e / D;
             uint x = j <= ilast ? (uint)(vq[((b * T + j) * G + g) * D + e % D] & 0xFF) : 0u;
             word |= x << ((e & 3) << 3);
@@ -115,26 +124,41 @@ for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (visit) {
+    int ia[AT_NW];                                      // per column, over the sub-tiles of q_v
+    for (int s0 = 0; s0 < O1B_ATTN_BK; s0 += AT_FT) {
+        if (s0 > 0) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);     // the previous sub-tile read
+            for (int w = t; w < (AT_FT * D + 3) / 4; w += AT_NT) {
+                uint word = 0u;
+                for (int e = 4 * w; e < 4 * w + 4 && e < AT_FT * D; e++) {
+                    long j = kbase + s0 + e / D;
+                    uint x = j <= ilast ? (uint)(vq[((b * T + j) * G + g) * D + e % D] & 0xFF) : 0u;
+                    word |= x << ((e & 3) << 3);
+                }
+                KQ[w] = word;
+            }
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        if (!visit) continue;
+        int j0 = c0 > s0 ? c0 : s0, j1 = c1 < s0 + AT_FT - 1 ? c1 : s0 + AT_FT - 1;
         for (int c = 0; c < AT_NW; c++) {
             int d = part + 2 * c;
             if (d >= D) continue;
-            float pv;
-            if (bad) {
-                pv = o1b_nan();
-            } else if (zero) {
-                pv = 0.0f;
-            } else {
-                int ia = 0;
-                for (int jj = c0; jj <= c1; jj++) {
-                    int e = jj * D + d;
+            if (!bad && !zero) {
+                if (s0 == 0) ia[c] = 0;
+                for (int jj = j0; jj <= j1; jj++) {
+                    int e = (jj - s0) * D + d;
                     int x = (int)((KQ[e >> 2] >> ((e & 3) << 3)) & 0xFFu);
-                    ia += (int)QP[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] * (x >= 128 ? x - 256 : x);
+                    ia[c] += (int)QP[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] * (x >= 128 ? x - 256 : x);
                 }
-                pv = o1b_mul(o1b_i2f(ia), sp);
             }
-            acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
+            if (s0 + AT_FT == O1B_ATTN_BK) {            // the block's last sub-tile
+                float pv = bad ? o1b_nan() : zero ? 0.0f : o1b_mul(o1b_i2f(ia[c]), sp);
+                acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
+            }
         }
+    }
+    if (visit) {
         l = o1b_add(o1b_mul(l, corr), ps);
         m = m_new;
     }
