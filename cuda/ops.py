@@ -393,6 +393,17 @@ ATTN_ROWS = 64       # rows (query or key) per block of attention.cu's tiled ker
 ATTN_THREADS = {"o1b_attention_forward": 128, "o1b_attention_forward_i8": 128,   # two per row
                 "o1b_attention_dq": 256, "o1b_attention_dkv": 256}             # four per row
 
+# the largest head dim D for which attention.cu's dk/dv pass keeps its smallest query tile (8 rows)
+# within 48 KiB of static shared memory (tests/ops/test_attention_head_dims.py holds it to the source)
+ATTN_MAX_HEAD_DIM = 937
+
+
+def _attention_head_dim(D: int) -> None:
+    """Refuse, before any launch, a head dim whose attention tiles would not fit on chip."""
+    if D > ATTN_MAX_HEAD_DIM:
+        raise ValueError(f"attention: head_dim {D} is over this backend's limit of {ATTN_MAX_HEAD_DIM} "
+                         "(the dk/dv pass's smallest query tile must fit on chip)")
+
 
 def _launch_tiles(kernel: str, T: int, heads: int, B: int, D: int, *args) -> None:
     """A tiled kernel of attention.cu, built for head dim D: one block of ATTN_THREADS[kernel] per
@@ -404,6 +415,7 @@ def _launch_tiles(kernel: str, T: int, heads: int, B: int, D: int, *args) -> Non
 @_given_kind
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    _attention_head_dim(D)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
     if B * T:
@@ -417,6 +429,7 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
     """The value rows quantized once (o1b_attention_vquant, one thread per key row), then the query
     blocks as in attention_forward."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    _attention_head_dim(D)
     o = _empty((B, T, H, D), np.float32)
     lse = _empty((B, H, T), np.float32)
     if B * T:
@@ -433,6 +446,7 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
+    _attention_head_dim(D)
     dq = _empty((B, T, H, D), np.float32)
     dk = _empty((B, T, G, D), np.float32)
     dv = _empty((B, T, G, D), np.float32)

@@ -424,6 +424,17 @@ ATTN_ROWS = 32       # rows (query or key) per threadgroup of the tiled attentio
 ATTN_THREADS = {"attention_forward": 64, "attention_forward_i8": 64,      # threads per threadgroup: two per row
                 "attention_dq": 128, "attention_dkv": 128}              # four per row
 
+# the largest head dim D for which attention_dkv.metal keeps its smallest query tile (8 rows) within
+# 32 KiB of threadgroup memory (tests/ops/test_attention_head_dims.py holds it to the source)
+ATTN_MAX_HEAD_DIM = 638
+
+
+def _attention_head_dim(D: int) -> None:
+    """Refuse, before any launch, a head dim whose attention tiles would not fit on chip."""
+    if D > ATTN_MAX_HEAD_DIM:
+        raise ValueError(f"attention: head_dim {D} is over this backend's limit of {ATTN_MAX_HEAD_DIM} "
+                         "(the dk/dv pass's smallest query tile must fit on chip)")
+
 
 def attention_tile_slabs(B: int, T: int, heads: int, row_work, bound: int | None = None) -> list:
     """(t0, t1) ranges of the tiles (b heads + h) nt + tb of ATTN_ROWS rows of one head
@@ -463,6 +474,7 @@ def _query_work(T: int, W: int, D: int) -> np.ndarray:
 @_given_kind
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    _attention_head_dim(D)
     o, lse = _attention_tiles("attention_forward", [q.reshape(-1), k.reshape(-1), v.reshape(-1)], [(D,), ()],
                               B, T, H, _query_work(T, W, D), [T, H, G, W], D, s)
     return _transpose(o, (0, 2, 1, 3)), lse
@@ -473,6 +485,7 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
     """The value rows quantized once per key row (attention_vquant), then the query rows as in
     attention_forward."""
     B, T, H, G, D, W, s = opargs.attention_forward(q, k, v, window, scale)
+    _attention_head_dim(D)
     vf = v.reshape(-1)
     parts = [_run("attention_vquant", [_part(vf, a * D, b * D), _i64(D)], [((b - a, D), I8), ((b - a,), F32)],
                   (b - a, 1, 1), (64, 1, 1)) for a, b in slabs.item_slabs("attention_vquant", B * T * G, D)]
@@ -486,6 +499,7 @@ def attention_forward_i8(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: in
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, window: int, scale: float):
     B, T, H, G, D, W, s = opargs.attention_backward(dout, q, k, v, o, lse, window, scale)
+    _attention_head_dim(D)
     Di = _join([_run("attention_di", [_part(dout, a, b).reshape(-1), _part(o, a, b).reshape(-1), _i64(T, H, D)],
                      [((b - a, H, T), F32)], ((b - a) * H * T, 1, 1), (64, 1, 1))[0]
                 for a, b in slabs.item_slabs("attention_di", B, T * H * D)])

@@ -25,27 +25,54 @@ METAL_LIMIT = 32768
 METAL_KERNELS = ["attention_forward", "attention_forward_i8", "attention_dq", "attention_dkv"]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
-def test_nvcc_attention_fits_shared_memory(tmp_path):
-    """attention.cu built for each head dim to an sm_90 cubin: ptxas refuses a kernel whose static
-    shared memory passes 48 KiB ("uses too much shared data"). -G (no device optimization) keeps
-    it fast (~2 s a head dim) and allocates the same static __shared__ arrays."""
+def _nvcc(tmp_path, head_dims):
+    """{D: (returncode, output)} of attention.cu built for each head dim to an sm_90 cubin; ptxas
+    refuses a kernel whose static shared memory passes 48 KiB ("uses too much shared data"). -G
+    (no device optimization) keeps it fast (~2 s a head dim) and allocates the same static
+    __shared__ arrays. Two builds at a time."""
     from mlx_open1b.cuda import runtime
     text = runtime.read_source("attention.cu")
-    procs = []
-    for D in HEAD_DIMS:
+    procs, done = [], {}
+    for D in head_dims:
         src = tmp_path / f"attention_{D}.cu"
         src.write_text(f"#define ATTN_D {D}\n" + text)
         procs.append((D, subprocess.Popen(
             [NVCC, "--cubin", "-G", "-arch=sm_90", "-ftz=true", *runtime.OPTIONS, str(src), "-o",
              str(tmp_path / f"attention_{D}.cubin")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        if len(procs) >= 2:
+        while len(procs) >= 2 or (procs and D == head_dims[-1]):
             D0, p = procs.pop(0)
-            out, _ = p.communicate()
-            assert p.returncode == 0, f"attention.cu at D = {D0}:\n{out}"
-    for D0, p in procs:
-        out, _ = p.communicate()
-        assert p.returncode == 0, f"attention.cu at D = {D0}:\n{out}"
+            done[D0] = (p.returncode if p.wait() is not None else None, p.communicate()[0])
+    return done
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+def test_nvcc_attention_fits_shared_memory(tmp_path):
+    """attention.cu compiles for sm_90 at each head dim."""
+    for D, (rc, out) in _nvcc(tmp_path, HEAD_DIMS).items():
+        assert rc == 0, f"attention.cu at D = {D}:\n{out}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+def test_cuda_head_dim_limit_is_the_source_s(tmp_path):
+    """cuda/ops.py ATTN_MAX_HEAD_DIM is attention.cu's: it compiles there and not one above, for
+    want of shared memory; the backend refuses the one above before any launch, naming head_dim."""
+    from mlx_open1b.cuda import ops
+    top = ops.ATTN_MAX_HEAD_DIM
+    got = _nvcc(tmp_path, [top, top + 1])
+    assert got[top][0] == 0, got[top][1]
+    assert got[top + 1][0] != 0 and "too much shared data" in got[top + 1][1], got[top + 1][1]
+    _refused(ops, top + 1)
+
+
+def _refused(ops, D):
+    q = np.zeros((1, 1, 1, D), np.uint16)
+    with pytest.raises(ValueError, match=rf"head_dim {D} .*limit of {D - 1}"):
+        ops.attention_forward(q, q, q, 0, 1.0)
+    with pytest.raises(ValueError, match=rf"head_dim {D} .*limit of {D - 1}"):
+        ops.attention_forward_i8(q, q, q, 0, 1.0)
+    f = np.zeros((1, 1, 1, D), np.float32)
+    with pytest.raises(ValueError, match=rf"head_dim {D} .*limit of {D - 1}"):
+        ops.attention_backward(f, q, q, q, f, np.zeros((1, 1, 1), np.float32), 0, 1.0)
 
 
 def metal_threadgroup_program(head_dims) -> tuple[list, list]:
@@ -93,19 +120,34 @@ def metal_threadgroup_program(head_dims) -> tuple[list, list]:
     return prog, names
 
 
-@pytest.mark.skipif(CXX is None, reason="g++ not found on PATH")
-def test_metal_threadgroup_memory_fits(tmp_path):
-    """Every tiled Metal attention kernel's threadgroup arrays, at each head dim, fit 32 KiB."""
-    prog, names = metal_threadgroup_program(HEAD_DIMS)
+def _metal_bytes(tmp_path, head_dims) -> dict:
+    prog, names = metal_threadgroup_program(head_dims)
     src, exe = tmp_path / "tg.cpp", tmp_path / "tg"
     src.write_text("\n".join(prog) + "\n")
     out = subprocess.run([CXX, "-std=c++17", "-w", str(src), "-o", str(exe)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     sizes = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
-    assert len(sizes) == len(names)
-    over = [(k, D, n) for (k, D, _), n in zip(names, sizes) if n > METAL_LIMIT]
+    assert len(sizes) == len(names) and min(sizes) > 0
+    return {(k, D): n for (k, D, _), n in zip(names, sizes)}
+
+
+@pytest.mark.skipif(CXX is None, reason="g++ not found on PATH")
+def test_metal_threadgroup_memory_fits(tmp_path):
+    """Every tiled Metal attention kernel's threadgroup arrays, at each head dim, fit 32 KiB."""
+    over = {kd: n for kd, n in _metal_bytes(tmp_path, HEAD_DIMS).items() if n > METAL_LIMIT}
     assert not over, f"threadgroup bytes over {METAL_LIMIT}: {over}"
-    assert min(sizes) > 0
+
+
+@pytest.mark.skipif(CXX is None, reason="g++ not found on PATH")
+def test_metal_head_dim_limit_is_the_source_s(tmp_path):
+    """metal/ops.py ATTN_MAX_HEAD_DIM is the kernels': all fit 32 KiB there, not all one above;
+    the backend refuses the one above before any launch, naming head_dim."""
+    from mlx_open1b.metal import ops
+    top = ops.ATTN_MAX_HEAD_DIM
+    got = _metal_bytes(tmp_path, [top, top + 1])
+    assert max(n for (k, D), n in got.items() if D == top) <= METAL_LIMIT, got
+    assert max(n for (k, D), n in got.items() if D == top + 1) > METAL_LIMIT, got
+    _refused(ops, top + 1)
 
 
 def _backend(name):
