@@ -161,6 +161,34 @@ def _build(source: str, name: str, ftz: int, ucontext: bool,
         return lib, out
 
 
+#: bytes of static __shared__ memory a CUDA block may hold (more needs dynamic shared memory and an
+#: opt-in); a launch of a kernel whose own __shared__ arrays pass it fails, as on a device
+SHARED_LIMIT = 48 * 1024
+_SHARED_SYMBOL = re.compile(r"\semu_shared\s+([0-9a-fA-F]+)\s+_ZZ(\d+)(\w+)$")
+
+
+_shared_sizes: dict[str, dict[str, int] | None] = {}
+
+
+def static_shared(path) -> dict[str, int] | None:
+    """{function: bytes of the __shared__ arrays declared in its body} from a built library's
+    symbols (objdump -t, once a library; None without objdump). Arrays declared in a __device__
+    helper count for the helper, not for the kernels that call it."""
+    key = str(path)
+    if key not in _shared_sizes:
+        tool = shutil.which("objdump")
+        sizes: dict[str, int] | None = None
+        if tool is not None:
+            sizes = {}
+            for line in subprocess.run([tool, "-t", key], capture_output=True, text=True).stdout.splitlines():
+                m = _SHARED_SYMBOL.search(line)
+                if m:
+                    fn = m.group(3)[:int(m.group(2))]
+                    sizes[fn] = sizes.get(fn, 0) + int(m.group(1), 16)
+        _shared_sizes[key] = sizes
+    return _shared_sizes[key]
+
+
 class EmuModule:
     """cupy.RawModule's shape on the emulator: EmuModule(source, name).get_function(kernel)."""
 
@@ -173,6 +201,7 @@ class EmuModule:
         self.lib, self.path = self.library(_hardware.current())
         self.uses_barrier = any(s in source for s in ("__syncthreads", "emu_warp_sync", "__shfl_sync"))
         self.kernels = kernel_names(source)
+        self.shared = static_shared(self.path)
 
     def library(self, hw: hwmodel.Hardware) -> tuple[ctypes.CDLL, pathlib.Path]:
         """The library of this module on the hardware `hw` (its seed is set at each launch)."""
@@ -247,6 +276,10 @@ class EmuFunction:
         grid, block = _dims(grid, "grid"), _dims(block, "block")
         if block[0] * block[1] * block[2] > 1024:
             raise EmuLaunchError(f"{self.kernel}: a block has at most 1024 threads, got {block}")
+        used = (self.module.shared or {}).get(self.kernel, 0)
+        if used > SHARED_LIMIT:
+            raise EmuLaunchError(f"{self.kernel} ({self.module.name}): {used} bytes of static shared memory, over "
+                                 f"the {SHARED_LIMIT} a block may hold")
         ptrs, holders, arrays = self._pack(tuple(args))
         hw = _hardware.current()
         lib = self.module.library(hw)[0]

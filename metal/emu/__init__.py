@@ -42,6 +42,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -505,6 +506,25 @@ def _build(text: str, name: str, count: bool = False):
         return fn, lib
 
 
+#: bytes of threadgroup memory a Metal threadgroup may hold (Apple GPUs: 32 KiB); a launch of a
+#: kernel whose threadgroup arrays pass it fails, as on a device
+THREADGROUP_LIMIT = 32 * 1024
+_tg_bytes: dict[tuple[str, str], int | None] = {}
+
+
+def threadgroup_bytes(path, fname: str) -> int | None:
+    """Bytes of the static locals of kernel function `fname` (its threadgroup arrays: the prelude
+    makes `threadgroup` static) in a built library, from its symbols (objdump -t; None without
+    objdump)."""
+    key = (str(path), fname)
+    if key not in _tg_bytes:
+        tool = shutil.which("objdump")
+        out = subprocess.run([tool, "-t", key[0]], capture_output=True, text=True).stdout if tool else None
+        pat = re.compile(r"\s([0-9a-fA-F]+)\s+_ZZ" + str(len(fname)) + re.escape(fname) + r"\w*$", re.M)
+        _tg_bytes[key] = None if out is None else sum(int(m.group(1), 16) for m in pat.finditer(out))
+    return _tg_bytes[key]
+
+
 def clear_memory_cache() -> None:
     """Forget loaded libraries (the disk cache stays): the next call loads from disk."""
     with _lock:
@@ -571,6 +591,10 @@ class EmuKernel:
                 + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
                 .replace("@NBUF@", str(max(nbuf, 1))).replace("@CALL@", call))
         launch, lib = _build(unit, self.name, count)
+        used = threadgroup_bytes(lib._name, fname)
+        if used is not None and used > THREADGROUP_LIMIT:
+            raise EmuError(f"Metal kernel '{self.name}': {used} bytes of threadgroup memory, over the "
+                           f"{THREADGROUP_LIMIT} a threadgroup may hold")
         self._count_lib = lib if count else None
         if hw.active:
             lib.o1b_hw_set_seed(ctypes.c_ulonglong(hw.seed))
