@@ -1,7 +1,8 @@
 // attention_forward — CONTRACT.md §6.6, tiled: a threadgroup of AT_NT = 64 threads takes AT_ROWS = 32
 // query rows i0 ... i0 + 31 of one (b, h) (a tile; thread t serves row t % 32 as part t / 32) and
 // visits the key blocks of ATTN_BLOCK = 64 keys aligned at absolute key positions from the first one
-// its first row sees to its last row's. Per block: k staged in threadgroup memory; the two parts
+// its first row sees to its last row's. Per block: k staged in threadgroup memory (AT_FT keys at a
+// time, a power of two sized from D to fit 32 KiB: 64 up to D = 192); the two parts
 // compute the scores of the row's participating keys (keys 32 part ... 32 part + 31 of the block)
 // into S; each thread then takes the row's mb = max of the scores, m_new = max(m, mb),
 // corr = exp(m - m_new); p_j = exp(s_j - m_new) replace the scores; v replaces k; ps = sum p_j and,

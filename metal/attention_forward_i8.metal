@@ -1,7 +1,8 @@
 // attention_forward_i8 — CONTRACT.md §6.10 (§6.6 with the block product P·V in int8), tiled as
 // attention_forward: a threadgroup of AT_NT = 64 threads takes AT_ROWS = 32 query rows of one (b, h)
 // (thread t serves row t % 32 as part t / 32) and visits the key blocks of ATTN_BLOCK = 64 keys
-// aligned at absolute key positions that its rows see. Per block: k staged in threadgroup memory;
+// aligned at absolute key positions that its rows see. Per block: k staged in threadgroup memory
+// (AT_FT keys at a time, sized from D to fit 32 KiB: 64 up to D = 174);
 // the parts compute the scores of the row's participating keys into S; each thread takes the row's
 // mb, m_new = max(m, mb), corr = exp(m - m_new); p_j = exp(s_j - m_new) replace the scores; the
 // block's value rows vq (int8) and vs (their scales) replace k; ps = sum p_j (j ascending, from +0);
