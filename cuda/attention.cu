@@ -23,8 +23,8 @@
  * positions (a contract constant: it decides where the running sum is rescaled); a block of threads
  * takes the query block qb (rows 64 qb ... 64 qb + 63) and visits the key blocks from the first one
  * its first row sees to qb, staging each block's keys in sub-tiles of ATTN_FWD_TILE (bf16) or
- * ATTN_I8_TILE (int8) keys sized from D to fit 48 KiB of static shared memory (64 up to D = 256 and
- * respectively). Backward: two passes without atomics — dq per query row, dk and dv per
+ * ATTN_I8_TILE (int8) keys sized from D to fit 48 KiB of static shared memory (64 keys up to D = 256
+ * and D = 148 respectively). Backward: two passes without atomics — dq per query row, dk and dv per
  * key row — recomputing s, p, dp, ds; the backward has no block size in the contract, so its tiles
  * (ATTN_DQ_TILE keys, ATTN_DKV_TILE queries) are sized to fit 48 KiB of static shared memory.
  *
