@@ -236,20 +236,25 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
                 for (int c = 0; c < ATTN_NC; c++) {
                     const int d = part + 2 * c;
                     if (d < ATTN_D) {
+                        /* the running sums in scalars, kept in the arrays only between sub-tiles
+                         * (with one sub-tile the arrays are never used: no extra registers) */
+                        float pc = s0 == 0 ? 0.0f : pv[c];
+                        int ic = s0 == 0 ? 0 : ia[c];       /* exact: at most 64 terms of |.| <= 127^2 */
                         if (!I8) {
-                            if (s0 == 0) pv[c] = 0.0f;
                             for (int jj = j0; jj <= j1; jj++)
-                                pv[c] = o1b_add(pv[c], o1b_mul(S[ATTN_CELL(rr, jj, ATTN_BLOCK)],
-                                                               o1b_bf16_to_f32(Ks[(jj - s0) * ATTN_D + d])));
+                                pc = o1b_add(pc, o1b_mul(S[ATTN_CELL(rr, jj, ATTN_BLOCK)],
+                                                         o1b_bf16_to_f32(Ks[(jj - s0) * ATTN_D + d])));
                         } else if (!bad && !zero) {
-                            if (s0 == 0) ia[c] = 0;         /* exact: at most 64 terms of |.| <= 127^2 */
                             for (int jj = j0; jj <= j1; jj++)
-                                ia[c] += (int)QP[ATTN_CELL(rr, jj, ATTN_BLOCK)] * (int)QV[(jj - s0) * ATTN_D + d];
+                                ic += (int)QP[ATTN_CELL(rr, jj, ATTN_BLOCK)] * (int)QV[(jj - s0) * ATTN_D + d];
                         }
                         if (s0 + FT == ATTN_BLOCK) {        /* the block's last sub-tile */
-                            const float p = !I8 ? pv[c] : bad ? o1b_nan() : zero ? 0.0f
-                                                        : o1b_mul(o1b_i2f(ia[c]), sp);
+                            const float p = !I8 ? pc : bad ? o1b_nan() : zero ? 0.0f : o1b_mul(o1b_i2f(ic), sp);
                             acc[c] = o1b_add(o1b_mul(acc[c], corr), p);
+                        } else if (!I8) {
+                            pv[c] = pc;
+                        } else {
+                            ia[c] = ic;
                         }
                     }
                 }
