@@ -103,11 +103,12 @@ for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
         for (int c = 0; c < AT_NW; c++) {
             int d = part + 2 * c;
             if (d >= D) continue;
-            if (s0 == 0) pv[c] = 0.0f;
+            float pc = s0 == 0 ? 0.0f : pv[c];          // in the array only between sub-tiles
             for (int jj = j0; jj <= j1; jj++)
-                pv[c] = o1b_add(pv[c], o1b_mul(S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))],
-                                               o1b_bf16_to_f32(Ks[(jj - s0) * D + d])));
-            if (s0 + AT_FT == O1B_ATTN_BK) acc[c] = o1b_add(o1b_mul(acc[c], corr), pv[c]);
+                pc = o1b_add(pc, o1b_mul(S[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))],
+                                         o1b_bf16_to_f32(Ks[(jj - s0) * D + d])));
+            if (s0 + AT_FT == O1B_ATTN_BK) acc[c] = o1b_add(o1b_mul(acc[c], corr), pc);
+            else pv[c] = pc;
         }
     }
     if (visit) {

@@ -24,7 +24,7 @@
 constexpr int AT_FT = AT_FIXED + 4 * ((64 * D + 1) / 2) <= 32768 ? 64 : AT_FIXED + 4 * ((32 * D + 1) / 2) <= 32768 ? 32
                     : AT_FIXED + 4 * ((16 * D + 1) / 2) <= 32768 ? 16 : AT_FIXED + 4 * ((8 * D + 1) / 2) <= 32768 ? 8
                     : AT_FIXED + 4 * ((4 * D + 1) / 2) <= 32768 ? 4 : AT_FIXED + 4 * ((2 * D + 1) / 2) <= 32768 ? 2 : 1;
-#define AT_KW ((AT_FT * D + 1) / 2)
+constexpr int AT_KW = (AT_FT * D + 1) / 2;
 threadgroup uint KQ[AT_KW];
 threadgroup float S[AT_ROWS * O1B_ATTN_BK];             // scores, then p
 threadgroup float SV[O1B_ATTN_BK];                      // s_v of the block's keys
@@ -145,17 +145,19 @@ for (long kb = jfirst / O1B_ATTN_BK; kb <= ilast / O1B_ATTN_BK; kb++) {
         for (int c = 0; c < AT_NW; c++) {
             int d = part + 2 * c;
             if (d >= D) continue;
+            int ic = s0 == 0 ? 0 : ia[c];               // in the array only between sub-tiles
             if (!bad && !zero) {
-                if (s0 == 0) ia[c] = 0;
                 for (int jj = j0; jj <= j1; jj++) {
                     int e = (jj - s0) * D + d;
                     int x = (int)((KQ[e >> 2] >> ((e & 3) << 3)) & 0xFFu);
-                    ia[c] += (int)QP[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] * (x >= 128 ? x - 256 : x);
+                    ic += (int)QP[rr * O1B_ATTN_BK + ((jj + rr) & (O1B_ATTN_BK - 1))] * (x >= 128 ? x - 256 : x);
                 }
             }
             if (s0 + AT_FT == O1B_ATTN_BK) {            // the block's last sub-tile
-                float pv = bad ? o1b_nan() : zero ? 0.0f : o1b_mul(o1b_i2f(ia[c]), sp);
+                float pv = bad ? o1b_nan() : zero ? 0.0f : o1b_mul(o1b_i2f(ic), sp);
                 acc[c] = o1b_add(o1b_mul(acc[c], corr), pv);
+            } else {
+                ia[c] = ic;
             }
         }
     }
