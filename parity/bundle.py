@@ -181,7 +181,7 @@ def export(path, backend: str = "cpu_ref", cases: int = 8, steps: int = 3, seed:
 def load(path) -> dict:
     try:
         d = json.loads(pathlib.Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise BundleError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise BundleError(f"{path}: not a parity bundle (format {d.get('format') if isinstance(d, dict) else None!r}, "
