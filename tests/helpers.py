@@ -163,20 +163,6 @@ def attention_i8_empty_and_bad_arguments(backend_fn, ref_fn):
 I8_SHAPES = [(1, 7, 2, 1, 4, 0), (1, 70, 2, 2, 3, 0), (2, 67, 3, 1, 5, 65), (1, 9, 2, 2, 2, 1), (1, 130, 2, 1, 8, 100)]
 
 
-def check_attention_i8_backend(forward_i8, q, k, v, W, scale, what):
-    """A backend's attention_forward_i8 equals the numpy spec and the C reference bit for bit."""
-    from mlx_open1b import cpu_ref
-    from mlx_open1b.spec import attention as spec_attention
-    o, lse = forward_i8(q, k, v, W, scale)
-    want_o, want_lse = spec_attention.attention_forward_i8(q, k, v, W, np.float32(scale))
-    assert o.dtype == np.float32 and lse.dtype == np.float32
-    assert_bits_equal(o, want_o, f"{what} o")
-    assert_bits_equal(lse, want_lse, f"{what} lse")
-    ref_o, ref_lse = cpu_ref.attention_forward_i8(q, k, v, W, scale)
-    assert_bits_equal(o, ref_o, f"{what} o (cpu_ref)")
-    assert_bits_equal(lse, ref_lse, f"{what} lse (cpu_ref)")
-    return o, lse
-
 
 def attention_i8_matches_spec(check, rng, B, T, H, G, D, W):
     """Plain inputs, then zero / subnormal / tiny / huge / tie / +inf / NaN value rows and finite
@@ -192,20 +178,3 @@ QMAX4, QMAX6 = 7, 31
 #: (the next lower power of two flushes at qmax as well)
 TINY_E = {QMAX4: -123, QMAX6: -121}
 
-
-def check_qlinear_low(ops, x, w, dy, what, qmax=QMAX4):
-    """A backend's int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit."""
-    from mlx_open1b import cpu_ref
-    from mlx_open1b.spec import quant as spec_quant
-    what = f"{what} (qmax {qmax})"
-    y = ops.qlinear_forward(x, w, qmax=qmax)
-    assert_bits_equal(y, spec_quant.qlinear_forward(x, w, qmax), f"{what} y")
-    dx, dw = ops.qlinear_backward(dy, x, w, qmax=qmax)
-    want_dx, want_dw = spec_quant.qlinear_backward(dy, x, w, qmax)
-    assert_bits_equal(dx, want_dx, f"{what} dx")
-    assert_bits_equal(dw, want_dw, f"{what} dw")
-    assert_bits_equal(y, cpu_ref.qlinear_forward(x, w, qmax=qmax), f"{what} y, cpu_ref")
-    ref_dx, ref_dw = cpu_ref.qlinear_backward(dy, x, w, qmax=qmax)
-    assert_bits_equal(dx, ref_dx, f"{what} dx, cpu_ref")
-    assert_bits_equal(dw, ref_dw, f"{what} dw, cpu_ref")
-    return y, dx, dw

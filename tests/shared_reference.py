@@ -96,8 +96,7 @@ def scope(owner) -> None:
 
 
 def check_qlinear_low(ops, x, w, dy, what, qmax=QMAX4):
-    """A backend's int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit
-    (tests/helpers.py's check, on the shared references)."""
+    """A backend's int4 / int6 path (qmax=7 / 31) equals the numpy spec and cpu_ref bit for bit."""
     what = f"{what} (qmax {qmax})"
     y = ops.qlinear_forward(x, w, qmax=qmax)
     assert_bits_equal(y, SPEC_QUANT.qlinear_forward(x, w, qmax), f"{what} y")
@@ -113,8 +112,7 @@ def check_qlinear_low(ops, x, w, dy, what, qmax=QMAX4):
 
 
 def check_attention_i8_backend(forward_i8, q, k, v, W, scale, what):
-    """A backend's attention_forward_i8 equals the numpy spec and the C reference bit for bit
-    (tests/helpers.py's check, on the shared references)."""
+    """A backend's attention_forward_i8 equals the numpy spec and the C reference bit for bit."""
     o, lse = forward_i8(q, k, v, W, scale)
     want_o, want_lse = SPEC_ATTENTION.attention_forward_i8(q, k, v, W, np.float32(scale))
     assert o.dtype == np.float32 and lse.dtype == np.float32
