@@ -178,3 +178,15 @@ QMAX4, QMAX6 = 7, 31
 #: (the next lower power of two flushes at qmax as well)
 TINY_E = {QMAX4: -123, QMAX6: -121}
 
+
+def near_min_normal_pairs(rng, n):
+    """Operand pairs whose exact product (or quotient) lies within a few ulp of 2^-126."""
+    a = rng.uniform(1.0, 2.0, n).astype(np.float32) * np.float32(2.0) ** rng.integers(-60, 60, n).astype(np.float32)
+    b_mul = (np.float64(2.0 ** -126) / a.astype(np.float64)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        b_div = (a.astype(np.float64) / np.float64(2.0 ** -126)).astype(np.float32)
+    steps = rng.integers(-3, 4, n).astype(np.int32)
+    b_mul = (b_mul.view(np.int32) + steps).view(np.float32)
+    b_div = (b_div.view(np.int32) + steps).view(np.float32)
+    sign = rng.choice(np.array([1, -1], np.float32), n)
+    return a * sign, b_mul, b_div

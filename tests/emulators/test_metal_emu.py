@@ -19,7 +19,7 @@ import mlx_open1b.cpu_ref as C
 from mlx_open1b.metal import emu, ops as M, runtime
 from mlx_open1b.spec import arith as A
 
-from helpers import SPECIAL_F32, assert_bits_equal
+from helpers import SPECIAL_F32, assert_bits_equal, near_min_normal_pairs
 
 EXTRA_F32 = np.array([2.0 ** -126 * 1.5, np.float32(1.1754942e-38), -(2.0 ** -125), 88.72, -103.5, -87.4,
                       1e10, -3e9, 2.0 ** 31, 3.4e38, 25000.0, 0.5, -0.5, 1e-30], np.float32)
@@ -54,18 +54,6 @@ def raw(out: np.ndarray) -> np.ndarray:
     return A.canon(out)
 
 
-def _near_min_normal_pairs(rng, n):
-    """Operand pairs whose exact product (or quotient) lies within a few ulp of 2^-126."""
-    a = rng.uniform(1.0, 2.0, n).astype(np.float32) * np.float32(2.0) ** rng.integers(-60, 60, n).astype(np.float32)
-    b_mul = (np.float64(2.0 ** -126) / a.astype(np.float64)).astype(np.float32)
-    with np.errstate(over="ignore"):
-        b_div = (a.astype(np.float64) / np.float64(2.0 ** -126)).astype(np.float32)
-    steps = rng.integers(-3, 4, n).astype(np.int32)
-    b_mul = (b_mul.view(np.int32) + steps).view(np.float32)
-    b_div = (b_div.view(np.int32) + steps).view(np.float32)
-    sign = rng.choice(np.array([1, -1], np.float32), n)
-    return a * sign, b_mul, b_div
-
 
 # ---------------------------------------------------------------------------------------------
 # The kernels are the contract: a one-ulp change in a source is caught
@@ -75,7 +63,7 @@ def test_results_do_not_depend_on_hardware_flushing(ftz):
     """The header's primitives give the contract's bits whether or not the hardware flushes
     subnormals (emulated with x86 FTZ|DAZ, tininess after rounding, as a flushing GPU)."""
     rng = rng_for(16)
-    na, nb_mul, nb_div = _near_min_normal_pairs(rng, 5000)
+    na, nb_mul, nb_div = near_min_normal_pairs(rng, 5000)
     tiny = (rng.uniform(-4, 4, 5000) * 2.0 ** -126).astype(np.float32)     # sums near and below 2^-126
     a = np.concatenate([na, na, tiny, rng.choice(SPECIALS, 2000)]).astype(np.float32)
     b = np.concatenate([nb_mul, nb_div, -(tiny * np.float32(1.5)), rng.choice(SPECIALS, 2000)]).astype(np.float32)

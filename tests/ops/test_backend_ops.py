@@ -25,7 +25,7 @@ import pytest
 import mlx_open1b.cpu_ref as cpu_ref
 from mlx_open1b.spec import arith as A
 
-from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, rand_bf16, rand_f32, sprinkle
+from helpers import SPECIAL_BF16, SPECIAL_F32, assert_bits_equal, near_min_normal_pairs, rand_bf16, rand_f32, sprinkle
 # cpu_ref, each result computed once for both backends (one test function's cases held at a time)
 from shared_reference import CPU_REF as C, scope
 
@@ -157,18 +157,6 @@ def primitives(gpu, a: np.ndarray, b: np.ndarray) -> tuple[dict, dict]:
     return raw, stored
 
 
-def _near_min_normal_pairs(rng, n):
-    """Operand pairs whose exact product (or quotient) lies within a few ulp of 2^-126."""
-    a = rng.uniform(1.0, 2.0, n).astype(np.float32) * np.float32(2.0) ** rng.integers(-60, 60, n).astype(np.float32)
-    b_mul = (np.float64(2.0 ** -126) / a.astype(np.float64)).astype(np.float32)
-    with np.errstate(over="ignore"):
-        b_div = (a.astype(np.float64) / np.float64(2.0 ** -126)).astype(np.float32)
-    steps = rng.integers(-3, 4, n).astype(np.int32)
-    b_mul = (b_mul.view(np.int32) + steps).view(np.float32)
-    b_div = (b_div.view(np.int32) + steps).view(np.float32)
-    sign = rng.choice(np.array([1, -1], np.float32), n)
-    return a * sign, b_mul, b_div
-
 
 def tiny_product_pairs(rng, n=3000):
     """(a, b) whose exact product or quotient lies within a few ulps of 2^-126: the flush-before-
@@ -191,7 +179,7 @@ def primitive_cases():
     x = sweep(2 ** 32 // 3000)
     a = np.repeat(x, 8)
     b = rng.choice(x, a.size)
-    na, nb_mul, nb_div = _near_min_normal_pairs(rng, 20000)
+    na, nb_mul, nb_div = near_min_normal_pairs(rng, 20000)
     edge_a = np.array([np.float32(1 - 2 ** -24), 2.0 ** -126, -(2.0 ** -126), 1.5, 2.0 ** -126], np.float32)
     edge_b = np.array([2.0 ** -126, np.float32(1 - 2 ** -24), np.float32(1 - 2 ** -24), 2.0 ** -126 / 1.5, 1.0],
                       np.float32)
