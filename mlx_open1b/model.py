@@ -122,19 +122,29 @@ def views(buf, layout: ParamLayout) -> dict:
     return {t.name: buf[t.offset:t.offset + t.size].reshape(t.shape) for t in layout}
 
 
-def init_params(cfg: ModelConfig, seed: int, ops=cpu_ref) -> np.ndarray:
-    """The initial bf16 parameter buffer (n_params,) uint16. Every matrix element i is
-    bf16(trunc_normal(seed, STREAM_INIT, index i, sigma=cfg.init_sigma)), i its offset in the
-    buffer; every norm gain is 1.0. Element i is a pure function of (seed, i)."""
+def init_params(cfg: ModelConfig, seed: int, ops=cpu_ref, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """The initial bf16 parameter buffer (n_params,) uint16, or its elements [lo, hi) (hi - lo,)
+    alone. Every matrix element i is bf16(trunc_normal(seed, STREAM_INIT, index i,
+    sigma=cfg.init_sigma)), i its offset in the buffer; every norm gain is 1.0. Element i is a pure
+    function of (seed, i), so any range is the same bits as that slice of the whole buffer: each
+    worker of a run initializes only the range it owns."""
     layout = ParamLayout(cfg)
-    buf = np.empty(layout.n_params, np.uint16)
+    P = layout.n_params
+    hi = P if hi is None else int(hi)
+    lo = int(lo)
+    if not 0 <= lo <= hi <= P:
+        raise ValueError(f"init_params: range [{lo}, {hi}) is not inside the {P} parameters")
+    buf = np.empty(hi - lo, np.uint16)
     for t in layout:
-        if len(t.shape) == 1:
-            buf[t.offset:t.offset + t.size] = BF16_ONE
+        a, b = max(lo, t.offset), min(hi, t.offset + t.size)
+        if a >= b:
             continue
-        for lo in range(t.offset, t.offset + t.size, _INIT_CHUNK):
-            n = min(_INIT_CHUNK, t.offset + t.size - lo)
-            buf[lo:lo + n] = ops.f32_to_bf16(ops.trunc_normal(seed, STREAM_INIT, lo, n, cfg.init_sigma))
+        if len(t.shape) == 1:
+            buf[a - lo:b - lo] = BF16_ONE
+            continue
+        for c in range(a, b, _INIT_CHUNK):
+            n = min(_INIT_CHUNK, b - c)
+            buf[c - lo:c - lo + n] = ops.f32_to_bf16(ops.trunc_normal(seed, STREAM_INIT, c, n, cfg.init_sigma))
     return buf
 
 
