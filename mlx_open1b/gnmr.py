@@ -194,12 +194,13 @@ class Controller:
 
     def unit_norms(self, partials: dict, ops) -> np.ndarray:
         """(U,) f32: each unit's §7 global norm over its tensors (buffer order), from the tensors'
-        sum-of-squares block partials {name: ops.sumsq_blocks(grad)} (the global norm's own)."""
-        out = np.empty(len(self.units), F32)
-        for i, (_, tensors, _) in enumerate(self.units):
-            joined = np.ascontiguousarray(np.concatenate([partials[t] for t in tensors]), F32)
-            out[i] = ops.scalar_sqrt(ops.treefold(joined))
-        return out
+        sum-of-squares block partials {name: ops.sumsq_blocks(grad)} (the global norm's own). The
+        step's partials are on the host (one transfer for all tensors), so each unit folds there with
+        the C reference, as the global norm does: the contract's treefold and sqrt, the same bits as
+        ops', without two launches and a blocking read back per unit."""
+        from .step import norm_from_partials
+        return np.array([norm_from_partials([partials[t] for t in tensors], ops) for _, tensors, _ in self.units],
+                        F32).reshape(len(self.units))
 
     def update(self, st: GNMRState, norms: np.ndarray, consumed_after: int) -> tuple[GNMRState, dict]:
         """One step of Algorithms 1-2: the new state (whose `active` applies to the next step) and

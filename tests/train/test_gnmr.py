@@ -192,3 +192,23 @@ def test_unit_norms_are_global_norms_of_the_units_tensors():
             want = np.float32(cpu_ref.global_norm([g[layout[t].offset:layout[t].offset + layout[t].size]
                                                    for t in tensors]))
             assert got[i].view(np.uint32) == want.view(np.uint32), name
+
+
+def test_unit_norms_of_host_partials_launch_nothing():
+    """The step's partials are on the host: the units fold there (the C reference), so a device
+    backend's ops are never called (no launch, no blocking read back per unit), and the norms are
+    the C reference's bits."""
+    from mlx_open1b import cpu_ref
+
+    class NoDevice:
+        def __getattr__(self, name):
+            raise AssertionError(f"unit_norms called the device op {name}")
+
+    rng = np.random.default_rng(1)
+    ctl = Controller(GNMRConfig(mode="op").check("int8"), CFG, 1000)
+    names = {t for _, tensors, _ in ctl.units for t in tensors}
+    parts = {t: cpu_ref.sumsq_blocks((rng.standard_normal(300) * 1e-2).astype(np.float32)) for t in names}
+    got = ctl.unit_norms(parts, NoDevice())
+    want = ctl.unit_norms(parts, cpu_ref)
+    assert got.dtype == np.float32 and got.shape == (len(ctl.units),)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
