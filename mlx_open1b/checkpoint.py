@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -77,20 +78,27 @@ def _prepare(tensors: dict) -> list[tuple[str, np.ndarray, str]]:
     return out
 
 
-def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = None) -> tuple[str, int]:
-    """Write tensors ({name: (array, dtype_name)} or {name: array}) as a safetensors file, fsync it,
-    and return (SHA-256 hex of the file, its size in bytes)."""
-    items = _prepare(tensors)
+def _st_header(entries, metadata: dict | None) -> tuple[bytes, int]:
+    """The safetensors header bytes (length prefix and padding included) of tensors laid out as
+    `entries` [(name, dtype name, shape, byte count)] in file order, and the data's byte count."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     off = 0
-    for name, a, dn in items:
-        header[name] = {"dtype": ST_DTYPE[dn], "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        off += a.nbytes
+    for name, dn, shape, nbytes in entries:
+        header[name] = {"dtype": ST_DTYPE[dn], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
     hb = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
     hb += b" " * (-len(hb) % 8)
-    pieces = [struct.pack("<Q", len(hb)) + hb] + [hashing.byte_view(a) for _, a, _ in items]
+    return struct.pack("<Q", len(hb)) + hb, off
+
+
+def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = None) -> tuple[str, int]:
+    """Write tensors ({name: (array, dtype_name)} or {name: array}) as a safetensors file, fsync it,
+    and return (SHA-256 hex of the file, its size in bytes)."""
+    items = _prepare(tensors)
+    head, off = _st_header([(name, dn, a.shape, a.nbytes) for name, a, dn in items], metadata)
+    pieces = [head] + [hashing.byte_view(a) for _, a, _ in items]
 
     sha = hashlib.sha256()
 
@@ -104,7 +112,7 @@ def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = Non
         fsutil.write_file(path, pieces)
     finally:
         t.join()
-    return sha.hexdigest(), 8 + len(hb) + off
+    return sha.hexdigest(), len(head) + off
 
 
 def _read_all(path, expect_size: int | None = None) -> tuple[bytearray, str]:
@@ -224,6 +232,54 @@ def recover_checkpoints(run_dir) -> list[str]:
     return done
 
 
+def _checked_meta(step, meta: dict) -> tuple[int, dict]:
+    """(step, a canonical copy of meta with step and contract_version set), or CheckpointError."""
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    step = int(step)
+    try:
+        meta = canonical(dict(meta), "meta")
+    except LedgerError as e:
+        raise CheckpointError(f"meta: {e}") from None
+    if "step" in meta and (not isinstance(meta["step"], int) or isinstance(meta["step"], bool)):
+        raise CheckpointError(f"meta step must be an integer, got {meta['step']!r}")
+    for k in _RESERVED:
+        if k in meta:
+            raise CheckpointError(f"meta key {k!r} is reserved (the checkpoint writes it)")
+    if meta.setdefault("step", step) != step:
+        raise CheckpointError(f"meta step {meta['step']} differs from the checkpoint step {step}")
+    if meta.setdefault("contract_version", CONTRACT_VERSION) != CONTRACT_VERSION:
+        raise CheckpointError(f"meta contract_version {meta['contract_version']} is not this build's {CONTRACT_VERSION}")
+    return step, meta
+
+
+def _write_meta(tmp: pathlib.Path, meta: dict) -> None:
+    """meta.json (meta_hash added) into the temporary directory, which is then made durable."""
+    meta["meta_hash"] = _meta_hash(meta)
+    fsutil.write_file(tmp / META_FILE, [(json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=True)
+                                         + "\n").encode("ascii")])
+    os.chmod(tmp, 0o777 & ~_umask())
+    _fsync_dir(tmp)
+
+
+def _publish(run_dir: pathlib.Path, step: int, tmp: pathlib.Path, final: pathlib.Path):
+    """Rename the complete temporary directory onto its final name (a checkpoint of the same step
+    moved aside first); returns the directory moved aside, or None. On failure the old one is back."""
+    aside = None
+    try:
+        if final.exists():          # replacing a checkpoint of the same step: move it aside first
+            aside = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.old-", dir=run_dir))
+            os.rmdir(aside)
+            _rename(final, aside)
+        _rename(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        if aside is not None and aside.exists() and not final.exists():
+            os.rename(aside, final)
+        raise
+    return aside
+
+
 # ------------------------------------------------------------------------------- save / load
 def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
                     collections: dict | None = None) -> pathlib.Path:
@@ -238,23 +294,8 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
     recorded as meta["collections"][kind] = {"hash": ..., "tensors": {item: tensor}} and checked
     on load (see collection_hashes).
     """
-    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
-    step = int(step)
+    step, meta = _checked_meta(step, meta)
     run_dir = pathlib.Path(run_dir)
-    try:
-        meta = canonical(dict(meta), "meta")
-    except LedgerError as e:
-        raise CheckpointError(f"meta: {e}") from None
-    if "step" in meta and (not isinstance(meta["step"], int) or isinstance(meta["step"], bool)):
-        raise CheckpointError(f"meta step must be an integer, got {meta['step']!r}")
-    for k in _RESERVED:
-        if k in meta:
-            raise CheckpointError(f"meta key {k!r} is reserved (the checkpoint writes it)")
-    if meta.setdefault("step", step) != step:
-        raise CheckpointError(f"meta step {meta['step']} differs from the checkpoint step {step}")
-    if meta.setdefault("contract_version", CONTRACT_VERSION) != CONTRACT_VERSION:
-        raise CheckpointError(f"meta contract_version {meta['contract_version']} is not this build's {CONTRACT_VERSION}")
 
     items = _prepare(tensors)
     digests = hashing.tensor_digests(items)
@@ -274,7 +315,6 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.tmp-", dir=run_dir))
     except OSError as e:
         raise fsutil.WriteError.of_part(final, e, "checkpoint ") from None
-    aside = None
     try:
         sha, nbytes = write_safetensors(tmp / STATE_FILE, {n: (a, dn) for n, a, dn in items},
                                         {"format": FORMAT, "step": str(step)})
@@ -282,27 +322,170 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
         meta["files"] = {STATE_FILE: {"bytes": nbytes, "sha256": sha}}
         meta["tensors"] = {n: {"dtype": dn, "hash": digests[n].hex(), "shape": list(a.shape)} for n, a, dn in items}
         meta["collections"] = colls
-        meta["meta_hash"] = _meta_hash(meta)
-        fsutil.write_file(tmp / META_FILE, [(json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=True)
-                                             + "\n").encode("ascii")])
-        os.chmod(tmp, 0o777 & ~_umask())
-        _fsync_dir(tmp)
-        if final.exists():          # replacing a checkpoint of the same step: move it aside first
-            aside = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{step:08d}.old-", dir=run_dir))
-            os.rmdir(aside)
-            _rename(final, aside)
-        _rename(tmp, final)
-        _fsync_dir(run_dir)
+        _write_meta(tmp, meta)
+        aside = _publish(run_dir, step, tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if aside is not None and aside.exists() and not final.exists():
-            os.rename(aside, final)
         if isinstance(e, OSError):          # fsutil.WriteError included: name the checkpoint, not its part
             raise fsutil.WriteError.of_part(final, e, "checkpoint ") from None
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+class StreamedCheckpoint:
+    """A checkpoint whose tensors arrive in pieces, in file order, so that no process holds the whole
+    state (a distributed run's writer receives each owner's range in turn): the same directory,
+    bytes and meta.json as save_checkpoint of the whole tensors (no collections).
+
+        with StreamedCheckpoint(run_dir, step, {name: (dtype name, shape)}, meta) as w:
+            for name in w.order:
+                for piece in ...: w.write(name, piece)     # consecutive elements, in order
+            path = w.finish()
+
+    Atomic as save_checkpoint: the pieces go to a file in a temporary directory that is renamed
+    into place by finish() only when every byte is in; leaving the block without finish() (an
+    error, a lost worker) removes it and earlier checkpoints stay as they were. The file's SHA-256
+    and every tensor's Merkle leaves are computed as the pieces pass (leaves counted from the
+    tensor's first byte, a chunk's tail carried to the next piece). One writer per run directory
+    (the caller holds the RunDir lock)."""
+
+    def __init__(self, run_dir, step: int, specs: dict, meta: dict):
+        self.step, self.meta = _checked_meta(step, meta)
+        self.run_dir = pathlib.Path(run_dir)
+        self.final = checkpoint_dir(self.run_dir, self.step)
+        entries = []
+        for name, (dn, shape) in specs.items():
+            if not isinstance(name, str) or not name or name == "__metadata__":
+                raise CheckpointError(f"invalid tensor name {name!r}")
+            if dn not in ST_DTYPE:
+                raise CheckpointError(f"tensor {name!r}: unknown dtype name {dn!r} (supported: {sorted(ST_DTYPE)})")
+            shape = tuple(int(d) for d in shape)
+            entries.append((name, dn, shape, hashing.DTYPES[dn].itemsize * math.prod(shape)))
+        entries.sort(key=lambda e: (-hashing.DTYPES[e[1]].itemsize, e[0]))      # _prepare's order
+        self._entries = {e[0]: e for e in entries}
+        self.order = [e[0] for e in entries]
+        self._head, data = _st_header(entries, {"format": FORMAT, "step": str(self.step)})
+        self.nbytes = len(self._head) + data
+        self._at, self._left = 0, entries[0][3] if entries else 0     # tensor index in order, its bytes to come
+        self._leaves, self._carry = [], bytearray()
+        self._digests: dict[str, bytes] = {}
+        self._sha = hashlib.sha256()
+        self._file = None
+        self.tmp = None
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            recover_checkpoints(self.run_dir)
+            self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{self.step:08d}.tmp-", dir=self.run_dir))
+            self._file = open(self.tmp / STATE_FILE, "wb", buffering=0)
+            self._put(self._head)
+            self._close_empty()
+        except BaseException as e:
+            self._fail(e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        if self.tmp is not None:        # left without finish(): nothing of this save stays
+            self.abort()
+
+    # ---- the pieces
+    def _put(self, mv) -> None:
+        """Write bytes to the file while the file's SHA-256 runs beside (hashlib releases the GIL)."""
+        t = threading.Thread(target=self._sha.update, args=(mv,), name="open1b-ckpt-sha")
+        t.start()
+        try:
+            fsutil.write_all(self._file, mv)
+        finally:
+            t.join()
+
+    def _close_empty(self) -> None:
+        """Finish the current tensor while it has no bytes left to come (an empty tensor: one leaf)."""
+        while self._at < len(self.order) and self._left == 0:
+            name, dn, shape, nb = self._entries[self.order[self._at]]
+            if self._carry or nb == 0:
+                self._leaves += hashing.leaf_hashes(bytes(self._carry))
+            self._digests[name] = hashing.tensor_digest_from_root(name, dn, shape, hashing.merkle_root(self._leaves))
+            self._leaves, self._carry = [], bytearray()
+            self._at += 1
+            if self._at < len(self.order):
+                self._left = self._entries[self.order[self._at]][3]
+
+    def write(self, name: str, piece) -> None:
+        """The next elements of tensor `name` (the tensor in `order` being written), a flat or shaped
+        array of its dtype's storage; consecutive pieces fill the tensor in row-major order."""
+        if name in self._digests and not np.asarray(piece).size:
+            return                      # nothing for a complete tensor (an empty one closes by itself)
+        if self._at >= len(self.order) or name != self.order[self._at]:
+            want = self.order[self._at] if self._at < len(self.order) else "nothing (every tensor is complete)"
+            raise CheckpointError(f"{self.final}: piece of tensor {name!r} out of order: expected {want}")
+        _, dn, _, _ = self._entries[name]
+        try:
+            a, _ = hashing.canonical_array(piece, dn, what=f"tensor {name!r}")
+        except hashing.HashError as e:
+            raise CheckpointError(str(e)) from None
+        mv = hashing.byte_view(a)
+        if len(mv) > self._left:
+            raise CheckpointError(f"{self.final}: tensor {name!r} is given {len(mv) - self._left} bytes more than "
+                                  f"its shape holds")
+        try:
+            self._put(mv)
+        except BaseException as e:
+            self._fail(e)
+        self._left -= len(mv)
+        pos = 0
+        if self._carry:                  # complete the chunk the last piece began
+            pos = min(len(mv), hashing.CHUNK - len(self._carry))
+            self._carry += mv[:pos]
+            if len(self._carry) == hashing.CHUNK:
+                self._leaves += hashing.leaf_hashes(bytes(self._carry))
+                self._carry = bytearray()
+        whole = (len(mv) - pos) // hashing.CHUNK * hashing.CHUNK
+        if whole:
+            self._leaves += hashing.leaf_hashes(mv[pos:pos + whole])
+        self._carry += mv[pos + whole:]
+        self._close_empty()
+
+    # ---- the end
+    def finish(self) -> pathlib.Path:
+        """fsync, meta.json, rename into place; returns the checkpoint directory."""
+        if self._at < len(self.order):
+            name = self.order[self._at]
+            raise CheckpointError(f"{self.final}: incomplete: tensor {name!r} lacks {self._left} bytes")
+        meta = self.meta
+        try:
+            fsutil.fsync_file(self._file)
+            self._file.close()
+            meta["format"] = FORMAT
+            meta["files"] = {STATE_FILE: {"bytes": self.nbytes, "sha256": self._sha.hexdigest()}}
+            meta["tensors"] = {n: {"dtype": dn, "hash": self._digests[n].hex(), "shape": list(shape)}
+                               for n, (_, dn, shape, _) in self._entries.items()}
+            meta["collections"] = {}
+            _write_meta(self.tmp, meta)
+            aside = _publish(self.run_dir, self.step, self.tmp, self.final)
+        except BaseException as e:
+            self._fail(e)
+        self.tmp = None
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        return self.final
+
+    def abort(self) -> None:
+        """Remove what this save wrote (earlier checkpoints are untouched)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def _fail(self, e: BaseException):
+        self.abort()
+        if isinstance(e, OSError):          # fsutil.WriteError included: name the checkpoint, not its part
+            raise fsutil.WriteError.of_part(self.final, e, "checkpoint ") from None
+        raise e
 
 
 def _rename(src, dst) -> None:
