@@ -15,7 +15,9 @@ class derives from `lm_eval.api.model.LM` and is registered as model "open1b", s
 
 Scores are the model program's own numbers: the log-probability of a token is minus the row
 cross-entropy of the contract's fused LM-head cross-entropy (CONTRACT.md §6.8) for that position,
-and is_greedy/generation use the argmax of the LM-head GEMM's logits on the same operands. A window
+and is_greedy/generation use the greedy rule of `open1b generate` (mlx_open1b.generate.greedy: the
+largest logit among the tokenizer's ids, ties to the smallest id, a NaN never chosen) on the LM-head
+GEMM's logits of the same operands. A window
 holds seq_len tokens: longer contexts are cut on the left; shorter windows are padded on the right
 with the separator (causal attention: padding never changes earlier positions).
 
@@ -54,6 +56,7 @@ from .checkpoint import CheckpointError, load_checkpoint
 from .data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
 from .errors import Open1bError
 from .fsutil import write_bytes_atomic
+from .generate import greedy
 from .model import Cache, Model, views
 from .rundir import RunDir
 from .train import TrainError, get_backend
@@ -117,10 +120,11 @@ class Open1BLM(_LMBase):
                            attention_pv=self.cfg.attention_pv)
         self.T = self.cfg.model.seq_len
         self.eot = tokenizer.eot_id
+        self.n_candidates = tokenizer.vocab_size          # <= model.vocab_size (checked above)
 
     # ------------------------------------------------------------------ the forward pass
-    def _rows(self, windows: np.ndarray, want_logits: bool):
-        """windows (B, T+1) uint32 -> (logprob (B, T) float64 of each target, argmax (B, T) or None)."""
+    def _logits(self, windows: np.ndarray, want_logits: bool):
+        """windows (B, T+1) uint32 -> (logprob (B, T) float64 of each target, logits (B, T, V) fp32 or None)."""
         inputs, targets, B = self.model._split(windows)
         inputs, targets = self.ops.to_device(inputs), self.ops.to_device(targets)
         cache = Cache(B, self.T, inputs, targets) if want_logits else None
@@ -130,7 +134,18 @@ class Open1BLM(_LMBase):
             return lp, None
         lm = arrays.contiguous(views(self.params, self.model.layout)["lm_head"])
         z = arrays.to_host(self.ops.linear_forward(cache.hn_b, lm))
-        return lp, z.argmax(axis=1).reshape(B, self.T)
+        return lp, np.asarray(z, np.float32).reshape(B, self.T, -1)
+
+    def _rows(self, windows: np.ndarray, want_logits: bool):
+        """windows (B, T+1) uint32 -> (logprob (B, T) float64 of each target, greedy id (B, T) or None; -1
+        where every logit is NaN)."""
+        lp, z = self._logits(windows, want_logits)
+        return lp, (None if z is None else greedy(z, self.n_candidates))
+
+    def _next_logits(self, ids) -> np.ndarray:
+        """The next-token logits (V,) fp32 after ids (at most T tokens), from their window."""
+        w, n = self._window(np.asarray(ids, np.uint32))
+        return self._logits(w[None], True)[1][0, n - 1]
 
     def _window(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """The last T+1 tokens of ids padded on the right: (window, number of real tokens)."""
@@ -201,10 +216,11 @@ class Open1BLM(_LMBase):
             ids = list(self.tok.encode(context)) or [self.eot]
             new: list[int] = []
             text = ""
-            for _ in range(max_new):
-                w, n = self._window(np.array((ids + new)[-self.T:], np.uint32))   # n <= T: all inputs
-                _, am = self._rows(w[None], True)
-                nxt = int(am[0, n - 1])
+            for i in range(max_new):
+                nxt = int(greedy(self._next_logits((ids + new)[-self.T:]), self.n_candidates))
+                if nxt < 0:
+                    raise EvalError(f"generate_until: request {len(out)}, generated token {i}: every logit is NaN "
+                                    f"(the checkpoint's parameters are broken)", exit_code=3)
                 if nxt == self.eot:
                     break
                 new.append(nxt)

@@ -91,6 +91,17 @@ class Sampling:
         return self
 
 
+def greedy(z: np.ndarray, n_candidates: int) -> np.ndarray:
+    """The greedy rule on logits z (..., V): per row, the candidate (id < n_candidates) with the largest
+    logit, ties to the smallest id, a NaN never chosen; -1 where every candidate is NaN. The one home
+    of the rule: `choose` at temperature 0, and `open1b eval`'s generate_until and is_greedy."""
+    zc = np.asarray(z)[..., :n_candidates]
+    nan = np.isnan(zc)
+    top = np.where(nan, -np.inf, zc).max(axis=-1, keepdims=True)      # -inf where no candidate is a number
+    hit = (zc == top) & ~nan
+    return np.where(hit.any(axis=-1), hit.argmax(axis=-1), -1)          # argmax of bools: the first True
+
+
 def choose(z: np.ndarray, n_candidates: int, sampling: Sampling, index: int) -> int:
     """The token chosen from logits z (V,) fp32 for the index-th generated token (module docstring)."""
     z = np.asarray(z, F32)[:n_candidates]
@@ -98,9 +109,9 @@ def choose(z: np.ndarray, n_candidates: int, sampling: Sampling, index: int) -> 
     if ids.size == 0:
         raise GenerateError(f"generated token {index}: every logit is NaN (the checkpoint's parameters are broken)",
                             exit_code=3)
-    zc = z[ids]
     if sampling.temperature == 0:
-        return int(ids[np.flatnonzero(zc == zc.max())[0]])
+        return int(greedy(z, n_candidates))
+    zc = z[ids]
     order = np.argsort(-zc, kind="stable")            # logit descending; equal logits keep id order
     if sampling.top_k:
         order = order[:sampling.top_k]

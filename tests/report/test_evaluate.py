@@ -96,6 +96,32 @@ def test_rolling_and_generation(lm):
     assert out == expect.split("\n\n")[0]
 
 
+def test_generation_follows_the_greedy_rule_of_generate(lm, monkeypatch):
+    """generate_until and is_greedy choose as `open1b generate` does (mlx_open1b.generate.greedy): on
+    real logits the same tokens as Generator; on planted logits a tie goes to the smaller id and a
+    NaN is never chosen (plain argmax would pick the NaN); every logit NaN: EvalError, exit 3."""
+    from mlx_open1b.generate import Generator
+    ctx = "Compute 4 + 10.\n\nAnswer:"
+    want = Generator(lm.run_dir, lm.step).generate(lm.tok.encode(ctx), 4)
+    [out] = lm.generate_until([(ctx, {"until": [], "max_gen_toks": 4})])
+    assert out == lm.tok.decode(want)
+    V, eot = lm.cfg.model.vocab_size, lm.eot
+    a, b, c = sorted({lm.tok.encode(" yes")[0], lm.tok.encode(" no")[0], lm.tok.encode(" maybe")[0]})
+    assert eot not in (a, b, c)
+    planted = np.full(V, -1.0, np.float32)
+    planted[[b, c]] = 5.0                       # a tie: b, the smaller id, wins
+    planted[a] = np.nan                          # larger than everything for np.argmax
+    monkeypatch.setattr(lm, "_logits", lambda windows, want: (np.zeros((len(windows), lm.T)),
+                                                               np.broadcast_to(planted, (len(windows), lm.T, V))))
+    [out] = lm.generate_until([(ctx, {"until": [], "max_gen_toks": 2})])
+    assert out == lm.tok.decode([b, b])
+    assert [g for _, g in lm.loglikelihood_tokens([([eot], [b]), ([eot], [c]), ([eot], [a])])] == [True, False, False]
+    planted[:] = np.nan
+    with pytest.raises(EvalError, match="every logit is NaN") as e:
+        lm.generate_until([(ctx, {"max_gen_toks": 2})])
+    assert e.value.exit_code == 3
+
+
 def test_offline_tasks_and_cli(lm, tmp_path):
     res = evaluate(lm, list(TASKS), limit=2)
     for name, kind in TASKS.items():
