@@ -6,8 +6,9 @@ Atomic writes (write_bytes_atomic, write_json_atomic, atomic_path): a reader nev
 half-written file, and a crash never replaces a good file with a bad one (write to a temporary file
 in the same directory, fsync, rename). write_file: a file inside a temporary directory that is
 renamed into place whole (checkpoints, exports). append_durable: one fsynced append (the ledger),
-cut back on failure. The bytes of every write pass through write_all and are made durable by
-fsync_file: the two places a test injects a failure."""
+cut back on failure; append_unsynced: the same without fsync (step times, beside the ledger). The
+bytes of every write pass through write_all and are made durable by fsync_file: the two places a
+test injects a failure."""
 from __future__ import annotations
 
 import contextlib
@@ -174,6 +175,31 @@ def append_durable(path, data: bytes) -> None:
         raise WriteError(path, e) from None
     if created:                       # make the new file's directory entry durable too
         _fsync_dir(path.parent)
+
+
+def append_unsynced(path, data: bytes, cut_incomplete: bool = False) -> None:
+    """Append `data` to `path` (created if missing) in one write, without fsync: for what is kept
+    beside a run, not in it (step times), where a line lost in a crash costs nothing. cut_incomplete:
+    first remove the bytes after the file's last newline (a line a crash cut short). On failure the
+    file is cut back to its previous length and WriteError names it."""
+    path = pathlib.Path(path)
+    try:
+        with open(path, "a+b", buffering=0) as f:      # appends; reads only to find the last newline
+            size = f.seek(0, os.SEEK_END)
+            if cut_incomplete and size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    f.seek(0)
+                    size = f.read().rfind(b"\n") + 1
+                    f.truncate(size)
+            try:
+                write_all(f, data)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    f.truncate(size)
+                raise
+    except OSError as e:
+        raise WriteError(path, e) from None
 
 
 def sha256_file(path, chunk: int = 1 << 20) -> str:

@@ -3,6 +3,7 @@
     RUN/run.json           RunInfo: the run's configuration, contract version, corpus and genesis hash
     RUN/ledger.jsonl       the chained step records (ledger.py), one per optimizer step
     RUN/ckpt-<step:08d>/   checkpoints (checkpoint.py)
+    RUN/timing.jsonl       wall-clock step times, beside the ledger and in no hash (steptimes.py)
     RUN/writer.lock        the writer's lock (RunDir.lock): the pid and host of the process writing the run
 
 One process writes a run directory at a time: train, resume and a distributed run's rank 0 hold an

@@ -7,7 +7,6 @@ the ledger before its weights are used); `summarize` (paper Table 7), `milestone
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
@@ -16,6 +15,7 @@ from ..checkpoint import CheckpointError, load_checkpoint
 from ..errors import Open1bError
 from ..model import ParamLayout
 from ..rundir import RunDir, RunInfo
+from ..steptimes import TIMING_FILE, read_step_times
 
 
 class ReportError(Open1bError):
@@ -23,8 +23,8 @@ class ReportError(Open1bError):
 
 
 def load_run_data(run_dir, max_checkpoints: int = 64) -> dict:
-    """run.json (info: a RunInfo), the verified ledger records, step times if logged, and
-    per-checkpoint weight norms."""
+    """run.json (info: a RunInfo), the verified ledger records, the step times (RUN/timing.jsonl,
+    written beside the ledger), and per-checkpoint weight norms."""
     rd = RunDir(run_dir)
     run = rd.path
     info, run_hash, records = rd.verified_records(
@@ -35,22 +35,18 @@ def load_run_data(run_dir, max_checkpoints: int = 64) -> dict:
 
 
 def _step_times(run: pathlib.Path, records: list) -> dict[int, float]:
+    """{step: seconds}: records' own "step_seconds"/"seconds" fields (the trainer's ledger has none),
+    then the trainer's RUN/timing.jsonl (steptimes.py), then a user's RUN/metrics.jsonl of the same
+    form; a later source wins."""
     out = {}
     for r in records:
         for k in ("step_seconds", "seconds"):
             if isinstance(r.get(k), (int, float)):
                 out[r["step"]] = float(r[k])
                 break
-    mf = run / "metrics.jsonl"
-    if mf.exists():
-        for i, line in enumerate(mf.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                m = json.loads(line)
-                out[int(m["step"])] = float(m["seconds"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ReportError(f"{mf}: line {i}: expected {{\"step\": t, \"seconds\": s}} ({e})") from None
+    for name in (TIMING_FILE, "metrics.jsonl"):
+        if (run / name).exists():
+            out.update(read_step_times(run / name, ReportError))
     return out
 
 

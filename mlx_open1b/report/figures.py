@@ -12,9 +12,9 @@
   fig-emb         Frobenius norms of the input embedding and the LM head          (Fig. 4d)
   fig-zloss       z-loss term per step
   fig-gnmr        units on GNMR's recovery path per step (only when records carry "gnmr")
-  fig-speed       tokens/s (only when step times are logged: records' "seconds"/"step_seconds"
-                  fields, or RUN/metrics.jsonl lines {"step": t, "seconds": s}; the trainer's
-                  ledger holds no times, since they would make equal runs' ledgers differ)
+  fig-speed       tokens/s (where step times are logged: the trainer's RUN/timing.jsonl, kept
+                  beside the ledger since times would make equal runs' ledgers differ, or a
+                  RUN/metrics.jsonl with lines {"step": t, "seconds": s})
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from data_helpers import make_corpus
 from runs import micro_cfg
 
 FIGURES = ["fig-loss", "fig-gradnorm", "fig-gradhist", "fig-lr", "fig-batch", "fig-update", "fig-wq", "fig-wk",
-           "fig-wv", "fig-emb", "fig-zloss"]
+           "fig-wv", "fig-emb", "fig-zloss", "fig-speed"]
 VOID = {"meta", "br", "img", "hr", "input", "link"}
 
 
@@ -96,8 +96,10 @@ def test_report_has_every_figure_and_the_ledgers_numbers(run, tmp_path):
     c = check_page(text, pngs=True)
     for f in FIGURES:
         assert f in c.ids and f"{f}-svg" in c.ids, f
-    assert "fig-gnmr" not in c.ids and "fig-speed" not in c.ids     # no GNMR records, no step times
+    assert "fig-gnmr" not in c.ids                                  # no GNMR records
     recs = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    times = (run / "timing.jsonl").read_text().splitlines()           # the trainer's, one line per step
+    assert [json.loads(t)["step"] for t in times] == [r["step"] for r in recs]
     summary = json.loads(re.search(r'<script type="application/json" id="summary">(.*?)</script>', text, re.S).group(1))
     evals = [r for r in recs if "eval" in r]
     w = summary["train_ce_window"]
@@ -106,7 +108,8 @@ def test_report_has_every_figure_and_the_ledgers_numbers(run, tmp_path):
             "final_heldout_ce": evals[-1]["eval"]["mixture"], "final_heldout_step": evals[-1]["step"],
             "skipped_steps": sum(r["skipped"] for r in recs), "spike_events": sum(r["spike"] for r in recs),
             "clipped_steps": sum(r["clipped"] for r in recs),
-            "clip_rate": sum(r["clipped"] for r in recs) / len(recs), "median_step_seconds": None,
+            "clip_rate": sum(r["clipped"] for r in recs) / len(recs),
+            "median_step_seconds": float(np.median([json.loads(t)["seconds"] for t in times])),
             "checkpoints": [0, 4, 8, 12, 16]}
     assert {k: summary[k] for k in want} == want
     assert want["skipped_steps"] > 0 and want["clipped_steps"] > 0       # the micro recipe exercises both

@@ -15,8 +15,8 @@ import pytest
 from mlx_open1b import cpu_ref
 from mlx_open1b.audit import audit, run_hash
 from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig, preset
-from mlx_open1b.distributed import (ShardingError, check_worker_count, dyadic_blocks, microbatch_range,
-                                    norm_from_partials, owner_fold, shard_tensors, valid_worker_counts)
+from mlx_open1b.distributed import (ALIGN, ShardingError, check_worker_count, dyadic_blocks, microbatch_range,
+                                    norm_from_partials, owner_fold, shard_elements, valid_worker_counts)
 from mlx_open1b.distributed.collectives import CommError, route
 from mlx_open1b.hostmath import reciprocal
 from mlx_open1b.spec import optim as spec_optim
@@ -120,8 +120,10 @@ def ledger(run):
 
 
 def tree(run):
-    """Every file of a run directory, relative path -> bytes."""
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    """Every file of a run directory, relative path -> bytes; not the wall-clock step times kept beside
+    the ledger (timing.jsonl differs between any two runs, which is why it is not in the ledger)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != "timing.jsonl"}
 
 
 # ------------------------------------------------------------------------------ pure parts
@@ -143,28 +145,38 @@ def test_microbatch_ranges_and_dyadic_blocks():
     assert dyadic_blocks(1, 3) == [(1, 0), (2, 0)]
 
 
-def test_shard_tensors_contiguous_balanced_and_allows_empty_ranks():
-    sizes = [s for _, s in ((n, int(np.prod(sh))) for n, sh, _ in preset("small").model.param_shapes())]
-    for N in range(1, 9):
-        sh = shard_tensors(sizes, N)
-        assert [s.rank for s in sh] == list(range(N)) and sh[0].t0 == 0 and sh[-1].t1 == len(sizes)
-        assert all(a.t1 == b.t0 and a.hi == b.lo for a, b in zip(sh, sh[1:]))
-        assert sum(s.size for s in sh) == sum(sizes)
-        best = max(s.size for s in sh)
-        assert best >= max(sizes) and best <= max(max(sizes), -(-sum(sizes) // N) + max(sizes))
-    # brute force on small cases: the largest range is the smallest possible
-    rng = np.random.default_rng(1)
-    import itertools
-    for _ in range(40):
-        sizes = [int(x) for x in rng.integers(1, 50, rng.integers(1, 7))]
-        N = int(rng.integers(1, 5))
-        got = max(s.size for s in shard_tensors(sizes, N))
-        opt = min(max(sum(sizes[a:b]) for a, b in zip((0,) + c, c + (len(sizes),)))
-                  for k in range(0, min(N, len(sizes)))
-                  for c in itertools.combinations(range(1, len(sizes)), k))
-        assert got == opt, (sizes, N)
-    sh = shard_tensors([10, 1, 1, 1, 1], 4)         # more ranks than useful cuts: the last owns nothing
-    assert [s.size for s in sh] == [10, 4, 0, 0]
+def test_shard_elements_near_equal_cut_only_where_blocks_and_chunks_begin():
+    """Every cut is the allowed point (a tensor boundary, or ALIGN elements from a tensor's start)
+    nearest r/N of the buffer; ranges are contiguous and within ALIGN of P/N; ALIGN starts a norm
+    block and a hash chunk of bf16 and f32 elements."""
+    from mlx_open1b.contract import NORM_BLOCK
+    from mlx_open1b.hashing import CHUNK
+    assert ALIGN % NORM_BLOCK == 0 and (2 * ALIGN) % CHUNK == 0 and (4 * ALIGN) % CHUNK == 0
+    opens = [[int(np.prod(s)) for _, s, _ in preset(p).model.param_shapes()] for p in ("small", "open1b")]
+    rng = np.random.default_rng(2)
+    drawn = [[int(x) for x in rng.integers(1, 3 * ALIGN, rng.integers(1, 7))] for _ in range(30)]
+    for sizes in opens + drawn + [[10, 1, 1, 1, 1], [3 * ALIGN + 5, 7, 0, 2 * ALIGN]]:
+        P, offs = sum(sizes), np.cumsum([0] + sizes)
+        allowed = sorted({int(o) for o in offs} | {int(o) + k * ALIGN for o, n in zip(offs, sizes)
+                                                    for k in range(1, -(-n // ALIGN))})
+        for N in (1, 2, 3, 5, 8, 48, 64):
+            sh = shard_elements(sizes, N)
+            assert [s.rank for s in sh] == list(range(N)) and sh[0].lo == 0 and sh[-1].hi == P
+            assert all(a.hi == b.lo for a, b in zip(sh, sh[1:]))
+            for r in range(1, N):
+                x = (r * P + N // 2) // N
+                best = min(allowed, key=lambda c: (abs(c - x), c))
+                assert sh[r].lo == best, (sizes, N, r)
+            if len(allowed) > 1 and max(np.diff(allowed)) <= ALIGN:
+                assert all(abs(s.size - P / N) <= ALIGN for s in sh)
+            for s in sh:                                    # the tensors each range touches
+                touched = [t for t in range(len(sizes)) if offs[t] < s.hi and offs[t + 1] > s.lo]
+                if s.size:
+                    assert (s.t0, s.t1) == (touched[0], touched[-1] + 1)
+    sh = shard_elements([10, 1, 1, 1, 1], 4)         # more ranks than useful cuts: ranges left empty
+    assert [s.size for s in sh] == [0, 10, 1, 3]         # targets 4, 7, 11 of 14: cuts 0, 10, 11
+    sh = shard_elements([3 * ALIGN + 5], 2)                  # one tensor, cut inside
+    assert [(s.lo, s.hi, s.t0, s.t1) for s in sh] == [(0, 2 * ALIGN, 0, 1), (2 * ALIGN, 3 * ALIGN + 5, 0, 1)]
 
 
 def test_worker_counts():
@@ -199,7 +211,7 @@ def test_reduce_scatter_keys_on_microbatch_index_not_arrival(M):
     cpu_ref.scale_inplace(seq, reciprocal(M))
     assert not np.array_equal(seq.view(np.uint32), ref.view(np.uint32))
     for N in sorted({1, 2, 3, M - 1, M} - {0}):
-        shards = shard_tensors(sizes, N)
+        shards = shard_elements(sizes, N)
         inbox = {r: [] for r in range(N)}                   # what every owner receives
         for w in range(N):
             blocks = dyadic_blocks(*microbatch_range(M, N, w))
@@ -240,20 +252,37 @@ def test_owner_fold_rejects_gaps_and_misaligned_blocks():
         owner_fold([(0, 0, a[0]), (2, 0, a[1])], 2, cpu_ref.add_inplace)
 
 
-def test_norm_from_owner_partials_is_the_global_norm():
+def test_norm_and_hashes_from_owner_pieces_are_the_whole_tensors():
+    """Owners' ranges cut tensors (at ALIGN): their block partials and Merkle leaves, joined in rank
+    order, give the global norm and the tensor hashes of the whole buffer (f32 and bf16)."""
+    from mlx_open1b import hashing
+    from mlx_open1b.step import join_digests, join_partials, piece_digests, tensor_views
     rng = np.random.default_rng(3)
-    sizes = [5000, 3, 9000, 4096, 1, 700]
+    sizes = [ALIGN + 5000, 3, 2 * ALIGN + 9000, 4096, 1, 700]
+    shapes = [(f"t{i}", (n,), False) for i, n in enumerate(sizes)]
     g = _grads(rng, 1, sum(sizes))[0]
-    tensors, off = [], 0
-    for s in sizes:
-        tensors.append(g[off:off + s])
-        off += s
+    bf = (rng.integers(0, 1 << 16, g.size)).astype(np.uint16)
+    tensors = [a for *_, a in tensor_views(shapes, g)]
     want = cpu_ref.global_norm(tensors)
+    want_hash = {dn: hashing.collection_hash(dn, [(n, a, dn) for (n, *_), a in zip(
+        shapes, [v for *_, v in tensor_views(shapes, x)])]) for dn, x in (("f32", g), ("bf16", bf))}
     for N in (1, 2, 3, 6, 8):
-        partials = []
-        for sh in shard_tensors(sizes, N):                  # each owner, in rank order
-            partials += [cpu_ref.sumsq_blocks(t) for t in tensors[sh.t0:sh.t1]]
-        assert np.float32(norm_from_partials(partials, cpu_ref)).view(np.uint32) == np.float32(want).view(np.uint32)
+        shards = shard_elements(sizes, N)
+        if N in (2, 3):
+            assert any(0 < s.lo - off < n for s in shards for off, n in zip(np.cumsum([0] + sizes), sizes))
+        parts, digests = [], {"f32": [], "bf16": []}
+        for sh in shards:                                   # each owner, in rank order
+            views = list(tensor_views(shapes, g[sh.lo:sh.hi], sh.lo))
+            parts.append({n: cpu_ref.sumsq_blocks(a) for n, _, _, _, a in views})
+            for dn, x in (("f32", g), ("bf16", bf)):
+                digests[dn].append(piece_digests([(n, s, dn, at, a)
+                                                  for n, s, _, at, a in tensor_views(shapes, x[sh.lo:sh.hi], sh.lo)]))
+        joined = join_partials(parts)
+        assert list(joined) == [n for n, _, _ in shapes]
+        got = norm_from_partials(list(joined.values()), cpu_ref)
+        assert np.float32(got).view(np.uint32) == np.float32(want).view(np.uint32), N
+        for dn in ("f32", "bf16"):
+            assert hashing.collection_hash_from_tensor_hashes(dn, join_digests(digests[dn])) == want_hash[dn], (N, dn)
 
 
 def test_comm_error_names_the_collective():
@@ -300,7 +329,8 @@ def test_collectives_return_the_kind_given(monkeypatch):
             x = rng.standard_normal(37).astype(np.float32)
             got = comm.all_to_all(to(x), [37], [37])
             assert arrays.kind(got) == kind and got.dtype == np.float32 and got.tobytes() == x.tobytes()
-            (part,) = comm.all_gather(to(x[:5]), [5])
+            part = to(x[:5].copy())
+            comm.all_gather_into(part, [5])
             assert arrays.kind(part) == kind and part.tobytes() == x[:5].tobytes()
             b = to(rng.integers(0, 2 ** 16, 9).astype(np.uint16))
             before = b.tobytes()
@@ -323,14 +353,13 @@ def test_same_ledger_at_1_2_3_4_workers(tmp_path, corpus, worker_script):
     assert any(r["clipped"] for r in recs) and any(r["skipped"] for r in recs) and any(r["spike"] for r in recs)
     assert any("eval" in r for r in recs)
     want = tree(single)
-    for n in (1, 2, 3, 4):                  # 4 workers: one owns no tensor (two big embeddings, one middle)
+    for n in (1, 2, 3, 4):
         run = tmp_path / f"w{n}"
         r = torchrun(n, worker_script, _args(run, cfg, corpus, steps=4))
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"run hash {h}" in r.stdout
         assert ledger(run) == ledger(single), n
         assert tree(run) == want, n         # run.json, ledger and every checkpoint, byte for byte
-    assert [s.size for s in shard_tensors([int(np.prod(s)) for _, s, _ in cfg.model.param_shapes()], 4)][-1] == 0
     # one process certifies the 4-worker run, knowing nothing of its worker count
     att = audit(tmp_path / "w4", 0, 3)
     assert att["verdict"] == "certified" and att["run_hash"] == h

@@ -60,7 +60,8 @@ def test_checkpoint_on_a_full_tmpfs(tmp_path, corpus):  # noqa: F811
     assert f"free space on the disk, then continue with `open1b train --resume --out {run}`" in err
     # what the full disk holds: the two checkpoints, the ledger through step 3, nothing half-written
     names = sorted(p.name for p in copy.iterdir())
-    assert names == ["ckpt-00000000", "ckpt-00000002", "ledger.jsonl", "run.json", "writer.lock"], names
+    assert names == ["ckpt-00000000", "ckpt-00000002", "ledger.jsonl", "run.json", "timing.jsonl",
+                     "writer.lock"], names
     rd = RunDir(copy)
     info = rd.info()
     assert [r["step"] for r in rd.records()] == [0, 1, 2, 3] and rd.verify_ledger(info.genesis)
