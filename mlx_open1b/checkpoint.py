@@ -334,6 +334,62 @@ def save_checkpoint(run_dir, step: int, tensors: dict, meta: dict,
     return final
 
 
+class TensorStreams:
+    """The tensor digests (hashing.tensor_digest) of consecutive tensors `items` [(name, dtype name,
+    shape)] whose bytes arrive in pieces, in order, pieces free to straddle tensors: each tensor's
+    Merkle leaves are counted from its own first byte, a chunk's tail carried to the next piece.
+    E.g. the "params" collection's tensors from a stream of the flat parameter buffer."""
+
+    def __init__(self, items):
+        self._items = [(str(n), dn, tuple(int(d) for d in shape), hashing.DTYPES[dn].itemsize * math.prod(shape))
+                       for n, dn, shape in items]
+        self._at, self._left = 0, self._items[0][3] if self._items else 0
+        self._leaves, self._carry = [], bytearray()
+        self.digests: dict[str, bytes] = {}
+        self._close_empty()
+
+    @property
+    def complete(self) -> bool:
+        return self._at >= len(self._items)
+
+    @property
+    def current(self) -> tuple[str, int]:
+        """(the tensor the next byte belongs to, its bytes still to come)."""
+        return self._items[self._at][0], self._left
+
+    def _close_empty(self) -> None:
+        while self._at < len(self._items) and self._left == 0:
+            name, dn, shape, nb = self._items[self._at]
+            if self._carry or nb == 0:
+                self._leaves += hashing.leaf_hashes(bytes(self._carry))
+            self.digests[name] = hashing.tensor_digest_from_root(name, dn, shape, hashing.merkle_root(self._leaves))
+            self._leaves, self._carry = [], bytearray()
+            self._at += 1
+            if self._at < len(self._items):
+                self._left = self._items[self._at][3]
+
+    def update(self, mv) -> None:
+        """The next bytes (a flat byte memoryview); more than the tensors hold is a ValueError."""
+        while len(mv):
+            if self.complete:
+                raise ValueError(f"TensorStreams: {len(mv)} bytes after the last tensor")
+            take = mv[:self._left]
+            self._left -= len(take)
+            pos = 0
+            if self._carry:                  # complete the chunk the last piece began
+                pos = min(len(take), hashing.CHUNK - len(self._carry))
+                self._carry += take[:pos]
+                if len(self._carry) == hashing.CHUNK:
+                    self._leaves += hashing.leaf_hashes(bytes(self._carry))
+                    self._carry = bytearray()
+            whole = (len(take) - pos) // hashing.CHUNK * hashing.CHUNK
+            if whole:
+                self._leaves += hashing.leaf_hashes(take[pos:pos + whole])
+            self._carry += take[pos + whole:]
+            mv = mv[len(take):]
+            self._close_empty()
+
+
 class StreamedCheckpoint:
     """A checkpoint whose tensors arrive in pieces, in file order, so that no process holds the whole
     state (a distributed run's writer receives each owner's range in turn): the same directory,
@@ -347,8 +403,7 @@ class StreamedCheckpoint:
     Atomic as save_checkpoint: the pieces go to a file in a temporary directory that is renamed
     into place by finish() only when every byte is in; leaving the block without finish() (an
     error, a lost worker) removes it and earlier checkpoints stay as they were. The file's SHA-256
-    and every tensor's Merkle leaves are computed as the pieces pass (leaves counted from the
-    tensor's first byte, a chunk's tail carried to the next piece). One writer per run directory
+    and every tensor's Merkle leaves are computed as the pieces pass. One writer per run directory
     (the caller holds the RunDir lock)."""
 
     def __init__(self, run_dir, step: int, specs: dict, meta: dict):
@@ -368,9 +423,7 @@ class StreamedCheckpoint:
         self.order = [e[0] for e in entries]
         self._head, data = _st_header(entries, {"format": FORMAT, "step": str(self.step)})
         self.nbytes = len(self._head) + data
-        self._at, self._left = 0, entries[0][3] if entries else 0     # tensor index in order, its bytes to come
-        self._leaves, self._carry = [], bytearray()
-        self._digests: dict[str, bytes] = {}
+        self._hashes = TensorStreams([(n, dn, shape) for n, dn, shape, _ in entries])
         self._sha = hashlib.sha256()
         self._file = None
         self.tmp = None
@@ -380,7 +433,6 @@ class StreamedCheckpoint:
             self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".ckpt-{self.step:08d}.tmp-", dir=self.run_dir))
             self._file = open(self.tmp / STATE_FILE, "wb", buffering=0)
             self._put(self._head)
-            self._close_empty()
         except BaseException as e:
             self._fail(e)
 
@@ -391,7 +443,6 @@ class StreamedCheckpoint:
         if self.tmp is not None:        # left without finish(): nothing of this save stays
             self.abort()
 
-    # ---- the pieces
     def _put(self, mv) -> None:
         """Write bytes to the file while the file's SHA-256 runs beside (hashlib releases the GIL)."""
         t = threading.Thread(target=self._sha.update, args=(mv,), name="open1b-ckpt-sha")
@@ -401,25 +452,14 @@ class StreamedCheckpoint:
         finally:
             t.join()
 
-    def _close_empty(self) -> None:
-        """Finish the current tensor while it has no bytes left to come (an empty tensor: one leaf)."""
-        while self._at < len(self.order) and self._left == 0:
-            name, dn, shape, nb = self._entries[self.order[self._at]]
-            if self._carry or nb == 0:
-                self._leaves += hashing.leaf_hashes(bytes(self._carry))
-            self._digests[name] = hashing.tensor_digest_from_root(name, dn, shape, hashing.merkle_root(self._leaves))
-            self._leaves, self._carry = [], bytearray()
-            self._at += 1
-            if self._at < len(self.order):
-                self._left = self._entries[self.order[self._at]][3]
-
     def write(self, name: str, piece) -> None:
         """The next elements of tensor `name` (the tensor in `order` being written), a flat or shaped
         array of its dtype's storage; consecutive pieces fill the tensor in row-major order."""
-        if name in self._digests and not np.asarray(piece).size:
+        h = self._hashes
+        if name in h.digests and not np.asarray(piece).size:
             return                      # nothing for a complete tensor (an empty one closes by itself)
-        if self._at >= len(self.order) or name != self.order[self._at]:
-            want = self.order[self._at] if self._at < len(self.order) else "nothing (every tensor is complete)"
+        if h.complete or name != h.current[0]:
+            want = "nothing (every tensor is complete)" if h.complete else h.current[0]
             raise CheckpointError(f"{self.final}: piece of tensor {name!r} out of order: expected {want}")
         _, dn, _, _ = self._entries[name]
         try:
@@ -427,40 +467,29 @@ class StreamedCheckpoint:
         except hashing.HashError as e:
             raise CheckpointError(str(e)) from None
         mv = hashing.byte_view(a)
-        if len(mv) > self._left:
-            raise CheckpointError(f"{self.final}: tensor {name!r} is given {len(mv) - self._left} bytes more than "
-                                  f"its shape holds")
+        if len(mv) > h.current[1]:
+            raise CheckpointError(f"{self.final}: tensor {name!r} is given {len(mv) - h.current[1]} bytes more "
+                                  f"than its shape holds")
         try:
             self._put(mv)
         except BaseException as e:
             self._fail(e)
-        self._left -= len(mv)
-        pos = 0
-        if self._carry:                  # complete the chunk the last piece began
-            pos = min(len(mv), hashing.CHUNK - len(self._carry))
-            self._carry += mv[:pos]
-            if len(self._carry) == hashing.CHUNK:
-                self._leaves += hashing.leaf_hashes(bytes(self._carry))
-                self._carry = bytearray()
-        whole = (len(mv) - pos) // hashing.CHUNK * hashing.CHUNK
-        if whole:
-            self._leaves += hashing.leaf_hashes(mv[pos:pos + whole])
-        self._carry += mv[pos + whole:]
-        self._close_empty()
+        h.update(mv)
 
-    # ---- the end
-    def finish(self) -> pathlib.Path:
-        """fsync, meta.json, rename into place; returns the checkpoint directory."""
-        if self._at < len(self.order):
-            name = self.order[self._at]
-            raise CheckpointError(f"{self.final}: incomplete: tensor {name!r} lacks {self._left} bytes")
-        meta = self.meta
+    def finish(self, more_meta: dict | None = None) -> pathlib.Path:
+        """fsync, meta.json (the meta given at the start and `more_meta`: fields known only once the
+        pieces have passed, e.g. hashes computed from them), rename into place; returns the
+        checkpoint directory."""
+        if not self._hashes.complete:
+            name, left = self._hashes.current
+            raise CheckpointError(f"{self.final}: incomplete: tensor {name!r} lacks {left} bytes")
+        _, meta = _checked_meta(self.step, {**self.meta, **(more_meta or {})})
         try:
             fsutil.fsync_file(self._file)
             self._file.close()
             meta["format"] = FORMAT
             meta["files"] = {STATE_FILE: {"bytes": self.nbytes, "sha256": self._sha.hexdigest()}}
-            meta["tensors"] = {n: {"dtype": dn, "hash": self._digests[n].hex(), "shape": list(shape)}
+            meta["tensors"] = {n: {"dtype": dn, "hash": self._hashes.digests[n].hex(), "shape": list(shape)}
                                for n, (_, dn, shape, _) in self._entries.items()}
             meta["collections"] = {}
             _write_meta(self.tmp, meta)

@@ -121,3 +121,34 @@ def test_replacing_a_checkpoint_of_the_same_step(tmp_path):
     _stream(run, u, lambda n: [(0, n)])
     save_checkpoint(tmp_path / "ref", 5, u, META)
     assert tree(run) == tree(tmp_path / "ref")
+
+
+def test_tensor_streams_digests_straddling_pieces():
+    """Consecutive tensors hashed from one flat stream cut anywhere (pieces straddle tensors and
+    chunks) give each tensor's own digest (leaves counted from its first byte)."""
+    from mlx_open1b import hashing
+    from mlx_open1b.checkpoint import TensorStreams
+    rng = np.random.default_rng(9)
+    shapes = [("a", (CHUNK // 4 + 3,)), ("b", (0,)), ("c", (5, 7)), ("d", (2 * CHUNK // 4 - 1,)), ("e", (1,))]
+    arrs = [(n, rand_f32(rng, s)) for n, s in shapes]
+    flat = np.concatenate([a.reshape(-1) for _, a in arrs]).view(np.uint8)
+    want = hashing.tensor_digests([(n, a, "f32") for n, a in arrs])
+    for trial in range(4):
+        h = TensorStreams([(n, "f32", a.shape) for n, a in arrs])
+        at = sorted({0, flat.size, *rng.integers(0, flat.size, 5 + trial).tolist()})
+        for lo, hi in zip(at, at[1:]):
+            h.update(memoryview(flat[lo:hi]))
+        assert h.complete and h.digests == want
+    with pytest.raises(ValueError, match="bytes after the last tensor"):
+        h.update(memoryview(b"xx"))
+
+
+def test_meta_known_at_the_end(tmp_path):
+    t = _tensors()
+    one = save_checkpoint(tmp_path / "one", 5, t, {**META, "params_hash": "p"})
+    specs = {n: (dn, a.shape) for n, (a, dn) in t.items()}
+    with StreamedCheckpoint(tmp_path / "two", 5, specs, META) as w:
+        for name in w.order:
+            w.write(name, t[name][0])
+        two = w.finish({"params_hash": "p"})
+    assert tree(one) == tree(two)
