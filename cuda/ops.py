@@ -511,12 +511,22 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 # ------------------------------------------------------------------ int8 quantized linear (§6.9)
 # qmax 7 / 31 are the simulated int4 / int6 paths: the kernels that depend on the level bound take it
 # as an argument.
-Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per absmax partial (no result depends on it)
+Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per block of the absmax (no result depends on it)
+QA_THREADS = 256     # quant.cu's QA_THREADS: threads per block of the absmax and of the rotations
+QR_COLS = 64         # quant.cu's QR_COLS: columns per block of the rotations
 _NO_U8 = np.zeros(1, np.uint8)
+_ZERO_U32 = np.zeros(1, np.uint32)
 
 
 def _pad_qb(n: int) -> int:
     return (n + QB - 1) // QB * QB
+
+
+def _counter():
+    """The absmax's count of finished blocks, +0 before each launch: on a GPU one per device (_dummy's
+    cache; the last block of each launch sets it back to 0, and launches on one stream run in order),
+    elsewhere a fresh zero (an emulated launch that fails half-way leaves nothing behind)."""
+    return _dummy(_ZERO_U32) if runtime.real_cuda() else _xp().zeros(1, np.uint32)
 
 
 def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):
@@ -532,17 +542,21 @@ def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):
     return q, s, c
 
 
-def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX, rows: int = 0):
-    """Quantize n elements of a device array (bf16 or fp32) into device q (int8, levels in
-    [-qmax, qmax]); returns the device scale array sc (sc[0] = s, sc[1] = div(1, s) where used).
-    rows > 0 (fp32 only): src is (rows, n // rows) and q receives the levels transposed, (n // rows,
-    rows) — the layout the int8 GEMM contracts fastest (data movement only)."""
+def _q_scale(n: int, src, is_f32: bool, qmax: int = QMAX):
+    """The per-tensor scale of n elements of a device array (bf16 or fp32), one launch: the device
+    array sc (sc[0] = s, sc[1] = div(1, s) where used)."""
     xb, xf = (_dummy(_NO_GAIN), src) if is_f32 else (src, _dummy(_NO_F32))
-    nc = (n + Q_CHUNK - 1) // Q_CHUNK
-    part = _empty((max(nc, 1),), np.uint32)
-    sc = _empty((2,), np.float32)
-    _launch1d("quant.cu", "o1b_q_absmax_chunks", nc, i64(n), xb, xf, i32(int(is_f32)), part)
-    _launch1d("quant.cu", "o1b_q_tensor_scale", 1, i64(nc), part, sc, i32(qmax))
+    nb = max(1, -(-n // Q_CHUNK))
+    part, sc = _empty((nb,), np.uint32), _empty((2,), np.float32)
+    fn = runtime.load("quant.cu").get_function("o1b_q_absmax")
+    fn((nb,), (QA_THREADS,), (i64(n), xb, xf, i32(int(is_f32)), part, _counter(), sc, i32(qmax)))
+    return sc
+
+
+def _q_levels(n: int, src, is_f32: bool, sc, q, qmax: int = QMAX, rows: int = 0):
+    """The levels of n elements of a device array (bf16 or fp32) with the scale sc into device q (int8,
+    in [-qmax, qmax]). rows > 0 (fp32 only): src is (rows, n // rows) and q receives the levels
+    transposed, (n // rows, rows) — the layout the int8 GEMM contracts fastest (data movement only)."""
     if rows:
         cols = n // rows
         if n > 0:
@@ -550,32 +564,50 @@ def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX, rows: int = 0):
             fn((-(-cols // QT_TILE), -(-rows // QT_TILE)), (QT_TILE, QT_ROWS),
                (i64(rows), i64(cols), src, sc, q, i32(qmax)))
     else:
+        xb, xf = (_dummy(_NO_GAIN), src) if is_f32 else (src, _dummy(_NO_F32))
         _launch1d("quant.cu", "o1b_q_tensor_levels", n, i64(n), xb, xf, i32(int(is_f32)), sc, q, i32(qmax))
+
+
+def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX):
+    """Quantize n elements of a device array (bf16 or fp32) into device q; returns the device scale
+    array sc."""
+    sc = _q_scale(n, src, is_f32, qmax)
+    _q_levels(n, src, is_f32, sc, q, qmax)
     return sc
 
 
-def _gemm_i8(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p):
+def _q_rotated(kernel: str, Rp: int, C: int, cols: int, args, qmax: int = QMAX):
+    """One of the rotations fused with its operand and its scale (o1b_q_rotate_d, _g, _i8): args are
+    the kernel's arguments before its output; cols its grid's columns. Returns the rotated operand f
+    (Rp, C) fp32 and its scale array sc."""
+    f = _empty((Rp, C), np.float32)
+    grid = (max(1, -(-cols // QR_COLS)), max(1, Rp // QB))
+    part, sc = _empty((grid[0] * grid[1],), np.uint32), _empty((2,), np.float32)
+    fn = runtime.load("quant.cu").get_function(kernel)
+    fn(grid, (QA_THREADS,), (*args, f, part, _counter(), sc, i32(qmax)))
+    return f, sc
+
+
+def _gemm_i8(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, kernel: str = "o1b_gemm_i8", out=None, epilogue=()):
     """Device C (I, J) int32 = sum_p A(i,p) B(j,p), exactly (quant.cu, on the tensor cores): one block
     of GI_THREADS per GI_TILE x GI_TILE tile of C. Fastest with p contiguous (sa_p = sb_p = 1) and
-    P, sa_i, sb_j multiples of 16."""
-    c = _empty((I, J), np.int32)
+    P, sa_i, sb_j multiples of 16. With `kernel` o1b_qgemm_y, _dx or _dw the sums go through that
+    layer epilogue (its scale arrays `epilogue`) into `out`, fp32 (I, J), instead."""
+    c = _empty((I, J), np.int32) if out is None else out
     if I > 0 and J > 0:
-        fn = runtime.load("quant.cu").get_function("o1b_gemm_i8")
+        fn = runtime.load("quant.cu").get_function(kernel)
         fn((-(-I // GI_TILE), -(-J // GI_TILE)), (GI_THREADS,),
-           (i64(I), i64(J), i64(P), A, i64(sa_i), i64(sa_p), B, i64(sb_j), i64(sb_p), c))
+           (i64(I), i64(J), i64(P), A, i64(sa_i), i64(sa_p), B, i64(sb_j), i64(sb_p), *epilogue, c))
     return c
 
 
 def _rotated_levels(q, R: int, Rp: int, C: int, qmax: int = QMAX):
     """Integer q (R, C) padded with zero rows to Rp, rotated in int32, converted by i2f, quantized:
     device q' int8, transposed (C, Rp) for the GEMM, and its scale array."""
-    n = _empty((Rp, C), np.int32)
-    _launch1d("quant.cu", "o1b_q_pad_i32", Rp * C, i64(R), i64(Rp), i64(C), q, n)
-    _launch1d("quant.cu", "o1b_hadamard_i32", (Rp // QB) * C, i64(Rp), i64(C), n)
-    f = _empty((Rp, C), np.float32)
-    _launch1d("quant.cu", "o1b_q_i2f", Rp * C, i64(Rp * C), n, f)
+    f, sc = _q_rotated("o1b_q_rotate_i8", Rp, C, C, (i64(R), i64(Rp), i64(C), q), qmax)
     out = _empty((C, Rp), np.int8)
-    return out, _q_tensor(Rp * C, f, True, out, qmax, rows=Rp)
+    _q_levels(Rp * C, f, True, sc, out, qmax, rows=Rp)
+    return out, sc
 
 
 @_given_kind
@@ -611,7 +643,9 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
     f = xp.array(f, np.float32, copy=True, order="C")
     R, C = opargs.hadamard_rows(f)
     d = _dev(f)
-    _launch1d("quant.cu", "o1b_hadamard_f32", (R // QB) * C, i64(R), i64(C), d)
+    if R and C:
+        fn = runtime.load("quant.cu").get_function("o1b_hadamard_rows")
+        fn((-(-C // QR_COLS), R // QB), (QA_THREADS,), (i64(R), i64(C), d))
     return _host(d)
 
 
@@ -622,9 +656,7 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
     qx = _empty((N, K), np.int8)
     scx = _q_tensor(N * K, _dev(x), False, qx, qmax)
     qw, sw, _ = _q_weight(M, K, _dev(w), False, qmax)
-    acc = _gemm_i8(N, M, K, qx, K, 1, qw, K, 1)
-    y = _empty((N, M), np.float32)
-    _launch1d("quant.cu", "o1b_qlinear_y", N * M, i64(N), i64(M), acc, scx, sw, y)
+    y = _gemm_i8(N, M, K, qx, K, 1, qw, K, 1, "o1b_qgemm_y", _empty((N, M), np.float32), (scx, sw))
     return _host(y)
 
 
@@ -639,29 +671,23 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
     dx = dw = None
     if need_dx:
         # G^T (Mp, N): mul(dy[n, m], s_w[m]), zero rows m >= M, rotated along m, quantized
-        g = _empty((Mp, N), np.float32)
-        _launch1d("quant.cu", "o1b_qlinear_g", Mp * N, i64(N), i64(M), i64(Mp), ddy, sw, g)
-        _launch1d("quant.cu", "o1b_hadamard_f32", (Mp // QB) * N, i64(Mp), i64(N), g)
+        g, scg = _q_rotated("o1b_q_rotate_g", Mp, N, N, (i64(N), i64(M), i64(Mp), ddy, sw), qmax)
         qg = _empty((N, Mp), np.int8)                                # q_G transposed
-        scg = _q_tensor(Mp * N, g, True, qg, qmax, rows=Mp)
+        _q_levels(Mp * N, g, True, scg, qg, qmax, rows=Mp)
         qr, scr = _rotated_levels(qw, M, Mp, K, qmax)                # (K, Mp): q_R transposed
-        # acc[n, k] = sum over m' of q_G[n, m'] q_R[m', k]
-        acc = _gemm_i8(N, K, Mp, qg, Mp, 1, qr, Mp, 1)
-        dx = _empty((N, K), np.float32)
-        _launch1d("quant.cu", "o1b_qlinear_dx", N * K, i64(N * K), acc, scg, scr, dx)
+        # dx[n, k] = epilogue(sum over m' of q_G[n, m'] q_R[m', k])
+        dx = _gemm_i8(N, K, Mp, qg, Mp, 1, qr, Mp, 1, "o1b_qgemm_dx", _empty((N, K), np.float32), (scg, scr))
     if need_dw:
         qx = _empty((N, K), np.int8)
         scx = _q_tensor(N * K, _dev(x), False, qx, qmax)
-        d = _empty((Np, M), np.float32)                              # dy widened, zero rows n >= N
-        _launch1d("quant.cu", "o1b_qlinear_d", Np * M, i64(N), i64(Np), i64(M), ddy, d)
-        _launch1d("quant.cu", "o1b_hadamard_f32", (Np // QB) * M, i64(Np), i64(M), d)
+        # dy widened, zero rows n >= N, rotated along n
+        d, scd = _q_rotated("o1b_q_rotate_d", Np, M, M, (i64(N), i64(Np), i64(M), ddy), qmax)
         qd = _empty((M, Np), np.int8)                                # q_D transposed
-        scd = _q_tensor(Np * M, d, True, qd, qmax, rows=Np)
+        _q_levels(Np * M, d, True, scd, qd, qmax, rows=Np)
         qX, scX = _rotated_levels(qx, N, Np, K, qmax)                # (K, Np): q_X transposed
-        # acc[m, k] = sum over n' of q_D[n', m] q_X[n', k]
-        acc = _gemm_i8(M, K, Np, qd, Np, 1, qX, Np, 1)
-        dw = _empty((M, K), np.float32)
-        _launch1d("quant.cu", "o1b_qlinear_dw", M * K, i64(M * K), acc, scd, scX, scx, clip, dw)
+        # dW[m, k] = epilogue(sum over n' of q_D[n', m] q_X[n', k])
+        dw = _gemm_i8(M, K, Np, qd, Np, 1, qX, Np, 1, "o1b_qgemm_dw", _empty((M, K), np.float32),
+                      (scd, scX, scx, clip))
     return _host(dx), _host(dw)
 
 

@@ -12,11 +12,15 @@
  *               the tensor cores (imma.cuh)
  *   Hadamard:   in-place butterflies along rows, blocks of QB = 128 rows, stages h = 1, 2, ..., 64
  *               (fp32 add/sub, or exact int32)
- * One thread per output everywhere but the GEMM (one per row for the weight scales, one per (block,
- * column) for the rotation, one per block of Q_CHUNK elements for the absmax partials); the GEMM
- * runs 128 x 128 output tiles per block of 8 warps on the int8 tensor-core instruction, staged in
- * shared memory. Integer sums are exact in any order; every fp32 value comes from the contract
- * helpers in the written order, so the results equal cpu_ref/src/quant.c bit for bit.
+ * One thread per output for the weight quantizer and the levels; the per-tensor absmax in one launch
+ * (each block's largest |v| by a tree of maxes, the last block to finish folds the blocks' partials
+ * with another tree and writes the scale: a max is exact in any order); the rotation one warp per 8
+ * columns of a block of QB rows (each lane 32 rows: stages h = 1 ... 16 in its registers, h = 32 and
+ * 64 with the partner lane's values by shuffles), fused with what produces its input and with the
+ * absmax of its output; the GEMM 128 x 128 output tiles per block of 8 warps on the int8
+ * tensor-core instruction, staged in shared memory. Integer sums are exact in any order; every fp32
+ * value comes from the contract helpers in the written order, so the results equal
+ * cpu_ref/src/quant.c bit for bit.
  */
 #include "contract.cuh"
 #include "imma.cuh"
@@ -29,8 +33,11 @@
 #define QW_COEF4 0x1.83091ep-1f   /* 2/sqrt(7) rounded to nearest fp32 */
 #define QW_COEF6 0x1.6fd4e8p-2f   /* 2/sqrt(31) rounded to nearest fp32 */
 #define INV_QB 0x1p-7f            /* 1/QB, exact */
-#define Q_CHUNK 4096              /* elements per absmax partial (no result depends on it) */
+#define Q_CHUNK 4096              /* elements per block of the absmax (no result depends on it) */
 #define Q_BAD 0xFFFFFFFFu         /* absmax partial of a chunk holding an inf or NaN */
+#define QA_THREADS 256            /* threads per block of the absmax and of the rotations */
+#define QR_VALS 32                /* rotation: values per lane, rows 32s ... 32s + 31 of its block */
+#define QR_COLS 64                /* rotation: columns per block (8 warps of 8 columns x 4 lanes) */
 #define QT_TILE 32                /* transposed levels: tile side, threads per row of a block */
 #define QT_ROWS 8                 /* transposed levels: rows of threads per block */
 #define GI_BM 128                 /* int8 GEMM: rows of A (and of C) per block */
@@ -91,29 +98,67 @@ __device__ __forceinline__ float o1b_q_value(const bf16 *xb, const float *xf, in
     return is_f32 ? o1b_load(xf[i]) : o1b_bf16_to_f32(xb[i]);
 }
 
-/* part[c] = max over chunk c of the bits of |v| (ordered like the values), Q_BAD if any is inf/NaN. */
-extern "C" __global__ void o1b_q_absmax_chunks(i64 n, const bf16 *xb, const float *xf, int is_f32, u32 *part) {
-    i64 c = o1b_gid(), nc = (n + Q_CHUNK - 1) / Q_CHUNK;
-    if (c >= nc) return;
-    i64 end = (c + 1) * Q_CHUNK < n ? (c + 1) * Q_CHUNK : n;
-    u32 m = 0u;
-    for (i64 i = c * Q_CHUNK; i < end; i++) {
-        u32 a = o1b_abs_bits(o1b_q_value(xb, xf, is_f32, i));
-        if (a >= 0x7F800000u) { m = Q_BAD; break; }
-        m = a > m ? a : m;
-    }
-    part[c] = m;
+/* m with one more value: the bits of |v| (ordered like the magnitudes), Q_BAD for inf or NaN. */
+__device__ __forceinline__ u32 o1b_q_max_bits(u32 m, float v) {
+    u32 a = o1b_abs_bits(v);
+    a = a >= 0x7F800000u ? Q_BAD : a;
+    return a > m ? a : m;
 }
 
-/* sc[0] = s = div(absmax, qmax) (stored), sc[1] = div(1, s) where s is finite and nonzero (else 0);
- * one thread. */
-extern "C" __global__ void o1b_q_tensor_scale(i64 nparts, const u32 *part, float *sc, int qmax) {
-    if (o1b_gid() != 0) return;
+/* The largest of the QA_THREADS threads' m: a tree of maxes in shared memory (exact in any order). */
+__device__ __forceinline__ u32 o1b_q_block_max(u32 m, u32 *red) {
+    int tid = (int)threadIdx.x;
+    red[tid] = m;
+    __syncthreads();
+    for (int h = QA_THREADS / 2; h > 0; h >>= 1) {
+        if (tid < h) red[tid] = red[tid + h] > red[tid] ? red[tid + h] : red[tid];
+        __syncthreads();
+    }
+    u32 r = red[0];
+    __syncthreads();
+    return r;
+}
+
+/* Every thread of every block (QA_THREADS each, a 1-D or 2-D grid) with its own maximum m: the block's
+ * maximum goes to part[block]; the block that finishes last (counted in *counter, which it sets back
+ * to 0 for the next launch: launches on one stream run in order) folds all partials with a tree of
+ * maxes and writes sc[0] = s = div(absmax, qmax) (stored; NaN if any value is inf or NaN) and
+ * sc[1] = div(1, s) where s is finite and nonzero (else 0). */
+__device__ void o1b_q_absmax_finish(u32 m, u32 *part, u32 *counter, float *sc, int qmax) {
+    __shared__ u32 red[QA_THREADS];
+    __shared__ int last;
+    int tid = (int)threadIdx.x;
+    i64 nb = (i64)gridDim.x * gridDim.y, b = (i64)blockIdx.y * gridDim.x + blockIdx.x;
+    m = o1b_q_block_max(m, red);
+    if (tid == 0) {
+        part[b] = m;
+        __threadfence();                 /* the partial is visible to every block before it is counted */
+        last = atomicAdd(counter, 1u) == (u32)(nb - 1);
+    }
+    __syncthreads();
+    if (!last) return;                   /* the whole block leaves together */
+    u32 a = 0u;
+    for (i64 c = tid; c < nb; c += QA_THREADS) {
+        u32 p = ((volatile const u32 *)part)[c];
+        a = p > a ? p : a;
+    }
+    a = o1b_q_block_max(a, red);
+    if (tid == 0) {
+        float s = a == Q_BAD ? o1b_nan() : o1b_div(o1b_from_bits(a), o1b_q_maxf(qmax));
+        sc[1] = (!o1b_isnan(s) && s != 0.0f) ? o1b_div(1.0f, s) : 0.0f;
+        sc[0] = o1b_store(s);
+        *counter = 0u;
+    }
+}
+
+/* The per-tensor scale of n values (bf16 or fp32) in one launch: block b takes the Q_CHUNK elements
+ * from b Q_CHUNK, its threads strided by QA_THREADS (coalesced). Grid max(1, ceil(n / Q_CHUNK)). */
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+o1b_q_absmax(i64 n, const bf16 *xb, const float *xf, int is_f32, u32 *part, u32 *counter, float *sc, int qmax) {
+    i64 c0 = (i64)blockIdx.x * Q_CHUNK, end = c0 + Q_CHUNK < n ? c0 + Q_CHUNK : n;
     u32 m = 0u;
-    for (i64 c = 0; c < nparts; c++) m = part[c] > m ? part[c] : m;
-    float s = m == Q_BAD ? o1b_nan() : o1b_div(o1b_from_bits(m), o1b_q_maxf(qmax));
-    sc[1] = (!o1b_isnan(s) && s != 0.0f) ? o1b_div(1.0f, s) : 0.0f;
-    sc[0] = o1b_store(s);
+    for (i64 i = c0 + threadIdx.x; i < end; i += QA_THREADS) m = o1b_q_max_bits(m, o1b_q_value(xb, xf, is_f32, i));
+    o1b_q_absmax_finish(m, part, counter, sc, qmax);
 }
 
 extern "C" __global__ void o1b_q_tensor_levels(i64 n, const bf16 *xb, const float *xf, int is_f32,
@@ -260,9 +305,10 @@ __device__ __forceinline__ void o1b_gi_stage_load_vec(u32 ga[2][4], u32 gb[2][4]
     }
 }
 
-template <bool VEC>
+template <bool VEC, class OUT>
 __device__ __forceinline__ void o1b_gemm_i8_tile(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
-                                                 const i8 *B, i64 sb_j, i64 sb_p, int *C, u32 *As, u32 *Bs) {
+                                                 const i8 *B, i64 sb_j, i64 sb_p, const OUT &out, u32 *As,
+                                                 u32 *Bs) {
     int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     int wm = warp >> 2, wn = warp & 3;
     i64 i0 = (i64)blockIdx.x * GI_BM, j0 = (i64)blockIdx.y * GI_BN;
@@ -304,108 +350,201 @@ __device__ __forceinline__ void o1b_gemm_i8_tile(i64 I, i64 J, i64 P, const i8 *
         for (int ni = 0; ni < GI_NI; ni++)
             for (int c = 0; c < 4; c++) {
                 i64 i = i0 + 16 * GI_MI * wm + 16 * mi + g + 8 * (c >> 1), j = j0 + 8 * GI_NI * wn + 8 * ni + 2 * t + (c & 1);
-                if (i < I && j < J) C[i * J + j] = acc[mi][ni][c];
+                if (i < I && j < J) out.put(i, j, J, acc[mi][ni][c]);
             }
 }
 
-extern "C" __global__ void o1b_gemm_i8(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
-                                       const i8 *B, i64 sb_j, i64 sb_p, int *C) {
-    __shared__ __align__(16) u32 As[GI_BM * GI_BK / 4];
-    __shared__ __align__(16) u32 Bs[GI_BN * GI_BK / 4];
+template <class OUT>
+__device__ __forceinline__ void o1b_gemm_i8_run(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
+                                                const i8 *B, i64 sb_j, i64 sb_p, const OUT &out, u32 *As,
+                                                u32 *Bs) {
     bool vec = sa_p == 1 && sb_p == 1 && (sa_i & 15) == 0 && (sb_j & 15) == 0 && (P & 15) == 0
                && ((unsigned long long)A & 15u) == 0 && ((unsigned long long)B & 15u) == 0;
-    if (vec) o1b_gemm_i8_tile<true>(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, C, As, Bs);
-    else o1b_gemm_i8_tile<false>(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, C, As, Bs);
+    if (vec) o1b_gemm_i8_tile<true>(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, out, As, Bs);
+    else o1b_gemm_i8_tile<false>(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, out, As, Bs);
+}
+
+/* What the GEMM writes for each output (i, j) of its int32 sum acc: the sum itself (o1b_gemm_i8), or
+ * the quantized layer's epilogue (o1b_qgemm_y, _dx, _dw: the per-element formulas below, applied
+ * where the sum is made instead of a pass over a stored int32 matrix; the same operations). */
+struct o1b_gi_int {
+    int *c;
+    __device__ __forceinline__ void put(i64 i, i64 j, i64 J, int a) const { c[i * J + j] = a; }
+};
+/* y[i,j] = mul(mul(i2f(acc[i,j]), s_x), s_w[j]). */
+struct o1b_gi_y {
+    float *y; float sx; const float *sw;
+    __device__ __forceinline__ void put(i64 i, i64 j, i64 J, int a) const {
+        y[i * J + j] = o1b_store(o1b_mul(o1b_mul(o1b_i2f_acc(a), sx), sw[j]));
+    }
+};
+/* dx = mul(mul(mul(i2f(acc), s_G), s_R), INV_QB). */
+struct o1b_gi_dx {
+    float *dx; float sg, sr;
+    __device__ __forceinline__ void put(i64 i, i64 j, i64 J, int a) const {
+        dx[i * J + j] = o1b_store(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_acc(a), sg), sr), INV_QB));
+    }
+};
+/* dW = mul(mul(mul(mul(i2f(acc), s_D), s_X), s_x), INV_QB); +0 where clipped, NaN on a NaN row. */
+struct o1b_gi_dw {
+    float *dw; float sd, sX, sx; const unsigned char *clip;
+    __device__ __forceinline__ void put(i64 i, i64 j, i64 J, int a) const {
+        i64 t = i * J + j;
+        float v = o1b_mul(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_acc(a), sd), sX), sx), INV_QB);
+        dw[t] = clip[t] == 2 ? o1b_nan() : clip[t] ? 0.0f : o1b_store(v);
+    }
+};
+
+#define O1B_GI_SHARED                                         \
+    __shared__ __align__(16) u32 As[GI_BM * GI_BK / 4];       \
+    __shared__ __align__(16) u32 Bs[GI_BN * GI_BK / 4]
+
+extern "C" __global__ void o1b_gemm_i8(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p,
+                                       const i8 *B, i64 sb_j, i64 sb_p, int *C) {
+    O1B_GI_SHARED;
+    o1b_gemm_i8_run(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, o1b_gi_int{C}, As, Bs);
+}
+
+/* The layer's three GEMMs with their epilogues (the scales are sc[0] of the operands' scale arrays). */
+extern "C" __global__ void o1b_qgemm_y(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p, const i8 *B,
+                                       i64 sb_j, i64 sb_p, const float *scx, const float *sw, float *y) {
+    O1B_GI_SHARED;
+    o1b_gemm_i8_run(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, o1b_gi_y{y, scx[0], sw}, As, Bs);
+}
+
+extern "C" __global__ void o1b_qgemm_dx(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p, const i8 *B,
+                                        i64 sb_j, i64 sb_p, const float *scg, const float *scr, float *dx) {
+    O1B_GI_SHARED;
+    o1b_gemm_i8_run(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, o1b_gi_dx{dx, scg[0], scr[0]}, As, Bs);
+}
+
+extern "C" __global__ void o1b_qgemm_dw(i64 I, i64 J, i64 P, const i8 *A, i64 sa_i, i64 sa_p, const i8 *B,
+                                        i64 sb_j, i64 sb_p, const float *scd, const float *scX, const float *scx,
+                                        const unsigned char *clip, float *dw) {
+    O1B_GI_SHARED;
+    o1b_gemm_i8_run(I, J, P, A, sa_i, sa_p, B, sb_j, sb_p, o1b_gi_dw{dw, scd[0], scX[0], scx[0], clip}, As, Bs);
 }
 
 /* ------------------------------------------------------------------ Walsh-Hadamard rotation */
-/* f (R, C), R a multiple of QB, rotated in place along its rows: one thread per (block, column)
- * runs the 7 butterfly stages on its column's QB values (columns never interact). Values are loaded
- * with o1b_load and stored with o1b_store. */
-extern "C" __global__ void o1b_hadamard_f32(i64 R, i64 C, float *f) {
-    i64 t = o1b_gid();
-    if (t >= (R / QB) * C) return;
-    i64 blk = t / C, c = t % C;
-    float *base = f + blk * QB * C + c;
-    float v[QB];
-    for (int i = 0; i < QB; i++) v[i] = o1b_load(base[i * C]);
-    for (int h = 1; h < QB; h <<= 1)
-        for (int i = 0; i < QB; i++) {
-            if (i & h) continue;
-            float a = v[i], b = v[i + h];
-            v[i] = o1b_add(a, b);
-            v[i + h] = o1b_sub(a, b);
+/* Along the rows of an (Rp, C) matrix, Rp a multiple of QB: for each block of QB rows and each column,
+ * stages h = 1, 2, ..., 64 in this order, each (v[i], v[i + h]) = (add(v[i], v[i + h]), sub(v[i], v[i + h]))
+ * for every i < QB with (i & h) = 0 (fp32, or exact int32). The pairs of one stage are disjoint, so
+ * how a stage is spread over threads changes no bit.
+ *
+ * Grid (ceil(C / QR_COLS), Rp / QB) of QA_THREADS threads: lane l of warp w holds column
+ * QR_COLS x + 8w + (l & 7) and rows 32s ... 32s + 31 of block y, s = l >> 3 (a warp's access to one k
+ * reads 8 consecutive columns of 4 rows: whole 32-byte sectors). Stages 1 ... 16 pair rows of the same
+ * lane; stage 32 pairs lane l with l ^ 8 and stage 64 with l ^ 16 (shuffles). Lanes past the last
+ * column hold zeros and store nothing, but take part in the shuffles (every lane of a warp must). */
+__device__ __forceinline__ float o1b_q_bfly_add(float a, float b) { return o1b_add(a, b); }
+__device__ __forceinline__ float o1b_q_bfly_sub(float a, float b) { return o1b_sub(a, b); }
+__device__ __forceinline__ int o1b_q_bfly_add(int a, int b) { return a + b; }
+__device__ __forceinline__ int o1b_q_bfly_sub(int a, int b) { return a - b; }
+
+template <class T>
+__device__ __forceinline__ void o1b_q_butterflies(T v[QR_VALS]) {
+    int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int h = 1; h < QR_VALS; h <<= 1) {
+#pragma unroll
+        for (int k = 0; k < QR_VALS; k++) {
+            if (k & h) continue;
+            T a = v[k], b = v[k + h];
+            v[k] = o1b_q_bfly_add(a, b);
+            v[k + h] = o1b_q_bfly_sub(a, b);
         }
-    for (int i = 0; i < QB; i++) base[i * C] = o1b_store(v[i]);
-}
-
-/* The same in int32 (|values| <= qmax * QB <= 127 * QB: exact). */
-extern "C" __global__ void o1b_hadamard_i32(i64 R, i64 C, int *n) {
-    i64 t = o1b_gid();
-    if (t >= (R / QB) * C) return;
-    i64 blk = t / C, c = t % C;
-    int *base = n + blk * QB * C + c;
-    int v[QB];
-    for (int i = 0; i < QB; i++) v[i] = base[i * C];
-    for (int h = 1; h < QB; h <<= 1)
-        for (int i = 0; i < QB; i++) {
-            if (i & h) continue;
-            int a = v[i], b = v[i + h];
-            v[i] = a + b;
-            v[i + h] = a - b;
+    }
+#pragma unroll
+    for (int x = 8; x <= 16; x <<= 1) {        /* h = 32, 64: the partner rows are in lane l ^ x */
+        bool upper = (lane & x) != 0;          /* this lane holds v[i + h], the partner v[i] */
+#pragma unroll
+        for (int k = 0; k < QR_VALS; k++) {
+            T o = __shfl_sync(0xFFFFFFFFu, v[k], lane ^ x);
+            v[k] = upper ? o1b_q_bfly_sub(o, v[k]) : o1b_q_bfly_add(v[k], o);
         }
-    for (int i = 0; i < QB; i++) base[i * C] = v[i];
+    }
 }
 
-/* out (Rp, C) int32: rows < R are q (R, C), the rest +0 (padding). */
-extern "C" __global__ void o1b_q_pad_i32(i64 R, i64 Rp, i64 C, const i8 *q, int *out) {
-    i64 i = o1b_gid();
-    if (i >= Rp * C) return;
-    out[i] = i < R * C ? (int)q[i] : 0;
+/* This thread's column and first row (the rows are r0 + k, k < QR_VALS). */
+__device__ __forceinline__ i64 o1b_q_rot_col(void) {
+    return (i64)blockIdx.x * QR_COLS + 8 * ((int)threadIdx.x >> 5) + ((int)threadIdx.x & 7);
+}
+__device__ __forceinline__ i64 o1b_q_rot_row0(void) { return (i64)blockIdx.y * QB + 32 * (((int)threadIdx.x & 31) >> 3); }
+
+/* The rotated values stored to f (Rp, C) (o1b_store), and the largest of their |bits|. */
+__device__ __forceinline__ u32 o1b_q_rot_store(float v[QR_VALS], i64 Rp, i64 C, float *f) {
+    i64 c = o1b_q_rot_col(), r0 = o1b_q_rot_row0();
+    u32 m = 0u;
+    if (c >= C) return m;
+#pragma unroll
+    for (int k = 0; k < QR_VALS; k++) {
+        float u = o1b_store(v[k]);
+        m = o1b_q_max_bits(m, u);
+        if (r0 + k < Rp) f[(r0 + k) * C + c] = u;
+    }
+    return m;
 }
 
-/* f[i] = i2f(n[i]) (exact: |n| < 2^24). */
-extern "C" __global__ void o1b_q_i2f(i64 n, const int *v, float *f) {
-    i64 i = o1b_gid();
-    if (i >= n) return;
-    f[i] = o1b_i2f(v[i]);
+/* f (R, C) fp32, R a multiple of QB, rotated in place (the hadamard_rows op): values loaded with
+ * o1b_load, stored with o1b_store. */
+extern "C" __global__ void __launch_bounds__(QA_THREADS) o1b_hadamard_rows(i64 R, i64 C, float *f) {
+    i64 c = o1b_q_rot_col(), r0 = o1b_q_rot_row0();
+    float v[QR_VALS];
+#pragma unroll
+    for (int k = 0; k < QR_VALS; k++) v[k] = c < C ? o1b_load(f[(r0 + k) * C + c]) : 0.0f;
+    o1b_q_butterflies(v);
+    o1b_q_rot_store(v, R, C, f);
 }
 
-/* ------------------------------------------------------------------ the layer's operands and epilogues */
-/* y[i,j] = mul(mul(i2f(acc[i,j]), s_x), s_w[j]). */
-extern "C" __global__ void o1b_qlinear_y(i64 N, i64 M, const int *acc, const float *scx, const float *sw, float *y) {
-    i64 t = o1b_gid();
-    if (t >= N * M) return;
-    y[t] = o1b_store(o1b_mul(o1b_mul(o1b_i2f_acc(acc[t]), scx[0]), sw[t % M]));
+/* The dW operand D: d (Np, M) = dy (N, M) widened, +0 rows n >= N, rotated; then its scale (sc,
+ * o1b_q_absmax_finish). Grid (ceil(M / QR_COLS), Np / QB). */
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+o1b_q_rotate_d(i64 N, i64 Np, i64 M, const bf16 *dy, float *d, u32 *part, u32 *counter, float *sc, int qmax) {
+    i64 c = o1b_q_rot_col(), r0 = o1b_q_rot_row0();
+    float v[QR_VALS];
+#pragma unroll
+    for (int k = 0; k < QR_VALS; k++) v[k] = c < M && r0 + k < N ? o1b_bf16_to_f32(dy[(r0 + k) * M + c]) : 0.0f;
+    o1b_q_butterflies(v);
+    o1b_q_absmax_finish(o1b_q_rot_store(v, Np, M, d), part, counter, sc, qmax);
 }
 
-/* g (Mp, N) = transposed G: g[m, n] = mul(dy[n, m], s_w[m]) for m < M, +0 below. */
-extern "C" __global__ void o1b_qlinear_g(i64 N, i64 M, i64 Mp, const bf16 *dy, const float *sw, float *g) {
-    i64 t = o1b_gid();
-    if (t >= Mp * N) return;
-    i64 m = t / N, n = t % N;
-    g[t] = m < M ? o1b_mul(o1b_bf16_to_f32(dy[n * M + m]), sw[m]) : 0.0f;
+/* The dx operand G, transposed: g (Mp, N), g[m, n] = mul(dy[n, m], s_w[m]) for m < M, +0 rows m >= M,
+ * rotated; then its scale. The block's dy values (QR_COLS rows n x QB columns m) are staged through
+ * shared memory, read along m (coalesced). Grid (ceil(N / QR_COLS), Mp / QB). */
+#define QG_PAD 2                  /* the staged tile's row pad (bf16): spreads a warp's reads over the banks */
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+o1b_q_rotate_g(i64 N, i64 M, i64 Mp, const bf16 *dy, const float *sw, float *g, u32 *part, u32 *counter,
+               float *sc, int qmax) {
+    __shared__ bf16 tile[QR_COLS][QB + QG_PAD];      /* [n - n0][m - m0] */
+    int tid = (int)threadIdx.x;
+    i64 n0 = (i64)blockIdx.x * QR_COLS, m0 = (i64)blockIdx.y * QB;
+    for (int e = tid; e < QR_COLS * QB; e += QA_THREADS) {
+        i64 n = n0 + e / QB, m = m0 + e % QB;
+        tile[e / QB][e % QB] = n < N && m < M ? dy[n * M + m] : (bf16)0;
+    }
+    __syncthreads();
+    i64 c = o1b_q_rot_col(), r0 = o1b_q_rot_row0();
+    int cl = (int)(c - n0), k0 = (int)(r0 - m0);
+    float v[QR_VALS];
+#pragma unroll
+    for (int k = 0; k < QR_VALS; k++)
+        v[k] = c < N && r0 + k < M ? o1b_load(o1b_mul(o1b_bf16_to_f32(tile[cl][k0 + k]), sw[r0 + k])) : 0.0f;
+    o1b_q_butterflies(v);
+    o1b_q_absmax_finish(o1b_q_rot_store(v, Mp, N, g), part, counter, sc, qmax);
 }
 
-/* d (Np, M): rows < N are dy widened, the rest +0. */
-extern "C" __global__ void o1b_qlinear_d(i64 N, i64 Np, i64 M, const bf16 *dy, float *d) {
-    i64 t = o1b_gid();
-    if (t >= Np * M) return;
-    d[t] = t < N * M ? o1b_bf16_to_f32(dy[t]) : 0.0f;
-}
-
-/* dx = mul(mul(mul(i2f(acc), s_G), s_R), INV_QB). */
-extern "C" __global__ void o1b_qlinear_dx(i64 n, const int *acc, const float *scg, const float *scr, float *dx) {
-    i64 t = o1b_gid();
-    if (t >= n) return;
-    dx[t] = o1b_store(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_acc(acc[t]), scg[0]), scr[0]), INV_QB));
-}
-
-/* dW = mul(mul(mul(mul(i2f(acc), s_D), s_X), s_x), INV_QB); +0 where clipped, NaN on a NaN row. */
-extern "C" __global__ void o1b_qlinear_dw(i64 n, const int *acc, const float *scd, const float *scr,
-                                          const float *scx, const unsigned char *clip, float *dw) {
-    i64 t = o1b_gid();
-    if (t >= n) return;
-    float v = o1b_mul(o1b_mul(o1b_mul(o1b_mul(o1b_i2f_acc(acc[t]), scd[0]), scr[0]), scx[0]), INV_QB);
-    dw[t] = clip[t] == 2 ? o1b_nan() : clip[t] ? 0.0f : o1b_store(v);
+/* The rotated integer operands (R in the dx GEMM, X in the dW GEMM): q (R, C) int8, +0 rows r >= R,
+ * rotated in int32 (|values| <= 127 QB: exact), f (Rp, C) = i2f (exact: < 2^24); then its scale.
+ * Grid (ceil(C / QR_COLS), Rp / QB). */
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+o1b_q_rotate_i8(i64 R, i64 Rp, i64 C, const i8 *q, float *f, u32 *part, u32 *counter, float *sc, int qmax) {
+    i64 c = o1b_q_rot_col(), r0 = o1b_q_rot_row0();
+    int v[QR_VALS];
+#pragma unroll
+    for (int k = 0; k < QR_VALS; k++) v[k] = c < C && r0 + k < R ? (int)q[(r0 + k) * C + c] : 0;
+    o1b_q_butterflies(v);
+    float u[QR_VALS];
+#pragma unroll
+    for (int k = 0; k < QR_VALS; k++) u[k] = o1b_i2f(v[k]);
+    o1b_q_absmax_finish(o1b_q_rot_store(u, Rp, C, f), part, counter, sc, qmax);
 }

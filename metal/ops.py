@@ -637,7 +637,8 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 # simulated int4 / int6 paths (qmax = 7 / 31: the same kernels with the template argument QMAX)
 # ---------------------------------------------------------------------------------------------
 I8, I32, U8 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)
-QUANT_BLOCK = 4096          # elements per thread of the absmax's first pass (any split is exact)
+QUANT_BLOCK = 4096          # elements per threadgroup of the absmax's first pass (any split is exact)
+QUANT_NT = 256              # quant_absmax.metal's QA_NT: threads per threadgroup of the absmax
 
 
 def _pad_qb(n: int) -> int:
@@ -651,14 +652,15 @@ def _quant_f32(v: np.ndarray, qmax: int = QMAX):
     flat = v.reshape(-1)
     nb = (n + QUANT_BLOCK - 1) // QUANT_BLOCK
     # the first pass over whole blocks of QUANT_BLOCK elements (each block's maximum as one launch
-    # computes it), then the second over all the block maxima in one thread
+    # computes it, a threadgroup per block), then the second over all the block maxima in one
+    # threadgroup
     parts = []
     for a, b in slabs.item_slabs("quant_absmax", nb, QUANT_BLOCK):
         e0, e1 = a * QUANT_BLOCK, min(n, b * QUANT_BLOCK)
         parts.append(_run("quant_absmax", [_part(flat, e0, e1), _i64(e1 - e0, QUANT_BLOCK)], [((b - a,), F32)],
-                          (b - a, 1, 1), (64, 1, 1), template=[("SCALE", 0), ("QMAX", qmax)])[0])
-    (s,) = _run("quant_absmax", [_join(parts), _i64(nb, max(nb, 1))], [((1,), F32)], (1, 1, 1), (1, 1, 1),
-                template=[("SCALE", 1), ("QMAX", qmax)])
+                          ((b - a) * QUANT_NT, 1, 1), (QUANT_NT, 1, 1), template=[("SCALE", 0), ("QMAX", qmax)])[0])
+    (s,) = _run("quant_absmax", [_join(parts), _i64(nb, max(nb, 1))], [((1,), F32)], (QUANT_NT, 1, 1),
+                (QUANT_NT, 1, 1), template=[("SCALE", 1), ("QMAX", qmax)])
     q, _ = _pointwise("quant_apply", [flat], [s, _i64(1)], [I8, U8], "quant_apply",
                       template=[("PER_ROW", 0), ("QMAX", qmax)])
     return q.reshape(v.shape), s

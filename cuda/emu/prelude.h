@@ -26,7 +26,8 @@
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
  *     __fmaf_rn, __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz,
  *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz); float4, uint4;
- *     atomicMin and atomicMax on int; __launch_bounds__ (ignored).
+ *     atomicMin and atomicMax on int, atomicAdd on unsigned int, __threadfence; __launch_bounds__
+ *     (ignored).
  *     The single-precision ones are the fp32 unit of hwfloat.h (included before this file, with
  *     O1B_HW_DAZ = EMU_FTZ != 0 and O1B_HW_FTZ = EMU_FTZ, and any planted fault or adversarial
  *     flushing of emu.hardware()). EMU_FTZ selects how they treat subnormals: 0 IEEE gradual
@@ -108,6 +109,9 @@ struct alignas(16) uint4 { unsigned int x, y, z, w; };
 /* Atomics: fibers switch only at barriers and returns, so a read-modify-write is atomic as written. */
 static inline int atomicMin(int *p, int v) { int old = *p; if (v < old) *p = v; return old; }
 static inline int atomicMax(int *p, int v) { int old = *p; if (v > old) *p = v; return old; }
+static inline unsigned int atomicAdd(unsigned int *p, unsigned int v) { unsigned int old = *p; *p = old + v; return old; }
+/* Blocks run one after another, so every store of a finished block is visible: a fence orders nothing more. */
+static inline void __threadfence(void) {}
 
 /* ---- the block scheduler ---- */
 /* Fibers switch with a 14-instruction stack switch on x86-64 Linux (glibc's swapcontext makes a

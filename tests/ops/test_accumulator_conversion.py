@@ -57,11 +57,23 @@ def _metal_dequant(v: np.ndarray) -> np.ndarray:
     return M._dequant(0, v.reshape(1, -1), np.ones(1, F32), cs=np.ones(v.size, F32)).reshape(-1)
 
 
+CUDA_EPILOGUE_SRC = """
+extern "C" __global__ void test_epilogue_y(i64 n, const int *acc, const float *scx, const float *sw, float *y) {
+    i64 t = o1b_gid();
+    if (t < n) o1b_gi_y{y, scx[0], sw}.put(0, t, n, acc[t]);
+}
+"""
+
+
 def _cuda_epilogue(v: np.ndarray) -> np.ndarray:
-    """CUDA's forward epilogue o1b_qlinear_y with unit scales."""
+    """CUDA's forward epilogue (quant.cu's o1b_gi_y, which o1b_qgemm_y applies to each sum it makes)
+    with unit scales, on given accumulators."""
+    from mlx_open1b.cuda import runtime as cuda_runtime
+    mod = cuda_runtime.CudaModule(cuda_runtime.read_source("quant.cu") + CUDA_EPILOGUE_SRC, name="quant.cu + test")
     y = G._empty((1, v.size), np.float32)
-    G._launch1d("quant.cu", "o1b_qlinear_y", v.size, G.i64(1), G.i64(v.size), G._dev(v),
-                G._dev(np.ones(1, F32)), G._dev(np.ones(v.size, F32)), y)
+    mod.get_function("test_epilogue_y")(((v.size + 127) // 128,), (128,),
+                                        (G.i64(v.size), G._dev(v), G._dev(np.ones(1, F32)),
+                                         G._dev(np.ones(v.size, F32)), y))
     return np.asarray(G._host(y)).reshape(-1)
 
 
@@ -75,7 +87,7 @@ def test_split_conversion_equals_ieee_conversion():
                  threadgroup=(256, 1, 1))
     assert_bits_equal(got.view(F32), want, "metal o1b_i2f_acc")
     assert_bits_equal(_metal_dequant(v), want, "metal qdequant")
-    assert_bits_equal(_cuda_epilogue(v), want, "cuda o1b_qlinear_y")
+    assert_bits_equal(_cuda_epilogue(v), want, "cuda o1b_gi_y")
 
 
 def test_edges_round_as_ieee_says():

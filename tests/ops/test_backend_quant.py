@@ -139,11 +139,7 @@ def rotate_i8(gpu, q):
     if gpu.NAME == "metal":
         return gpu._rotate("hadamard_i8", q, R, C_)
     assert gpu.NAME == "cuda", f"no adapter for backend {gpu.NAME!r}"
-    n = gpu._empty((Rp, C_), np.int32)
-    gpu._launch1d("quant.cu", "o1b_q_pad_i32", Rp * C_, np.int64(R), np.int64(Rp), np.int64(C_), gpu._dev(q), n)
-    gpu._launch1d("quant.cu", "o1b_hadamard_i32", (Rp // QB) * C_, np.int64(Rp), np.int64(C_), n)
-    f = gpu._empty((Rp, C_), np.float32)
-    gpu._launch1d("quant.cu", "o1b_q_i2f", Rp * C_, np.int64(Rp * C_), n, f)
+    f, _ = gpu._q_rotated("o1b_q_rotate_i8", Rp, C_, C_, (np.int64(R), np.int64(Rp), np.int64(C_), gpu._dev(q)))
     return gpu._host(f)
 
 

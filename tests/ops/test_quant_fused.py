@@ -1,0 +1,174 @@
+"""The int8 layer's fused and parallel kernels on the emulators, against the C reference bit for bit:
+CUDA's one-launch absmax (block trees of maxes, the last block folds the partials and writes the
+scale, then resets its counter), the warp rotations fused with their operand and scale
+(o1b_q_rotate_g / _d / _i8, o1b_hadamard_rows: stages 32 and 64 by shuffles), the GEMMs with the
+layer's epilogues (o1b_qgemm_y / _dx / _dw), and Metal's threadgroup absmax. Shapes cross every
+block (Q_CHUNK elements, QR_COLS columns, QB rows, partial warps); each kernel also runs under the
+race check (a missing barrier shows up there), and planted faults (a missing barrier, a counter
+left set) are caught.
+
+The per-tensor scale is a max (exact in any order) and each butterfly stage pairs disjoint rows,
+so how the work is spread over threads cannot change a bit: these tests check that the spreading
+is done right."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from mlx_open1b import cpu_ref as C
+from mlx_open1b.cuda import emu as cuda_emu, ops as G, runtime as cuda_runtime
+from mlx_open1b.metal import ops as M
+from mlx_open1b.metal.emu import counters
+from mlx_open1b.spec.arith import f32_to_bf16
+
+from helpers import assert_bits_equal, rand_bf16
+
+QB = C.quant.QB
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a
+
+
+def _same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want) if isinstance(got, tuple) else [(got, want)]):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and np.array_equal(_bits(g), _bits(w)), f"{what} [{i}]"
+
+
+def _tensor_with(rng, n, pos, value):
+    x = rand_bf16(rng, (n,))
+    if pos is not None:
+        x[pos] = value
+    return x
+
+
+# ------------------------------------------------------------------ the one-launch absmax (CUDA)
+@pytest.mark.parametrize("n", [1, 255, 4096, 4097, 3 * 4096 + 17])
+def test_cuda_absmax_in_one_launch(n):
+    """The largest |x| and a non-finite value in the first, a middle and the last block, and in the
+    last thread of a block: the scale and the levels equal the C reference's, from one absmax launch
+    and one levels launch."""
+    rng = np.random.default_rng(n)
+    for pos in sorted({None, 0, n // 2, n - 1, min(n - 1, 4095)}, key=lambda p: -1 if p is None else p):
+        for value in (f32_to_bf16(np.float32(1e6)), 0x7F80, 0xFFC0):
+            x = _tensor_with(rng, n, pos, value)
+            with counters.counting() as log:
+                got = G.quant_tensor(x)
+            assert [ln.kernel for ln in log.launches] == ["o1b_q_absmax", "o1b_q_tensor_levels"]
+            assert log.launches[0].groups == -(-n // G.Q_CHUNK)
+            _same(got, C.quant_tensor(x), f"n={n} at {pos}: {value:#x}")
+
+
+def _absmax_module(mutate=None, tmp: pathlib.Path | None = None):
+    if mutate is None:
+        return cuda_runtime.load("quant.cu")
+    for f in cuda_runtime.SOURCE_DIR.glob("*.cu*"):
+        shutil.copy(f, tmp / f.name)
+    src = (tmp / "quant.cu").read_text()
+    old, new = mutate
+    assert src.count(old) == 1, old
+    (tmp / "quant.cu").write_text(src.replace(old, new))
+    return cuda_runtime.load("quant.cu", tmp)
+
+
+def _absmax_twice(mod, x, counter):
+    """Two launches of o1b_q_absmax sharing one counter, as on a GPU (one per device)."""
+    part, out = np.zeros(-(-x.size // G.Q_CHUNK), np.uint32), []
+    for v in (x, x[::-1].copy()):
+        sc = np.zeros(2, np.float32)
+        mod.get_function("o1b_q_absmax")((part.size,), (G.QA_THREADS,),
+                                         (np.int64(v.size), v, np.zeros(1, np.float32), np.int32(0), part, counter,
+                                          sc, np.int32(127)))
+        out.append(sc)
+    return out
+
+
+def test_cuda_absmax_counter_is_reset_for_the_next_launch(tmp_path):
+    rng = np.random.default_rng(5)
+    x = rand_bf16(rng, (3 * 4096 + 5,))
+    x[7000] = f32_to_bf16(np.float32(300.0))
+    want = C.quant_tensor(x)[1]
+    counter = np.zeros(1, np.uint32)
+    for sc in _absmax_twice(_absmax_module(), x, counter):
+        assert np.float32(sc[0]).view(np.uint32) == np.float32(want).view(np.uint32)
+    assert counter[0] == 0
+    # planted: the last block leaves the count set, so the next launch never finds its last block
+    bad = _absmax_module(("        *counter = 0u;\n", ""), tmp_path)
+    counter = np.zeros(1, np.uint32)
+    first, second = _absmax_twice(bad, x, counter)
+    assert np.float32(first[0]) == want and counter[0] != 0
+    assert np.float32(second[0]).view(np.uint32) != np.float32(want).view(np.uint32)
+
+
+def test_cuda_race_check_sees_a_missing_barrier_in_the_tree(tmp_path):
+    """Under the race check the quantizers and rotations pass; without the barrier between the tree's
+    levels they do not."""
+    rng = np.random.default_rng(6)
+    x, w, dy = rand_bf16(rng, (70, 40)), rand_bf16(rng, (130, 40), 0.05), rand_bf16(rng, (70, 130), 1e-3)
+    with cuda_emu.options(race_check=True):
+        _same(G.qlinear_backward(dy, x, w), C.qlinear_backward(dy, x, w), "race-checked backward")
+        _same(G.quant_tensor(x), C.quant_tensor(x), "race-checked quant_tensor")
+    bad = _absmax_module(("        if (tid < h) red[tid] = red[tid + h] > red[tid] ? red[tid + h] : red[tid];\n"
+                          "        __syncthreads();\n",
+                          "        if (tid < h) red[tid] = red[tid + h] > red[tid] ? red[tid + h] : red[tid];\n"), tmp_path)
+    v = rand_bf16(rng, (5000,))
+    with cuda_emu.options(race_check=True), pytest.raises(cuda_emu.EmuRaceError):
+        _absmax_twice(bad, v, np.zeros(1, np.uint32))
+
+
+# ------------------------------------------------------------------ the warp rotations (CUDA)
+@pytest.mark.parametrize("R,Cc", [(QB, 1), (QB, 70), (2 * QB, 130)])
+def test_cuda_hadamard_rows_warp(R, Cc):
+    """Columns that fill no warp (1), a partial block of 64 (70) and more than two blocks (130);
+    overflow to inf, inf - inf, cancellations and subnormal inputs in the shuffled stages."""
+    rng = np.random.default_rng(R + Cc)
+    f = rng.standard_normal((R, Cc)).astype(np.float32)
+    f[:, 0] = 3.4028235e38                        # the sums overflow; inf - inf = NaN at stage 64
+    f[32, -1], f[96, -1] = 1.0, -1.0              # pairs only at stages 32 and 64
+    f[5, Cc // 2] = 1e-40
+    with cuda_emu.options(race_check=True):
+        _same(G.hadamard_rows(f), C.hadamard_rows(f), f"hadamard {R}x{Cc}")
+
+
+@pytest.mark.parametrize("N,K,Mo", [(1, 1, 1), (65, 9, 129), (130, 3, 64), (200, 7, 300)])
+def test_cuda_fused_layer_kernels(N, K, Mo):
+    """The layer through the fused kernels: G and D rotated from dy where they are made (rows padded
+    past M and N, columns past a block of 64), the integer rotations, the GEMM epilogues; NaN and inf
+    gradients, a clipped and a NaN weight row; launches per op as the fusion gives them."""
+    rng = np.random.default_rng(N * 1000 + Mo)
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (Mo, K), 0.05), rand_bf16(rng, (N, Mo), 1e-3)
+    if Mo > 2:
+        w[1, 0] = f32_to_bf16(np.float32(9.0))
+        w[2, 0] = 0x7FC1
+    with counters.counting() as log:
+        y = G.qlinear_forward(x, w)
+    _same(y, C.qlinear_forward(x, w), "y")
+    assert [ln.kernel for ln in log.launches] == ["o1b_q_absmax", "o1b_q_tensor_levels", "o1b_q_weight_scales",
+                                                 "o1b_q_weight_levels", "o1b_qgemm_y"]
+    with counters.counting() as log:
+        got = G.qlinear_backward(dy, x, w)
+    _same(got, C.qlinear_backward(dy, x, w), "dx, dw")
+    names = [ln.kernel for ln in log.launches]
+    assert len(names) == 14 and "o1b_gemm_i8" not in names, names
+    for bad in (0x7F80, 0x7FC1):
+        d2 = dy.copy()
+        d2[N // 2, Mo - 1] = bad
+        _same(G.qlinear_backward(d2, x, w), C.qlinear_backward(d2, x, w), f"dy {bad:#x}")
+
+
+# ------------------------------------------------------------------ Metal's threadgroup absmax
+@pytest.mark.parametrize("n", [1, 257, 4096 + 1, 3 * 4096 + 300])
+def test_metal_absmax_threadgroup_tree(n, monkeypatch):
+    monkeypatch.setenv("O1B_EMU_RACECHECK", "1")
+    rng = np.random.default_rng(n + 1)
+    v = (rng.standard_normal(n) * 3).astype(np.float32)
+    for pos, value in ((None, 0), (n - 1, -1e5), (n // 3, np.inf), (0, np.nan), (n - 1, 1e-40)):
+        x = v.copy()
+        if pos is not None:
+            x[pos] = value
+        _same(M.quant_tensor(x), C.quant_tensor(x), f"metal n={n} at {pos}: {value}")
