@@ -85,7 +85,7 @@ def launches(name: str, B: int, backward: bool) -> dict:
         whole.update({"rmsnorm_dg": N * d * 16, "embedding_backward": (N + V) * d * 4})
     ranged += [("quant_absmax", cdiv(n, M.QUANT_BLOCK), M.QUANT_BLOCK) for n in quantized]
     ranged += [("quant_apply", n, 1) for n in quantized]
-    whole["quant_absmax"] = cdiv(max(quantized), M.QUANT_BLOCK) * 8            # the second pass, one thread
+    whole["quant_absmax"] = cdiv(max(quantized), M.QUANT_BLOCK) * 8            # the second pass, one threadgroup
     attention = [(B, T, H, G, W, D) for W in sorted({m.layer_window(l) for l in range(m.n_layers)})]
     return dict(ranged=ranged, gemms=gemms, gemms_i8=gemms_i8, attention=attention, whole=whole,
                 kernels=_kernels(ranged, whole, backward))
