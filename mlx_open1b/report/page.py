@@ -1,11 +1,17 @@
-"""The report page: one self-contained HTML file (inline SVG figures, no scripts, no external
-files) with the run summary (paper Table 7), loss milestones (Table 8), gradient-norm statistics
-(Table 9), GNMR promotions and the figures; the same figures as PNGs next to it, each caption
-linking its PNG. The summary is also embedded as JSON (`<script type="application/json"
-id="summary">`) with exactly the numbers computed from the ledger.
+"""The report page: one self-contained HTML file (no scripts, no external files) with the run
+summary (paper Table 7), loss milestones (Table 8), gradient-norm statistics (Table 9), GNMR
+promotions and the figures; the same figures as PNG files next to it, each caption linking its PNG.
+The summary is also embedded as JSON (`<script type="application/json" id="summary">`) with exactly
+the numbers computed from the ledger.
+
+Figures (FIGURE_ENGINES): "matplotlib" (the `report` extra; mpl.py) draws each PNG, and the page
+shows those very PNGs as data URIs; "builtin" (no plotting library) puts each panel in the page as
+inline SVG and rasterizes the PNG files with png.py; "auto" is matplotlib where it is installed.
+The tables and their numbers are the same either way.
 """
 from __future__ import annotations
 
+import base64
 import datetime
 import html
 import json
@@ -14,8 +20,11 @@ import pathlib
 
 from .. import __version__
 from ..fsutil import write_bytes_atomic
-from .data import gnmr_active, grad_stats, load_run_data, milestones, summarize, windows
+from . import mpl
+from .data import ReportError, gnmr_active, grad_stats, load_run_data, milestones, summarize, windows
 from .figures import FIGURE_IDS, figures
+
+FIGURE_ENGINES = ("auto", "matplotlib", "builtin")
 
 
 CSS = """body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1000px;
@@ -51,8 +60,9 @@ SUMMARY_ROWS = [
 ]
 
 
-def render(data: dict, png_links: bool = False, figs=None) -> str:
-    """The HTML page; png_links: each figure's caption links its PNG (<id>.png next to the page)."""
+def render(data: dict, png_links: bool = False, figs=None, images: dict | None = None) -> str:
+    """The HTML page; png_links: each figure's caption links its PNG (<id>.png next to the page);
+    images: {figure id: PNG bytes} shown as data URIs (the matplotlib figures), else inline SVG."""
     recs, info = data["records"], data["info"]
     cfg = info.config
     s = summarize(data)
@@ -121,28 +131,50 @@ def render(data: dict, png_links: bool = False, figs=None) -> str:
     h.append('<h2 id="figures">Figures</h2>')
     for fid, caption, plot in (figures(data) if figs is None else figs):
         link = f' <a href="{fid}.png">PNG</a>' if png_links else ""
-        h.append(f'<figure id="{fid}">{plot.svg()}<figcaption>{e(caption)}{link}</figcaption></figure>')
+        if images is not None:
+            uri = "data:image/png;base64," + base64.b64encode(images[fid]).decode("ascii")
+            shown = (f'<img id="{fid}-png" src="{uri}" width="{plot.W}" height="{plot.H}" '
+                     f'alt="{e(plot.title)}">')
+        else:
+            shown = plot.svg()
+        h.append(f'<figure id="{fid}">{shown}<figcaption>{e(caption)}{link}</figcaption></figure>')
     if not data["times"]:
-        h.append("<p>Throughput: no step times were logged for this run (the ledger holds no times; a "
-                 "<code>metrics.jsonl</code> in the run directory with lines <code>{\"step\": t, \"seconds\": s}</code> "
-                 "adds the throughput figure).</p>")
+        h.append("<p>Throughput: no step times were logged for this run (the trainer writes them beside the "
+                 "ledger, in <code>timing.jsonl</code>; a <code>metrics.jsonl</code> in the run directory with lines "
+                 "<code>{\"step\": t, \"seconds\": s}</code> adds them).</p>")
     h.append("</body></html>")
     return "\n".join(h) + "\n"
 
 
+def figure_engine(name: str = "auto") -> str:
+    """"matplotlib" or "builtin" for a FIGURE_ENGINES name; "matplotlib" where it is not installed is
+    a ReportError (exit 2) naming the extra."""
+    if name not in FIGURE_ENGINES:
+        raise ReportError(f"figures: {name!r} is none of {', '.join(FIGURE_ENGINES)}", exit_code=2)
+    if name == "auto":
+        return "matplotlib" if mpl.available() else "builtin"
+    if name == "matplotlib" and not mpl.available():
+        raise ReportError("figures: matplotlib is not installed here (pip install 'mlx-open1b[report]'), or "
+                          "use the built-in figures (--figures builtin)", exit_code=2)
+    return name
+
+
 def write_report(run_dir, out_dir=None, max_checkpoints: int = 64, png: bool = True,
-                 png_scale: int = 2) -> pathlib.Path:
+                 png_scale: int = 2, engine: str = "auto") -> pathlib.Path:
     """Write OUT/index.html (default RUN/report/index.html) and, with png, OUT/<figure id>.png for
-    every figure (png_scale pixels per SVG unit), each file atomically, the page last; returns the
-    page's path. PNGs of figures this run no longer has (a previous report's) are removed."""
+    every figure (png_scale pixels per Plot unit), each file atomically, the page last; returns the
+    page's path. engine: FIGURE_ENGINES (module docstring). PNGs of figures this run no longer has
+    (a previous report's) are removed."""
+    engine = figure_engine(engine)
     data = load_run_data(run_dir, max_checkpoints)
     out = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(run_dir) / "report"
     figs = figures(data)
-    page = render(data, png, figs)
+    images = {fid: mpl.png(plot, png_scale) for fid, _, plot in figs} if engine == "matplotlib" else None
+    page = render(data, png, figs, images)
     keep = set()
     if png:
         for fid, _, plot in figs:
-            write_bytes_atomic(out / f"{fid}.png", plot.png(png_scale))
+            write_bytes_atomic(out / f"{fid}.png", images[fid] if images is not None else plot.png(png_scale))
             keep.add(fid)
     for fid in set(FIGURE_IDS) - keep:
         (out / f"{fid}.png").unlink(missing_ok=True)

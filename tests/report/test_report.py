@@ -1,5 +1,8 @@
-"""The run report: a self-contained HTML page whose figures are all present and
-well-formed SVG, and whose summary numbers are the ledger's; one PNG per figure that decodes."""
+"""The run report: a self-contained HTML page whose figures are all present (matplotlib PNGs as data
+URIs, or inline SVG without matplotlib) and whose summary numbers are the ledger's, the same with either
+figure engine; one PNG per figure that decodes; the page renders in headless Chromium."""
+import base64
+import html
 import json
 import re
 import shutil
@@ -17,7 +20,8 @@ from mlx_open1b.checkpoint import list_checkpoints, load_checkpoint
 from mlx_open1b.cli.main import cli
 from mlx_open1b.model import ParamLayout
 from mlx_open1b.report.png import FONT, Canvas, encode_png, rasterize, rgb, text_mask
-from mlx_open1b.report import ReportError, Plot, figures, load_run_data, render, write_report
+from mlx_open1b.report import ReportError, Plot, figures, load_run_data, mpl, render, write_report
+from mlx_open1b.report.axes import thin, tick_label
 from mlx_open1b.train import Trainer
 
 from data_helpers import make_corpus
@@ -34,6 +38,7 @@ class Checker(HTMLParser):
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.stack, self.errors, self.ids, self.cells, self.key, self.external = [], [], set(), {}, None, []
+        self.imgs = {}
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -42,8 +47,10 @@ class Checker(HTMLParser):
                 self.errors.append(f"duplicate id {a['id']}")
             self.ids.add(a["id"])
         for k in ("src", "href"):
-            if k in a and not a[k].startswith("#"):
+            if k in a and not a[k].startswith(("#", "data:")):
                 self.external.append(a[k])
+        if tag == "img":
+            self.imgs[a["id"]] = a["src"]
         if tag == "tr" and "data-key" in a:
             self.key = a["data-key"]
             self.cells[self.key] = []
@@ -68,7 +75,9 @@ class Checker(HTMLParser):
             self.cells[self.key].append(data)
 
 
-def check_page(text: str, pngs: bool = False) -> Checker:
+def check_page(text: str, pngs: bool = False, engine: str = "builtin") -> Checker:
+    """Balanced tags, self-contained, and each figure shown once: inline SVG (builtin) or its PNG as
+    a data URI that decodes (matplotlib)."""
     c = Checker()
     c.feed(text)
     c.close()
@@ -79,7 +88,22 @@ def check_page(text: str, pngs: bool = False) -> Checker:
     svgs = re.findall(r"<svg\b.*?</svg>", text, re.S)
     for s in svgs:
         ET.fromstring(s)                                     # well-formed XML (SVG)
+    if engine == "builtin":
+        assert len(svgs) == len(figs) and not c.imgs
+    else:
+        assert not svgs and sorted(c.imgs) == sorted(f"{f}-png" for f in figs)
+        for src in c.imgs.values():
+            assert src.startswith("data:image/png;base64,")
+            decode_png(base64.b64decode(src.split(",", 1)[1], validate=True))
     return c
+
+
+def data_uri_png(c: Checker, fid: str) -> bytes:
+    return base64.b64decode(c.imgs[f"{fid}-png"].split(",", 1)[1])
+
+
+ENGINES = ["builtin", pytest.param("matplotlib", marks=pytest.mark.skipif(
+    not mpl.available(), reason="matplotlib (the report extra) is not installed"))]
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +114,21 @@ def run(tmp_path_factory):
     return root / "run"
 
 
-def test_report_has_every_figure_and_the_ledgers_numbers(run, tmp_path):
-    path = write_report(run, tmp_path / "rep")
+@pytest.fixture(scope="module")
+def reports(run, tmp_path_factory):
+    """{engine: the page} of the run's report with each figure engine available here (written once)."""
+    root = tmp_path_factory.mktemp("reports")
+    return {e: write_report(run, root / e, engine=e) for e in ("builtin", "matplotlib")
+            if e == "builtin" or mpl.available()}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_report_has_every_figure_and_the_ledgers_numbers(run, reports, engine):
+    path = reports[engine]
     text = path.read_text()
-    c = check_page(text, pngs=True)
+    c = check_page(text, pngs=True, engine=engine)
     for f in FIGURES:
-        assert f in c.ids and f"{f}-svg" in c.ids, f
+        assert f in c.ids and f"{f}-{'svg' if engine == 'builtin' else 'png'}" in c.ids, f
     assert "fig-gnmr" not in c.ids                                  # no GNMR records
     recs = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
     times = (run / "timing.jsonl").read_text().splitlines()           # the trainer's, one line per step
@@ -120,8 +153,12 @@ def test_report_has_every_figure_and_the_ledgers_numbers(run, tmp_path):
     assert c.cells["clip_rate"] == [f"{100 * want['clip_rate']:.2f}%"]
     assert c.cells["grad-max"][0] == f"{max(r['grad_norm'] for r in recs):.4f}"
     # one point per step in the learning-rate curve; weight norms are the checkpoints' own
-    lr_svg = re.search(r'<figure id="fig-lr">(.*?)</figure>', text, re.S).group(1)
-    assert len(re.search(r'<polyline[^>]*points="([^"]*)"', lr_svg).group(1).split()) == len(recs)
+    if engine == "builtin":
+        lr_svg = re.search(r'<figure id="fig-lr">(.*?)</figure>', text, re.S).group(1)
+        assert len(re.search(r'<polyline[^>]*points="([^"]*)"', lr_svg).group(1).split()) == len(recs)
+    else:      # the page shows the very PNG written next to it
+        for f in FIGURES:
+            assert data_uri_png(c, f) == (path.parent / f"{f}.png").read_bytes(), f
     data = load_run_data(run)
     step, ck = list_checkpoints(run)[-1]
     bits = load_checkpoint(ck)[0]["params"][0]
@@ -161,7 +198,8 @@ def test_report_bad_input(run, tmp_path):
     # --no-png: no links, and the previous report's PNGs are gone (never a page beside stale figures)
     res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep2"), "--no-png"])
     assert res.exit_code == 0 and not list((tmp_path / "rep2").glob("*.png"))
-    check_page((tmp_path / "rep2" / "index.html").read_text(), pngs=False)
+    check_page((tmp_path / "rep2" / "index.html").read_text(), pngs=False,
+               engine="matplotlib" if mpl.available() else "builtin")
 
 
 def decode_png(data: bytes) -> np.ndarray:
@@ -189,15 +227,18 @@ def _has(img, color) -> bool:
     return bool((img == rgb(color).astype(np.uint8)).all(-1).any())
 
 
-def test_pngs_decode_and_show_every_figure(run, tmp_path):
-    path = write_report(run, tmp_path / "rep", png_scale=2)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_pngs_decode_and_show_every_figure(run, reports, engine):
+    path = reports[engine]
     text = path.read_text()
     figs = re.findall(r'<figure id="([^"]+)">', text)
-    assert len(figs) == len(re.findall(r"<svg\b", text)) == len(FIGURES)
+    assert sorted(figs) == sorted(FIGURES)
     assert sorted(f.name for f in path.parent.glob("*.png")) == sorted(f"{f}.png" for f in figs)
     plots = {fid: p for fid, _, p in figures(load_run_data(run))}
     for fid in figs:
-        img = decode_png((path.parent / f"{fid}.png").read_bytes())
+        data = (path.parent / f"{fid}.png").read_bytes()
+        assert chunk_kinds(data) == [b"IHDR", b"IDAT", b"IEND"]            # no metadata: no time, no software
+        img = decode_png(data)
         p = plots[fid]
         assert img.shape == (2 * p.H, 2 * p.W, 3)
         packed = (img.astype(np.uint32) << np.array([16, 8, 0], np.uint32)).sum(-1)
@@ -211,11 +252,89 @@ def test_pngs_decode_and_show_every_figure(run, tmp_path):
         for kind, label, color, dash, op in p.legend():
             if op == 1.0:
                 assert _has(img[:, 2 * (fr["L"] + fr["pw"]):], color), (fid, label)    # legend swatches
-    # text is drawn: the title's glyphs, at the title's place
-    img = decode_png((path.parent / "fig-lr.png").read_bytes())
-    t = text_mask(plots["fig-lr"].title, 4)
-    top, left = 2 * 18 - t.shape[0], 2 * plots["fig-lr"].L
-    assert (img[top:top + t.shape[0], left:left + t.shape[1]].min(-1) < 128)[t].all()
+        # text is drawn: dark pixels where the title is, and nowhere above it
+        top = img[:2 * 18 + 4, 2 * p.L:2 * (p.L + 200)].min(-1)
+        assert (top < 128).sum() > 100 and (img[:4].min(-1) > 200).all(), fid
+    if engine == "builtin":          # the built-in font's glyphs, at the title's place
+        img = decode_png((path.parent / "fig-lr.png").read_bytes())
+        t = text_mask(plots["fig-lr"].title, 4)
+        top, left = 2 * 18 - t.shape[0], 2 * plots["fig-lr"].L
+        assert (img[top:top + t.shape[0], left:left + t.shape[1]].min(-1) < 128)[t].all()
+
+
+def chunk_kinds(data: bytes) -> list[bytes]:
+    """The PNG's chunk types in order, runs of IDAT as one."""
+    pos, kinds = 8, []
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+        pos += 12 + n
+    return kinds
+
+
+@pytest.mark.skipif(not mpl.available(), reason="matplotlib (the report extra) is not installed")
+def test_the_tables_are_the_same_with_either_engine(reports):
+    """Only the figures' markup differs between the engines (and the time the page was written)."""
+    def tables(path):
+        text = re.sub(r'<figure id="[^"]+">.*?</figure>', "<figure/>", path.read_text(), flags=re.S)
+        return re.sub(r"report by mlx-open1b [^,]+, [^<]+\.</p>", "", text)
+    a, b = tables(reports["builtin"]), tables(reports["matplotlib"])
+    assert a == b and a.count("<figure/>") == len(FIGURES) and 'data-key="median_step_seconds"' in a
+
+
+@pytest.mark.skipif(not mpl.available(), reason="matplotlib (the report extra) is not installed")
+def test_matplotlib_draws_each_plot_as_it_is(run, reports):
+    """Each matplotlib figure is its Plot: the frame's ranges, the ticks and labels of axes.py, the
+    title and axis labels, every item's data (lines thinned as the SVG's), colors and widths, and the
+    legend; its PNG is the file next to the page, the same bytes every time."""
+    from matplotlib.colors import to_hex
+    for fid, _, p in figures(load_run_data(run)):
+        fig = mpl.figure(p, 1)
+        ax, fr = fig.axes[0], p.frame()
+        assert ax.get_xlim() == (fr["x0"], fr["x1"]) and ax.get_ylim() == (fr["y0"], fr["y1"]), fid
+        assert ax.get_yscale() == ("log" if p.logy else "linear")
+        for axis, ticks in ((ax.xaxis, fr["xticks"]), (ax.yaxis, fr["yticks"])):
+            assert list(axis.get_majorticklocs()) == ticks and not len(axis.get_minorticklocs()), fid
+            assert [t.get_text() for t in axis.get_majorticklabels()] == [tick_label(t) for t in ticks], fid
+        assert [t.get_text() for t in fig.texts] == [p.title, p.xlabel, p.ylabel]
+        labels = [lab for _, lab, *_ in p.legend()]
+        assert ([t.get_text() for t in fig.legends[0].get_texts()] if fig.legends else []) == labels, fid
+        want, bars = [], []
+        for it in p.items:
+            if it[0] in ("line", "points"):
+                xs, ys = thin(it[1], it[2]) if it[0] == "line" else (it[1], it[2])
+                ok = np.isfinite(ys) & ((ys > 0) if p.logy else True)
+                if ok.any():
+                    want.append((list(xs[ok]), list(ys[ok]), it[4], it[5] * mpl.PT if it[0] == "line" else None))
+            elif it[0] == "hline" and (not p.logy or it[1] > 0):
+                want.append(([0, 1], [it[1], it[1]], it[3], mpl.PT))
+            elif it[0] == "bars":
+                bars += [(a, b - a, h) for a, b, h in zip(it[1][:-1], it[1][1:], it[2]) if h > 0]
+        got = [(list(ln.get_xdata()), list(ln.get_ydata()), ln.get_color(),
+                ln.get_linewidth() if ln.get_linestyle() != "None" else None) for ln in ax.lines]
+        assert [(x, y, to_hex(c), w) for x, y, c, w in got] == [(x, y, to_hex(c), w) for x, y, c, w in want], fid
+        base = fr["y0"] if p.logy else max(fr["y0"], 0.0)
+        assert [(b.get_x(), b.get_width(), b.get_y() + b.get_height()) for b in ax.patches] == \
+            [(a, w, pytest.approx(h)) for a, w, h in bars] and all(b.get_y() == base for b in ax.patches), fid
+        vl = [it[1] for it in p.items if it[0] == "vlines" and len(it[1])]
+        assert [[seg[0][0] for seg in c.get_segments()] for c in ax.collections] == [list(x) for x in vl], fid
+    png = (reports["matplotlib"].parent / "fig-loss.png").read_bytes()
+    p = next(p for fid, _, p in figures(load_run_data(run)) if fid == "fig-loss")
+    assert mpl.png(p, 2) == png                            # deterministic: the same bytes when drawn again
+
+
+def test_without_matplotlib_the_builtin_figures(run, tmp_path, monkeypatch):
+    """Where matplotlib is absent, "auto" falls back to the built-in figures (inline SVG, png.py's
+    PNGs); asking for matplotlib there is an error naming the extra, before anything is written."""
+    monkeypatch.setattr(mpl, "available", lambda: False)
+    path = write_report(run, tmp_path / "rep")
+    check_page(path.read_text(), pngs=True, engine="builtin")
+    p = next(p for fid, _, p in figures(load_run_data(run)) if fid == "fig-lr")
+    assert (path.parent / "fig-lr.png").read_bytes() == p.png(2)
+    with pytest.raises(ReportError, match=r"matplotlib is not installed.*mlx-open1b\[report\]") as e:
+        write_report(run, tmp_path / "rep2", engine="matplotlib")
+    assert e.value.exit_code == 2 and not (tmp_path / "rep2").exists()
 
 
 def test_png_rasterizer_units():
@@ -245,11 +364,59 @@ def test_png_rasterizer_units():
     assert decode_png(p.png(1)).shape == (300, 760, 3)
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed here")
-def test_report_renders_in_headless_chromium(run, tmp_path):
-    path = write_report(run, tmp_path / "rep")
-    out = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
+# a test-only copy of the page gets this check (the page itself has no scripts): once everything has
+# loaded, each image's decoded size and how many of its pixels are not opaque (the PNGs are opaque
+# throughout; rows a broken or cut-short file lacks are transparent), each inline SVG's laid-out size,
+# and every error event
+PROBE = """<script>
+const errors = [];
+window.addEventListener("error", e => errors.push(e.message || (e.target && e.target.id) || e.type), true);
+function holes(i) {
+  const c = document.createElement("canvas");
+  c.width = i.naturalWidth; c.height = i.naturalHeight;
+  if (!c.width || !c.height) return -1;
+  const g = c.getContext("2d");
+  g.drawImage(i, 0, 0);
+  const px = g.getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let k = 3; k < px.length; k += 4) n += px[k] !== 255;
+  return n;
+}
+window.addEventListener("load", () => {
+  const imgs = [...document.images].map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight, holes(i)]);
+  const svgs = [...document.querySelectorAll("svg")].map(s => {
+    const b = s.getBoundingClientRect(); return [s.id, b.width, b.height]; });
+  const p = document.createElement("pre");
+  p.id = "probe";
+  p.textContent = JSON.stringify({imgs, svgs, errors});
+  document.body.appendChild(p);
+});
+</script>"""
+
+
+def chromium_probe(page, tmp_path) -> tuple[dict, list[str]]:
+    """The probe's findings on the page rendered by headless Chromium, and the console lines."""
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    out = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                          "--v=0", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    for f in FIGURES:
-        assert f'id="{f}"' in out.stdout
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.search(r'<pre id="probe">(.*?)</pre>', out.stdout, re.S)
+    assert found, out.stdout[-2000:]
+    return json.loads(html.unescape(found.group(1))), [ln for ln in out.stderr.splitlines() if ":CONSOLE" in ln]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed here")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_report_renders_in_headless_chromium(run, reports, tmp_path, engine):
+    """The page as a browser shows it: no error event, nothing on the console, every figure there and
+    drawn (an image that decodes at its PNG's size, or an inline SVG laid out at its size)."""
+    got, console = chromium_probe(reports[engine], tmp_path)
+    assert got["errors"] == [] and console == [], (got["errors"], console)
+    plots = {fid: p for fid, _, p in figures(load_run_data(run))}
+    if engine == "matplotlib":
+        assert got["imgs"] == [[f"{f}-png", True, 2 * plots[f].W, 2 * plots[f].H, 0] for f in plots]
+        assert not got["svgs"]
+    else:
+        assert got["svgs"] == [[f"{f}-svg", plots[f].W, plots[f].H] for f in plots] and not got["imgs"]
