@@ -25,7 +25,8 @@
  *     plain static arrays, as blocks run one after another.
  *   - the intrinsics the contract allows: __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn,
  *     __fmaf_rn, __dmul_rn, __float_as_uint, __uint_as_float, __int2float_rn, __float2int_rz,
- *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz); float4, uint4;
+ *     __umulhi; PTX fma.rn.ftz.f32 (emu_fma_rn_ftz, for contract.cuh's o1b_fma_ftz), mul.rn.ftz.f32 and
+ *     add.rn.ftz.f32 (emu_mul_rn_ftz, emu_add_rn_ftz, for cuda/ftz.cuh); float4, uint4;
  *     atomicMin and atomicMax on int, atomicAdd on unsigned int, __threadfence; __launch_bounds__
  *     (ignored).
  *     The single-precision ones are the fp32 unit of hwfloat.h (included before this file, with
@@ -100,6 +101,9 @@ static inline float __fsqrt_rn(float x) { return o1b_hw_sqrt(x); }
 static inline float __fmaf_rn(float a, float b, float c) { return o1b_hw_fma(a, b, c); }
 /* PTX fma.rn.ftz.f32, which contract.cuh's o1b_fma_ftz issues as inline assembly on a GPU */
 static inline float emu_fma_rn_ftz(float a, float b, float c) { return o1b_hw_fma_ftz(a, b, c); }
+/* PTX mul.rn.ftz.f32 and add.rn.ftz.f32 (cuda/ftz.cuh's o1b_mul_ftz, o1b_add_ftz) */
+static inline float emu_mul_rn_ftz(float a, float b) { return o1b_hw_mul_ftz(a, b); }
+static inline float emu_add_rn_ftz(float a, float b) { return o1b_hw_add_ftz(a, b); }
 
 /* 128-bit vector of four floats (16-byte aligned, as CUDA's) for vectorized shared-memory access */
 struct alignas(16) float4 { float x, y, z, w; };

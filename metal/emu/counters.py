@@ -18,7 +18,7 @@ always did. On, each kernel unit is compiled with two additions, so its library 
   cross DRAM).
 - arithmetic: the fp32 operations the contract lets a kernel use are counted where the kernel text
   applies them: CUDA's __fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn, __fmaf_rn and the
-  emulated PTX fma.rn.ftz (emu_fma_rn_ftz) (macros defined between the prelude and the kernel source); Metal's contract-header hardware operators
+  emulated PTX fma.rn.ftz, mul.rn.ftz and add.rn.ftz (emu_fma_rn_ftz, emu_mul_rn_ftz, emu_add_rn_ftz) (macros defined between the prelude and the kernel source); Metal's contract-header hardware operators
   O1B_HW_ADD/SUB/MUL/DIV and `fma(` in a kernel's own text. Integer arithmetic, compares, selects and
   bit operations are not counted (the SASS reading in benchmarks/kernel_model.py sees those).
 
@@ -178,6 +178,8 @@ CUDA_OPS = """
 #define __fsqrt_rn(a) O1B_CNT_OP(4, __fsqrt_rn(a))
 #define __fmaf_rn(a, b, c) O1B_CNT_OP(5, __fmaf_rn(a, b, c))
 #define emu_fma_rn_ftz(a, b, c) O1B_CNT_OP(5, emu_fma_rn_ftz(a, b, c))
+#define emu_mul_rn_ftz(a, b) O1B_CNT_OP(2, emu_mul_rn_ftz(a, b))
+#define emu_add_rn_ftz(a, b) O1B_CNT_OP(0, emu_add_rn_ftz(a, b))
 """
 
 # Metal: before the prelude (the contract header defines its operators only where undefined).

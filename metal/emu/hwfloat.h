@@ -226,6 +226,46 @@ static inline float o1b_hw_fma_ftz(float a, float b, float c) {
 #endif
 }
 
+// PTX mul.rn.ftz.f32 and add.rn.ftz.f32 (contract.cuh's neighbours in cuda/ftz.cuh issue them as inline
+// assembly), whatever the unit's mode: subnormal inputs are read as zeros of their sign and a tiny
+// result comes back as the zero of its sign, as the PTX ISA specifies for .ftz. For mul the ISA leaves
+// open, as for fma.rn.ftz, whether an exact product just below 2^-126 that rounds to 2^-126 is tiny:
+// kept where tininess is detected after rounding (O1B_HW_FTZ 0 or 1), the zero where before
+// (O1B_HW_FTZ 2), either per operation under the adversary. A tiny sum is exact, so add has no such
+// case. The flush_unsigned fault returns +0 for every tiny result.
+static inline float o1b_hw_ftz_in(float x) {
+    unsigned int u = o1b_hw_bits(x);
+    return (u & 0x7F800000u) == 0u ? o1b_hw_float(u & 0x80000000u) : x;
+}
+static inline float o1b_hw_mul_ftz(float a, float b) {
+    a = o1b_hw_ftz_in(a); b = o1b_hw_ftz_in(b);
+    float r = a * b;
+    double e = (double)a * (double)b;                       // exact
+    if (!(e != 0.0 && fabs(e) < O1B_HW_MIN_NORMAL)) return r;
+#if O1B_HW_FAULT == 3
+    return o1b_hw_float(0u);
+#else
+    unsigned int u = o1b_hw_bits(r);
+    bool rounded_up = (u & 0x7FFFFFFFu) == 0x00800000u;
+#if O1B_HW_ADVERSARIAL
+    bool keep = rounded_up && o1b_hw_choice() == 0u;
+#else
+    bool keep = rounded_up && (O1B_HW_FTZ) != 2;
+#endif
+    return keep ? r : o1b_hw_float(u & 0x80000000u);
+#endif
+}
+static inline float o1b_hw_add_ftz(float a, float b) {
+    a = o1b_hw_ftz_in(a); b = o1b_hw_ftz_in(b);
+    float r = a + b;
+    if (!o1b_hw_subnormal(r)) return r;
+#if O1B_HW_FAULT == 3
+    return o1b_hw_float(0u);
+#else
+    return o1b_hw_float(o1b_hw_bits(r) & 0x80000000u);
+#endif
+}
+
 // sqrt of a nonzero float is never tiny.
 static inline float o1b_hw_sqrt(float x) { return sqrtf(o1b_hw_in(x)); }
 
