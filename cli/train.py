@@ -15,7 +15,7 @@ import click
 from mlx_open1b.checkpoint import CheckpointError
 from mlx_open1b.cli import SEED, STEPS, THREADS, WORKERS, Path, Positive, backend_option, fail, step_range
 
-from mlx_open1b.cli.config_cmd import config_options
+from mlx_open1b.cli.config_cmd import TOKENIZER_VOCAB_HELP, config_options, vocab_of_tokenizer
 from mlx_open1b.config import PRESETS, ConfigError, steps_for_tokens
 from mlx_open1b.config_file import resolve as resolve_config
 from mlx_open1b.data.format import DataError, Manifest
@@ -101,7 +101,7 @@ class _Progress:
               help="prepared corpus (default: the embedded default corpus, prepared on first use)")
 @click.option("--tokenizer", "tokenizer_path", type=Path(exists=True, dir_okay=False), default=None,
               help="the corpus's tokenizer.json: checked against the SHA-256 the corpus (or, on --resume, the run) "
-                   "records, before anything is written")
+                   "records, before anything is written; a new run's " + TOKENIZER_VOCAB_HELP)
 @click.option("--resume", is_flag=True, help="continue the run in --out from its latest checkpoint")
 @click.option("--threads", type=THREADS, default=0, help="kernel threads (0: one per CPU); never changes a bit")
 @click.option("--seed", type=SEED, default=None, help="override the preset's seed")
@@ -138,6 +138,10 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         # the configuration first: a bad value stops the command before anything is written
         # on --resume, --set and --seed alone apply to the run's own config; a file or a preset is a whole config
         own = resume and config_file is None and preset_name is None
+        if tokenizer_path is not None and not resume:
+            if data_dir is not None:         # a tokenizer that is not the corpus's is named by its hash first
+                _check_tokenizer(tokenizer_path, data_dir, False)
+            sets = vocab_of_tokenizer(tokenizer_path, config_file, sets)
         cfg = resolve_config(preset_name, config_file, sets, base=_run_config(out) if own else None)
         if seed is not None:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))

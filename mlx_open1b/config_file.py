@@ -270,6 +270,21 @@ def parse_set(text: str) -> tuple[str, object]:
     return name, value
 
 
+def given(name: str, config_file=None, sets=()) -> tuple[object, str] | None:
+    """(value, where) of key `name` as the file and the --sets give it explicitly (the last one
+    given wins, as in resolve), or None where neither gives it (a preset's value is not given)."""
+    found = None
+    if config_file is not None:
+        for key, value in _flatten(load_toml(config_file), str(config_file)):
+            if key == name:
+                found = (_coerce(key, value, str(config_file)), str(config_file))
+    for text in sets:
+        key, value = parse_set(text)
+        if key == name:
+            found = (_coerce(key, value, f"--set {text}"), f"--set {text}")
+    return found
+
+
 def resolve(preset_name: str | None = None, config_file=None, sets=(), base: RunConfig | None = None) -> RunConfig:
     """The checked RunConfig of a preset, a config file and --set overrides (module docstring).
     base: the config to start from when neither preset_name nor the file names another preset (a

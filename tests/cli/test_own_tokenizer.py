@@ -99,6 +99,32 @@ def test_prepare_and_train_with_own_tokenizer(trained, tmp_path):
     assert conf["eos_token_id"] == tok.eot_id and conf["vocab_size"] == tok.vocab_size
 
 
+def test_train_takes_the_vocabulary_from_the_tokenizer(trained, tmp_path):
+    """`train --tokenizer F` and `config show --tokenizer F` set model.vocab_size to F's when neither a
+    config file nor a --set gives it; one given that differs stops the command, naming both values,
+    exit 2, before anything is written."""
+    root, _, _ = trained
+    tokf, data = root / "tok1.json", tmp_path / "data"
+    V = Tokenizer.load(tokf).vocab_size
+    r = CliRunner()
+    _ok(r, ["data", "prepare", "--source", f"mine={root}/docs/*", "--tokenizer", str(tokf),
+            "--heldout-tokens", "300", "--out", str(data)])
+    small = ["--preset", "tiny", "--set", "model.n_layers=1", "--data", str(data), "--tokenizer", str(tokf)]
+    _ok(r, ["train", *small, "--out", str(tmp_path / "run"), "--steps", "1"])
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["model"]["vocab_size"] == V != 8192
+    res = r.invoke(cli, ["train", *small, "--set", "model.vocab_size=8192", "--out", str(tmp_path / "run2")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"model.vocab_size: --set model.vocab_size=8192 gives 8192, but the tokenizer {tokf} has {V}" in res.output
+    assert not (tmp_path / "run2").exists()
+    _ok(r, ["train", *small, "--set", f"model.vocab_size={V}", "--out", str(tmp_path / "run3"), "--steps", "1"])
+    # config show: the tokenizer's vocabulary, or a file's that differs named
+    shown = _ok(r, ["config", "show", "--preset", "tiny", "--tokenizer", str(tokf)]).output
+    assert f"\nvocab_size = {V}" in shown
+    (tmp_path / "run.toml").write_text(shown.replace(f"\nvocab_size = {V}", "\nvocab_size = 512"))
+    res = r.invoke(cli, ["config", "show", "--config", str(tmp_path / "run.toml"), "--tokenizer", str(tokf)])
+    assert res.exit_code == 2 and f"model.vocab_size: {tmp_path / 'run.toml'} gives 512" in res.output, res.output
+
+
 def test_tokenizer_train_refuses_to_replace_other_content(trained, tmp_path):
     root, _, _ = trained
     f = tmp_path / "t.json"

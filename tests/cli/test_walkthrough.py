@@ -1,13 +1,17 @@
 """The README's "train on your own data" walkthrough, run line by line as written (between the
-<!-- walkthrough --> markers) on a small generated corpus: every command exits 0."""
+<!-- walkthrough --> markers) on a small generated corpus: every command exits 0, the run takes its
+vocabulary from the tokenizer trained on the corpus, and the report shows the step times."""
 import json
 import pathlib
 import random
+import re
 import shlex
 
 from click.testing import CliRunner
 
 from mlx_open1b.cli.main import cli
+from mlx_open1b.data.tokenizer import Tokenizer
+from mlx_open1b.rundir import RunDir
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -28,8 +32,9 @@ def test_readme_walkthrough(tmp_path, monkeypatch):
             for _ in range(60):
                 fh.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(40, 120)))}) + "\n")
     lines = walkthrough()
-    assert [ln.split()[1] for ln in lines] == ["data", "config", "config", "train", "generate", "report", "export",
-                                               "audit"]
+    assert [ln.split()[1] for ln in lines] == ["data", "data", "config", "config", "train", "generate", "report",
+                                               "export", "audit"]
+    assert lines[0].startswith("open1b data tokenizer train") and "--tokenizer mytok.json" in lines[4]
     r = CliRunner()
     for line in lines:
         args = shlex.split(line)
@@ -43,3 +48,11 @@ def test_readme_walkthrough(tmp_path, monkeypatch):
             (tmp_path / out).write_text(res.stdout)
     assert (tmp_path / "runs/mine/report/index.html").exists() and (tmp_path / "runs/mine-hf").is_dir()
     assert "certified: steps 3-3" in res.output
+    # the run's vocabulary is the tokenizer's (a small corpus trains fewer tokens than --vocab asks)
+    vocab = Tokenizer.load(tmp_path / "mytok.json").vocab_size
+    assert vocab < 1000 and RunDir(tmp_path / "runs/mine").info().config.model.vocab_size == vocab
+    # step times beside the ledger fill the report's median step time
+    assert len((tmp_path / "runs/mine/timing.jsonl").read_text().splitlines()) == 4
+    page = (tmp_path / "runs/mine/report/index.html").read_text()
+    median = re.search(r'<tr data-key="median_step_seconds"><th>[^<]*</th><td class="n">([^<]*)</td>', page)
+    assert median and float(median.group(1)) > 0
