@@ -38,8 +38,8 @@ def _branches(cfg) -> dict[str, list[str]]:
 
 
 def figures(data: dict) -> list[tuple[str, str, Plot]]:
-    """[(id, caption, plot)] of every figure the run's data supports (plot.svg() for the page,
-    plot.png() for the PNG file)."""
+    """[(id, caption, plot)] of every figure the run's data supports (drawn by page.py: mpl.png(plot),
+    or plot.svg() and plot.png() without matplotlib)."""
     recs, cfg = data["records"], data["info"].config
     steps = np.array([r["step"] for r in recs], float)
     n = len(recs)
