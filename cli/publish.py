@@ -43,18 +43,21 @@ def report(run, out, max_checkpoints, png, png_scale):
 @click.argument("run", type=Path(exists=True, file_okay=False))
 @click.option("--step", type=STEP, default=None, help="checkpoint step (default: the latest checkpoint)")
 @click.option("--format", "fmt", type=click.Choice(["mlx", "hf"]), default="mlx", show_default=True,
-              help="mlx: the model program's tensor names; hf: Hugging Face Llama names + model.embed_norm")
+              help="mlx: the model program's tensor names + model.py (mlx.nn); hf: Hugging Face Llama names + "
+                   "model.embed_norm + the transformers model code")
 @click.option("--out", type=Path(file_okay=False), required=True, help="new output directory")
 @click.option("--tokenizer", type=Path(exists=True, dir_okay=False), default=None,
               help="the run's tokenizer.json to ship with it (default: the shipped one, when it is the run's; its "
                    "SHA-256 must be the run's)")
 def export(run, step, fmt, out, tokenizer):
-    """Export a checkpoint's weights (bf16, bit-identical) with config.json and tokenizer.json.
+    """Export a checkpoint's weights (bf16, bit-identical) with config.json and tokenizer.json
+    (bf16 runs only: the float models do not compute a quantized run's GEMMs).
 
     \b
     Loads in plain MLX (mx.load; mlx_open1b.export.mlx_forward runs it) and in PyTorch
-    (mlx_open1b.export.torch_model -> mlx_open1b.torch_model.TorchModel); --format hf also ships
-    the model code, so transformers' AutoModelForCausalLM.from_pretrained(OUT,
+    (mlx_open1b.export.torch_model -> mlx_open1b.torch_model.TorchModel); --format mlx also ships
+    model.py, an mlx.nn model that needs only mlx (model.load(OUT), model.generate); --format hf
+    ships the model code, so transformers' AutoModelForCausalLM.from_pretrained(OUT,
     trust_remote_code=True) loads it and generates. What does NOT map onto
     HF / mlx-lm Llama, so the config says model_type "open1b", not "llama":
       - the RMSNorm on the embedding output (embed_norm),

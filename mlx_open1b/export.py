@@ -13,12 +13,18 @@ Both formats write into a new directory (atomically: built beside it, then renam
     configuration_open1b.py, modeling_open1b.py (hf)     the model for `transformers`, named by config.json's
                                                          `auto_map`: AutoModelForCausalLM.from_pretrained(DIR,
                                                          trust_remote_code=True) loads it and generates
+    model.py (mlx)                                       the model in `mlx.nn` (mlx_open1b/export_mlx/model.py),
+                                                         needing only mlx: `model.load(DIR)`, `model.generate`
     tokenizer_config.json (hf, with tokenizer.json)      so AutoTokenizer.from_pretrained(DIR) loads the tokenizer
 
 `mlx`: tensors under the model program's names (`wte`, `emb_norm`, `layers.<l>.attn_norm`, `wq`, `wk`,
 `wv`, `wo`, `ffn_norm`, `w_gate_up` = [gate | up], `w_down`, `final_norm`, `lm_head`), shapes (out, in);
-`mx.load` reads them, `mlx_forward` below runs them in plain MLX, and `torch_state_dict` loads them
-into `mlx_open1b.torch_model.TorchModel` (`load_state_dict`, strict).
+`mx.load` reads them, the shipped model.py runs them without this package (float32 activations),
+`mlx_forward` below runs them in plain MLX, and `torch_state_dict` loads them into
+`mlx_open1b.torch_model.TorchModel` (`load_state_dict`, strict).
+
+Only bf16 runs export: a quantized run's logits come from its int8/int6/int4 GEMMs (CONTRACT.md §6.9),
+which neither shipped model computes, so its float export would not be the model that was trained.
 
 `hf`: the same weights under Hugging Face Llama names (`model.embed_tokens.weight`,
 `model.layers.<l>.self_attn.{q,k,v,o}_proj.weight`, `input_layernorm`, `post_attention_layernorm`,
@@ -64,6 +70,8 @@ FORMAT = "open1b-export/1"
 FILES = {"mlx": "weights.safetensors", "hf": "model.safetensors"}
 HF_CODE = ("configuration_open1b.py", "modeling_open1b.py")       # copied from mlx_open1b/export_hf/
 _HF_DIR = pathlib.Path(__file__).resolve().parent / "export_hf"
+MLX_CODE = ("model.py",)                                            # copied from mlx_open1b/export_mlx/
+_MLX_DIR = pathlib.Path(__file__).resolve().parent / "export_mlx"
 NOT_MAPPED = [
     "embed_norm: RMSNorm (with gain) on the embedding output; no Llama equivalent (foldable into the "
     "embedding table in fp32)",
@@ -97,11 +105,14 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, slice | None]]:
     return out
 
 
-def _config_json(cfg: ModelConfig, fmt: str, provenance: dict, eot_id: int | None = None) -> dict:
+def _config_json(cfg: ModelConfig, fmt: str, provenance: dict, tok=None) -> dict:
     windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
+    eot_id = None if tok is None else tok.eot_id
     base = {"format": FORMAT, "export_format": fmt, "model_type": "open1b",
             "architecture": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
             "layer_windows": windows, "dtype": "bfloat16", "source": provenance, "not_mapped_to_llama": NOT_MAPPED}
+    if fmt == "mlx" and tok is not None:        # model.py's generate: stop there, choose among the tokenizer's ids
+        base.update({"eos_token_id": eot_id, "tokenizer_vocab_size": tok.vocab_size})
     if fmt == "hf":
         base.update({
             "architectures": ["Open1BForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -127,6 +138,9 @@ def export(run_dir, step: int | None, fmt: str, out_dir, tokenizer=None) -> path
     rd = RunDir(run_dir)
     run = rd.path
     info = rd.info(error=ExportError)
+    if info.config.precision != "bf16":
+        raise ExportError(f"{run}: a {info.config.precision} run: its logits come from quantized GEMMs (CONTRACT.md "
+                          f"§6.9), which the exported float models do not compute; only bf16 runs export")
     tok = _run_tokenizer(tokenizer, info.tokenizer_sha256)
     cfg = info.config.model
     step = rd.select_checkpoint(step, ExportError)
@@ -166,13 +180,13 @@ def export(run_dir, step: int | None, fmt: str, out_dir, tokenizer=None) -> path
         # the PyTorch layout (Linear weights (out, in)) the hf names follow
         write_safetensors(tmp / FILES[fmt], named, {"format": "pt" if fmt == "hf" else FORMAT, "open1b_format": FORMAT,
                                                      "step": str(step), "params_hash": str(meta.get("params_hash"))})
-        conf = _config_json(cfg, fmt, provenance, None if tok is None else tok.eot_id)
+        conf = _config_json(cfg, fmt, provenance, tok)
         write_file(tmp / "config.json", [(json.dumps(conf, indent=2) + "\n").encode()])
         if tok is not None:
             write_file(tmp / "tokenizer.json", [tok.path.read_bytes()])
+        for name in (HF_CODE if fmt == "hf" else MLX_CODE):
+            write_file(tmp / name, [((_HF_DIR if fmt == "hf" else _MLX_DIR) / name).read_bytes()])
         if fmt == "hf":
-            for name in HF_CODE:
-                write_file(tmp / name, [(_HF_DIR / name).read_bytes()])
             if tok is not None:
                 write_file(tmp / "tokenizer_config.json", [(json.dumps(
                     {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
@@ -213,6 +227,12 @@ def _readme(fmt: str, prov: dict) -> str:
              f"hash `{prov['params_hash']}` as in the run's ledger. Weights are bf16, bit-identical to the checkpoint.",
              "", "Load: `mx.load(\"" + FILES[fmt] + "\")` (MLX); `mlx_open1b.export.mlx_forward` runs them in plain MLX; "
              "`mlx_open1b.export.torch_model(DIR)` gives a `mlx_open1b.torch_model.TorchModel`.", ""]
+    if fmt == "mlx":
+        lines += ["MLX (no mlx-open1b needed): `import sys; sys.path.insert(0, DIR); import model`, then "
+                  "`m = model.load(DIR)` (an `mlx.nn.Module`, float32 activations on the exactly widened weights), "
+                  "`m(mx.array([ids]))` the logits, `model.generate(m, ids, max_tokens=32)` greedy decoding with a "
+                  "key/value cache (`temperature=` samples with mx.random). tokenizer.json, where shipped, loads with "
+                  "`tokenizers.Tokenizer.from_file`.", ""]
     if fmt == "hf":
         lines += ["Hugging Face `transformers` (torch; no mlx-open1b needed): "
                   "`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `modeling_open1b.py` "
