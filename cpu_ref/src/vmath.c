@@ -61,6 +61,18 @@ static void map_scalar(int fn, int64_t lo, int64_t hi, const float *x, float *y)
 static void exp_sub_scalar(int64_t lo, int64_t hi, const float *z, float m, float *e) {
     for (int64_t i = lo; i < hi; i++) e[i] = o1b_exp(o1b_sub(o1b_load(z[i]), m));
 }
+static void expsum_cols_scalar(int64_t lo, int64_t hi, int64_t L, const float *zt, int64_t ldz,
+                               const float *m, float *mn, float *cs) {
+    for (int64_t k = lo; k < hi; k++) {
+        float cm = -INFINITY;                           /* a NaN logit is passed over here ... */
+        for (int64_t v = 0; v < L; v++) cm = o1b_max(cm, o1b_load(zt[v * ldz + k]));
+        float mk = o1b_max(m[k], cm), s = 0.0f;
+        for (int64_t v = 0; v < L; v++)                 /* ... and turns the sum NaN here */
+            s = o1b_add(s, o1b_exp(o1b_sub(o1b_load(zt[v * ldz + k]), mk)));
+        mn[k] = mk;
+        cs[k] = s;
+    }
+}
 static void xent_grad_scalar(int64_t lo, int64_t hi, const float *z, float lse, float coef,
                              float dl, bf16 *dz) {
     for (int64_t i = lo; i < hi; i++)
@@ -182,6 +194,13 @@ void o1b_vmap(int fn, int64_t n, const float *x, float *y) {
 void o1b_vexp_sub(int64_t n, const float *z, float m, float *e) {
     if (!g_vmath) { exp_sub_scalar(0, n, z, m, e); return; }
 #define CALL(s) exp_sub_##s(n, z, m, e)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vexpsum_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *m, float *mn,
+                      float *cs) {
+    if (!g_vmath) { expsum_cols_scalar(0, n, L, zt, ldz, m, mn, cs); return; }
+#define CALL(s) expsum_cols_##s(n, L, zt, ldz, m, mn, cs)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -343,10 +362,43 @@ AI vf FN(i2f)(vi i) { return FN(flush)(__builtin_convertvector(i, vf)); }
  *   - mul(p, r) in the Horner steps may be tiny, and then o1b_mul's zero and the IEEE result
  *     (subnormal or 2^-126) differ; but each is added to a Horner constant c >= 2^-10 next, and
  *     c + t rounds to c for any |t| <= 2^-126 (far below half an ulp of c): the same p either way.
- *   - mul(p, 2) for p in [0.7, 1.5]. */
+ *   - mul(p, 2) for p in [0.7, 1.5].
+ * A vector whose flushed arguments all lie in [-87, 88] takes the main path alone. There no lane
+ * is NaN, above ln(FLT_MAX) or below -103; t = mul(xs, log2e) lies in [-125.52, 126.96], so n is
+ * in [-126, 127] and no lane is clamped; and the last multiply is neither tiny nor infinite, so
+ * the bare IEEE product is o1b_mul's: n >= -125 gives p 2^n >= 0.7 * 2^-125 > 2^-126, n = -126
+ * happens only for t <= -125.5, where r = xs + 126 ln2 >= 0.33 and so p > 1.39, and p <= 1.42
+ * (|r| <= ln2 / 2 + an ulp) with n <= 127 stays below 2^128.
+ * K vectors at a time, their operations interleaved: each lane's chain of dependent operations is
+ * long (the Horner steps), and chains side by side keep the SIMD units busy. */
+#define O1B_EXP_K 4
+AI void FN(exp_main)(const int K, const vf *xs, vf *y) {
+    vf nf[O1B_EXP_K], r[O1B_EXP_K], p[O1B_EXP_K];
+    vi n[O1B_EXP_K];
+#define EACH _Pragma("GCC unroll 4") for (int k = 0; k < K; k++)
+    EACH nf[k] = ((xs[k] * FN(splat)(0x1.715476p0f)) + FN(splat)(O1B_ROUND_MAGIC)) - FN(splat)(O1B_ROUND_MAGIC);
+    EACH n[k] = __builtin_convertvector(nf[k], vi);
+    EACH r[k] = (xs[k] - nf[k] * FN(splat)(0x1.62e4p-1f)) - nf[k] * FN(splat)(0x1.7f7d1cp-20f);
+    EACH p[k] = FN(splat)(0x1.a01a02p-13f) * r[k] + FN(splat)(0x1.6c16c2p-10f);
+    EACH p[k] = p[k] * r[k] + FN(splat)(0x1.111112p-7f);
+    EACH p[k] = p[k] * r[k] + FN(splat)(0x1.555556p-5f);
+    EACH p[k] = p[k] * r[k] + FN(splat)(0x1.555556p-3f);
+    EACH p[k] = p[k] * r[k] + FN(splat)(0x1p-1f);
+    EACH p[k] = p[k] * r[k] + FN(splat)(1.0f);
+    EACH p[k] = p[k] * r[k] + FN(splat)(1.0f);
+    EACH y[k] = p[k] * VF((n[k] + 127) << 23);
+#undef EACH
+}
+AI vi FN(exp_main_range)(vf xf) { return (xf >= -87.0f) & (xf <= 88.0f); }
 AI vf FN(exp)(vf x, vi *rare) {
+    vf xf = FN(flush)(x);
+    if (__builtin_expect(!FN(any)(~FN(exp_main_range)(xf)), 1)) {
+        vf y;
+        FN(exp_main)(1, &xf, &y);
+        return y;
+    }
     vi nan = x != x, big = x > 0x1.62e42ep6f, small = x < -0x1.9cp6f;
-    vf xs = FN(sel)(nan | big | small, FN(splat)(0.0f), FN(flush)(x));
+    vf xs = FN(sel)(nan | big | small, FN(splat)(0.0f), xf);
     vf nf = ((xs * FN(splat)(0x1.715476p0f)) + FN(splat)(O1B_ROUND_MAGIC)) - FN(splat)(O1B_ROUND_MAGIC);
     vi n = __builtin_convertvector(nf, vi);          /* |nf| <= 150 on every lane */
     vi under = n < -126, over = n > 127;
@@ -369,6 +421,18 @@ AI vf FN(exp)(vf x, vi *rare) {
     y = FN(sel)(small | under, FN(splat)(0.0f), y);
     y = FN(sel)(big, FN(splat)(INFINITY), y);
     return FN(sel)(nan, VF(FN(isplat)((int32_t)O1B_NAN_BITS)), y);
+}
+
+/* FN(exp) of O1B_EXP_K vectors: interleaved when all of them take the main path. */
+AI void FN(exp_k)(const vf *x, vf *y, vi *rare) {
+    vf xf[O1B_EXP_K];
+    vi out = {0};
+    for (int k = 0; k < O1B_EXP_K; k++) {
+        xf[k] = FN(flush)(x[k]);
+        out |= ~FN(exp_main_range)(xf[k]);
+    }
+    if (__builtin_expect(!FN(any)(out), 1)) { FN(exp_main)(O1B_EXP_K, xf, y); return; }
+    for (int k = 0; k < O1B_EXP_K; k++) y[k] = FN(exp)(x[k], rare);
 }
 
 /* o1b_log */
@@ -469,7 +533,17 @@ AI vf FN(rsqrt)(vf x, vi *rare) { return FN(div)(FN(splat)(1.0f), FN(sqrt)(x), r
 static O1B_TGT void FN(map)(int fn, int64_t lo, int64_t hi, const float *x, float *y_out) {
     int64_t i = lo;
     switch (fn) {
-    case O1B_FN_EXP: O1B_VM_MAP_LOOP(FN(exp)); break;
+    case O1B_FN_EXP:
+        for (; i + O1B_EXP_K * O1B_W <= hi; i += O1B_EXP_K * O1B_W) {
+            vi rare = {0};
+            vf xv[O1B_EXP_K], y[O1B_EXP_K];
+            for (int k = 0; k < O1B_EXP_K; k++) xv[k] = FN(flush)(FN(load)(x + i + k * O1B_W));
+            FN(exp_k)(xv, y, &rare);
+            if (__builtin_expect(FN(any)(rare), 0)) map_scalar(fn, i, i + O1B_EXP_K * O1B_W, x, y_out);
+            else for (int k = 0; k < O1B_EXP_K; k++) FN(put)(y_out + i + k * O1B_W, FN(store)(y[k]));
+        }
+        O1B_VM_MAP_LOOP(FN(exp));
+        break;
     case O1B_FN_LOG: O1B_VM_MAP_LOOP(FN(log)); break;
     case O1B_FN_SIN: O1B_VM_MAP_LOOP(FN(sin)); break;
     case O1B_FN_COS: O1B_VM_MAP_LOOP(FN(cos)); break;
@@ -493,6 +567,44 @@ static O1B_TGT void FN(exp_sub)(int64_t n, const float *z, float m, float *e) {
     exp_sub_scalar(i, n, z, m, e);
 }
 
+/* Lanes are rows (expsum_cols_scalar's k), so each lane's max and sum run over v in order while
+ * the exps of O1B_EXP_K consecutive v are computed side by side. */
+static O1B_TGT void FN(expsum_cols)(int64_t n, int64_t L, const float *zt, int64_t ldz,
+                                    const float *m, float *mn, float *cs) {
+    int64_t k = 0;
+    for (; k + O1B_W <= n; k += O1B_W) {
+        vf cm = FN(splat)(-INFINITY);
+        for (int64_t v = 0; v < L; v++) {
+            vf z = FN(flush)(FN(load)(zt + v * ldz + k));
+            cm = FN(sel)(z > cm, z, cm);
+        }
+        vf mo = FN(load)(m + k);
+        vf mv = FN(sel)(cm > mo, cm, mo), s = {0};
+        int64_t v = 0;
+        for (; v + O1B_EXP_K <= L; v += O1B_EXP_K) {
+            vi rare = {0};
+            vf x[O1B_EXP_K], e[O1B_EXP_K];
+            for (int j = 0; j < O1B_EXP_K; j++) x[j] = FN(sub)(FN(flush)(FN(load)(zt + (v + j) * ldz + k)), mv);
+            FN(exp_k)(x, e, &rare);
+            if (__builtin_expect(FN(any)(rare), 0))
+                for (int j = 0; j < O1B_EXP_K; j++)
+                    for (int l = 0; l < O1B_W; l++) e[j][l] = o1b_exp(x[j][l]);
+            for (int j = 0; j < O1B_EXP_K; j++) s = FN(add)(s, e[j]);
+        }
+        for (; v < L; v++) {
+            vi rare = {0};
+            vf x = FN(sub)(FN(flush)(FN(load)(zt + v * ldz + k)), mv);
+            vf e = FN(exp)(x, &rare);
+            if (__builtin_expect(FN(any)(rare), 0))
+                for (int l = 0; l < O1B_W; l++) e[l] = o1b_exp(x[l]);
+            s = FN(add)(s, e);
+        }
+        FN(put)(mn + k, mv);
+        FN(put)(cs + k, s);
+    }
+    expsum_cols_scalar(k, n, L, zt, ldz, m, mn, cs);
+}
+
 /* o1b_f32_to_bf16 */
 AI vh FN(to_bf16)(vf x) {
     vu u = (vu)FN(flush)(x);
@@ -506,6 +618,21 @@ static O1B_TGT void FN(xent_grad)(int64_t n, const float *z, float lse, float co
                                   bf16 *dz) {
     vf lv = FN(splat)(lse), cv = FN(splat)(coef), dv = FN(splat)(dl);
     int64_t i = 0;
+    for (; i + O1B_EXP_K * O1B_W <= n; i += O1B_EXP_K * O1B_W) {
+        vi rare = {0};
+        vf x[O1B_EXP_K], pv[O1B_EXP_K], g[O1B_EXP_K];
+        for (int j = 0; j < O1B_EXP_K; j++) x[j] = FN(sub)(FN(flush)(FN(load)(z + i + j * O1B_W)), lv);
+        FN(exp_k)(x, pv, &rare);
+        for (int j = 0; j < O1B_EXP_K; j++) g[j] = FN(mul)(FN(mul)(pv[j], cv, &rare), dv, &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            xent_grad_scalar(i, i + O1B_EXP_K * O1B_W, z, lse, coef, dl, dz);
+        } else {
+            for (int j = 0; j < O1B_EXP_K; j++) {
+                vh h = FN(to_bf16)(g[j]);
+                memcpy(dz + i + j * O1B_W, &h, sizeof h);
+            }
+        }
+    }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
         vf pv = FN(exp)(FN(sub)(FN(flush)(FN(load)(z + i)), lv), &rare);

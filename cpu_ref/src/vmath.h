@@ -20,6 +20,12 @@ int o1b_vmath_on(void);
 void o1b_vmap(int fn, int64_t n, const float *x, float *y);
 /* e[i] = exp(sub(load(z[i]), m)) (unstored: a NaN result is exp's canonical NaN). */
 void o1b_vexp_sub(int64_t n, const float *z, float m, float *e);
+/* Lanes are rows: for rows k in [0, n) whose logits of one chunk are column k of zt (L rows of
+ * ldz floats, zt[v * ldz + k]):
+ *   mn[k] = max(m[k], cm), cm = max_{v ascending} load(zt[v * ldz + k]) from -inf  (o1b_max)
+ *   cs[k] = sum_{v ascending} exp(sub(load(zt[v * ldz + k]), mn[k])) from +0 (unstored) */
+void o1b_vexpsum_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *m, float *mn,
+                      float *cs);
 /* dz[i] = f32_to_bf16(mul(mul(exp(sub(load(z[i]), lse)), coef), dl)): the cross-entropy
  * gradient of every non-target logit of a row. */
 void o1b_vxent_grad(int64_t n, const float *z, float lse, float coef, float dl, bf16 *dz);

@@ -38,73 +38,31 @@ static int targets_in_range(int64_t N, int64_t V, const int32_t *targets) {
 /* ---------------------------------------------------------------------------------------------
  * Forward
  * ------------------------------------------------------------------------------------------- */
+/* Rows per unit of work: whole vectors of rows at every SIMD level. */
+#define XENT_ROWS 16
+
 typedef struct {
-    int64_t v0, L;            /* this chunk is vocabulary entries [v0, v0 + L) */
-    const float *z;           /* (N, L) logits of the chunk */
+    int64_t N, v0, L, ldz;    /* this chunk is vocabulary entries [v0, v0 + L) */
+    const float *zt;          /* (L, ldz) the chunk's logits transposed: zt[j * ldz + n] = z[n, v0 + j] */
     const int32_t *targets;   /* (N,) */
-    float *m, *s, *zt;        /* (N,) running max, running sum of exp(z - m), target logit */
+    float *m, *s, *zt_n;      /* (N,) running max, running sum of exp(z - m), target logit */
+    float *mn, *cs;           /* (N,) scratch: the chunk's new max and its sum of exps */
 } fwd_chunk_args;
 
-/* One chunk of the online logsumexp for rows [lo, hi). The exps of a group of rows are computed
- * across the vocabulary on SIMD lanes (vmath.c, contract.h's bits) into a buffer the size of the
- * chunk that stays in cache; then each row's sum runs over it in ascending v, the rows of a group
- * interleaved so that their independent chains of adds overlap in the pipeline. */
-#define XENT_GROUP 4
-static void fwd_chunk_rows_buffered(const fwd_chunk_args *a, int64_t lo, int64_t hi, float *e) {
-    int64_t L = a->L;
-    for (int64_t n0 = lo; n0 < hi; n0 += XENT_GROUP) {
-        int G = hi - n0 < XENT_GROUP ? (int)(hi - n0) : XENT_GROUP;
-        float m_new[XENT_GROUP], cs[XENT_GROUP];
-        for (int g = 0; g < G; g++) {
-            int64_t n = n0 + g;
-            const float *zr = a->z + n * L;
-            float cm = -INFINITY;                       /* a NaN logit is passed over here ... */
-            for (int64_t v = 0; v < L; v++) cm = o1b_max(cm, o1b_load(zr[v]));
-            m_new[g] = o1b_max(a->m[n], cm);
-            o1b_vexp_sub(L, zr, m_new[g], e + g * L);
-            cs[g] = 0.0f;
-        }
-        if (G == XENT_GROUP) {                          /* ... and turns the sum NaN here */
-            for (int64_t v = 0; v < L; v++)
-                for (int g = 0; g < XENT_GROUP; g++) cs[g] = o1b_add(cs[g], e[g * L + v]);
-        } else {
-            for (int g = 0; g < G; g++)
-                for (int64_t v = 0; v < L; v++) cs[g] = o1b_add(cs[g], e[g * L + v]);
-        }
-        for (int g = 0; g < G; g++) {
-            int64_t n = n0 + g;
-            float corr = o1b_exp(o1b_sub(a->m[n], m_new[g]));   /* exp(-inf) = +0 on the first chunk */
-            a->s[n] = o1b_add(o1b_mul(a->s[n], corr), cs[g]);
-            a->m[n] = m_new[g];
-            int64_t t = (int64_t)a->targets[n] - a->v0;
-            if (t >= 0 && t < L) a->zt[n] = o1b_load(a->z[n * L + t]);
-        }
-    }
-}
-/* The same rows one exp at a time (no buffer to be had). */
-static void fwd_chunk_rows_scalar(const fwd_chunk_args *a, int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; n++) {
-        const float *zr = a->z + n * a->L;
-        float cm = -INFINITY;
-        for (int64_t v = 0; v < a->L; v++) cm = o1b_max(cm, o1b_load(zr[v]));
-        float m_old = a->m[n];
-        float m_new = o1b_max(m_old, cm);
-        float corr = o1b_exp(o1b_sub(m_old, m_new));
-        float cs = 0.0f;
-        for (int64_t v = 0; v < a->L; v++)
-            cs = o1b_add(cs, o1b_exp(o1b_sub(o1b_load(zr[v]), m_new)));
-        a->s[n] = o1b_add(o1b_mul(a->s[n], corr), cs);
-        a->m[n] = m_new;
-        int64_t t = (int64_t)a->targets[n] - a->v0;
-        if (t >= 0 && t < a->L) a->zt[n] = o1b_load(zr[t]);
-    }
-}
-static void fwd_chunk_rows(void *ctx, int64_t lo, int64_t hi) {
+/* One chunk of the online logsumexp for the rows of units [b0, b1). With the logits transposed,
+ * a SIMD vector holds one logit of each of W rows, so every row's max and sum run in ascending v
+ * in their own lane (vmath.c). Then, per row, the running sum is rescaled to the new max. */
+static void fwd_chunk_rows(void *ctx, int64_t b0, int64_t b1) {
     const fwd_chunk_args *a = (const fwd_chunk_args *)ctx;
-    float *e = (float *)malloc(sizeof(float) * (size_t)(XENT_GROUP * a->L));
-    if (e) fwd_chunk_rows_buffered(a, lo, hi, e);
-    else fwd_chunk_rows_scalar(a, lo, hi);
-    free(e);
+    int64_t lo = b0 * XENT_ROWS, hi = b1 * XENT_ROWS < a->N ? b1 * XENT_ROWS : a->N;
+    o1b_vexpsum_cols(hi - lo, a->L, a->zt + lo, a->ldz, a->m + lo, a->mn + lo, a->cs + lo);
+    for (int64_t n = lo; n < hi; n++) {
+        float corr = o1b_exp(o1b_sub(a->m[n], a->mn[n]));   /* exp(-inf) = +0 on the first chunk */
+        a->s[n] = o1b_add(o1b_mul(a->s[n], corr), a->cs[n]);
+        a->m[n] = a->mn[n];
+        int64_t t = (int64_t)a->targets[n] - a->v0;
+        if (t >= 0 && t < a->L) a->zt_n[n] = o1b_load(a->zt[t * a->ldz + n]);
+    }
 }
 
 typedef struct {
@@ -138,22 +96,26 @@ O1B_API int o1b_xent_forward_chunked(int64_t N, int64_t C, int64_t V, int64_t ch
     if (N <= 0 || C <= 0 || V <= 0 || chunk <= 0) return XENT_BAD_SIZE;
     if (!targets_in_range(N, V, targets)) return XENT_BAD_TARGET;
     int64_t Lmax = chunk < V ? chunk : V;
-    float *z = (float *)malloc(sizeof(float) * (size_t)(N * Lmax));
-    float *state = (float *)malloc(sizeof(float) * (size_t)(3 * N));
-    if (!z || !state) { free(z); free(state); return XENT_NO_MEMORY; }
-    float *m = state, *s = state + N, *zt = state + 2 * N;
-    for (int64_t n = 0; n < N; n++) { m[n] = -INFINITY; s[n] = 0.0f; zt[n] = 0.0f; }
+    /* a row stride of whole vectors plus one cache line, so that a column of zt does not fall
+     * into a few cache sets (a power-of-two stride would) */
+    int64_t ldz = (N + XENT_ROWS - 1) / XENT_ROWS * XENT_ROWS + 16;
+    float *zt = (float *)malloc(sizeof(float) * (size_t)(Lmax * ldz));
+    float *state = (float *)malloc(sizeof(float) * (size_t)(5 * N));
+    if (!zt || !state) { free(zt); free(state); return XENT_NO_MEMORY; }
+    float *m = state, *s = state + N, *zt_n = state + 2 * N;
+    for (int64_t n = 0; n < N; n++) { m[n] = -INFINITY; s[n] = 0.0f; zt_n[n] = 0.0f; }
 
     for (int64_t v0 = 0; v0 < V; v0 += chunk) {
         int64_t L = V - v0 < chunk ? V - v0 : chunk;
-        /* z[n, j] = sum_c h[n, c] w[v0 + j, c]: the columns v0.. of linear_forward(h, w) */
-        o1b_gemm(N, L, C, h, C, 1, w + v0 * C, 1, C, z, L, 0);
-        fwd_chunk_args a = {v0, L, z, targets, m, s, zt};
-        o1b_parallel_for(N, row_grain(L), fwd_chunk_rows, &a);
+        /* zt[j, n] = sum_c w[v0 + j, c] h[n, c]: the columns v0.. of linear_forward(h, w),
+         * transposed (each product's operands swapped, which does not change its bits) */
+        o1b_gemm(L, N, C, w + v0 * C, C, 1, h, 1, C, zt, ldz, 0);
+        fwd_chunk_args a = {N, v0, L, ldz, zt, targets, m, s, zt_n, state + 3 * N, state + 4 * N};
+        o1b_parallel_for((N + XENT_ROWS - 1) / XENT_ROWS, 1, fwd_chunk_rows, &a);
     }
-    fwd_final_args f = {m, s, zt, o1b_load(zcoef), loss, lse, ce};
+    fwd_final_args f = {m, s, zt_n, o1b_load(zcoef), loss, lse, ce};
     o1b_parallel_for(N, 4096, fwd_final_rows, &f);
-    free(z);
+    free(zt);
     free(state);
     return XENT_OK;
 }

@@ -36,7 +36,8 @@ def patterns(lo: float, hi: float) -> np.ndarray:
 def pattern_classes(stride: int) -> np.ndarray:
     """Every stride-th pattern of the whole fp32 line (both signs, NaNs and infinities included),
     random values at several scales, the special values, and every pattern at the edges where the
-    scalar helpers branch: exp's overflow, underflow and 2^-126 thresholds, the smallest normals,
+    scalar helpers branch: exp's overflow, underflow and 2^-126 thresholds and the ends of its
+    vector main path (-87, 88), the smallest normals,
     log's sqrt(2) split, sin's 2^-12 shortcut, sigmoid's edge."""
     rng = np.random.default_rng(7)
     whole = np.arange(0, 2 ** 32, stride, dtype=np.uint64).astype(np.uint32).view(np.float32)
@@ -47,6 +48,7 @@ def pattern_classes(stride: int) -> np.ndarray:
              np.arange(0x00700000, 0x00900000, 3, dtype=np.uint32).view(np.float32),
              np.arange(0x80700000, 0x80900000, 3, dtype=np.uint32).view(np.float32)]
     for lo, hi in ((88.70, 88.73), (-87.34, -87.33), (-103.01, -102.99), (-88.73, -88.70),
+                   (-87.01, -86.98), (87.99, 88.01),
                    (1.41421, 1.41422), (0.70710, 0.70711), (2.0 ** -12 * 0.999, 2.0 ** -12 * 1.001)):
         x = patterns(lo, hi)
         parts += [x, -x]
@@ -153,12 +155,15 @@ def test_swiglu_equals_scalar(F):
             assert_bits_equal(CL.swiglu_backward(d, h), want_b, f"backward F={F} level {lv}")
 
 
-@pytest.mark.parametrize("N,C_,V,chunk", [(9, 16, 3000, 1024), (5, 8, 37, 16), (33, 24, 1500, 1024)])
-def test_xent_equals_scalar(N, C_, V, chunk):
-    # Logits spread wide (exps near underflow, rows of 1..4 in a group, chunk tails), NaN-free.
+@pytest.mark.parametrize("N,C_,V,chunk,spread", [(9, 16, 3000, 1024, 3), (5, 8, 37, 16, 3),
+                                                 (33, 24, 1500, 1024, 3), (37, 8, 1003, 1024, 0.5)])
+def test_xent_equals_scalar(N, C_, V, chunk, spread):
+    # Logits spread wide (spread 3: exps near underflow) or narrow (0.5: every exp counts in the
+    # sums), NaN-free; rows in whole vectors of each level and a tail; chunks whose length is not a
+    # multiple of the exps computed side by side (4).
     rng = np.random.default_rng(N)
-    h = A.f32_to_bf16((rng.standard_normal((N, C_)) * 3).astype(np.float32))
-    w = A.f32_to_bf16((rng.standard_normal((V, C_)) * 3).astype(np.float32))
+    h = A.f32_to_bf16((rng.standard_normal((N, C_)) * spread).astype(np.float32))
+    w = A.f32_to_bf16((rng.standard_normal((V, C_)) * spread).astype(np.float32))
     t = rng.integers(0, V, N).astype(np.int32)
     dloss = (rng.standard_normal(N) * 1e-3).astype(np.float32)
     dloss[::3] = -0.0                           # rows whose loss gradient is -0
