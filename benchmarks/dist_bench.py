@@ -62,7 +62,7 @@ def _worker(a) -> None:
     a2a = (comm.seconds - s0) / reps
     s0 = comm.seconds
     for _ in range(reps):
-        comm.all_gather(tr.state.params[tr.own.lo:tr.own.hi], [sh.size for sh in tr.shards])
+        comm.all_gather_into(tr.state.params, [sh.size for sh in tr.shards])
     ag = (comm.seconds - s0) / reps
     out = {"rank": comm.rank, "world": comm.world, "run_hash": h, "rows": rows[1:] if len(rows) > 1 else rows,
            "a2a_bytes": int(send.nbytes), "a2a_s": a2a, "allgather_s": ag, "params": P, "microbatches": M,

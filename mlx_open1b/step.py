@@ -136,20 +136,26 @@ def adamw_tensors(ops, tcfg, lr: float, step: int, tensors, n: int, like):
     return None if in_place else tuple(b.result() for b in new)
 
 
-def tensor_views(shapes, buf) -> Iterator[tuple]:
-    """(name, shape, decayed, flat view) of consecutive tensors `shapes` ((name, shape, decayed),
-    buffer order) in `buf`, the first at element 0."""
-    offs = 0
+def tensor_views(shapes, buf, lo: int = 0) -> Iterator[tuple]:
+    """(name, shape, decayed, at, flat view) of the tensors `shapes` ((name, shape, decayed), buffer
+    order, the first at element 0) that `buf` holds part of, `buf` being the elements from `lo` of
+    the buffer (all of it by default): the view is the tensor's elements in `buf`, from its element
+    `at` — the whole tensor (at 0) unless an owner's range cuts it (distributed/sharding.py)."""
+    hi, offs = lo + buf.shape[0], 0
+    end = sum(int(np.prod(s)) for _, s, _ in shapes)
     for name, shape, decayed in shapes:
         n = int(np.prod(shape))
-        yield name, shape, decayed, buf[offs:offs + n]
+        a, b = max(offs, lo), min(offs + n, hi)
+        if a < b or (n == 0 and lo <= offs and (offs < hi or offs == hi == end)):
+            yield name, shape, decayed, a - offs, buf[a - lo:b - lo]
         offs += n
 
 
 # ---------------------------------------------------------------------- who does what
 class Reduce(Protocol):
-    """One process's part in the step. `size`: the elements of the tensors this process owns (a
-    contiguous range of the parameter buffer of whole tensors, canonical order)."""
+    """One process's part in the step. `size`: the elements of the parameter buffer this process
+    owns (a contiguous range, possibly cutting a tensor where its norm blocks and hash chunks
+    begin: distributed/sharding.py)."""
     size: int
 
     def blocks(self, M: int) -> list[tuple[int, int]]:
@@ -164,10 +170,11 @@ class Reduce(Protocol):
         """This process's range of a full parameter-sized buffer."""
 
     def tensors(self, buf) -> Iterator[tuple]:
-        """(name, shape, decayed, flat view) of this process's tensors in a buffer of its range."""
+        """tensor_views' (name, shape, decayed, at, flat view) of the tensors this process owns
+        (in whole or part) in a buffer of its range."""
 
     def gather(self, obj) -> list:
-        """`obj` of every process, in rank order (= canonical order of the owned tensors)."""
+        """`obj` of every process, in rank order (= the buffer order of the owned ranges)."""
 
     def share_params(self, st, new) -> None:
         """After AdamW on the owned tensors (new: adamw_tensors' (params, m, v) of this range, or
@@ -288,25 +295,26 @@ def _gather_step(tr, reduce: Reduce, M: int, scalars: dict, grads):
     """The step's means (loss, ce, zloss), the gradient hash and {name: norm partials} of every
     tensor in canonical order, the same on every process."""
     ops = tr.ops
-    digests = _hashed(tr.timing, hashing.tensor_digests,
-                      [(n, a.reshape(s), "f32") for n, s, _, a in reduce.tensors(arrays.to_host(grads))])
-    sumsq = norm_partials(ops, ((n, a) for n, _, _, a in reduce.tensors(grads)))
-    every, alld, partials = {}, {}, {}
+    digests = _hashed(tr.timing, piece_digests,
+                      [(n, s, "f32", at, a) for n, s, _, at, a in reduce.tensors(arrays.to_host(grads))])
+    sumsq = norm_partials(ops, ((n, a) for n, _, _, _, a in reduce.tensors(grads)))
+    every, alld, partials = {}, [], []
     for sc, d, p in reduce.gather((scalars, digests, sumsq)):
         every.update(sc)
-        alld.update(d)
-        partials.update(p)
+        alld.append(d)
+        partials.append(p)
     rM = reciprocal(M)
     means = tuple(float(np.float32(_host_ops().treefold(np.array([every[i][k] for i in range(M)], np.float32)))
                         * np.float32(rM)) for k in range(3))
-    return means, hashing.collection_hash_from_tensor_hashes("grads", alld), partials
+    return (means, hashing.collection_hash_from_tensor_hashes("grads", _hashed(tr.timing, join_digests, alld)),
+            join_partials(partials))
 
 
 def _adamw_views(reduce: Reduce, st, grads):
     """(decayed, p, g, m, v) of the owned tensors: p in the full parameter buffer, g, m, v in
     buffers of the owned range."""
     own = reduce.tensors
-    return ((d, p, g, m, v) for (_, _, d, p), (*_, g), (*_, m), (*_, v) in zip(
+    return ((d, p, g, m, v) for (_, _, d, _, p), (*_, g), (*_, m), (*_, v) in zip(
         own(reduce.own(st.params)), own(grads), own(st.m), own(st.v)))
 
 
@@ -334,28 +342,70 @@ def _gnmr_end(tr, partials: dict, consumed_after: int, record: dict) -> None:
 
 def _state_hashes(tr, reduce: Reduce, st) -> tuple[str, str]:
     """(params hash, opt_state hash) after the update, from every owner's tensor hashes."""
-    dp = _hashed(tr.timing, hashing.tensor_digests, _param_items(reduce.tensors(arrays.to_host(reduce.own(st.params)))))
-    do = _hashed(tr.timing, hashing.tensor_digests, _moment_items(reduce.tensors, st))
-    allp, allo = {}, {}
-    for p, o in reduce.gather((dp, do)):
-        allp.update(p)
-        allo.update(o)
+    dp = _hashed(tr.timing, piece_digests, _param_items(reduce.tensors(arrays.to_host(reduce.own(st.params)))))
+    do = _hashed(tr.timing, piece_digests, _moment_items(reduce.tensors, st))
+    got = reduce.gather((dp, do))
+    allp, allo = (_hashed(tr.timing, join_digests, [g[k] for g in got]) for k in (0, 1))
     allo.update(_hashed(tr.timing, hashing.tensor_digests, _counter_items(st)))
     return (_hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "params", allp),
             _hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "opt_state", allo))
 
 
 # ---------------------------------------------------------------------- the state's hashes (CONTRACT.md §11)
-# The step hashes each owner's tensors and combines the digests (above); a checkpoint and the audit
-# hash a whole state in one process (below): the same items, so the same hashes.
+# The step hashes each owner's tensors and pieces of tensors and joins the digests (above); a
+# checkpoint and the audit hash a whole state in one process (below): the same items, so the same
+# hashes.
+def piece_digests(items) -> dict:
+    """Digests of (name, shape, dtype name, at, flat view) items, the view holding the tensor's
+    elements from `at` on: {name: tensor digest} of a whole tensor (at 0, every element), {name:
+    (dtype name, shape, at, Merkle leaves)} of a piece of one (`at` a multiple of a hash chunk:
+    sharding.ALIGN), in the order of the items. join_digests joins every owner's."""
+    whole, out = [], {}
+    for name, shape, dn, at, a in items:
+        if at == 0 and a.size == int(np.prod(shape)):
+            whole.append((name, a.reshape(shape), dn))
+            out[name] = None
+        else:
+            out[name] = (dn, tuple(shape), at, hashing.leaf_hashes(a, at * hashing.DTYPES[dn].itemsize))
+    out.update(hashing.tensor_digests(whole))
+    return out
+
+
+def join_digests(owners) -> dict:
+    """{name: tensor digest} from every owner's piece_digests, in rank order: a tensor's pieces
+    give their leaves in the order of `at`, whose Merkle root is the whole tensor's (§11, Pieces)."""
+    out, pieces = {}, {}
+    for d in owners:
+        for name, v in d.items():
+            if isinstance(v, tuple):
+                pieces.setdefault(name, []).append(v)
+            else:
+                out[name] = v
+    for name, ps in pieces.items():
+        ps.sort(key=lambda p: p[2])
+        leaves = [leaf for p in ps for leaf in p[3]]
+        out[name] = bytes.fromhex(hashing.tensor_hash_from_leaves(name, ps[0][0], ps[0][1], leaves))
+    return out
+
+
+def join_partials(owners) -> dict:
+    """{name: sum-of-squares block partials} from every owner's, in rank order (a tensor cut by the
+    owners' ranges: its pieces' partials joined, its own, as they begin at a block, sharding.ALIGN)."""
+    out = {}
+    for d in owners:
+        for name, p in d.items():
+            out[name] = arrays.concat([out[name], p]) if name in out else p
+    return out
+
+
 def _param_items(views) -> list:
-    return [(n, a.reshape(s), "bf16") for n, s, _, a in views]
+    return [(n, s, "bf16", at, a) for n, s, _, at, a in views]
 
 
 def _moment_items(tensors, st) -> list:
     """The Adam moments' items; `tensors` splits a buffer of st.m's range into its tensors."""
-    return ([("m." + n, a.reshape(s), "f32") for n, s, _, a in tensors(arrays.to_host(st.m))]
-            + [("v." + n, a.reshape(s), "f32") for n, s, _, a in tensors(arrays.to_host(st.v))])
+    return ([("m." + n, s, "f32", at, a) for n, s, _, at, a in tensors(arrays.to_host(st.m))]
+            + [("v." + n, s, "f32", at, a) for n, s, _, at, a in tensors(arrays.to_host(st.v))])
 
 
 def _counter_items(st) -> list:
@@ -365,14 +415,15 @@ def _counter_items(st) -> list:
 
 def param_hash(tr, params) -> str:
     """The "params" hash of a whole parameter buffer (tr: shapes, timing)."""
-    return _hashed(tr.timing, hashing.collection_hash, "params",
-                   _param_items(tensor_views(tr.shapes, arrays.to_host(params))))
+    digests = _hashed(tr.timing, piece_digests, _param_items(tensor_views(tr.shapes, arrays.to_host(params))))
+    return _hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "params", digests)
 
 
 def opt_hash(tr, st) -> str:
     """The "opt_state" hash of a whole state's moments and optimizer counters."""
-    return _hashed(tr.timing, hashing.collection_hash, "opt_state",
-                   _moment_items(functools.partial(tensor_views, tr.shapes), st) + _counter_items(st))
+    digests = _hashed(tr.timing, piece_digests, _moment_items(functools.partial(tensor_views, tr.shapes), st))
+    digests.update(_hashed(tr.timing, hashing.tensor_digests, _counter_items(st)))
+    return _hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "opt_state", digests)
 
 
 def gnmr_hash(tr, g) -> str:

@@ -1,8 +1,8 @@
 """Deterministic collectives: torch.distributed moves bytes, our kernels do every sum.
 
 Only data-movement primitives touch training values: all_to_all_single (the gradient
-reduce-scatter), all_gather_single / all_gather_into_tensor (parameters, scalars), broadcast and
-send/recv (state at start-up and checkpoints), all_gather_object (hashes, small records). Arrays
+reduce-scatter), broadcast (the parameter all-gather, one owner's range at a time, and the state at
+start-up), send/recv (state at start-up and checkpoints), all_gather_object (hashes, small records). Arrays
 travel as raw bytes (a uint8 view of the buffer, handed to torch without a copy: torch.from_numpy
 for a numpy array, DLPack for a cupy array, which stays on its GPU for NCCL), so no library ever
 interprets, converts or adds them; NCCL's and gloo's own reductions are never used. Every
@@ -322,27 +322,27 @@ class Comm:
         self._call("all_to_all_single", run)
         return recv
 
-    def all_gather(self, own: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
-        """Every rank's array (rank r contributes counts[r] elements), padded to the largest
-        count for the transport; returns views per rank."""
+    def all_gather_into(self, buf: np.ndarray, counts: Sequence[int]) -> None:
+        """An all-gather in place, without padding: `buf` (sum(counts) elements, the same layout on
+        every rank) holds this rank's counts[rank] elements at offset sum(counts[:rank]); on return
+        it holds every rank's, each written straight into its place. Pieces of unequal size, so
+        one broadcast per rank that owns any (all_gather_into_tensor wants equal pieces, which
+        padding would give at the cost of a world x widest buffer and a copy out of it)."""
         dist = load_torch().distributed
-        if len(own) != counts[self.rank]:
-            raise ValueError(f"all_gather: rank {self.rank} holds {len(own)} elements, counts say {counts[self.rank]}")
-        xp = _xp(own)
-        width = max(int(c) for c in counts)
-        out = xp.empty(self.world * width, own.dtype)
-        if width:
-            buf = xp.zeros(width, own.dtype)
-            buf[:len(own)] = own
-            bi, bo = _as_bytes(buf), _as_bytes(out)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        if len(buf) != sum(int(c) for c in counts) or len(counts) != self.world:
+            raise ValueError(f"all_gather_into: a buffer of {len(buf)} elements for counts of {len(counts)} ranks "
+                             f"summing to {sum(int(c) for c in counts)}")
+        off = 0
+        for r, c in enumerate(int(c) for c in counts):
+            if c:
+                b = _as_bytes(buf[off:off + c])
 
-            def run():
-                di, do = self._dev(bi), self._dev(bo)
-                gather(do, di)
-                self._back(bo, do)
-            self._call("all_gather", run)
-        return [out[r * width:r * width + int(c)] for r, c in enumerate(counts)]
+                def run(b=b, r=r):
+                    d = self._dev(b)
+                    dist.broadcast(d, r)
+                    self._back(b, d)
+                self._call(f"all_gather (rank {r}'s range, broadcast)", run)
+            off += c
 
     def broadcast(self, arr: np.ndarray, src: int = 0) -> None:
         """arr (same shape and dtype everywhere) takes src's contents, in place."""

@@ -6,17 +6,21 @@ who owns what, and moves bytes between the workers (CONTRACT.md §7, "Across wor
   1. worker w of N computes the microbatches [w*M//N, (w+1)*M//N) of the step's M (every worker
      reads all of the step's windows, so the stream position stays identical everywhere), as the
      maximal aligned dyadic blocks of that range (sharding.dyadic_blocks), each a tree-folded partial;
-  2. reduce-scatter by data movement: all_to_all_single routes every block partial's slice of
-     each owner's parameter range to that owner, which pushes the partials by microbatch index
-     into the tree fold of CONTRACT.md §7 (collectives.owner_fold); in rounds, each carrying one
-     slice of every owner's range, so that no owner holds more than RECV_BYTES of partials at once
-     (the fold is elementwise: a slice's fold is the fold's slice, the same bits in any rounds);
-  3. the per-microbatch loss, CE and z-loss, the owners' gradient tensor hashes and their
-     sum-of-squares block partials are all-gathered, so every worker folds the same scalars and
-     norm and takes the same decisions (spike, skip, clip);
-  4. each owner updates its own tensors (moments exist only on their owner), and the bf16
-     parameters are all-gathered;
-  5. the parameter and optimizer-state hashes combine the owners' tensor hashes (gathered).
+  2. reduce-scatter by data movement: every worker owns a near-equal element range of the
+     parameter buffer (sharding.shard_elements); all_to_all_single routes every block partial's
+     slice of each owner's range to that owner, which pushes the partials by microbatch index
+     into the tree fold of CONTRACT.md §7 (collectives.owner_fold); streamed in rounds, each
+     carrying one slice of every owner's range, so that no owner receives more than RECV_BYTES of
+     partials at once and no worker sends more (the fold is elementwise: a slice's fold is the
+     fold's slice, the same bits in any rounds);
+  3. the per-microbatch loss, CE and z-loss, the owners' gradient hashes (a tensor's digest, or
+     the Merkle leaves of a piece of one) and their sum-of-squares block partials are
+     all-gathered, so every worker joins the same hashes and folds the same scalars and norm and
+     takes the same decisions (spike, skip, clip);
+  4. each owner updates its own range (moments exist only on their owner; AdamW is elementwise),
+     and the bf16 parameters are all-gathered in place, each owner's range into every worker's
+     parameter buffer, with no padding (collectives.Comm.all_gather_into);
+  5. the parameter and optimizer-state hashes join the owners' digests and leaves (gathered).
 """
 from __future__ import annotations
 
@@ -29,24 +33,25 @@ import numpy as np
 from .. import arrays
 from ..step import tensor_views
 from .collectives import Comm, owner_fold, route
-from .sharding import dyadic_blocks, microbatch_range, shard_tensors
+from .sharding import dyadic_blocks, microbatch_range, shard_elements
 
 
-RECV_BYTES = 1 << 32      # the most bytes of partials an owner receives in one round of the reduce-scatter
+RECV_BYTES = 1 << 32      # the most bytes of partials a worker receives (or sends) in one round of the reduce-scatter
 
 
 class DistributedReduce:
-    """This worker's part: its microbatch blocks and its range of whole tensors (`mine`, one of
-    `shards`, by rank). after_microbatches(rank, step), when given, runs once this worker's
-    microbatches of a step are computed, before the reduce-scatter (tests stop a worker there)."""
+    """This worker's part: its microbatch blocks and its element range of the parameter buffer
+    (`mine`, one of `shards`, by rank). after_microbatches(rank, step), when given, runs once this
+    worker's microbatches of a step are computed, before the reduce-scatter (tests stop a worker
+    there)."""
 
     def __init__(self, comm: Comm, ops, shapes, timing: dict, after_microbatches=None, recv_bytes: int = RECV_BYTES):
         self.comm, self.ops, self.timing = comm, ops, timing
         self.recv_bytes = recv_bytes
-        self.shards = shard_tensors([int(np.prod(s)) for _, s, _ in shapes], comm.world)
+        self.shards = shard_elements([int(np.prod(s)) for _, s, _ in shapes], comm.world)
         self.mine = self.shards[comm.rank]
         self.size = self.mine.size
-        self.shapes = shapes[self.mine.t0:self.mine.t1]
+        self.shapes = shapes
         self.after_microbatches = after_microbatches
 
     def blocks(self, M: int) -> list[tuple[int, int]]:
@@ -59,7 +64,7 @@ class DistributedReduce:
         return buf[self.mine.lo:self.mine.hi]
 
     def tensors(self, buf):
-        return tensor_views(self.shapes, buf)
+        return tensor_views(self.shapes, buf, self.mine.lo)
 
     def gather(self, obj) -> list:
         out = self.comm.all_gather_object(obj)
@@ -81,9 +86,11 @@ class DistributedReduce:
 
     def rounds(self, M: int) -> int:
         """Rounds of the step's reduce-scatter: enough that no owner receives more than recv_bytes in
-        one (a function of M, the worker count and the shards: the same on every worker)."""
-        n = sum(len(self._dyadic(M, w)) for w in range(self.comm.world))
-        most = 4 * n * max(sh.size for sh in self.shards)
+        one, and no worker sends more (its send buffer is a copy of its partials' slices); a function
+        of M, the worker count and the shards: the same on every worker."""
+        per = [len(self._dyadic(M, w)) for w in range(self.comm.world)]
+        P = sum(sh.size for sh in self.shards)
+        most = 4 * max(sum(per) * max(sh.size for sh in self.shards), max(per) * P)
         return max(1, -(-most // self.recv_bytes))
 
     def fold(self, parts: list, M: int, step: int):
@@ -123,20 +130,18 @@ class DistributedReduce:
         return out.result()
 
     def share_params(self, st, new) -> None:
-        """Every owner's updated parameters to every worker (all-gather, data movement only)."""
-        comm, in_place = self.comm, new is None
-        if not in_place:
+        """Every owner's updated parameters to every worker: an all-gather into the parameter
+        buffer itself (data movement only, no padding, no gathered copy) when the process group
+        reaches it (numpy on gloo, cupy on NCCL, updated in place: new is None); else into a host
+        copy of it, which becomes the state's parameters (mx.arrays, which AdamW returns new; cupy on gloo)."""
+        counts = [sh.size for sh in self.shards]
+        if new is not None:
             mine, st.m, st.v = new
-        else:
-            mine = self.own(st.params)
-        pieces = comm.all_gather(self._wire(mine), [sh.size for sh in self.shards])
-        if in_place:
-            for sh, piece in zip(self.shards, pieces):
-                if sh.rank != comm.rank and sh.size:
-                    st.params[sh.lo:sh.hi] = self._unwire(piece, st.params)
+        if new is None and self._wire(st.params) is st.params:
+            self.comm.all_gather_into(st.params, counts)
             return
-        full = arrays.FlatBuffer(st.params.size, np.uint16, arrays.kind(st.params))
-        for sh, piece in zip(self.shards, pieces):
-            if sh.size:
-                full.write(sh.lo, mine if sh.rank == comm.rank else self._unwire(piece, st.params))
-        st.params = full.result()
+        host = np.require(arrays.to_host(st.params), requirements="W")
+        if new is not None:
+            host[self.mine.lo:self.mine.hi] = arrays.to_host(mine)
+        self.comm.all_gather_into(host, counts)
+        st.params = self._unwire(host, st.params)

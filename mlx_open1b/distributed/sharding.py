@@ -1,18 +1,31 @@
-"""Who computes which microbatch and who owns which parameter tensor (pure functions of the
+"""Who computes which microbatch and who owns which parameter elements (pure functions of the
 worker count; nothing here enters the arithmetic).
 
 * Microbatches: worker w of N computes the contiguous microbatches [w*M//N, (w+1)*M//N) of a
   step with M microbatches. It folds them as the maximal aligned dyadic blocks of its range
   (`dyadic_blocks`), each block a sub-fold of the step's canonical tree over microbatch index
   (CONTRACT.md §7), so the owners can push the block partials into the same tree.
-* Parameters: the canonical tensor list (ModelConfig.param_shapes(), buffer order) is cut into N
-  contiguous ranges of whole tensors, the largest range as small as possible (`shard_tensors`);
-  rank r owns range r. Ranks may own no tensor at all (more ranks than there are useful cuts).
+* Parameters: the canonical flat buffer (ModelConfig.param_shapes(), buffer order) is cut into N
+  contiguous element ranges, near-equal (`shard_elements`); rank r owns range r. A range may end
+  inside a tensor, but only ALIGN elements from the tensor's start (or a multiple of it): there a
+  norm block (§7, NORM_BLOCK elements) and a hash chunk (§11, CHUNK bytes) of every state the
+  owner hashes (bf16 parameters, f32 gradients and moments) begin, so the owners' block partials
+  and Merkle leaves, joined in rank order, are the tensor's own — the same norm and hashes as one
+  process. Tensors smaller than ALIGN are never cut; ranks may own nothing (more ranks than cuts).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 from typing import Sequence
+
+from ..contract import NORM_BLOCK
+from ..hashing import CHUNK
+
+# elements from a tensor's start where a cut may fall: a norm block and a hash chunk of bf16 (2-byte)
+# and f32 (4-byte) elements all begin there
+ALIGN = math.lcm(NORM_BLOCK, CHUNK // 2, CHUNK // 4)
 
 
 class ShardingError(ValueError):
@@ -57,7 +70,8 @@ def check_worker_count(N: int, phases: Sequence[Sequence[int]]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Rank `rank`'s tensors: canonical tensor indices [t0, t1) = elements [lo, hi) of the buffer."""
+    """Rank `rank`'s elements [lo, hi) of the flat buffer; they touch the canonical tensors
+    [t0, t1) (the first and the last of them possibly in part)."""
     rank: int
     t0: int
     t1: int
@@ -69,35 +83,33 @@ class Shard:
         return self.hi - self.lo
 
 
-def shard_tensors(sizes: Sequence[int], N: int) -> list[Shard]:
-    """Cut tensors (element counts, canonical order) into N contiguous ranges of whole tensors.
-
-    The largest range is the smallest possible (binary search on the cap, greedy fill in order);
-    ranges are then filled front to back, so trailing ranks may own nothing."""
+def shard_elements(sizes: Sequence[int], N: int) -> list[Shard]:
+    """Cut the flat buffer of tensors `sizes` (element counts, canonical order) into N contiguous
+    element ranges: cut r is the allowed point nearest r/N of the buffer (ties to the lower), the
+    allowed points being the tensors' boundaries and, inside a tensor, every ALIGN elements from
+    its start. Allowed points are at most ALIGN apart, so every range holds P/N +- ALIGN elements
+    (P the buffer's), or nothing where more ranks than points."""
     if N < 1:
-        raise ShardingError(f"shard_tensors: N must be >= 1, got {N}")
-    sizes = [int(s) for s in sizes]
-
-    def pack(cap: int) -> list[int] | None:
-        cuts, load = [0], 0
-        for i, s in enumerate(sizes):
-            if load and load + s > cap:
-                cuts.append(i)
-                load = 0
-            load += s
-        cuts.append(len(sizes))
-        return cuts if len(cuts) - 1 <= N else None
-
-    lo_cap, hi_cap = max(sizes, default=0), max(1, sum(sizes))
-    while lo_cap < hi_cap:
-        mid = (lo_cap + hi_cap) // 2
-        if pack(mid) is None:
-            lo_cap = mid + 1
-        else:
-            hi_cap = mid
-    cuts = pack(lo_cap) if sizes else [0, 0]
-    cuts += [len(sizes)] * (N + 1 - len(cuts))
+        raise ShardingError(f"shard_elements: N must be >= 1, got {N}")
     offs = [0]
     for s in sizes:
-        offs.append(offs[-1] + s)
-    return [Shard(r, cuts[r], cuts[r + 1], offs[cuts[r]], offs[cuts[r + 1]]) for r in range(N)]
+        offs.append(offs[-1] + int(s))
+    P = offs[-1]
+
+    def nearest(x: int) -> int:
+        t = bisect.bisect_right(offs, x) - 1            # x in tensor t: offs[t] <= x < offs[t + 1]
+        if t >= len(sizes):
+            return P
+        below = offs[t] + (x - offs[t]) // ALIGN * ALIGN
+        above = min(below + ALIGN, offs[t + 1])
+        return below if x - below <= above - x else above
+
+    cuts = [0] + [nearest((r * P + N // 2) // N) for r in range(1, N)] + [P]
+
+    def tensors(lo: int, hi: int) -> tuple[int, int]:
+        if lo == hi:
+            t = bisect.bisect_right(offs, lo) - 1
+            return t, t
+        return bisect.bisect_right(offs, lo) - 1, bisect.bisect_left(offs, hi)
+
+    return [Shard(r, *tensors(cuts[r], cuts[r + 1]), cuts[r], cuts[r + 1]) for r in range(N)]

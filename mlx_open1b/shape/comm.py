@@ -2,10 +2,10 @@
 move nothing and record their buffers and the bytes they would carry.
 
 `SimComm` is a distributed.Comm whose array collectives allocate what Comm's allocate on the
-transport's side (all_to_all: the receive buffer; all_gather: the padded send copy and the
-world x width receive buffer), check that every rank's counts agree, and count the bytes each
-rank sends to and receives from the others (net_out, net_in; a rank's piece for itself is not
-network traffic). The process group is NCCL-like (device "cuda:0"): device arrays travel as they
+transport's side (all_to_all: the receive buffer; all_gather_into: nothing, it writes in place),
+check that every rank's counts agree, and count the bytes each rank sends to and receives from the
+others (net_out, net_in; a rank's piece for itself is not network traffic; the all-gather's also
+as gather_out, gather_in). The process group is NCCL-like (device "cuda:0"): device arrays travel as they
 are, with no host copy. Object collectives pass the Python objects through (their pickled size is
 counted). Every collective is a barrier of the W threads; an error on one rank breaks the barrier
 so the others stop too (`SimWorld.run` raises the first real error). SimWorld(values=True) moves
@@ -114,22 +114,24 @@ class SimComm(Comm):
             pieces.append(data[at:at + counts[self.rank]])
         return np.concatenate(pieces) if pieces else np.zeros(0, send.dtype)
 
-    def all_gather(self, own, counts):
-        if len(own) != counts[self.rank]:
-            raise ValueError(f"all_gather: rank {self.rank} holds {len(own)} elements, counts say {counts[self.rank]}")
-        if self.sim.values:
-            return [np.array(a) for a in self._exchange(np.array(own))]
-        width = max(int(c) for c in counts)
-        with current().tagged("communication"):
-            out = xp.empty(self.world * width, own.dtype)
-            if width:
-                buf = xp.zeros(width, own.dtype)
-                buf[:len(own)] = own
-        self._exchange(None)
-        if width:
-            n = (self.world - 1) * width * own.dtype.itemsize
-            self._net(n, n)
-        return [out[r * width:r * width + int(c)] for r, c in enumerate(counts)]
+    def all_gather_into(self, buf, counts):
+        counts = [int(c) for c in counts]
+        if len(buf) != sum(counts) or len(counts) != self.world:
+            raise ValueError(f"all_gather_into: a buffer of {len(buf)} elements for counts of {len(counts)} ranks "
+                             f"summing to {sum(counts)}")
+        offs = np.cumsum([0] + counts)
+        mine = slice(int(offs[self.rank]), int(offs[self.rank + 1]))
+        got = self._exchange((counts, np.array(buf[mine]) if self.sim.values else None))
+        for src, (c, piece) in enumerate(got):
+            if c != counts:
+                raise ValueError(f"all_gather_into: rank {src} has counts {c}, rank {self.rank} {counts}")
+            if self.sim.values and src != self.rank:
+                buf[offs[src]:offs[src + 1]] = piece
+        item = buf.dtype.itemsize
+        out, into = (self.world - 1) * counts[self.rank] * item, (sum(counts) - counts[self.rank]) * item
+        self._net(out, into)
+        current().count("gather_out", out)
+        current().count("gather_in", into)
 
     def broadcast(self, arr, src: int = 0) -> None:
         self._exchange(None)

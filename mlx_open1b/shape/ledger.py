@@ -126,7 +126,8 @@ class MemoryLedger:
         self.bytes = {DEVICE: 0, HOST: 0}
         self.peak = {DEVICE: 0, HOST: 0}
         self.breakdown = {DEVICE: Peak(), HOST: Peak()}
-        self.moved = {"h2d": 0, "d2h": 0, "net_out": 0, "net_in": 0, "net_objects": 0}
+        self.moved = {"h2d": 0, "d2h": 0, "net_out": 0, "net_in": 0, "net_objects": 0,
+                      "gather_out": 0, "gather_in": 0}
         self.allocs = 0
         self.roots: list = []
         self.tag: str | None = None

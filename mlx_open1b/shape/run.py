@@ -83,7 +83,7 @@ def shape_trainer(cfg: RunConfig, comm: SimComm | None = None, backend: str = "s
         params, m, v = xp.empty(P, np.uint16), xp.zeros(own, np.float32), xp.zeros(own, np.float32)
     else:
         params, m, v = init_params(tr.model_cfg, tr.tcfg.seed), np.zeros(own, np.float32), np.zeros(own, np.float32)
-    tr.state = TrainState(0, 0, 0, 0, params, m, v, tr.stream.state(), None)
+    tr.state = TrainState(0, 0, 0, 0, params, m, v, tr.stream.state(), tr.gnmr.fresh() if tr.gnmr else None)
     return tr
 
 

@@ -366,6 +366,25 @@ def test_same_ledger_at_1_2_3_4_workers(tmp_path, corpus, worker_script):
     assert run_hash(tmp_path / "w4")["run_hash"] == h
 
 
+def test_cut_tensors_same_run_directory_at_4_workers(tmp_path, corpus, worker_script):
+    """Embedding and LM head of 4000 x 200 elements (1.5 ALIGN): at 4 workers rank 0 owns a slice of
+    the embedding only and both tensors are cut across ranks (their gradients, moments, hashes and
+    norm partials in pieces); the run directory is one process's, byte for byte."""
+    cfg = dist_cfg(checkpoint_every=3)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=200))
+    sizes = [int(np.prod(s)) for _, s, _ in cfg.model.param_shapes()]
+    shards = shard_elements(sizes, 4)
+    assert (shards[0].lo, shards[0].hi) == (0, ALIGN) and ALIGN < sizes[0]
+    assert any(sum(sizes) - sizes[-1] < s.lo < sum(sizes) for s in shards)
+    single = tmp_path / "single"
+    h = Trainer(single, cfg, corpus).train(3)
+    run = tmp_path / "w4"
+    r = torchrun(4, worker_script, _args(run, cfg, corpus, steps=3))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"run hash {h}" in r.stdout
+    assert tree(run) == tree(single)
+
+
 def test_device_array_state_at_2_and_4_workers(tmp_path, corpus, worker_script):
     """The metal backend keeps each worker's state in mx.arrays (device arrays; the collectives move
     them through host copies here, cupy ones by DLPack): the same run directory as one cpu_ref
