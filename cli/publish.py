@@ -20,16 +20,24 @@ from mlx_open1b.fsutil import WriteError, write_json_atomic
 @click.option("--max-checkpoints", type=click.IntRange(2, INT64_MAX), default=64, show_default=True,
               help="weight norms from at most this many checkpoints (evenly spaced; each is read whole)")
 @click.option("--png/--no-png", default=True, show_default=True,
-              help="also write each figure as OUT/<figure id>.png (built-in rasterizer), linked from the page")
+              help="also write each figure as OUT/<figure id>.png, linked from the page")
 @click.option("--png-scale", type=click.IntRange(1, 4), default=2, show_default=True,
-              help="PNG pixels per SVG unit (the panels are 760 x 300 units)")
-def report(run, out, max_checkpoints, png, png_scale):
+              help="PNG pixels per panel unit (the panels are 760 x 300 units)")
+@click.option("--figures", "engine", type=click.Choice(["auto", "matplotlib", "builtin"]), default="auto",
+              show_default=True,
+              help="matplotlib: figures drawn by matplotlib (the report extra), the page shows their PNGs; builtin: "
+                   "no plotting library, the page shows inline SVG; auto: matplotlib where it is installed")
+def report(run, out, max_checkpoints, png, png_scale, engine):
     """Write a self-contained HTML report of RUN: loss, gradient-norm, schedule and weight-norm
-    figures (inline SVG, and one PNG per figure next to the page) and the run summary, all from the
-    verified ledger and checkpoints."""
-    from mlx_open1b.report import ReportError, write_report
+    figures (one PNG per figure next to the page, too) and the run summary, all from the verified
+    ledger and checkpoints."""
+    from mlx_open1b.report import ReportError, figure_engine, write_report
     try:
-        path = write_report(run, out, max_checkpoints, png, png_scale)
+        used = figure_engine(engine)
+        if engine == "auto" and used == "builtin":
+            click.echo("note: matplotlib is not installed; the figures are the built-in ones (pip install "
+                       "'mlx-open1b[report]' for matplotlib's)", err=True)
+        path = write_report(run, out, max_checkpoints, png, png_scale, used)
     except WriteError as e:
         fail(e.context(intact="the run (a report only reads it); each file of the report is replaced whole, so "
                               "every one there is complete",

@@ -196,10 +196,9 @@ def test_report_bad_input(run, tmp_path):
     assert res.exit_code == 0 and (tmp_path / "rep2" / "index.html").exists()
     assert sorted(f.stem for f in (tmp_path / "rep2").glob("*.png")) == sorted(FIGURES)
     # --no-png: no links, and the previous report's PNGs are gone (never a page beside stale figures)
-    res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep2"), "--no-png"])
+    res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep2"), "--no-png", "--figures", "builtin"])
     assert res.exit_code == 0 and not list((tmp_path / "rep2").glob("*.png"))
-    check_page((tmp_path / "rep2" / "index.html").read_text(), pngs=False,
-               engine="matplotlib" if mpl.available() else "builtin")
+    check_page((tmp_path / "rep2" / "index.html").read_text(), pngs=False, engine="builtin")
 
 
 def decode_png(data: bytes) -> np.ndarray:
@@ -335,6 +334,14 @@ def test_without_matplotlib_the_builtin_figures(run, tmp_path, monkeypatch):
     with pytest.raises(ReportError, match=r"matplotlib is not installed.*mlx-open1b\[report\]") as e:
         write_report(run, tmp_path / "rep2", engine="matplotlib")
     assert e.value.exit_code == 2 and not (tmp_path / "rep2").exists()
+    # the command: a note on the fallback; --figures matplotlib refused, nothing written
+    r = CliRunner()
+    res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep3"), "--no-png"])
+    assert res.exit_code == 0 and "note: matplotlib is not installed" in res.stderr, res.output
+    check_page((tmp_path / "rep3" / "index.html").read_text(), engine="builtin")
+    res = r.invoke(cli, ["report", str(run), "--out", str(tmp_path / "rep4"), "--figures", "matplotlib"])
+    assert res.exit_code == 2 and "pip install 'mlx-open1b[report]'" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "rep4").exists()
 
 
 def test_png_rasterizer_units():
