@@ -81,7 +81,9 @@
 #define ATTN_VF (ATTN_D % 4 == 0 ? 4 : 1)                                 /* fp32 partner rows, whole */
 #define ATTN_VC(nc) (ATTN_D % 8 == 0 && (nc) % 8 == 0 ? 8 : ATTN_D % 2 == 0 && (nc) % 2 == 0 ? 2 : 1)
 #define ATTN_VCF(nc) (ATTN_D % 4 == 0 && (nc) % 4 == 0 ? 4 : 1)
+#ifndef ATTN_NB
 #define ATTN_NB 4                             /* partner rows per register block of dot products */
+#endif
 
 /* a (row, partner) cell of a 64 x n score tile (n a power of two <= 64), rotated by the row so
  * that the 32 rows of a warp reading one partner hit 32 banks */
@@ -111,7 +113,7 @@ __device__ __forceinline__ void pack_row(u32 *w, const bf16 *row, bool ok) {
         w[c] = lo | (hi << 16);
     }
 }
-/* the guard keys (ftz.cuh) of a packed bf16 row and of an fp32 row (its bits) */
+/* the guard keys (ftz.cuh) of a packed bf16 row */
 __device__ __forceinline__ void packed_keys(const u32 *w, int &lo, int &hi) {
     lo = 255; hi = 0;
 #pragma unroll
@@ -120,12 +122,6 @@ __device__ __forceinline__ void packed_keys(const u32 *w, int &lo, int &hi) {
         lo = imin32(lo, o1b_key_lo(u)); hi = imax32(hi, o1b_key_hi(u));
     }
 }
-__device__ __forceinline__ int bits_key_lo(const u32 *w) {
-    int lo = 255;
-#pragma unroll
-    for (int d = 0; d < ATTN_D; d++) lo = imin32(lo, o1b_key_lo(w[d]));
-    return lo;
-}
 /* dot = sum from +0 over d ascending of mul(a[d], b[d]): a packed bf16, b a bf16 row (shared) */
 __device__ __forceinline__ float dot_packed(const u32 *a, const bf16 *b) {
     float acc = 0.0f;
@@ -133,11 +129,11 @@ __device__ __forceinline__ float dot_packed(const u32 *a, const bf16 *b) {
     for (int d = 0; d < ATTN_D; d++) acc = o1b_add(acc, o1b_mul(packed_bf16(a, d), o1b_bf16_to_f32(b[d])));
     return acc;
 }
-/* the same with a loaded fp32 row a (its bits in words) and a bf16 row b */
-__device__ __forceinline__ float dot_bits_bf16(const u32 *a, const bf16 *b) {
+/* the same with an fp32 row a of global memory (loaded: flushed) and a bf16 row b */
+__device__ __forceinline__ float dot_load_bf16(const float *a, const bf16 *b) {
     float acc = 0.0f;
 #pragma unroll
-    for (int d = 0; d < ATTN_D; d++) acc = o1b_add(acc, o1b_mul(__uint_as_float(a[d]), o1b_bf16_to_f32(b[d])));
+    for (int d = 0; d < ATTN_D; d++) acc = o1b_add(acc, o1b_mul(o1b_load(a[d]), o1b_bf16_to_f32(b[d])));
     return acc;
 }
 /* the same with a packed bf16 row a and a loaded fp32 row b (shared) */
@@ -308,12 +304,12 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
                         float d4[ATTN_NB];
                         dots_fast<ATTN_NB, false, false, true>(qw, Ks + (jj - s0) * ATTN_D, ATTN_D, d4);
 #pragma unroll
-                        for (int n = 0; n < ATTN_NB; n++) S[ATTN_CELL(rr, jj + n, ATTN_BLOCK)] = o1b_mul(d4[n], sc);
+                        for (int n = 0; n < ATTN_NB; n++) S[ATTN_CELL(rr, jj + n, ATTN_BLOCK)] = o1b_mul_inl(d4[n], sc);
                     }
                     for (; jj <= jb; jj++) {
                         float d1[1];
                         dots_fast<1, false, false, true>(qw, Ks + (jj - s0) * ATTN_D, ATTN_D, d1);
-                        S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul(d1[0], sc);
+                        S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul_inl(d1[0], sc);
                     }
                 } else {
                     for (int jj = ja; jj <= jb; jj++)
@@ -337,13 +333,13 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
         if (visit)
             for (int jj = c0; jj <= c1; jj++) mb = o1b_max(mb, S[ATTN_CELL(rr, jj, ATTN_BLOCK)]);
         const float m_new = o1b_max(m, mb);
-        const float corr = o1b_exp(o1b_sub(m, m_new));    /* exp(-inf) = +0 on the first block */
+        const float corr = o1b_exp_ftz(o1b_sub(m, m_new));    /* exp(-inf) = +0 on the first block */
         __syncthreads();                                    /* every score read before p replaces it */
         if (visit)
             for (int jj = part * (ATTN_BLOCK / 2); jj < (part + 1) * (ATTN_BLOCK / 2); jj++)
                 if (jj >= c0 && jj <= c1) {
                     float *cell = &S[ATTN_CELL(rr, jj, ATTN_BLOCK)];
-                    *cell = o1b_exp(o1b_sub(*cell, m_new));
+                    *cell = o1b_exp_ftz(o1b_sub(*cell, m_new));
                 }
         __syncthreads();
         float ps = 0.0f;
@@ -538,15 +534,19 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
     const float sc = o1b_load(scale);
     const i64 base = ((b * T + i) * H + h) * ATTN_D, r = (b * H + h) * T + i;
     const float li = row ? o1b_load(lse[r]) : 0.0f, di = row ? Di[r] : 0.0f;
-    u32 mine[ATTN_D];                   /* parts 0, 1: q_i packed (ATTN_NW words); 2, 3: dout_i loaded */
-    int mlo, mhi = 0;                   /* its guard keys */
+    /* parts 0, 1: q_i packed in registers; 2, 3: dout_i read where used (from cache: a whole fp32 row
+     * in registers beside q_i's and the accumulators would spill) */
+    u32 mine[ATTN_NW];
+    const u32 *drow = reinterpret_cast<const u32 *>(dout + (row ? base : 0));
+    int mlo = 255, mhi = 0;             /* the row's guard keys */
     if (!dp_role) {
         pack_row(mine, q + (row ? base : 0), row);
         packed_keys(mine, mlo, mhi);
     } else {
 #pragma unroll
-        for (int d = 0; d < ATTN_D; d++) mine[d] = row ? __float_as_uint(o1b_load(dout[base + d])) : 0u;
-        mlo = bits_key_lo(mine);
+        for (int c = 0; c < ATTN_NW; c++) mine[c] = 0u;
+        if (row)
+            for (int d = 0; d < ATTN_D; d++) mlo = imin32(mlo, o1b_key_lo(drow[d]));
     }
     float acc[ATTN_BNC];
 #pragma unroll
@@ -573,10 +573,10 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
                 for (; jj + 2 * (ATTN_NB - 1) <= jb; jj += 2 * ATTN_NB) {
                     float d4[ATTN_NB];
                     if (!dp_role) dots_fast<ATTN_NB, false, false, true>(mine, Ks + jj * ATTN_D, 2 * ATTN_D, d4);
-                    else dots_fast<ATTN_NB, true, false, false>(mine, Vs + jj * ATTN_D, 2 * ATTN_D, d4);
+                    else dots_fast<ATTN_NB, true, false, false>(drow, Vs + jj * ATTN_D, 2 * ATTN_D, d4);
 #pragma unroll
                     for (int n = 0; n < ATTN_NB; n++) {
-                        if (!dp_role) P[ATTN_CELL(rr, jj + 2 * n, NK)] = o1b_exp(o1b_sub(o1b_mul(d4[n], sc), li));
+                        if (!dp_role) P[ATTN_CELL(rr, jj + 2 * n, NK)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(d4[n], sc), li));
                         else DP[ATTN_CELL(rr, jj + 2 * n, NK)] = d4[n];
                     }
                 }
@@ -584,18 +584,18 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
                     float d1[1];
                     if (!dp_role) {
                         dots_fast<1, false, false, true>(mine, Ks + jj * ATTN_D, ATTN_D, d1);
-                        P[ATTN_CELL(rr, jj, NK)] = o1b_exp(o1b_sub(o1b_mul(d1[0], sc), li));
+                        P[ATTN_CELL(rr, jj, NK)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(d1[0], sc), li));
                     } else {
-                        dots_fast<1, true, false, false>(mine, Vs + jj * ATTN_D, ATTN_D, d1);
+                        dots_fast<1, true, false, false>(drow, Vs + jj * ATTN_D, ATTN_D, d1);
                         DP[ATTN_CELL(rr, jj, NK)] = d1[0];
                     }
                 }
             } else {
                 for (int jj = ja; jj <= jb; jj += 2) {
                     if (!dp_role)
-                        P[ATTN_CELL(rr, jj, NK)] = o1b_exp(o1b_sub(o1b_mul(dot_packed(mine, Ks + jj * ATTN_D), sc), li));
+                        P[ATTN_CELL(rr, jj, NK)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(dot_packed(mine, Ks + jj * ATTN_D), sc), li));
                     else
-                        DP[ATTN_CELL(rr, jj, NK)] = dot_bits_bf16(mine, Vs + jj * ATTN_D);
+                        DP[ATTN_CELL(rr, jj, NK)] = dot_load_bf16(dout + base, Vs + jj * ATTN_D);
                 }
             }
         }
@@ -603,7 +603,7 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
         if (row) {
             constexpr int VA = ATTN_VC(ATTN_BNC);
             for (int jj = c0; jj <= c1; jj++) {
-                const float ds = o1b_mul(P[ATTN_CELL(rr, jj, NK)], o1b_sub(DP[ATTN_CELL(rr, jj, NK)], di));
+                const float ds = o1b_mul_inl(P[ATTN_CELL(rr, jj, NK)], o1b_sub(DP[ATTN_CELL(rr, jj, NK)], di));
                 const bf16 *kr = Ks + jj * ATTN_D + cbase;
                 if (o1b_key_lo(__float_as_uint(ds)) + klo >= 128) {
 #pragma unroll
@@ -700,7 +700,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                         else dots_fast<ATTN_NB, false, true, false>(mine, DO + ii * ATTN_D, 2 * ATTN_D, d4);
 #pragma unroll
                         for (int n = 0; n < ATTN_NB; n++) {
-                            if (!dp_role) P[ATTN_CELL(rr, ii + 2 * n, NQ)] = o1b_exp(o1b_sub(o1b_mul(d4[n], sc), L[ii + 2 * n]));
+                            if (!dp_role) P[ATTN_CELL(rr, ii + 2 * n, NQ)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(d4[n], sc), L[ii + 2 * n]));
                             else DP[ATTN_CELL(rr, ii + 2 * n, NQ)] = d4[n];
                         }
                     }
@@ -708,7 +708,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                         float d1[1];
                         if (!dp_role) {
                             dots_fast<1, false, false, true>(mine, Qs + ii * ATTN_D, ATTN_D, d1);
-                            P[ATTN_CELL(rr, ii, NQ)] = o1b_exp(o1b_sub(o1b_mul(d1[0], sc), L[ii]));
+                            P[ATTN_CELL(rr, ii, NQ)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(d1[0], sc), L[ii]));
                         } else {
                             dots_fast<1, false, true, false>(mine, DO + ii * ATTN_D, ATTN_D, d1);
                             DP[ATTN_CELL(rr, ii, NQ)] = d1[0];
@@ -718,7 +718,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                     for (int ii = ia; ii <= ib; ii += 2) {
                         if (!dp_role)
                             P[ATTN_CELL(rr, ii, NQ)] =
-                                o1b_exp(o1b_sub(o1b_mul(dot_packed(mine, Qs + ii * ATTN_D), sc), L[ii]));
+                                o1b_exp_ftz(o1b_sub(o1b_mul_inl(dot_packed(mine, Qs + ii * ATTN_D), sc), L[ii]));
                         else
                             DP[ATTN_CELL(rr, ii, NQ)] = dot_packed_f32(mine, DO + ii * ATTN_D);
                     }
@@ -729,7 +729,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                 constexpr int VA = ATTN_VC(ATTN_BNC), VF = ATTN_VCF(ATTN_BNC);
                 for (int ii = c0; ii <= c1; ii++) {
                     const float p = P[ATTN_CELL(rr, ii, NQ)];
-                    const float ds = o1b_mul(p, o1b_sub(DP[ATTN_CELL(rr, ii, NQ)], DI[ii]));
+                    const float ds = o1b_mul_inl(p, o1b_sub(DP[ATTN_CELL(rr, ii, NQ)], DI[ii]));
                     const bf16 *qr = Qs + ii * ATTN_D + cbase;
                     const float *dr = DO + ii * ATTN_D + cbase;
                     if (o1b_key_lo(__float_as_uint(ds)) + qlo >= 128) {

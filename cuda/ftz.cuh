@@ -44,4 +44,43 @@ __device__ __forceinline__ bool o1b_fma_guard(int alo, int ahi, int blo, int bhi
     return alo + blo >= 128 && ahi + bhi <= 380;
 }
 
+
+/* o1b_mul with its rare path (the exact decision at |result| <= 2^-126) inlined instead of called: the
+ * same operations, so the same bits; a kernel holding many registers then makes no call in its loops. */
+__device__ __forceinline__ float o1b_mul_inl(float a, float b) {
+    const float r = __fmul_rn(a, b);
+    if (o1b_abs_bits(r) > 0x00800000u) return r;
+    const u32 sign = (__float_as_uint(a) ^ __float_as_uint(b)) & 0x80000000u;
+    if (o1b_abs_bits(r) < 0x00800000u) return __uint_as_float(sign);
+    const double e = __dmul_rn((double)a, (double)b);
+    return (e < 0x1p-126 && e > -0x1p-126) ? __uint_as_float(sign) : r;
+}
+
+/* exp of §4 (o1b_exp) with the same bits for every input, on the hardware .ftz steps: no step of its
+ * reduction and polynomial can be tiny once |x| >= 2^-100, and below that the result is 1 (CONTRACT.md
+ * §6.6 implementation notes, "The exponential on hardware steps"); sub(a, b) is written add(a, -b),
+ * the same IEEE operation. No call and no per-step check: the kernels' exp is a straight line. */
+__device__ __forceinline__ float o1b_exp_ftz(float x) {
+    const u32 ax = o1b_abs_bits(x);
+    if (ax < 0x0D800000u) return 1.0f;                        /* |x| < 2^-100, zeros, subnormals */
+    if (ax > 0x7F800000u) return o1b_nan();
+    if (x > 0x1.62e42ep6f) return o1b_inf();
+    if (x < -0x1.9cp6f) return 0.0f;
+    const float nf = o1b_add_ftz(o1b_add_ftz(o1b_mul_ftz(x, 0x1.715476p0f), O1B_ROUND_MAGIC), -O1B_ROUND_MAGIC);
+    const int n = __float2int_rz(nf);
+    if (n < -126) return 0.0f;
+    const float r = o1b_add_ftz(o1b_add_ftz(x, o1b_neg(o1b_mul_ftz(nf, 0x1.62e4p-1f))),
+                                o1b_neg(o1b_mul_ftz(nf, 0x1.7f7d1cp-20f)));
+    float p = 0x1.a01a02p-13f;
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 0x1.6c16c2p-10f);
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 0x1.111112p-7f);
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 0x1.555556p-5f);
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 0x1.555556p-3f);
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 0x1p-1f);
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 1.0f);
+    p = o1b_add_ftz(o1b_mul_ftz(p, r), 1.0f);
+    if (n > 127) return o1b_mul_ftz(o1b_mul_ftz(p, 2.0f), 0x1p127f);
+    return o1b_mul_ftz(p, __uint_as_float((u32)(n + 127) << 23));
+}
+
 #endif
