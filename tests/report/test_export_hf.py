@@ -107,3 +107,44 @@ def test_hf_logits_match_the_program(exported):
         alone = m(ids[1:, 3:]).logits.numpy().astype(np.float64)
     assert gen.shape == (1, 12)
     assert np.linalg.norm(zb[1, 3:] - alone[0]) <= EPS_FP32 * np.linalg.norm(alone)
+
+
+def test_hf_kv_cache_generates_as_the_full_recompute(exported):
+    """generate() with the key/value cache runs each new token alone and gives the tokens and logits
+    of the full recompute (use_cache=False) within the float32 bound: the prompt of 12 tokens passes
+    the local layers' window (8), the generation passes seq_len (16); a left-padded row rides along."""
+    _, out = exported
+    m = _load(out)
+    V = m.config.vocab_size
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, V, (2, 12)))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    lengths, forward = [], m.model.forward
+
+    def counting(input_ids, *a, **k):
+        lengths.append(input_ids.shape[1])
+        return forward(input_ids, *a, **k)
+
+    m.model.forward = counting
+    got = {}
+    for use_cache in (True, False):
+        lengths.clear()
+        with torch.no_grad():
+            g = m.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, use_cache=use_cache,
+                           output_logits=True, return_dict_in_generate=True)
+        got[use_cache] = (g.sequences[:, 12:].numpy(), np.stack([z.numpy() for z in g.logits]).astype(np.float64))
+        assert lengths == ([12] + [1] * 9 if use_cache else list(range(12, 22))), lengths
+    (tc, zc), (tu, zu) = got[True], got[False]
+    assert zc.shape == zu.shape == (10, 2, V)
+    assert np.linalg.norm(zc - zu) <= EPS_FP32 * np.linalg.norm(zu)
+    # each token is the same wherever the bound makes it certain (every logit within EPS_FP32 * |z|_F)
+    certain = 0
+    for r in range(2):
+        for i in range(10):
+            z = zu[i, r]
+            top2 = np.sort(z)[-2:]
+            if top2[1] - top2[0] <= 2 * EPS_FP32 * np.linalg.norm(zu[i]):
+                break
+            assert tc[r, i] == tu[r, i], (r, i)
+            certain += 1
+    assert certain >= 10, certain
