@@ -328,4 +328,4 @@ def tokenizer_train(use_default, source_specs, text_field, vocab_size, force, ou
     click.echo(f"{out}: vocab {tok.vocab_size} (asked {vocab_size}), separator {tok.eot_id}, sha256 {sha}; "
                f"trained in {time.perf_counter() - t0:.1f} s")
     click.echo(f"next: open1b data prepare --tokenizer {out} --source ... --out DIR, then open1b train --data DIR "
-               f"--tokenizer {out} --set model.vocab_size={tok.vocab_size}")
+               f"--tokenizer {out} (model.vocab_size {tok.vocab_size}, from the tokenizer)")
