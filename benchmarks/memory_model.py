@@ -22,6 +22,8 @@ lowest peak among the workers):
   h2d, d2h    bytes copied host->device and device->host in the step (the most among the workers)
   net out/in  bytes a worker sends to / receives from the others, arrays only (its own piece
               excluded; the most among the workers)
+  a2a in      of net in, the gradient partials an owner receives in the reduce-scatter (the most)
+  gath in     of net in, the parameters a worker receives in the all-gather (the most)
   at          the call path where the peak is reached (innermost functions)
 Not modelled: start-up (initialization, the first checkpoint, the state broadcast), checkpoints
 and held-out evaluation (they read and write values), the caching allocator's fragmentation, the
@@ -69,6 +71,7 @@ def rows(cfg, workers: int, phases=None, replay: bool = True) -> list[dict]:
             "owners": owners, "after": top.device.after, "sites": top.device.sites,
             "host": max(m.peak["host"] for m in ranks), "host_owners": top.host.owners,
             "moved": {k: max(m.moved[k] for m in ranks) for k in top.moved},
+            "a2a_in": max(m.moved["net_in"] - m.moved["gather_in"] for m in ranks),
             "at": top.device.where, "owners_of_rank": {m.rank: m.owned for m in ranks if m.owned}})
     return out
 
@@ -76,7 +79,7 @@ def rows(cfg, workers: int, phases=None, replay: bool = True) -> list[dict]:
 def table(all_rows: list[dict]) -> str:
     head = (f"{'W':>3} {'M':>4} {'rank':>4} {'mb':>4} {'peak':>7} {'min':>7} "
             + " ".join(f"{SHORT[c]:>7}" for c in COLUMNS)
-            + f" {'host':>7} {'h2d':>7} {'d2h':>7} {'netout':>7} {'netin':>7}  at")
+            + f" {'host':>7} {'h2d':>7} {'d2h':>7} {'netout':>7} {'netin':>7} {'a2a in':>7} {'gath in':>7}  at")
     lines = [head]
     for r in all_rows:
         o = r["owners"]
@@ -84,7 +87,8 @@ def table(all_rows: list[dict]) -> str:
         lines.append(f"{r['workers']:>3} {r['M']:>4} {r['rank']:>4} {r['mb']:>4} {_gb(r['peak'])} {_gb(r['min_peak'])} "
                      + " ".join(_gb(o.get(c, 0)) for c in COLUMNS)
                      + f" {_gb(r['host'])} {_gb(r['moved']['h2d'])} {_gb(r['moved']['d2h'])} "
-                       f"{_gb(r['moved']['net_out'])} {_gb(r['moved']['net_in'])}  {_at(r['at'])}"
+                       f"{_gb(r['moved']['net_out'])} {_gb(r['moved']['net_in'])} {_gb(r['a2a_in'])} "
+                       f"{_gb(r['moved']['gather_in'])}  {_at(r['at'])}"
                      + (f"  (+{other / G:.2f} other)" if other >= 0.005 * G else ""))
     return "\n".join(lines)
 
