@@ -121,6 +121,12 @@ def summarize(data: dict) -> dict:
     evals = [r for r in recs if "eval" in r]
     ce = [r["ce"] for r in recs]
     times = [data["times"][r["step"]] for r in recs if r["step"] in data["times"]]
+    # tokens/s over the timed steps: each step's tokens (the first record's only from step 0, where
+    # nothing was consumed before it) over their seconds
+    before = [0 if recs[0]["step"] == 0 else None] + [r["tokens"] for r in recs[:-1]]
+    timed = [(r["tokens"] - b, data["times"][r["step"]]) for r, b in zip(recs, before)
+             if b is not None and r["step"] in data["times"]]
+    timed_seconds = sum(t for _, t in timed)
     warm = cfg.train.warmup_tokens
     steady = [r for r in recs if r["tokens"] > warm]
     s = {"run_hash": data["run_hash"], "genesis": info.genesis, "preset": cfg.preset, "precision": cfg.precision,
@@ -138,6 +144,7 @@ def summarize(data: dict) -> dict:
          "clip_rate_steady": (sum(r["clipped"] for r in steady) / len(steady)) if steady else None,
          "median_step_seconds": float(np.median(times)) if times else None,
          "training_seconds": float(np.sum(times)) if times else None,
+         "tokens_per_second": sum(k for k, _ in timed) / timed_seconds if timed_seconds > 0 else None,
          "checkpoints": [c["step"] for c in data["norms"]]}
     return s
 

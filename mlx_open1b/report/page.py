@@ -56,7 +56,8 @@ SUMMARY_ROWS = [
     ("skipped_steps", "skipped optimizer steps"), ("spike_events", "spike events (skip protocol)"),
     ("clipped_steps", "clipped steps"), ("clip_rate", "clip rate (full run)"),
     ("clip_rate_steady", "clip rate (after warmup)"), ("median_step_seconds", "median step time (s)"),
-    ("training_seconds", "training time (s)"), ("preset", "preset"), ("precision", "precision"),
+    ("training_seconds", "training time (s)"), ("tokens_per_second", "tokens per second (timed steps)"),
+    ("preset", "preset"), ("precision", "precision"),
 ]
 
 

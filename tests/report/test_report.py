@@ -143,6 +143,7 @@ def test_report_has_every_figure_and_the_ledgers_numbers(run, reports, engine):
             "clipped_steps": sum(r["clipped"] for r in recs),
             "clip_rate": sum(r["clipped"] for r in recs) / len(recs),
             "median_step_seconds": float(np.median([json.loads(t)["seconds"] for t in times])),
+            "tokens_per_second": recs[-1]["tokens"] / sum(json.loads(t)["seconds"] for t in times),
             "checkpoints": [0, 4, 8, 12, 16]}
     assert {k: summary[k] for k in want} == want
     assert want["skipped_steps"] > 0 and want["clipped_steps"] > 0       # the micro recipe exercises both

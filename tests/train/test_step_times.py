@@ -53,6 +53,8 @@ def test_times_are_beside_the_ledger_not_in_it(tmp_path, corpus):
     assert data["times"] == want
     s = summarize(data)
     assert s["median_step_seconds"] == sorted(want.values())[2] and s["training_seconds"] == sum(want.values())
+    tokens = {t["step"]: t["tokens"] for t in lines(b)}
+    assert s["tokens_per_second"] == sum(tokens.values()) / sum(want.values())
     # a replay (the audit) computes steps and writes no time
     before = (b / TIMING_FILE).read_bytes()
     rp = Trainer.replay(b, at_step=2, **QUIET)
