@@ -18,7 +18,8 @@
  * columns of a block of QB rows (each lane 32 rows: stages h = 1 ... 16 in its registers, h = 32 and
  * 64 with the partner lane's values by shuffles), fused with what produces its input and with the
  * absmax of its output; the GEMM 128 x 128 output tiles per block of 8 warps on the int8
- * tensor-core instruction, staged in shared memory. Integer sums are exact in any order; every fp32
+ * tensor-core instruction, staged in shared memory, with the layer's epilogue (y, dx, dW) applied to
+ * each sum where it is made. Integer sums are exact in any order; every fp32
  * value comes from the contract helpers in the written order, so the results equal
  * cpu_ref/src/quant.c bit for bit.
  */

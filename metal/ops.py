@@ -639,6 +639,7 @@ def trunc_normal(seed: int, stream: int, index0: int, n: int, sigma: float = INI
 I8, I32, U8 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)
 QUANT_BLOCK = 4096          # elements per threadgroup of the absmax's first pass (any split is exact)
 QUANT_NT = 256              # quant_absmax.metal's QA_NT: threads per threadgroup of the absmax
+HADAMARD_NT, HADAMARD_COLS = 256, 16    # hadamard(_i8).metal's H_NT, H_COLS: threads, columns per threadgroup
 
 
 def _pad_qb(n: int) -> int:
@@ -705,7 +706,7 @@ def _rotate(name: str, a: np.ndarray, R: int, C: int) -> np.ndarray:
     for b0, b1 in slabs.item_slabs("hadamard", _pad_qb(R) // QB, QB * C):     # whole blocks of QB rows
         r0, r1 = b0 * QB, min(R, b1 * QB)
         ys.append(_run(name, [_part(af, r0 * C, r1 * C), _i64(r1 - r0, C)], [(((b1 - b0) * QB, C), F32)],
-                       (C, b1 - b0, 1), (64, 1, 1))[0])
+                       (-(-C // HADAMARD_COLS) * HADAMARD_NT, b1 - b0, 1), (HADAMARD_NT, 1, 1))[0])
     return _join(ys)
 
 

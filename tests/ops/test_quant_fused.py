@@ -172,3 +172,23 @@ def test_metal_absmax_threadgroup_tree(n, monkeypatch):
         if pos is not None:
             x[pos] = value
         _same(M.quant_tensor(x), C.quant_tensor(x), f"metal n={n} at {pos}: {value}")
+
+
+# ------------------------------------------------------------------ Metal's threadgroup rotations
+@pytest.mark.parametrize("R,Cc", [(QB, 1), (2 * QB, 17), (QB, 40)])
+def test_metal_hadamard_threadgroup(R, Cc, monkeypatch):
+    """The rotation in threadgroup memory (16 columns of a block per threadgroup, a barrier between
+    stages) under the race check: columns that fill no group (1), one past a group (17), 2.5 groups;
+    overflow, inf - inf, a subnormal input; and the integer rotation of the padded int8 operand."""
+    monkeypatch.setenv("O1B_EMU_RACECHECK", "1")
+    rng = np.random.default_rng(R * 7 + Cc)
+    f = rng.standard_normal((R, Cc)).astype(np.float32)
+    f[:, 0] = 3.4028235e38
+    f[32, -1], f[96, -1] = 1.0, -1.0
+    f[5, Cc // 2] = 1e-40
+    _same(M.hadamard_rows(f), C.hadamard_rows(f), f"metal hadamard {R}x{Cc}")
+    q = rng.integers(-127, 128, (R - 3, Cc)).astype(np.int8)
+    q[:, 0] = 127
+    pad = np.zeros((R, Cc), np.float32)
+    pad[:R - 3] = q
+    _same(M._rotate("hadamard_i8", q, R - 3, Cc), C.hadamard_rows(pad), f"metal hadamard_i8 {R - 3}x{Cc}")
