@@ -49,22 +49,47 @@ O1B_API void o1b_i2f_acc_array(int64_t n, const int32_t *v, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = o1b_store(o1b_i2f_acc(v[i]));
 }
 
+/* The elementwise array ops below are memory-bound: threads over element ranges (no element
+ * depends on another), SIMD lanes within a range (vmath.c). */
+#define MAP_GRAIN (1 << 15)
+
+typedef struct { const void *x; void *y; float s; } ew_args;
+static void to_bf16_range(void *ctx, int64_t lo, int64_t hi) {
+    const ew_args *a = (const ew_args *)ctx;
+    o1b_vto_bf16(lo, hi, (const float *)a->x, (bf16 *)a->y);
+}
+static void to_f32_range(void *ctx, int64_t lo, int64_t hi) {
+    const ew_args *a = (const ew_args *)ctx;
+    o1b_vto_f32(lo, hi, (const bf16 *)a->x, (float *)a->y);
+}
+static void add_range(void *ctx, int64_t lo, int64_t hi) {
+    const ew_args *a = (const ew_args *)ctx;
+    o1b_vadd_inplace(lo, hi, (float *)a->y, (const float *)a->x);
+}
+static void scale_range(void *ctx, int64_t lo, int64_t hi) {
+    const ew_args *a = (const ew_args *)ctx;
+    o1b_vscale_inplace(lo, hi, (float *)a->y, a->s);
+}
+
 O1B_API void o1b_f32_to_bf16_array(int64_t n, const float *x, bf16 *y) {
-    for (int64_t i = 0; i < n; i++) y[i] = o1b_f32_to_bf16(x[i]);
+    ew_args a = {x, y, 0.0f};
+    o1b_parallel_for(n, MAP_GRAIN, to_bf16_range, &a);
 }
 O1B_API void o1b_bf16_to_f32_array(int64_t n, const bf16 *x, float *y) {
-    for (int64_t i = 0; i < n; i++) y[i] = o1b_store(o1b_bf16_to_f32(x[i]));
+    ew_args a = {x, y, 0.0f};
+    o1b_parallel_for(n, MAP_GRAIN, to_f32_range, &a);
 }
 
 /* a[i] = a[i] + b[i]: one step of the microbatch gradient fold (the left operand is the lower
  * microbatch index, CONTRACT.md §7). */
 O1B_API void o1b_add_inplace(int64_t n, float *a, const float *b) {
-    for (int64_t i = 0; i < n; i++) a[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));
+    ew_args e = {b, a, 0.0f};
+    o1b_parallel_for(n, MAP_GRAIN, add_range, &e);
 }
 /* a[i] = a[i] * s: averages (s = 1/M rounded once) and clipping. */
 O1B_API void o1b_scale_inplace(int64_t n, float *a, float s) {
-    s = o1b_load(s);
-    for (int64_t i = 0; i < n; i++) a[i] = o1b_store(o1b_mul(o1b_load(a[i]), s));
+    ew_args e = {NULL, a, o1b_load(s)};
+    o1b_parallel_for(n, MAP_GRAIN, scale_range, &e);
 }
 /* The scalar ops, for host-side contract arithmetic (schedules, clip coefficients). */
 O1B_API float o1b_scalar_add(float a, float b) { return o1b_store(o1b_add(o1b_load(a), o1b_load(b))); }

@@ -138,6 +138,19 @@ static void rms_dg_row_scalar(int64_t lo, int64_t hi, const float *dy, const flo
         acc[c] = o1b_add(acc[c], o1b_mul(o1b_load(dy[c]), o1b_mul(o1b_load(x[c]), r)));
 }
 
+static void to_bf16_scalar(int64_t lo, int64_t hi, const float *x, bf16 *y) {
+    for (int64_t i = lo; i < hi; i++) y[i] = o1b_f32_to_bf16(x[i]);
+}
+static void to_f32_scalar(int64_t lo, int64_t hi, const bf16 *x, float *y) {
+    for (int64_t i = lo; i < hi; i++) y[i] = o1b_store(o1b_bf16_to_f32(x[i]));
+}
+static void add_inplace_scalar(int64_t lo, int64_t hi, float *a, const float *b) {
+    for (int64_t i = lo; i < hi; i++) a[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));
+}
+static void scale_inplace_scalar(int64_t lo, int64_t hi, float *a, float s) {
+    for (int64_t i = lo; i < hi; i++) a[i] = o1b_store(o1b_mul(o1b_load(a[i]), s));
+}
+
 /* ---- instantiations: this file again, from its template section ---- */
 #define O1B_VMATH_TEMPLATE 1
 #if defined(O1B_VM_X86)
@@ -257,6 +270,31 @@ void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, floa
 void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc) {
     if (!g_vmath) { rms_dg_row_scalar(0, n, dy, x, r, acc); return; }
 #define CALL(s) rms_dg_row_##s(n, dy, x, r, acc)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+
+void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y) {
+    if (!g_vmath) { to_bf16_scalar(lo, hi, x, y); return; }
+#define CALL(s) to_bf16_arr_##s(lo, hi, x, y)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y) {
+    if (!g_vmath) { to_f32_scalar(lo, hi, x, y); return; }
+#define CALL(s) to_f32_arr_##s(lo, hi, x, y)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vadd_inplace(int64_t lo, int64_t hi, float *a, const float *b) {
+    if (!g_vmath) { add_inplace_scalar(lo, hi, a, b); return; }
+#define CALL(s) add_inplace_arr_##s(lo, hi, a, b)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s) {
+    if (!g_vmath) { scale_inplace_scalar(lo, hi, a, s); return; }
+#define CALL(sfx) scale_inplace_arr_##sfx(lo, hi, a, s)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -728,6 +766,37 @@ AI vf FN(widen)(const bf16 *h) {
     vh x;
     memcpy(&x, h, sizeof x);
     return FN(flush)(VF(__builtin_convertvector(x, vi) << 16));
+}
+
+static O1B_TGT void FN(to_bf16_arr)(int64_t lo, int64_t hi, const float *x, bf16 *y) {
+    int64_t i = lo;
+    for (; i + O1B_W <= hi; i += O1B_W) {
+        vh h = FN(to_bf16)(FN(load)(x + i));
+        memcpy(y + i, &h, sizeof h);
+    }
+    to_bf16_scalar(i, hi, x, y);
+}
+static O1B_TGT void FN(to_f32_arr)(int64_t lo, int64_t hi, const bf16 *x, float *y) {
+    int64_t i = lo;
+    for (; i + O1B_W <= hi; i += O1B_W) FN(put)(y + i, FN(store)(FN(widen)(x + i)));
+    to_f32_scalar(i, hi, x, y);
+}
+static O1B_TGT void FN(add_inplace_arr)(int64_t lo, int64_t hi, float *a, const float *b) {
+    int64_t i = lo;
+    for (; i + O1B_W <= hi; i += O1B_W)
+        FN(put)(a + i, FN(store)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
+    add_inplace_scalar(i, hi, a, b);
+}
+static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, float s) {
+    vf sv = FN(splat)(s);
+    int64_t i = lo;
+    for (; i + O1B_W <= hi; i += O1B_W) {
+        vi rare = {0};
+        vf y = FN(mul)(FN(flush)(FN(load)(a + i)), sv, &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) scale_inplace_scalar(i, i + O1B_W, a, s);
+        else FN(put)(a + i, FN(store)(y));
+    }
+    scale_inplace_scalar(i, hi, a, s);
 }
 
 static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, float *vv,

@@ -51,6 +51,14 @@ void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y)
 void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx);
 void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);
 
+/* Elements [lo, hi) of the small elementwise ops (mathfn.c):
+ *   y[i] = f32_to_bf16(x[i]),  y[i] = store(bf16_to_f32(x[i])),
+ *   a[i] = store(add(load(a[i]), load(b[i]))),  a[i] = store(mul(load(a[i]), s))  (s loaded) */
+void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y);
+void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y);
+void o1b_vadd_inplace(int64_t lo, int64_t hi, float *a, const float *b);
+void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
+
 /* The three kernels above for the SIMD level and switch in force, resolved once: for loops that
  * call them many times on short rows (attention), where choosing per call would cost more than
  * the work. */

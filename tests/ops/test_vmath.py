@@ -98,6 +98,40 @@ def test_every_length_and_offset():
             check_all_levels("silu", x, spec=False)
 
 
+@pytest.mark.parametrize("n", [0, 5, 16, 37, 100003])
+def test_elementwise_ops_equal_scalar(n):
+    # f32 <-> bf16, add_inplace and scale_inplace on every pattern class (several threads'
+    # ranges, vectors and tails); scale by an s whose products with some elements round up to
+    # 2^-126 (those vectors go the exact way) and by an s with subnormal, inf and NaN results.
+    x = np.resize(pattern_classes(1 << 16), n).astype(np.float32)
+    y = np.resize(pattern_classes(1 << 16)[::-1], n).astype(np.float32)
+    h = np.resize(np.arange(0, 1 << 16, 7, dtype=np.uint32).astype(np.uint16), n)
+    if n > 1000:
+        x[:64] = np.float32(0.75)
+        s_tiny = tiny_product_pairs(np.array([0.75], np.float32))[0]
+        assert not np.isnan(s_tiny)
+    else:
+        s_tiny = np.float32(1e-20)
+    def run():
+        a, a2, a3 = x.copy(), x.copy(), x.copy()
+        C.add_inplace(a, y)
+        C.scale_inplace(a2, float(s_tiny))
+        C.scale_inplace(a3, 3.0e30)
+        return [C.f32_to_bf16(x), C.bf16_to_f32(h), a, a2, a3]
+    with scalar():
+        want = run()
+    if n > 1000:
+        assert (want[3][:64] == 0).all()          # flushed: the exact path is really taken
+    assert_bits_equal(want[0], A.f32_to_bf16(x), "f32_to_bf16: scalar C vs spec")
+    assert_bits_equal(want[2], A.store(A.add(A.flush(x), A.flush(y))), "add: scalar C vs spec")
+    for lv in LEVELS:
+        for threads in (1, 2):
+            with level(lv), C.settings(threads=threads):
+                got = run()
+            for k, (a, b) in enumerate(zip(got, want)):
+                assert_bits_equal(a, b, f"elementwise op {k}, level {lv}, {threads} threads")
+
+
 def tiny_product_pairs(s: np.ndarray) -> np.ndarray:
     """For each fp32 s in (0.5, 1): a normal d whose exact product d*s lies in
     [2^-126 - 2^-150, 2^-126), so the IEEE product rounds up to 2^-126 (gradual underflow and
