@@ -203,6 +203,9 @@ def test_mlx_generate_is_open1b_generate_where_certain(exported):
 def test_export_mlx_bad_input(exported, tmp_path):
     run, out, *_ = exported
     r = CliRunner()
+    res = r.invoke(cli, ["export", str(run), "--step", "4", "--format", "mlx", "--out", str(tmp_path / "ok")])
+    assert res.exit_code == 0 and (tmp_path / "ok" / "model.py").read_bytes() == (out / "model.py").read_bytes()
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["source"]["step"] == 4
     res = r.invoke(cli, ["export", str(run), "--step", "4", "--format", "mlx", "--out", str(out)])
     assert res.exit_code == 2 and "not empty" in res.output
     res = r.invoke(cli, ["export", str(run), "--step", "6", "--format", "mlx", "--out", str(tmp_path / "a")])
