@@ -322,6 +322,9 @@ def test_matplotlib_draws_each_plot_as_it_is(run, reports):
     png = (reports["matplotlib"].parent / "fig-loss.png").read_bytes()
     p = next(p for fid, _, p in figures(load_run_data(run)) if fid == "fig-loss")
     assert mpl.png(p, 2) == png                            # deterministic: the same bytes when drawn again
+    import matplotlib
+    with matplotlib.rc_context({"lines.linewidth": 7, "font.size": 30, "axes.facecolor": "black"}):
+        assert mpl.png(p, 2) == png                        # whatever the user's matplotlib settings
 
 
 def test_without_matplotlib_the_builtin_figures(run, tmp_path, monkeypatch):
