@@ -96,19 +96,26 @@ class Trainer:
             self.state = self._load_latest()
             self.ledger.truncate_after(self.state.step - 1)
         else:
-            P = self.model_cfg.n_params()
-            params = init_params(self.model_cfg, self.tcfg.seed)
-            stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len)
-            self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
-                                    self.gnmr.fresh() if self.gnmr else None)
-            self._checkpoint()
-            # run.json last: a run exists once the checkpoint it starts from does, so a crash or a full
-            # disk before leaves no run, and the same command starts it again
-            rd.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
-                              self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
+            self._start_new()
         st = self.state              # the state in the backend's arrays (mx.array, cupy; numpy: itself)
         st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, st.m, st.v))
         self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=self.state.stream)
+
+    def _start_new(self) -> None:
+        """A new run's state (step 0), its checkpoint, then its run.json."""
+        P = self.model_cfg.n_params()
+        params = init_params(self.model_cfg, self.tcfg.seed)
+        stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len)
+        self.state = TrainState(0, 0, 0, 0, params, np.zeros(P, np.float32), np.zeros(P, np.float32), stream.state(),
+                                self.gnmr.fresh() if self.gnmr else None)
+        self._checkpoint()
+        self._create_run()
+
+    def _create_run(self) -> None:
+        # run.json last: a run exists once the checkpoint it starts from does, so a crash or a full
+        # disk before leaves no run, and the same command starts it again
+        self.rundir.create(RunInfo(self.cfg, CONTRACT_VERSION, f"mlx-open1b {__version__}", str(self.corpus.resolve()),
+                                   self.fingerprint, self.manifest.tokenizer_sha256, self.genesis))
 
     @classmethod
     def new(cls, run_dir, cfg: RunConfig, corpus_dir, backend: str = "cpu_ref", log=None) -> "Trainer":
@@ -161,14 +168,19 @@ class Trainer:
         st = self.state
         host = dataclasses.replace(st, params=arrays.to_host(st.params), m=arrays.to_host(st.m),
                                    v=arrays.to_host(st.v))          # one transfer, hashed and written
+        meta = self._checkpoint_meta(st, param_hash(self, host.params), opt_hash(self, host))
+        tensors = {"params": (host.params, "bf16"), "m": (host.m, "f32"), "v": (host.v, "f32")}
+        return save_checkpoint(self.dir, st.step, tensors, meta)
+
+    def _checkpoint_meta(self, st: TrainState, params_hash: str, opt_state_hash: str) -> dict:
+        """A checkpoint's meta.json fields for state st, given its "params" and "opt_state" hashes."""
         meta = {"step": st.step, "consumed": st.consumed, "adam_t": st.adam_t, "skip_left": st.skip_left,
                 "stream": st.stream, "config": self.cfg.to_json(), "contract_version": CONTRACT_VERSION,
                 "tokenizer_sha256": self.manifest.tokenizer_sha256, "genesis": self.genesis,
-                "params_hash": param_hash(self, host.params), "opt_hash": opt_hash(self, host)}
+                "params_hash": params_hash, "opt_hash": opt_state_hash}
         if st.gnmr is not None:
             meta["gnmr"], meta["gnmr_hash"] = st.gnmr.to_json(), gnmr_hash(self, st.gnmr)
-        tensors = {"params": (host.params, "bf16"), "m": (host.m, "f32"), "v": (host.v, "f32")}
-        return save_checkpoint(self.dir, st.step, tensors, meta)
+        return meta
 
     def _load_latest(self, at_or_before: int | None = None) -> TrainState:
         found = self.rundir.latest_checkpoint(at_or_before)

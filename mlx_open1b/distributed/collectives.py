@@ -19,16 +19,17 @@ The reductions themselves are pure functions, testable without a process group:
 * `norm_from_partials`: the global gradient norm from the per-tensor block partials of §7,
   gathered from the owners and concatenated in canonical tensor order.
 
-Work that some ranks do alone (`Comm.phase`): rank 0 creates the run and writes every checkpoint,
-a few ranks run the held-out evaluation. At the open1b preset that takes minutes (a 16 GB
-checkpoint), far past the collective timeout (--dist-timeout, 120 s) of the ranks that would wait
-for it in a collective. So nobody waits in a collective: the working ranks bump a heartbeat counter
+Phases (`Comm.phase`): opening the run, writing a checkpoint (rank 0 writes what every owner
+streams to it in turn) and held-out evaluation take longer than a step's collectives — minutes at
+the open1b preset, past the collective timeout (--dist-timeout, 120 s) of a rank that would wait for
+them in a collective. So nobody waits in a collective: the working ranks bump a heartbeat counter
 in the process group's key-value store (torchrun's TCPStore) from a thread, and mark their phase
-done when they finish; the others poll the store — no timeout on the work itself, but a working
-rank whose heartbeat stops for the collective timeout is reported lost (a dead rank 0 is still
-detected within --dist-timeout, as in a collective). Only then does everyone enter the collective
-that follows, which takes its usual short time. A rank that is alive but stuck (a hung filesystem)
-keeps beating, and the others wait for it as a single process would.
+done when they finish; the others poll the store. A working rank whose heartbeat stops for the
+collective timeout is reported lost (a dead rank 0 is still detected within --dist-timeout, as in
+a collective); one that is alive but not done by the phase's own deadline (phases.py: derived from
+the phase's size, configurable) is reported too slow, naming the phase and the rank. Only then does
+everyone enter the collective that follows, which takes its usual short time. Within a phase a rank
+can wait its turn (`await_turn`) under the same watch, e.g. to send its range to the writer.
 """
 from __future__ import annotations
 
@@ -172,6 +173,8 @@ class Comm:
         self.calls = 0
         self._store = None
         self._phases_done = [0] * world     # phases each rank has worked in so far (the same on every rank)
+        self._turns = 0                     # turns this rank has been given (await_turn)
+        self._deadline = None               # (phase, start, timeout s or None) of the phase this rank is in
 
     # ---- setting up
     @classmethod
@@ -224,52 +227,77 @@ class Comm:
         return self._store
 
     @contextlib.contextmanager
-    def phase(self, what: str, busy: Sequence[int] = (0,)):
+    def phase(self, what: str, busy: Sequence[int] = (0,), timeout: float | None = None):
         """A stretch of work only the `busy` ranks do (every rank enters it, in the same order, with
         the same `busy`): the busy ranks run the body with a heartbeat; on leaving, every rank waits
-        until every busy rank has finished, however long that takes, as long as each unfinished one
-        shows a heartbeat within timeout_s (else CommError naming it). Then the collective that
-        follows meets every rank on time."""
+        until every busy rank has finished, as long as each unfinished one shows a heartbeat within
+        timeout_s and the phase is younger than `timeout` seconds (phases.PhaseTimeouts; None: no
+        deadline), else CommError naming the phase and the rank. Then the collective that follows
+        meets every rank on time. Inside the body, a rank can wait its turn (await_turn) for one
+        that gives it (give_turn), under the same watch."""
         busy = sorted(set(int(r) for r in busy))
         if self.world == 1:
             yield
             return
         for r in busy:
             self._phases_done[r] += 1
-        if self.rank in busy:
-            ok = False
-            try:
-                with _Heartbeat(self._kv(), f"beat/{self.rank}", self._beat_every()):
-                    yield
-                    if self.phase_hook is not None:
-                        self.phase_hook(self.rank, what)
-                ok = True
-            finally:                # done, failed or not: a failure travels in the collective that follows
+        self._deadline = (what, time.perf_counter(), timeout)
+        try:
+            if self.rank in busy:
+                ok = False
                 try:
-                    self._kv().add(f"done/{self.rank}", 1)
-                except Exception as e:  # noqa: BLE001
-                    if ok:
-                        raise CommError(f"finishing {what}", e) from None
-        else:
-            yield
-        self._wait_for([r for r in busy if r != self.rank], what)
+                    with _Heartbeat(self._kv(), f"beat/{self.rank}", self._beat_every()):
+                        yield
+                        if self.phase_hook is not None:
+                            self.phase_hook(self.rank, what)
+                    ok = True
+                finally:                # done, failed or not: a failure travels in the collective that follows
+                    try:
+                        self._kv().add(f"done/{self.rank}", 1)
+                    except Exception as e:  # noqa: BLE001
+                        if ok:
+                            raise CommError(f"finishing {what}", e) from None
+            else:
+                yield
+            self._wait_for({r: (f"done/{r}", self._phases_done[r]) for r in busy if r != self.rank}, "finish")
+        finally:
+            self._deadline = None
+
+    def give_turn(self, rank: int) -> None:
+        """Inside a phase: let `rank`, waiting in await_turn, go on (e.g. send what this rank is now
+        ready to receive)."""
+        try:
+            self._kv().add(f"turn/{rank}", 1)
+        except Exception as e:  # noqa: BLE001
+            raise CommError(f"giving rank {rank} its turn ({self._deadline[0] if self._deadline else 'no phase'})",
+                            e) from None
+
+    def await_turn(self, src: int) -> None:
+        """Inside a phase (busy on this rank and on src): wait until src gives this rank its next
+        turn, for as long as src's heartbeat goes on and the phase's deadline allows — so waiting
+        behind other ranks' turns never meets a transport timeout."""
+        self._turns += 1
+        self._wait_for({src: (f"turn/{self.rank}", self._turns)}, "give rank " + str(self.rank) + " its turn in")
 
     def _beat_every(self) -> float:
         return min(5.0, max(0.05, self.timeout_s / 8))
 
-    def _wait_for(self, ranks: list[int], what: str) -> None:
-        """Poll until each rank in `ranks` has marked its phase done; a rank whose heartbeat counter
-        does not move for timeout_s is lost."""
+    def _wait_for(self, want: dict, doing: str) -> None:
+        """Poll until, for each rank r in `want` ({r: (store counter, value)}), the counter reaches
+        its value; a rank whose heartbeat counter does not move for timeout_s is lost, one that has
+        not arrived by the phase's deadline is too slow."""
+        what, began, limit = self._deadline
         t0 = time.perf_counter()
         poll = min(1.0, max(0.02, self.timeout_s / 16))
-        seen = {r: (None, t0) for r in ranks}          # rank -> (last heartbeat count, when it changed)
+        seen = {r: (None, t0) for r in want}          # rank -> (last heartbeat count, when it changed)
         try:
             while seen:
                 now = time.perf_counter()
                 for r in list(seen):
                     op = f"waiting for rank {r} ({what})"
+                    key, value = want[r]
                     try:
-                        if self._kv().add(f"done/{r}", 0) >= self._phases_done[r]:
+                        if self._kv().add(key, 0) >= value:
                             del seen[r]
                             continue
                         beat = self._kv().add(f"beat/{r}", 0)
@@ -281,6 +309,11 @@ class Comm:
                     elif now - since > self.timeout_s:
                         raise CommError(op, TimeoutError(
                             f"no heartbeat from rank {r} for {self.timeout_s:g} s (it died, or its host did)"))
+                    # past the deadline and beating (a silent rank is left to the heartbeat rule above)
+                    if limit is not None and now - began > limit and now - seen[r][1] <= 2 * (self._beat_every() + poll):
+                        raise CommError(op, TimeoutError(
+                            f"rank {r} did not {doing} {what} within the phase's timeout of {limit:.0f} s (alive: "
+                            f"its heartbeat goes on; a hung disk or device? raise the phase timeouts' scale)"))
                 if seen:
                     time.sleep(poll)
         finally:

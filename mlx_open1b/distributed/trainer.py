@@ -4,17 +4,24 @@ N workers run one step together: the step of mlx_open1b/step.py, the same code a
 with the workers' reducer (reduce.py: who computes which microbatches and owns which tensors, the
 all-to-all and the gathers), so the ledger records are identical, record for record.
 
-Rank 0 alone writes: run.json, the ledger, checkpoints (the moments are gathered to it, and the
-format is the single-device one, so a run resumes at any worker count). Rank 0 alone reads the run
-directory: at start-up it broadcasts the state (parameters, moments to their owners, counters and
-the stream position), so the other workers need only the corpus. Held-out evaluation spreads the
-corpus sources over the workers, each source's windows one batch as on one device.
+Rank 0 alone writes: run.json, the ledger, checkpoints (the single-device format, so a run resumes
+at any worker count). A checkpoint is streamed: every owner hashes its range of the state (the
+step's own hashes), then sends it to rank 0 in pieces, in turn, in the file's order; rank 0 writes
+each piece as it arrives (checkpoint.StreamedCheckpoint), so no worker holds the whole moments. A
+new run starts on every worker at once: each initializes the parameters it owns (element i is a
+pure function of (seed, i)), the ranges are all-gathered, the moments start at zero on their owners,
+and the checkpoint of step 0 is streamed as any other. Rank 0 alone reads the run directory: on
+resume it broadcasts the state (parameters, moments to their owners, counters and the stream
+position), so the other workers need only the corpus. Held-out evaluation: in bf16 every probe
+window is a row of its own, so all the windows are cut into near-equal runs, one per worker, and
+each source's CE is the mean over its windows' values gathered in window order — the same numbers
+as one process; in the quantized precisions a source's windows must stay one batch (per-tensor
+activation scales), so the sources are spread over the workers.
 
-The work some ranks do alone — rank 0 opening the run (initialization and the first checkpoint, or
-loading the last one), rank 0 writing each checkpoint, the ranks that hold a source in held-out
-evaluation — runs inside `Comm.phase`: the others wait on the working ranks' heartbeats, not in a
-collective, so minutes of work never trip the collective timeout, while a working rank that dies
-is still reported within it (collectives.py).
+Each of these runs inside `Comm.phase`, with a deadline that fits its size (phases.py): the ranks
+wait on each other's heartbeats, not in a collective, so minutes of work never trip the collective
+timeout, a working rank that dies is still reported within it, and one that hangs is reported when
+its phase's deadline passes, naming the phase and the rank (collectives.py).
 """
 from __future__ import annotations
 
@@ -36,7 +43,11 @@ from ..gnmr import GNMRState
 from ..ledger import LedgerError, genesis_hash
 from ..rundir import RunDir
 from ..train import Trainer, TrainError, TrainState, get_backend, resolve_backend
+from ..checkpoint import StreamedCheckpoint, TensorStreams
+from ..model import init_params
+from ..step import _counter_items
 from .collectives import Comm, CommError, DistError, cpu_count, load_torch
+from .phases import PhaseTimeouts
 from .reduce import DistributedReduce
 from .sharding import ShardingError, check_worker_count
 
@@ -66,18 +77,19 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
                  backend: str = "cpu_ref", resume: bool = False, log=None, after_microbatches=None,
-                 startup_error: tuple[str, int] | None = None):
+                 startup_error: tuple[str, int] | None = None, phase_timeouts: PhaseTimeouts | None = None):
         backend = resolve_backend(backend)
         self.comm = comm
         self.after_microbatches = after_microbatches
+        self.timeouts = phase_timeouts or PhaseTimeouts(collective=comm.timeout_s)
         self._sharded = False
         self._in_checkpoint = False
         self.last_checkpoint = None
         try:
             cfg, corpus_dir = self._agree(run_dir, cfg, corpus_dir, backend, resume, startup_error)
             err = None
-            # rank 0 initializes the parameters and writes the first checkpoint (or loads the last)
-            with comm.phase("opening the run"):
+            # rank 0 opens the run directory (and loads the last checkpoint when resuming)
+            with comm.phase("opening the run", timeout=self.timeouts.opening(cfg.model.n_params(), resume)):
                 try:
                     if comm.rank == 0:
                         Trainer.__init__(self, run_dir, None if resume else cfg, corpus_dir, backend=backend,
@@ -87,7 +99,10 @@ class DistributedTrainer(Trainer):
                 except _STARTUP_ERRORS as e:
                     err = (str(e), getattr(e, "exit_code", 2))
             self._all_ok("opening the run (before any training step)", err)
-            self._distribute_state()
+            if resume:
+                self._distribute_state()
+            else:
+                self._start_together()
         except CommError as e:
             raise TrainError(f"worker lost while starting the run (rank {comm.rank} of {comm.world}): {e}. "
                              f"No step was taken.", exit_code=3) from None
@@ -183,12 +198,52 @@ class DistributedTrainer(Trainer):
         self._build_model()
         self.readonly, self.ledger = False, None
 
+    def _start_new(self) -> None:
+        """Rank 0 inside Trainer.__init__ of a new run: an empty stand-in state; every worker builds
+        the real one together (_start_together), then rank 0 writes run.json."""
+        empty = np.zeros(0, np.float32)
+        self.state = TrainState(0, 0, 0, 0, np.zeros(0, np.uint16), empty, empty,
+                                Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len).state(), None)
+
+    def _make_reduce(self) -> None:
+        self.reduce = DistributedReduce(self.comm, self.ops, self.shapes, self.timing, self.after_microbatches)
+        self.shards, self.own = self.reduce.shards, self.reduce.mine
+
+    def _start_together(self) -> None:
+        """A new run's state on every worker: each initializes its own range of the parameters (the
+        same bits as the whole buffer's slice), the ranges are all-gathered, the moments start at
+        zero on their owners; then the checkpoint of step 0 (streamed) and, last, run.json."""
+        comm, P = self.comm, self.model_cfg.n_params()
+        self._make_reduce()
+        own = self.own
+        params = np.empty(P, np.uint16)
+        with comm.phase("initializing the parameters", busy=range(comm.world),
+                        timeout=self.timeouts.opening(P, resume=False)):
+            params[own.lo:own.hi] = init_params(self.model_cfg, self.tcfg.seed, lo=own.lo, hi=own.hi)
+        st = TrainState(0, 0, 0, 0, params, None, None,
+                        Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len).state(),
+                        self.gnmr.fresh() if self.gnmr else None)
+        self.reduce.share_params(st, None)          # every owner's range to every worker, in place
+        st.params, st.m, st.v = (self.ops.to_device(a) for a in (st.params, np.zeros(own.size, np.float32),
+                                                                  np.zeros(own.size, np.float32)))
+        self.state = st
+        self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=st.stream)
+        self.last_checkpoint = None
+        self._sharded = True
+        self._checkpoint()
+        err = None
+        if comm.rank == 0:
+            try:
+                self._create_run()
+            except (TrainError, OSError) as e:
+                err = (f"{e} (no run was created)", getattr(e, "exit_code", 3))
+        self._all_ok("creating the run", err)
+
     def _distribute_state(self) -> None:
         """Rank 0's state to every worker: counters and stream position, the parameters, and each
         owner's slices of the Adam moments."""
         comm, rank = self.comm, self.comm.rank
-        self.reduce = DistributedReduce(comm, self.ops, self.shapes, self.timing, self.after_microbatches)
-        self.shards, self.own = self.reduce.shards, self.reduce.mine
+        self._make_reduce()
         P = self.model_cfg.n_params()
         st = self.state if rank == 0 else None
         meta = comm.broadcast_object(None if st is None else
@@ -244,52 +299,134 @@ class DistributedTrainer(Trainer):
             raise TrainError(f"worker stopped during step {t} on rank {self.comm.rank} of {self.comm.world}: {e}; "
                              f"{self._last_checkpoint()}", exit_code=3) from None
 
+    def _eval_work(self) -> list[tuple[int, str, int, int]]:
+        """[(rank, source, first window, end window)]: who evaluates which probe windows. bf16: every
+        window is a row of its own (Model.eval_loss), so all the windows, sources in manifest order,
+        are cut into near-equal runs, one per worker; quantized: a source's windows are one batch,
+        so whole sources go round the workers (source i on rank i mod N)."""
+        N = self.comm.world
+        sources = [(s.name, len(self._probes[s.name])) for s in self.manifest.sources if len(self._probes[s.name])]
+        if self.cfg.precision != "bf16":
+            return [(i % N, name, 0, n) for i, (name, n) in enumerate(sources)]
+        total, out, at = sum(n for _, n in sources), [], 0
+        for name, n in sources:
+            for r in range(N):
+                a, b = max(at, r * total // N), min(at + n, (r + 1) * total // N)
+                if a < b:
+                    out.append((r, name, a - at, b - at))
+            at += n
+        return out
+
+    def _eval_rate(self) -> float | None:
+        """Tokens this worker trains per second (the steps so far), for the evaluation's deadline."""
+        n, secs = self.timing.get("n", 0), self.timing.get("steps", 0.0)
+        if not n or secs <= 0:
+            return None
+        _, tokens = self.tcfg.tokens_per_step(self.model_cfg, self.state.consumed)
+        return tokens / self.comm.world / (secs / n)
+
     def _source_ces(self) -> dict:
-        """Trainer._source_ces with the sources spread over the workers (source i on rank i mod N),
-        each source's probe windows still one batch."""
-        N, r = self.comm.world, self.comm.rank
-        todo = [(i % N, s.name) for i, s in enumerate(self.manifest.sources) if len(self._probes[s.name])]
-        mine = {}
-        with self.comm.phase(f"held-out evaluation after step {self.state.step}", busy=[w for w, _ in todo]):
-            for w, name in todo:
-                if w == r:
-                    mine[name] = self._source_ce(name)
-        got = {}
+        """Trainer._source_ces with the probe windows spread over the workers (_eval_work); each
+        source's CE is the mean over its windows' values gathered in window order: the same array,
+        so the same number, as one process's."""
+        work, T = self._eval_work(), self.model_cfg.seq_len
+        load = [0] * self.comm.world
+        for w, _, a, b in work:
+            load[w] += (b - a) * T
+        mine = []
+        with self.comm.phase(f"held-out evaluation after step {self.state.step}", busy=[w for w, *_ in work],
+                             timeout=self.timeouts.evaluation(max(load), self._eval_rate())):
+            for w, name, a, b in work:
+                if w == self.comm.rank:
+                    mine.append((name, a, self.model.eval_loss(self.state.params, self._probes[name][a:b])))
+        runs = {}
         for g in self.comm.all_gather_object(mine):
-            got.update(g)
-        return got
+            for name, a, losses in g:
+                runs.setdefault(name, []).append((a, losses))
+        return {name: float(np.mean(np.concatenate([x for _, x in sorted(r, key=lambda t: t[0])]), dtype=np.float64))
+                for name, r in runs.items()}
 
     # ------------------------------------------------------------------ checkpoints
+    PIECE_BYTES = 64 << 20      # the most bytes of state a checkpoint moves in one send
+
     def _checkpoint(self):
-        """The single-device checkpoint, written by rank 0 after the moments are gathered to it."""
+        """The single-device checkpoint, streamed: rank 0 writes the file in order — the moments'
+        ranges as their owners send them, in turn and in pieces, then the parameters — hashing
+        every piece as it passes (the file, its tensors, and the state's collections)."""
         if not self._sharded:                  # rank 0 inside Trainer.__init__: the full state is local
             return Trainer._checkpoint(self)
         comm, st, P = self.comm, self.state, self.model_cfg.n_params()
-        path, err = None, None
         self._in_checkpoint = True
-        if comm.rank == 0:
-            m, v = np.empty(P, np.float32), np.empty(P, np.float32)
-            m[self.own.lo:self.own.hi], v[self.own.lo:self.own.hi] = arrays.to_host(st.m), arrays.to_host(st.v)
-            for sh in self.shards[1:]:
-                if sh.size:
-                    comm.recv(m[sh.lo:sh.hi], sh.rank)
-                    comm.recv(v[sh.lo:sh.hi], sh.rank)
-        elif self.own.size:
-            comm.send(arrays.to_host(st.m), 0)
-            comm.send(arrays.to_host(st.v), 0)
-        with comm.phase(f"writing the checkpoint of step {st.step}"):      # rank 0 hashes and writes it
+        what = f"writing the checkpoint of step {st.step}"
+        path, err = None, None
+        with comm.phase(what, busy=range(comm.world), timeout=self.timeouts.checkpoint(P)):
             if comm.rank == 0:
-                self.state = dataclasses.replace(st, m=m, v=v)
-                try:
-                    path = Trainer._checkpoint(self)
-                    self.last_checkpoint = st.step
-                except (CheckpointError, OSError) as e:
-                    err = (f"{e} (the checkpoint of step {self.last_checkpoint} is intact)", 3)
-                finally:
-                    self.state = st
-        self._all_ok(f"writing the checkpoint of step {st.step}", err)
+                path, err = self._write_checkpoint()
+            elif self.own.size:
+                for a in (st.m, st.v):          # the file's order: m, then v, each by rank
+                    comm.await_turn(0)
+                    for lo, hi in self._pieces(self.own.size, 4):
+                        comm.send(arrays.to_host(a[lo:hi]), 0)
+        self._all_ok(what, err)
         self.last_checkpoint, self._in_checkpoint = st.step, False
         return path
+
+    def _pieces(self, n: int, itemsize: int) -> list[tuple[int, int]]:
+        step = max(1, self.PIECE_BYTES // itemsize)
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _write_checkpoint(self):
+        """Rank 0's part: (path or None, error or None). A failed write still takes every owner's
+        pieces (and drops them), so no owner waits on a writer that gave up."""
+        comm, st, P = self.comm, self.state, self.model_cfg.n_params()
+        err = None
+        # the "params" and "opt_state" collections' tensors, hashed from the same pieces (step.param_hash, opt_hash)
+        coll = {"params": TensorStreams([(n, "bf16", s) for n, s, _ in self.shapes]),
+                "m": TensorStreams([("m." + n, "f32", s) for n, s, _ in self.shapes]),
+                "v": TensorStreams([("v." + n, "f32", s) for n, s, _ in self.shapes])}
+
+        def failed(e):
+            return (f"{e} (the checkpoint of step {self.last_checkpoint} is intact)", getattr(e, "exit_code", 3))
+
+        specs = {"params": ("bf16", (P,)), "m": ("f32", (P,)), "v": ("f32", (P,))}
+        with contextlib.ExitStack() as stack:
+            try:
+                w = stack.enter_context(StreamedCheckpoint(self.dir, st.step, specs, self._checkpoint_meta(st, "", "")))
+            except (CheckpointError, OSError) as e:
+                w, err = None, failed(e)
+
+            def put(name, piece):
+                nonlocal err
+                if err is None:
+                    try:
+                        w.write(name, piece)
+                        coll[name].update(hashing.byte_view(piece))
+                    except (CheckpointError, OSError) as e:
+                        err = failed(e)
+            for name, a in (("m", st.m), ("v", st.v)):
+                for sh in sorted(self.shards, key=lambda sh: sh.lo):
+                    if not sh.size:
+                        continue
+                    if sh.rank == comm.rank:
+                        for lo, hi in self._pieces(sh.size, 4):
+                            put(name, arrays.to_host(a[lo:hi]))
+                        continue
+                    comm.give_turn(sh.rank)
+                    buf = np.empty(min(sh.size, self.PIECE_BYTES // 4), np.float32)
+                    for lo, hi in self._pieces(sh.size, 4):
+                        comm.recv(buf[:hi - lo], sh.rank)
+                        put(name, buf[:hi - lo])
+            for lo, hi in self._pieces(P, 2):
+                put("params", arrays.to_host(st.params[lo:hi]))
+            if err is None:
+                opt = {**coll["m"].digests, **coll["v"].digests, **hashing.tensor_digests(_counter_items(st))}
+                try:
+                    return w.finish({"params_hash": hashing.collection_hash_from_tensor_hashes("params",
+                                                                                              coll["params"].digests),
+                                     "opt_hash": hashing.collection_hash_from_tensor_hashes("opt_state", opt)}), None
+                except (CheckpointError, OSError) as e:
+                    err = failed(e)
+        return None, err
 
     def _run_hash(self) -> str:
         """Rank 0's run hash, on every worker."""
@@ -310,14 +447,17 @@ def _raise_terminated(signum, frame):
 def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps: int | None = None,
                backend: str = "cpu_ref", resume: bool = False, timeout: float = 120.0, threads: int = 0,
                progress=None, on_start=None, log=None, close: bool = True, after_microbatches=None,
-               phase_hook=None, startup_error: tuple[str, int] | None = None) -> tuple[str, DistributedTrainer]:
+               phase_hook=None, startup_error: tuple[str, int] | None = None,
+               phase_timeouts: PhaseTimeouts | None = None) -> tuple[str, DistributedTrainer]:
     """This process's part of a distributed run (the environment of torchrun): join the process
     group, build the trainer, train until `steps` (default: the token budget). Returns (run hash,
     trainer). Kernel threads default to the CPUs divided by the workers on this node (threads never
     change a bit). on_start(trainer, total_steps) and progress(record, tokens/s) run on rank 0.
     close=False leaves the process group up (trainer.comm) for the caller. after_microbatches and
     phase_hook: see DistributedReduce and Comm. startup_error (message, exit code): this worker
-    cannot run (its device failed the self-test): every worker stops at the start-up agreement."""
+    cannot run (its device failed the self-test): every worker stops at the start-up agreement.
+    phase_timeouts: the deadlines of the long phases (default: phases.PhaseTimeouts with `timeout`
+    as the collective timeout)."""
     backend = resolve_backend(backend)          # 'auto' -> this machine's GPU backend (or cpu_ref)
     comm = Comm.init_from_env(backend, timeout, phase_hook=phase_hook)
     if comm.device.startswith("cuda"):            # the cuda backend's kernels on this worker's GPU too
@@ -329,7 +469,8 @@ def run_worker(run_dir, cfg: RunConfig | None = None, corpus_dir=None, *, steps:
     old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM,)}
     try:
         tr = DistributedTrainer(comm, run_dir, cfg, corpus_dir, backend=backend, resume=resume, log=log,
-                                after_microbatches=after_microbatches, startup_error=startup_error)
+                                after_microbatches=after_microbatches, startup_error=startup_error,
+                                phase_timeouts=phase_timeouts)
         total = steps if steps is not None else steps_for_tokens(tr.tcfg, tr.model_cfg, tr.tcfg.total_tokens)
         if on_start and comm.rank == 0:
             on_start(tr, total)
