@@ -72,13 +72,14 @@ class DistributedReduce:
         return out
 
     # ---- moving arrays
+    def _travels(self, a) -> bool:
+        """The collectives move `a` where it is: numpy; cupy when the process group runs on the GPU
+        (NCCL, by DLPack). Not an mx.array, nor cupy on gloo (it reads host memory)."""
+        return not (arrays.kind(a) == arrays.MLX or (arrays.kind(a) == arrays.CUPY and self.comm.device == "cpu"))
+
     def _wire(self, a):
-        """An array as the collectives move it: numpy as it is; cupy as it is when the process
-        group runs on the GPU (NCCL, by DLPack), else a host copy; an mx.array through a host copy
-        (gloo reads host memory)."""
-        if arrays.kind(a) == arrays.MLX or (arrays.kind(a) == arrays.CUPY and self.comm.device == "cpu"):
-            return arrays.to_host(a)
-        return a
+        """An array as the collectives move it: itself where it travels, else a host copy."""
+        return a if self._travels(a) else arrays.to_host(a)
 
     def _unwire(self, a, like):
         """A received array in the kind of `like` (the state's)."""
@@ -137,7 +138,7 @@ class DistributedReduce:
         counts = [sh.size for sh in self.shards]
         if new is not None:
             mine, st.m, st.v = new
-        if new is None and self._wire(st.params) is st.params:
+        if new is None and self._travels(st.params):
             self.comm.all_gather_into(st.params, counts)
             return
         host = np.require(arrays.to_host(st.params), requirements="W")
