@@ -11,9 +11,9 @@ stream (CONTRACT.md §7, §10):
 
 What one process and N workers do differently is a reducer's (`Reduce`): which microbatches this
 process computes (each run of them folded into one partial by the tree fold), how the partials meet
-in the step's fold over microbatch index, which tensors this process owns (it clips and updates
-only those) and how the per-microbatch scalars, tensor hashes and norm partials reach every
-process. `LocalReduce` is one process: every microbatch in one fold, every tensor its own, nothing
+in the step's fold over microbatch index, which elements of the parameter buffer this process
+owns (it clips and updates only those; a range may cut a tensor) and how the per-microbatch
+scalars, tensor hashes (or a cut tensor's Merkle leaves) and norm partials reach every process. `LocalReduce` is one process: every microbatch in one fold, every tensor its own, nothing
 to move. The workers' reducer (distributed/reduce.py) only moves bytes; every add, product and
 decision is made here, in the same order at any worker count, so the bits are the same.
 """
