@@ -267,7 +267,11 @@ def tensor_digests(items: Iterable) -> dict[str, bytes]:
         if len(mv) == 0:
             tasks.append((t, mv, 0))
         tasks.extend((t, mv, i) for i in range(0, len(mv), CHUNK))
-    leaves = _map(lambda task: _leaf(task[1][task[2]:task[2] + CHUNK]), tasks)
+    # at most a chunk's bytes in all (counters, small tensors): on this thread, not queued behind a
+    # background thread's chunks in the pool (mlx_open1b/state_hashes.py)
+    leaf_of = lambda task: _leaf(task[1][task[2]:task[2] + CHUNK])     # noqa: E731
+    leaves = (_map(leaf_of, tasks) if sum(len(mv) for _, _, _, mv in prepared) > CHUNK
+              else [leaf_of(task) for task in tasks])
     per: list[list[bytes]] = [[] for _ in prepared]
     for (t, _, _), d in zip(tasks, leaves):
         per[t].append(d)

@@ -29,6 +29,7 @@ import numpy as np
 from . import arrays, hashing
 from .errors import Open1bError
 from .hostmath import f32, reciprocal
+from .state_hashes import HashStage, submit, timed
 
 
 class TrainError(Open1bError, RuntimeError):
@@ -221,10 +222,12 @@ def _hashed(timing: dict, fn, *args):
     return out
 
 
-def take_step(tr, reduce: Reduce) -> dict:
+def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
     """Advance tr.state (the trainer's: state, stream, model, configs, backend ops, GNMR controller,
-    timing) by one optimizer step, this process's part given by `reduce`; returns the ledger record
-    (no hash)."""
+    timing) by one optimizer step, this process's part given by `reduce`; returns the step's ledger
+    record (no hash) with its gradient and state hashes still being computed (PendingHashes.settle
+    completes it). settle(), if given, completes the previous step's: it is called once this step's
+    microbatches are computed, before this step writes anything those hashes read."""
     st, ops, tcfg, t = tr.state, tr.ops, tr.tcfg, tr.state.step
     M, tokens = tcfg.tokens_per_step(tr.model_cfg, st.consumed)
     mb = tcfg.microbatch_seqs
@@ -233,10 +236,13 @@ def take_step(tr, reduce: Reduce) -> dict:
     batch_hash = _hashed(tr.timing, hashing.collection_hash, "batch", [("windows", windows, "u32")])
     _gnmr_begin(tr)
     parts, scalars = _microbatches(tr, reduce.blocks(M), windows, mb)
+    if settle is not None:      # the previous step's hashes, read while the microbatches were computed
+        settle()
     total = reduce.fold(parts, M, t)
     del parts
     grads = arrays.scale_into(ops, total, reciprocal(M)) if total.size else total
-    (loss, ce, zl), grad_hash, partials = _gather_step(tr, reduce, M, scalars, grads)
+    grads_hashing = _hash_grads(tr, reduce, grads)
+    (loss, ce, zl), partials = _gather_step(tr, reduce, M, scalars, grads)
     if not math.isfinite(loss):
         raise TrainError(f"step {t}: loss is {loss} (windows {w0}..{w0 + M * mb - 1}); the run stops here. "
                          f"The last checkpoint is intact; inspect the data or lower the learning rate.")
@@ -249,8 +255,8 @@ def take_step(tr, reduce: Reduce) -> dict:
         t0 = time.perf_counter()
         coef = _host_ops().clip_coef(norm, tcfg.clip_norm)   # two host scalars: no launch
         if coef < 1.0:
-            if grads.size:                  # a worker may own no tensor
-                grads = arrays.scale_into(ops, grads, coef)
+            if grads.size:                  # a worker may own no tensor; the pre-clip bytes are hashed
+                grads = arrays.scale_into(ops, _stage(tr).writable("grads", grads, grads_hashing), coef)
             clipped = True
         st.adam_t += 1
         new = adamw_tensors(ops, tcfg, lr, st.adam_t, _adamw_views(reduce, st, grads), reduce.size, st.params)
@@ -261,13 +267,12 @@ def take_step(tr, reduce: Reduce) -> dict:
     st.skip_left = tcfg.spike_skip if spike else max(0, st.skip_left - 1) if skipped else 0
     st.step, st.consumed = t + 1, st.consumed + tokens
     st.stream = tr.stream.state()
-    p_hash, o_hash = _state_hashes(tr, reduce, st)
+    state_hashing, counters = _hash_state(tr, reduce, st)
     record = {"step": t, "windows": [w0, w0 + M * mb], "tokens": st.consumed, "lr": lr, "loss": loss,
               "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
-              "spike": spike, "microbatches": M,
-              "hashes": {"batch": batch_hash, "grads": grad_hash, "params": p_hash, "opt_state": o_hash}}
+              "spike": spike, "microbatches": M, "hashes": {"batch": batch_hash}}
     _gnmr_end(tr, partials, st.consumed, record)        # every process: the same inputs, the same decisions
-    return record
+    return PendingHashes(record, reduce, grads_hashing, state_hashing, counters)
 
 
 def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
@@ -292,22 +297,18 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
 
 
 def _gather_step(tr, reduce: Reduce, M: int, scalars: dict, grads):
-    """The step's means (loss, ce, zloss), the gradient hash and {name: norm partials} of every
-    tensor in canonical order, the same on every process."""
+    """The step's means (loss, ce, zloss) and {name: norm partials} of every tensor in canonical
+    order, the same on every process."""
     ops = tr.ops
-    digests = _hashed(tr.timing, piece_digests,
-                      [(n, s, "f32", at, a) for n, s, _, at, a in reduce.tensors(arrays.to_host(grads))])
     sumsq = norm_partials(ops, ((n, a) for n, _, _, _, a in reduce.tensors(grads)))
-    every, alld, partials = {}, [], []
-    for sc, d, p in reduce.gather((scalars, digests, sumsq)):
+    every, partials = {}, []
+    for sc, p in reduce.gather((scalars, sumsq)):
         every.update(sc)
-        alld.append(d)
         partials.append(p)
     rM = reciprocal(M)
     means = tuple(float(np.float32(_host_ops().treefold(np.array([every[i][k] for i in range(M)], np.float32)))
                         * np.float32(rM)) for k in range(3))
-    return (means, hashing.collection_hash_from_tensor_hashes("grads", _hashed(tr.timing, join_digests, alld)),
-            join_partials(partials))
+    return means, join_partials(partials)
 
 
 def _adamw_views(reduce: Reduce, st, grads):
@@ -340,15 +341,67 @@ def _gnmr_end(tr, partials: dict, consumed_after: int, record: dict) -> None:
     record["hashes"]["gnmr"] = gnmr_hash(tr, st.gnmr)
 
 
-def _state_hashes(tr, reduce: Reduce, st) -> tuple[str, str]:
-    """(params hash, opt_state hash) after the update, from every owner's tensor hashes."""
-    dp = _hashed(tr.timing, piece_digests, _param_items(reduce.tensors(arrays.to_host(reduce.own(st.params)))))
-    do = _hashed(tr.timing, piece_digests, _moment_items(reduce.tensors, st))
-    got = reduce.gather((dp, do))
-    allp, allo = (_hashed(tr.timing, join_digests, [g[k] for g in got]) for k in (0, 1))
-    allo.update(_hashed(tr.timing, hashing.tensor_digests, _counter_items(st)))
-    return (_hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "params", allp),
-            _hashed(tr.timing, hashing.collection_hash_from_tensor_hashes, "opt_state", allo))
+# ---------------------------------------------------------------------- the step's hashes, in the background
+# The gradient, parameters and moments are captured where the hashes read them (state_hashes.py) and
+# hashed on a background thread while the trainer goes on; what each process hashes is the part it
+# owns, joined with every other process's when the record is settled.
+def _stage(tr) -> HashStage:
+    stage = getattr(tr, "hash_stage", None)
+    if stage is None:
+        stage = tr.hash_stage = HashStage()
+    return stage
+
+
+def _hash_grads(tr, reduce: Reduce, grads):
+    """A Future of (piece_digests of this process's gradient, background seconds)."""
+    t0 = time.perf_counter()
+    g = _stage(tr).capture("grads", grads)
+    _spent(tr.timing, "hash", t0)
+    return submit(lambda: timed(piece_digests, [(n, s, "f32", at, a) for n, s, _, at, a in reduce.tensors(g.wait())]))
+
+
+def _hash_state(tr, reduce: Reduce, st):
+    """(a Future of ((piece_digests of this process's parameters, of its moments), background
+    seconds), {name: digest} of the optimizer counters, hashed now: they are Python ints)."""
+    t0 = time.perf_counter()
+    stage = _stage(tr)
+    p, m, v = (stage.capture(role, a) for role, a in (("params", reduce.own(st.params)), ("m", st.m), ("v", st.v)))
+    counters = hashing.tensor_digests(_counter_items(st))
+    _spent(tr.timing, "hash", t0)
+
+    def digests():
+        params = piece_digests(_param_items(reduce.tensors(p.wait())))
+        moments = piece_digests([(f"{k}.{n}", s, "f32", at, a) for k, c in (("m", m), ("v", v))
+                                 for n, s, _, at, a in reduce.tensors(c.wait())])
+        return params, moments
+    return submit(timed, digests), counters
+
+
+class PendingHashes:
+    """A step's ledger record (no hash) whose gradient, parameter and optimizer-state hashes are
+    being computed in the background. settle() waits for them, joins every process's digests (a
+    collective: every process settles a step at the same point of the loop) and returns the record
+    complete."""
+
+    def __init__(self, record: dict, reduce: Reduce, grads, state, counters: dict):
+        self.record, self.step = record, record["step"]
+        self._reduce, self._grads, self._state, self._counters = reduce, grads, state, counters
+
+    def settle(self, timing: dict) -> dict:
+        t0 = time.perf_counter()
+        (dg, sg), ((dp, do), ss) = self._grads.result(), self._state.result()
+        self._grads = self._state = None         # the captured buffers are free for the next step
+        _spent(timing, "hash", t0)
+        timing["hash_background"] = timing.get("hash_background", 0.0) + sg + ss
+        got = self._reduce.gather((dg, dp, do))
+        t0 = time.perf_counter()
+        allg, allp, allo = (join_digests([g[k] for g in got]) for k in range(3))
+        allo.update(self._counters)
+        h = self.record["hashes"]
+        for key, kind, d in (("grads", "grads", allg), ("params", "params", allp), ("opt_state", "opt_state", allo)):
+            h[key] = hashing.collection_hash_from_tensor_hashes(kind, d)
+        _spent(timing, "hash", t0)
+        return self.record
 
 
 # ---------------------------------------------------------------------- the state's hashes (CONTRACT.md §11)

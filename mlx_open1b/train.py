@@ -29,6 +29,7 @@ from .gnmr import Controller, GNMRError, GNMRState
 from .ledger import genesis_hash
 from .model import Model, ParamLayout, init_params
 from .rundir import RunDir, RunInfo
+from .steptimes import TIMING_FILE, StepTimes
 from .backend import load as get_backend, resolve as resolve_backend  # noqa: F401  (training's names for them)
 from .step import LocalReduce, Reduce, TrainError, gnmr_hash, opt_hash, param_hash, take_step
 
@@ -140,6 +141,7 @@ class Trainer:
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.backend = resolve_backend(backend)
         self.ops = get_backend(self.backend)
+        self.step_times = StepTimes(self.dir / TIMING_FILE, self.log)    # beside the ledger, written by the writer
         self._probes = None
 
     def _open_corpus(self, corpus_dir) -> None:
@@ -220,10 +222,9 @@ class Trainer:
 
     def train(self, steps: int, progress=None) -> str:
         """Run until `steps` steps are completed in total; returns the run hash (on every worker).
-        progress(record, tokens/s) runs in the writer after each step."""
+        progress(record, tokens/s) runs in the writer after each record is appended."""
         t0, tok0 = time.perf_counter(), self.state.consumed
-        while self.state.step < steps:
-            rec = self.step()
+        for rec in self.records(steps):
             if progress and self.writer:
                 dt = time.perf_counter() - t0
                 progress(rec, (self.state.consumed - tok0) / dt if dt > 0 else 0.0)
@@ -236,13 +237,77 @@ class Trainer:
         """Compute the next step, append its ledger record, checkpoint when due."""
         if self.readonly:      # a replay computes steps (compute_step) and never writes the run
             raise TrainError(f"{self.dir}: opened read-only (a replay); it cannot take training steps")
-        with self._failures(self.state.step):
-            record = self.add_eval(self.compute_step())
-            if self.writer:
-                record["hash"] = self.ledger.append(record)
-            if self.state.step % self.tcfg.checkpoint_every == 0:
-                self._checkpoint()
+        (record,) = self.records(self.state.step + 1)
         return record
+
+    #: an exception from a step may still append the previous step's record, whose hashes this
+    #: process can complete alone (a distributed trainer's need every worker: they are left out)
+    settles_alone = True
+    #: False: each step's hashes are waited for at the end of the step (the same records, bytes and
+    #: order; for measuring what the overlap saves, and for tests)
+    overlap_hashes = True
+
+    def records(self, steps: int):
+        """Take steps until `steps` are completed in total, yielding each step's record in step
+        order, complete (in the writer: appended to the ledger), with the held-out CE where due and
+        checkpoints where due. Step t's gradient and state hashes are computed in the background
+        while step t+1 computes its microbatches (step.take_step); its record is completed before
+        step t+1 writes the state, and appended after step t+1 is computed. A checkpoint waits for
+        the records before it (a checkpoint is never ahead of the ledger), as does the last step.
+        A crash (exception, KeyboardInterrupt, kill) loses at most the records not yet appended;
+        resuming from the last checkpoint writes them again, the same bytes."""
+        pending, done, spent = None, [], {}
+
+        def settle():
+            nonlocal pending
+            if pending is not None:
+                p, pending = pending, None
+                done.append(p.settle(self.timing))
+
+        def append() -> list:
+            out = list(done)
+            done.clear()
+            for rec in out if self.writer else ():
+                rec["hash"] = self.ledger.append(rec)
+            return out
+
+        try:
+            while self.state.step < steps:
+                t, t0, tok0 = self.state.step, time.perf_counter(), self.state.consumed
+                with self._failures(t):
+                    nxt = self._take_step(settle)
+                    pending = nxt
+                    self.add_eval(nxt.record)
+                    due = not self.readonly and self.state.step % self.tcfg.checkpoint_every == 0
+                    if due or self.state.step >= steps or not self.overlap_hashes:
+                        t1 = time.perf_counter()
+                        settle()
+                        self.timing["steps"] += time.perf_counter() - t1
+                    written = append()
+                    if due:
+                        self._checkpoint()
+                if self.writer:      # wall-clock beside the ledger: equal runs keep equal ledgers
+                    spent[t] = (time.perf_counter() - t0, self.state.consumed - tok0)
+                    for rec in written:
+                        self.step_times.append(rec["step"], *spent.pop(rec["step"]))
+                yield from written
+        except BaseException as e:
+            # what is still owed the ledger, where it is complete: the error that stopped the run
+            # is the one reported (a failure to append leaves the ledger as it was)
+            if pending is not None and isinstance(e, Exception) and self.settles_alone:
+                with contextlib.suppress(Exception):
+                    settle()        # the state it hashes is intact: nothing writes it before a settle
+            with contextlib.suppress(Exception):
+                append()
+            raise
+
+    def _take_step(self, settle):
+        """take_step on this process's reducer, timed; settle: see take_step."""
+        t0 = time.perf_counter()
+        pending = take_step(self, self._reducer(), settle)
+        self.timing["steps"] += time.perf_counter() - t0
+        self.timing["n"] += 1
+        return pending
 
     def _failures(self, t: int):
         """Where step t (or the final checkpoint, t = steps done) turns a lost worker into a
@@ -261,11 +326,12 @@ class Trainer:
         return record
 
     def compute_step(self) -> dict:
-        """Advance the state by one optimizer step and return its ledger record (no hash yet)."""
+        """Advance the state by one optimizer step and return its ledger record (no hash yet),
+        its state hashes computed before it returns (records() overlaps them with the next step)."""
+        pending = self._take_step(None)
         t0 = time.perf_counter()
-        record = take_step(self, self._reducer())
+        record = pending.settle(self.timing)
         self.timing["steps"] += time.perf_counter() - t0
-        self.timing["n"] += 1
         return record
 
     def _reducer(self) -> Reduce:

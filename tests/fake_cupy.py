@@ -5,6 +5,7 @@ mode) and tests/emulators/test_fake_cupy.py (the stand-in's own strictness)."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import numpy as np
@@ -102,9 +103,13 @@ class FakeCupyArray:
     def max(self, axis=None):
         return FakeCupyArray(np.asarray(self._a.max(axis)))
 
-    def get(self, stream=None, order="C", out=None) -> np.ndarray:
-        """The explicit device-to-host copy."""
+    def get(self, stream=None, order="C", out=None, blocking=True) -> np.ndarray:
+        """The explicit device-to-host copy; with a stream, out and blocking=False it is queued on
+        the stream (FakeStream: it runs when an event recorded after it is waited for)."""
         if out is not None:
+            if stream is not None and not blocking:
+                stream.enqueue(self, out)
+                return out
             out[...] = self._a
             return out
         return np.array(self._a, order=order, copy=True)
@@ -157,6 +162,81 @@ class FakeCupyArray:
     __bool__ = __index__ = __eq__ = __ne__ = item = tolist = tobytes = _refuse
 
 
+class FakeStream:
+    """cupy.cuda.Stream in the stand-in. The current stream (`NULL`) runs everything at once, as the
+    emulated kernels do; another stream queues its device-to-host copies and runs them as late as
+    CUDA may: when an event recorded after them is synchronized, or waited for by the current
+    stream. So a copy's destination read before its event is waited for holds stale bytes, and a
+    copy not ordered before a kernel that writes its source reads the kernel's result: the
+    ordering mistakes a real GPU makes only sometimes, made every time."""
+
+    def __init__(self, null=False, non_blocking=False, ptds=False):
+        self.null, self.copies, self.ran = null, [], 0        # copies: (source, destination)
+        self._lock = threading.Lock()
+
+    def enqueue(self, src, out) -> None:
+        if self.null:
+            out[...] = src._a
+            return
+        with self._lock:
+            self.copies.append((src, out))
+
+    def run_until(self, n: int) -> None:
+        with self._lock:
+            while self.ran < n:
+                src, out = self.copies[self.ran]
+                out[...] = src._a
+                self.copies[self.ran] = (None, out)          # the source may be freed once copied
+                self.ran += 1
+
+    def wait_event(self, event) -> None:
+        if self.null:             # the current stream's later work waits: the event's work runs now
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        self.run_until(len(self.copies))
+
+
+class FakeEvent:
+    """cupy.cuda.Event in the stand-in: marks the work queued on a stream so far."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.stream, self.upto = None, 0
+
+    def record(self, stream=None) -> None:
+        self.stream = stream or NULL_STREAM
+        self.upto = len(self.stream.copies)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.run_until(self.upto)
+
+    @property
+    def done(self) -> bool:
+        return self.stream is None or self.stream.ran >= self.upto
+
+
+NULL_STREAM = FakeStream(null=True)
+
+
+def _fake_cupyx_module(pinned: list):
+    """cupyx's pinned allocations: numpy arrays, each listed in `pinned` (cupyx.empty_pinned gives
+    numpy arrays in page-locked memory)."""
+    def empty_pinned(shape, dtype=float, order="C"):
+        a = np.empty(shape, dtype, order)
+        pinned.append(a)
+        return a
+
+    def zeros_pinned(shape, dtype=float, order="C"):
+        a = empty_pinned(shape, dtype, order)
+        a[...] = 0
+        return a
+
+    m = types.ModuleType("cupyx")
+    m.empty_pinned, m.zeros_pinned, m.pinned = empty_pinned, zeros_pinned, pinned
+    return m
+
+
 def _fake_cupy_module():
     """The part of cupy's namespace the backend and mlx_open1b.arrays use, on FakeCupyArray; what
     real cupy refuses (concatenating or making contiguous numpy arrays) it refuses too."""
@@ -207,6 +287,12 @@ def fake_gpu(monkeypatch):
     device)."""
     fake = _fake_cupy_module()
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupyx", _fake_cupyx_module([]))
+    # `from cupy import cuda` finds it here; the module itself has no `cuda` attribute, which the
+    # backend reads as "no GPU device to cache placeholders on"
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Stream, cuda.Event, cuda.get_current_stream = FakeStream, FakeEvent, lambda: NULL_STREAM
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setattr(cu, "_xp", lambda: fake)
     launch = emu.EmuFunction.__call__
 

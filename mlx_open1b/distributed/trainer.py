@@ -75,6 +75,8 @@ class DistributedTrainer(Trainer):
     same arguments (rank 0 opens or creates the run directory) and runs Trainer's loop, this class
     giving its hooks their worker's part. after_microbatches(rank, step): see DistributedReduce."""
 
+    settles_alone = False       # a step's hashes are joined in a collective: never after an error
+
     def __init__(self, comm: Comm, run_dir, cfg: RunConfig | None = None, corpus_dir=None,
                  backend: str = "cpu_ref", resume: bool = False, log=None, after_microbatches=None,
                  startup_error: tuple[str, int] | None = None, phase_timeouts: PhaseTimeouts | None = None):

@@ -195,6 +195,13 @@ def empty(shape, dtype=np.float32) -> ShapeArray:
 zeros = empty
 
 
+def empty_pinned(shape, dtype=np.float32) -> ShapeArray:
+    """cupyx.empty_pinned's place: page-locked host memory (the hashes' copies), its host bytes
+    tagged "pinned"."""
+    with current().tagged("pinned"):
+        return ShapeArray((shape,) if isinstance(shape, (int, np.integer)) else shape, dtype, HOST)
+
+
 def empty_like(a, dtype=None) -> ShapeArray:
     return ShapeArray(a.shape, dtype or a.dtype, getattr(a, "place", DEVICE))
 
