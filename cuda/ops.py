@@ -515,6 +515,7 @@ def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: floa
 Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per block of the absmax (no result depends on it)
 QA_THREADS = 256     # quant.cu's QA_THREADS: threads per block of the absmax and of the rotations
 QR_COLS = 64         # quant.cu's QR_COLS: columns per block of the rotations
+GRID_Y_MAX = 65535   # CUDA's largest grid y dimension
 _NO_U8 = np.zeros(1, np.uint8)
 _ZERO_U32 = np.zeros(1, np.uint32)
 
@@ -577,12 +578,21 @@ def _q_tensor(n: int, src, is_f32: bool, q, qmax: int = QMAX):
     return sc
 
 
+def _rot_grid(R: int, C: int) -> tuple[int, int]:
+    """The rotations' grid over (R, C), R a multiple of QB: blocks of QR_COLS columns along x, of QB
+    rows along y (at least one each, so that the fused scale is written for an empty operand)."""
+    if R // QB > GRID_Y_MAX:
+        raise ValueError(f"hadamard rotation: {R} rows is over {GRID_Y_MAX * QB} (a grid's y dimension holds "
+                         f"{GRID_Y_MAX} blocks of {QB} rows)")
+    return max(1, -(-C // QR_COLS)), max(1, R // QB)
+
+
 def _q_rotated(kernel: str, Rp: int, C: int, cols: int, args, qmax: int = QMAX):
     """One of the rotations fused with its operand and its scale (o1b_q_rotate_d, _g, _i8): args are
     the kernel's arguments before its output; cols its grid's columns. Returns the rotated operand f
     (Rp, C) fp32 and its scale array sc."""
     f = _empty((Rp, C), np.float32)
-    grid = (max(1, -(-cols // QR_COLS)), max(1, Rp // QB))
+    grid = _rot_grid(Rp, cols)
     part, sc = _empty((grid[0] * grid[1],), np.uint32), _empty((2,), np.float32)
     fn = runtime.load("quant.cu").get_function(kernel)
     fn(grid, (QA_THREADS,), (*args, f, part, _counter(), sc, i32(qmax)))
@@ -646,7 +656,7 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
     d = _dev(f)
     if R and C:
         fn = runtime.load("quant.cu").get_function("o1b_hadamard_rows")
-        fn((-(-C // QR_COLS), R // QB), (QA_THREADS,), (i64(R), i64(C), d))
+        fn(_rot_grid(R, C), (QA_THREADS,), (i64(R), i64(C), d))
     return _host(d)
 
 

@@ -135,6 +135,15 @@ def test_cuda_hadamard_rows_warp(R, Cc):
         _same(G.hadamard_rows(f), C.hadamard_rows(f), f"hadamard {R}x{Cc}")
 
 
+def test_cuda_rotation_grid_bound():
+    """Blocks of QB rows run along the grid's y dimension (at most 65535): the last row count that
+    fits is accepted, one block more is refused with the bound named (not a failed launch)."""
+    assert G._rot_grid(G.GRID_Y_MAX * QB, 1) == (1, G.GRID_Y_MAX)
+    assert G._rot_grid(0, 0) == (1, 1)
+    with pytest.raises(ValueError, match=str(G.GRID_Y_MAX * QB)):
+        G._rot_grid((G.GRID_Y_MAX + 1) * QB, 1)
+
+
 @pytest.mark.parametrize("N,K,Mo", [(1, 1, 1), (65, 9, 129), (130, 3, 64), (200, 7, 300)])
 def test_cuda_fused_layer_kernels(N, K, Mo):
     """The layer through the fused kernels: G and D rotated from dy where they are made (rows padded
