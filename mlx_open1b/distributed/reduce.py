@@ -90,9 +90,14 @@ class DistributedReduce:
         one, and no worker sends more (its send buffer is a copy of its partials' slices); a function
         of M, the worker count and the shards: the same on every worker."""
         per = [len(self._dyadic(M, w)) for w in range(self.comm.world)]
-        P = sum(sh.size for sh in self.shards)
-        most = 4 * max(sum(per) * max(sh.size for sh in self.shards), max(per) * P)
-        return max(1, -(-most // self.recv_bytes))
+        sizes = [sh.size for sh in self.shards]
+
+        def most(K: int) -> int:        # bytes of the fullest round's receive or send buffer, at most
+            return 4 * max(sum(per) * -(-max(sizes) // K), max(per) * sum(-(-n // K) for n in sizes))
+        K = max(1, -(-4 * max(sum(per) * max(sizes), max(per) * sum(sizes)) // self.recv_bytes))
+        while most(K) > self.recv_bytes and K < max(sizes):
+            K += 1
+        return K
 
     def fold(self, parts: list, M: int, step: int):
         """The reduce-scatter: this owner's slice of the step's gradient sum (f32, size elements).
