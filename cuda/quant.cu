@@ -470,7 +470,9 @@ __device__ __forceinline__ void o1b_q_butterflies(T v[QR_VALS]) {
 __device__ __forceinline__ i64 o1b_q_rot_col(void) {
     return (i64)blockIdx.x * QR_COLS + 8 * ((int)threadIdx.x >> 5) + ((int)threadIdx.x & 7);
 }
-__device__ __forceinline__ i64 o1b_q_rot_row0(void) { return (i64)blockIdx.y * QB + 32 * (((int)threadIdx.x & 31) >> 3); }
+__device__ __forceinline__ i64 o1b_q_rot_row0(void) {
+    return (i64)blockIdx.y * QB + 32 * (((int)threadIdx.x & 31) >> 3);
+}
 
 /* The rotated values stored to f (Rp, C) (o1b_store), and the largest of their |bits|. */
 __device__ __forceinline__ u32 o1b_q_rot_store(float v[QR_VALS], i64 Rp, i64 C, float *f) {

@@ -113,9 +113,8 @@ def test_cuda_race_check_sees_a_missing_barrier_in_the_tree(tmp_path):
     with cuda_emu.options(race_check=True):
         _same(G.qlinear_backward(dy, x, w), C.qlinear_backward(dy, x, w), "race-checked backward")
         _same(G.quant_tensor(x), C.quant_tensor(x), "race-checked quant_tensor")
-    bad = _absmax_module(("        if (tid < h) red[tid] = red[tid + h] > red[tid] ? red[tid + h] : red[tid];\n"
-                          "        __syncthreads();\n",
-                          "        if (tid < h) red[tid] = red[tid + h] > red[tid] ? red[tid + h] : red[tid];\n"), tmp_path)
+    step = "        if (tid < h) red[tid] = red[tid + h] > red[tid] ? red[tid + h] : red[tid];\n"
+    bad = _absmax_module((step + "        __syncthreads();\n", step), tmp_path)
     v = rand_bf16(rng, (5000,))
     with cuda_emu.options(race_check=True), pytest.raises(cuda_emu.EmuRaceError):
         _absmax_twice(bad, v, np.zeros(1, np.uint32))
