@@ -449,6 +449,8 @@ class StreamedCheckpoint:
         t.start()
         try:
             fsutil.write_all(self._file, mv)
+        except OSError as e:
+            raise fsutil.WriteError(self.tmp / STATE_FILE, e) from None
         finally:
             t.join()
 

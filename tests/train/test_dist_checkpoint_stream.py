@@ -1,0 +1,91 @@
+"""A distributed run's checkpoints are streamed to rank 0 in pieces, each owner in turn: in pieces
+far smaller than a range (many per owner, cut inside Merkle chunks) the run directory is still one
+process's, byte for byte, and it resumes at another worker count; a write that fails on rank 0
+mid-stream stops every worker with the checkpoint named (none waits for ever on a writer that gave
+up) and leaves the previous checkpoint the newest, nothing half-written. Real workers on gloo."""
+import errno
+import json
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+from test_distributed import corpus, dist_cfg, ledger, torchrun, tree  # noqa: E402,F401  (corpus: a fixture)
+
+from mlx_open1b.train import Trainer  # noqa: E402
+
+_WORKER = """
+import errno, json, sys
+from mlx_open1b.config import RunConfig
+from mlx_open1b.distributed import worker_main
+from mlx_open1b.distributed.trainer import DistributedTrainer
+a = json.loads(sys.argv[1])
+DistributedTrainer.PIECE_BYTES = a["piece"]
+if a.get("fail_step") is not None:          # rank 0's disk fills up in the middle of that checkpoint
+    from mlx_open1b import fsutil
+    real, calls = fsutil.write_all, []
+
+    def write_all(f, data):
+        if f".ckpt-{a['fail_step']:08d}.tmp-" in str(getattr(f, "name", "")):
+            calls.append(1)
+            if len(calls) == 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, data)
+    fsutil.write_all = write_all
+cfg = RunConfig.from_json(a["cfg"]) if a.get("cfg") else None
+worker_main(a["run"], cfg, a.get("corpus"), steps=a["steps"], resume=a.get("resume", False), timeout=30.0)
+"""
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    f = tmp_path_factory.mktemp("ckpt_stream_worker") / "worker.py"
+    f.write_text(_WORKER)
+    return f
+
+
+def _args(run, cfg=None, corpus=None, steps=4, resume=False, piece=1000, fail_step=None):
+    return json.dumps({"run": str(run), "cfg": cfg.to_json() if cfg else None,
+                       "corpus": str(corpus) if corpus else None, "steps": steps, "resume": resume,
+                       "piece": piece, "fail_step": fail_step})
+
+
+def test_small_pieces_same_run_directory_and_resume(tmp_path, corpus, script):
+    """3 workers, pieces of 1000 bytes (250 moments: every owner sends hundreds, each Merkle chunk
+    arrives cut): checkpoints of steps 0, 2 and 4 are one process's; resumed from step 2 at 2
+    workers, the run ends as one process's."""
+    cfg = dist_cfg(checkpoint_every=2)
+    single = tmp_path / "single"
+    Trainer(single, cfg, corpus).train(6)
+    run = tmp_path / "run"
+    r = torchrun(3, script, _args(run, cfg, corpus, steps=4))
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = {k: v for k, v in tree(single).items() if not k.startswith("ckpt-00000006")}
+    got = tree(run)
+    for k in got:
+        if k.startswith("ckpt-"):
+            assert got[k] == want[k], k
+    assert sorted(k for k in got if k.startswith("ckpt-")) == sorted(k for k in want if k[:13] <= "ckpt-00000004")
+    import shutil
+    shutil.rmtree(run / "ckpt-00000004")
+    r = torchrun(2, script, _args(run, resume=True, steps=6, piece=4096))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ledger(run) == ledger(single)
+    assert tree(run) == tree(single)
+
+
+@pytest.mark.slow
+def test_rank0_write_fails_mid_stream(tmp_path, corpus, script):
+    """Rank 0's fifth write into the checkpoint of step 2 fails (ENOSPC) while the owners still
+    stream: every worker stops with the error naming that checkpoint; the run keeps the checkpoint
+    of step 0 and nothing half-written."""
+    cfg = dist_cfg(checkpoint_every=2, eval_every=0)
+    run = tmp_path / "run"
+    r = torchrun(3, script, _args(run, cfg, corpus, steps=4, fail_step=2))
+    assert r.returncode != 0
+    for rank in range(3):
+        assert (f"error: [rank {rank}/3] writing the checkpoint of step 2 failed: rank 0: cannot write checkpoint "
+                f"{run}/ckpt-00000002 (state.safetensors: No space left on device, ENOSPC) (the checkpoint of step 0 "
+                f"is intact)") in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in run.iterdir() if "ckpt" in p.name) == ["ckpt-00000000"]
+    assert len(ledger(run).splitlines()) == 2
