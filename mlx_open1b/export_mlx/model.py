@@ -58,15 +58,17 @@ def _rms(x, g, eps):
 
 
 class _Rope:
-    """cos, sin (positions, D/2) float32 tables, angles in float64 (Python floats), grown on demand."""
+    """cos, sin (positions, D/2) float32 tables, angles in float64 (Python floats): seq_len positions,
+    doubled when a longer sequence asks for more (not rebuilt for each new token)."""
 
-    def __init__(self, D, theta):
-        self.D, self.freq = D, [theta ** (-2.0 * i / D) for i in range(D // 2)]
+    def __init__(self, D, theta, seq_len):
+        self.D, self.freq, self.seq_len = D, [theta ** (-2.0 * i / D) for i in range(D // 2)], seq_len
         self.cos = self.sin = None
 
     def tables(self, n):
-        if self.cos is None or self.cos.shape[0] < n:
-            ang = [[p * f for f in self.freq] for p in range(n)]
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if have < n:
+            ang = [[p * f for f in self.freq] for p in range(max(n, 2 * have, self.seq_len))]
             self.cos = mx.array([[math.cos(a) for a in row] for row in ang], dtype=mx.float32)
             self.sin = mx.array([[math.sin(a) for a in row] for row in ang], dtype=mx.float32)
         return self.cos, self.sin
@@ -137,7 +139,7 @@ class Open1B(nn.Module):
         super().__init__()
         self.args = args
         d, V = args.d_model, args.vocab_size
-        rope = _Rope(args.head_dim, args.rope_theta)
+        rope = _Rope(args.head_dim, args.rope_theta, args.seq_len)
         self.wte, self.emb_norm = mx.zeros((V, d)), mx.ones((d,))
         self.layers = [Layer(args, w, rope) for w in args.layer_windows]
         self.final_norm, self.lm_head = mx.ones((d,)), mx.zeros((V, d))
