@@ -134,11 +134,11 @@ def _read_all(path, expect_size: int | None = None) -> tuple[bytearray, str]:
     return buf, sha.hexdigest()
 
 
-def parse_safetensors(buf, where: str = STATE_FILE) -> tuple[dict, dict]:
-    """({name: (array, dtype_name)} as views into buf, __metadata__) of safetensors bytes; every
+def _header_entries(buf, size: int, where: str) -> tuple[list, dict, int]:
+    """([(begin, end, name, dtype name, shape)] in the header's order, __metadata__, the data's first byte) of a
+    safetensors file of `size` bytes whose first bytes are `buf` (at least its header); every
     header entry is checked (dtype, shape, offsets inside the data, no gaps or overlaps)."""
-    size = len(buf)
-    if size < 8:
+    if size < 8 or len(buf) < 8:
         raise CheckpointError(f"{where}: truncated ({size} bytes, no header)")
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > MAX_HEADER or 8 + n > size:
@@ -151,7 +151,7 @@ def parse_safetensors(buf, where: str = STATE_FILE) -> tuple[dict, dict]:
         raise CheckpointError(f"{where}: header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
     base, data_len = 8 + n, size - 8 - n
-    spans, out = [], {}
+    spans = []
     for name, e in header.items():
         at = f"{where}: tensor {name!r}"
         try:
@@ -172,15 +172,25 @@ def parse_safetensors(buf, where: str = STATE_FILE) -> tuple[dict, dict]:
             raise CheckpointError(f"{at}: data_offsets [{b}, {end}] do not hold {dn}{shape}")
         if end > data_len:
             raise CheckpointError(f"{at}: data_offsets end {end} is beyond the file's {data_len} data bytes: truncated")
-        spans.append((b, end, name))
-        out[name] = (np.frombuffer(buf, dt, count, base + b).reshape(shape), dn)
+        spans.append((b, end, name, dn, shape))
     pos = 0
-    for b, end, name in sorted(spans):
+    for b, end, name, _, _ in sorted(spans, key=lambda t: t[:3]):
         if b != pos:
             raise CheckpointError(f"{where}: tensor {name!r} starts at {b}, expected {pos} (gap or overlap)")
         pos = end
     if pos != data_len:
         raise CheckpointError(f"{where}: {data_len - pos} bytes after the last tensor")
+    return spans, meta, base
+
+
+def parse_safetensors(buf, where: str = STATE_FILE) -> tuple[dict, dict]:
+    """({name: (array, dtype_name)} as views into buf, __metadata__) of safetensors bytes; every
+    header entry is checked (dtype, shape, offsets inside the data, no gaps or overlaps)."""
+    spans, meta, base = _header_entries(buf, len(buf), where)
+    out = {}
+    for b, end, name, dn, shape in spans:
+        dt = hashing.DTYPES[dn]
+        out[name] = (np.frombuffer(buf, dt, (end - b) // dt.itemsize, base + b).reshape(shape), dn)
     return out, meta
 
 
@@ -519,6 +529,111 @@ class StreamedCheckpoint:
         raise e
 
 
+class StreamedCheckpointReader:
+    """A checkpoint read in pieces, in file order, so that no process holds the whole state (a
+    distributed run's rank 0 hands each owner its range as it reads): load_checkpoint's checks —
+    meta.json and the file sizes at once, the header against meta's tensor list, then, as the
+    pieces pass, the file's SHA-256 and every tensor's hash, judged by finish() (before it, what was
+    read is not yet known to be intact). Collection hashes are load_checkpoint's only (a trainer's
+    checkpoint has none; the state hashes in its meta are the trainer's to check).
+
+        with StreamedCheckpointReader(path) as r:
+            for name, dtype_name, shape in r.order:
+                ... r.read(name, count) ...          # consecutive elements, in order
+            r.finish()
+    """
+
+    def __init__(self, path, *, contract_version: int = CONTRACT_VERSION, tokenizer_sha256: str | None = None):
+        self.path = pathlib.Path(path)
+        self.meta, tmeta, _, self._expect = _checked_files(self.path, contract_version, tokenizer_sha256)
+        sp = self.path / STATE_FILE
+        self._where = str(sp)
+        size = sp.stat().st_size
+        self._file = open(sp, "rb", buffering=0)
+        try:
+            head = self._read_bytes(min(8, size))
+            if len(head) == 8:
+                (n,) = struct.unpack_from("<Q", head, 0)
+                if n <= MAX_HEADER and 8 + n <= size:
+                    head += self._read_bytes(n)
+            spans, _, _ = _header_entries(head, size, self._where)
+        except BaseException:
+            self.close()
+            raise
+        names = {t[2] for t in spans}
+        if names != set(tmeta):
+            self.close()
+            extra, gone = sorted(names - set(tmeta)), sorted(set(tmeta) - names)
+            raise CheckpointError(f"{sp}: tensors differ from {META_FILE}: missing {gone}, unexpected {extra}")
+        for _, _, name, dn, shape in spans:
+            tm = tmeta[name]
+            if tm.get("dtype") != dn or list(shape) != tm.get("shape"):
+                self.close()
+                raise CheckpointError(f"{sp}: tensor {name!r} is {dn}{list(shape)}, {META_FILE} records "
+                                      f"{tm.get('dtype')}{tm.get('shape')}")
+        self._tmeta = tmeta
+        self.order = [(name, dn, tuple(shape)) for _, _, name, dn, shape in sorted(spans, key=lambda t: t[:3])]
+        self._hashes = TensorStreams(self.order)
+        self._sha = hashlib.sha256(head)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+
+    def _read_bytes(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        mv, pos = memoryview(buf), 0
+        while pos < n:
+            got = self._file.readinto(mv[pos:])
+            if not got:
+                raise CheckpointError(f"{self._where}: file shrank while being read ({pos} of {n} bytes)")
+            pos += got
+        return buf
+
+    def read(self, name: str, count: int) -> np.ndarray:
+        """The next `count` elements of tensor `name` (the tensor being read), flat, in its dtype's
+        storage."""
+        h = self._hashes
+        if count == 0 and name in h.digests:
+            return np.zeros(0, hashing.DTYPES[dict((n, d) for n, d, _ in self.order)[name]])
+        if h.complete or name != h.current[0]:
+            want = "nothing (every tensor is read)" if h.complete else h.current[0]
+            raise CheckpointError(f"{self._where}: read of tensor {name!r} out of order: expected {want}")
+        dt = hashing.DTYPES[dict((n, d) for n, d, _ in self.order)[name]]
+        if count * dt.itemsize > h.current[1]:
+            raise CheckpointError(f"{self._where}: tensor {name!r} has {h.current[1] // dt.itemsize} elements left, "
+                                  f"{count} asked")
+        buf = self._read_bytes(count * dt.itemsize)
+        self._sha.update(buf)
+        h.update(memoryview(buf))
+        return np.frombuffer(buf, dt)
+
+    def finish(self) -> dict:
+        """Every byte read: the file's SHA-256 and every tensor's hash against meta.json (CheckpointError
+        naming the tensors that differ, as load_checkpoint). Returns meta."""
+        h = self._hashes
+        if not h.complete:
+            name, left = h.current
+            raise CheckpointError(f"{self._where}: read incomplete: tensor {name!r} has {left} bytes left")
+        sha = self._sha.hexdigest()
+        bad = [n for n in sorted(h.digests) if h.digests[n].hex() != self._tmeta[n].get("hash")]
+        if bad or sha != self._expect["sha256"]:
+            what = (f"tensor{'s' if len(bad) > 1 else ''} {', '.join(repr(b) for b in bad[:5])}"
+                    f"{' …' if len(bad) > 5 else ''} differ{'s' if len(bad) == 1 else ''} from the recorded hash"
+                    if bad else "header or padding bytes changed (every tensor matches its hash)")
+            sha_msg = ("" if sha == self._expect["sha256"] else
+                       f"; file SHA-256 {sha[:12]}… differs from the recorded {self._expect['sha256'][:12]}…")
+            raise CheckpointError(f"{self._where}: corrupt: {what}{sha_msg}")
+        self.close()
+        return self.meta
+
+
 def _rename(src, dst) -> None:
     """os.rename, in one place (tests simulate crashes here)."""
     os.rename(src, dst)
@@ -539,15 +654,9 @@ def _collection_hash(kind: str, mapping: dict, tensors: dict, digests: dict | No
     return hashing.collection_hash_from_tensor_hashes(kind, {**have, **hashing.tensor_digests(rest)})
 
 
-def load_checkpoint(path, *, verify_tensors: bool = True, contract_version: int = CONTRACT_VERSION,
-                    tokenizer_sha256: str | None = None) -> tuple[dict, dict]:
-    """Load and verify a checkpoint directory: ({name: (array, dtype_name)}, meta).
-
-    Checks meta.json (present, valid, its meta_hash, format, step = the directory's), the contract
-    version (and the tokenizer hash in meta["tokenizer_sha256"] when `tokenizer_sha256` is given),
-    every file's size and SHA-256, the safetensors header against meta's tensor list, and (unless
-    verify_tensors=False) every tensor's hash and every collection hash. CheckpointError names the
-    file and, for corrupt data, the tensor(s)."""
+def _checked_files(path: pathlib.Path, contract_version: int, tokenizer_sha256: str | None):
+    """A checkpoint directory's meta.json and file sizes, checked (load_checkpoint's first half):
+    (meta, its tensor entries, its collections, the state file's entry)."""
     path = pathlib.Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no checkpoint directory")
@@ -589,6 +698,21 @@ def load_checkpoint(path, *, verify_tensors: bool = True, contract_version: int 
         if size != want:
             how = "truncated" if size < want else "longer than written"
             raise CheckpointError(f"{fp}: {how}: {size} bytes, {META_FILE} records {want}")
+    return meta, tmeta, colls, expect
+
+
+def load_checkpoint(path, *, verify_tensors: bool = True, contract_version: int = CONTRACT_VERSION,
+                    tokenizer_sha256: str | None = None) -> tuple[dict, dict]:
+    """Load and verify a checkpoint directory: ({name: (array, dtype_name)}, meta).
+
+    Checks meta.json (present, valid, its meta_hash, format, step = the directory's), the contract
+    version (and the tokenizer hash in meta["tokenizer_sha256"] when `tokenizer_sha256` is given),
+    every file's size and SHA-256, the safetensors header against meta's tensor list, and (unless
+    verify_tensors=False) every tensor's hash and every collection hash. CheckpointError names the
+    file and, for corrupt data, the tensor(s)."""
+    path = pathlib.Path(path)
+    meta, tmeta, colls, expect = _checked_files(path, contract_version, tokenizer_sha256)
+    mp = path / META_FILE
     sp = path / STATE_FILE
     buf, sha = _read_all(sp)
     sha_ok = sha == expect["sha256"]

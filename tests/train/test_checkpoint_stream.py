@@ -152,3 +152,50 @@ def test_meta_known_at_the_end(tmp_path):
             w.write(name, t[name][0])
         two = w.finish({"params_hash": "p"})
     assert tree(one) == tree(two)
+
+
+def _read_all_pieces(path, rng=None):
+    from mlx_open1b.checkpoint import StreamedCheckpointReader
+    out = {}
+    with StreamedCheckpointReader(path) as r:
+        for name, dn, shape in r.order:
+            n = int(np.prod(shape))
+            cuts = sorted({0, n, *(rng.integers(0, n + 1, 4).tolist() if rng is not None and n else [])})
+            out[name] = np.concatenate([r.read(name, b - a) for a, b in zip(cuts, cuts[1:])] or [r.read(name, 0)])
+        meta = r.finish()
+    return out, meta
+
+
+def test_reader_streams_what_load_checkpoint_loads(tmp_path):
+    t = _tensors()
+    path = save_checkpoint(tmp_path / "run", 5, t, META)
+    want, wmeta = load_checkpoint(path)
+    got, meta = _read_all_pieces(path, np.random.default_rng(2))
+    assert meta == wmeta and sorted(got) == sorted(want)
+    for n in want:
+        assert got[n].tobytes() == want[n][0].tobytes() and got[n].dtype == want[n][0].dtype, n
+
+
+def test_reader_finds_a_flipped_bit_and_misuse(tmp_path):
+    from mlx_open1b.checkpoint import StreamedCheckpointReader
+    t = _tensors()
+    path = save_checkpoint(tmp_path / "run", 5, t, META)
+    sp = path / C.STATE_FILE
+    data = bytearray(sp.read_bytes())
+    data[-3] ^= 0x10                       # the last tensor in the file: params (bf16, after the f32s)
+    sp.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"corrupt: tensor 'params' differs from the recorded hash; file SHA-256"):
+        _read_all_pieces(path)
+    data[-3] ^= 0x10
+    sp.write_bytes(bytes(data))
+    with StreamedCheckpointReader(path) as r:
+        with pytest.raises(CheckpointError, match="read of tensor 'v' out of order: expected counts"):
+            r.read("v", 1)
+        r.read("counts", 15)
+        with pytest.raises(CheckpointError, match="tensor 'm' has 786509 elements left, 786510 asked"):
+            r.read("m", 786510)
+        with pytest.raises(CheckpointError, match="read incomplete: tensor 'm'"):
+            r.finish()
+    sp.write_bytes(bytes(data[:-1]))
+    with pytest.raises(CheckpointError, match="truncated"):
+        StreamedCheckpointReader(path)
