@@ -516,6 +516,7 @@ Q_CHUNK = 4096       # quant.cu's Q_CHUNK: elements per block of the absmax (no 
 QA_THREADS = 256     # quant.cu's QA_THREADS: threads per block of the absmax and of the rotations
 QR_COLS = 64         # quant.cu's QR_COLS: columns per block of the rotations
 GRID_Y_MAX = 65535   # CUDA's largest grid y dimension
+QW_ROWS = 4          # quant.cu's QW_ROWS: rows per block of the weight quantizer (a warp each)
 _NO_U8 = np.zeros(1, np.uint8)
 _ZERO_U32 = np.zeros(1, np.uint32)
 
@@ -536,11 +537,10 @@ def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):
     (1 clipped, 2 NaN row)."""
     q = _empty((M, K), np.int8)
     s = _empty((max(M, 1),), np.float32)
-    inv = _empty((max(M, 1),), np.float32)
     c = _empty((M, K), np.uint8) if clip else _dummy(_NO_U8)
-    _launch1d("quant.cu", "o1b_q_weight_scales", M, i64(M), i64(K), dw_, s, inv, i32(qmax))
-    _launch1d("quant.cu", "o1b_q_weight_levels", M * K, i64(M), i64(K), dw_, s, inv, q, c, i32(int(clip)),
-              i32(qmax))
+    if M > 0:
+        fn = runtime.load("quant.cu").get_function("o1b_q_weight")
+        fn((-(-M // QW_ROWS),), (32 * QW_ROWS,), (i64(M), i64(K), dw_, s, q, c, i32(int(clip)), i32(qmax)))
     return q, s, c
 
 

@@ -12,7 +12,8 @@
  *               the tensor cores (imma.cuh)
  *   Hadamard:   in-place butterflies along rows, blocks of QB = 128 rows, stages h = 1, 2, ..., 64
  *               (fp32 add/sub, or exact int32)
- * One thread per output for the weight quantizer and the levels; the per-tensor absmax in one launch
+ * One warp per row for the weight quantizer (its ordered sum in one lane), one thread per output
+ * for the levels; the per-tensor absmax in one launch
  * (each block's largest |v| by a tree of maxes, the last block to finish folds the blocks' partials
  * with another tree and writes the scale: a max is exact in any order); the rotation one warp per 8
  * columns of a block of QB rows (each lane 32 rows: stages h = 1 ... 16 in its registers, h = 32 and
@@ -39,6 +40,7 @@
 #define QA_THREADS 256            /* threads per block of the absmax and of the rotations */
 #define QR_VALS 32                /* rotation: values per lane, rows 32s ... 32s + 31 of its block */
 #define QR_COLS 64                /* rotation: columns per block (8 warps of 8 columns x 4 lanes) */
+#define QW_ROWS 4                 /* weight quantizer: rows per block, one warp each */
 #define QT_TILE 32                /* transposed levels: tile side, threads per row of a block */
 #define QT_ROWS 8                 /* transposed levels: rows of threads per block */
 #define GI_BM 128                 /* int8 GEMM: rows of A (and of C) per block */
@@ -62,35 +64,47 @@ __device__ __forceinline__ float o1b_q_coef(int qmax) {
     return qmax == QMAX4 ? QW_COEF4 : qmax == QMAX6 ? QW_COEF6 : QW_COEF;
 }
 
-/* ------------------------------------------------------------------ weight step sizes */
-/* s[j] (stored) per row; inv[j] = div(1, s_w[j]) where the row is finite (unused otherwise). */
-extern "C" __global__ void o1b_q_weight_scales(i64 M, i64 K, const bf16 *w, float *s, float *inv, int qmax) {
-    i64 j = o1b_gid();
-    if (j >= M) return;
-    const bf16 *row = w + j * K;
-    float S = 0.0f;
-    for (i64 k = 0; k < K; k++) S = o1b_add(S, o1b_from_bits(o1b_abs_bits(o1b_bf16_to_f32(row[k]))));
-    float sj = o1b_q_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int)K)), o1b_q_coef(qmax)) : o1b_nan();
-    bool finite_nonzero = !o1b_isnan(sj) && sj != 0.0f;
-    inv[j] = finite_nonzero ? o1b_div(1.0f, sj) : 0.0f;
-    s[j] = o1b_store(sj);
+/* ------------------------------------------------------------------ weight step sizes and levels */
+/* Row j's levels q[k] and (if has_clip) clip flags clip[k] from its step sj (stored) and
+ * inv = div(1, sj) where sj is finite and nonzero: clip 1 where |t| > qmax, 2 on every element of a
+ * NaN-step row, q = 0 where sj is +0 or NaN. Elements k = first, first + stride, ... */
+__device__ __forceinline__ void o1b_q_weight_row(i64 K, const bf16 *row, float sj, float inv, i8 *q,
+                                                 unsigned char *clip, int has_clip, int qmax, int first,
+                                                 int stride) {
+    bool none = o1b_isnan(sj) || sj == 0.0f;
+    for (i64 k = first; k < K; k += stride) {
+        if (none) {
+            q[k] = 0;
+            if (has_clip) clip[k] = o1b_isnan(sj) ? 2 : 0;
+            continue;
+        }
+        float t = o1b_mul(o1b_bf16_to_f32(row[k]), inv);
+        q[k] = o1b_level(t, qmax);
+        if (has_clip) clip[k] = o1b_abs_bits(t) > o1b_bits(o1b_q_maxf(qmax)) ? 1 : 0;
+    }
 }
 
-/* q[j,k] and (if has_clip) clip[j,k]: 1 where |t| > qmax, 2 on every element of a NaN-scale row. */
-extern "C" __global__ void o1b_q_weight_levels(i64 M, i64 K, const bf16 *w, const float *s, const float *inv,
-                                               i8 *q, unsigned char *clip, int has_clip, int qmax) {
-    i64 i = o1b_gid();
-    if (i >= M * K) return;
-    i64 j = i / K;
-    float sj = s[j];
-    if (o1b_isnan(sj) || sj == 0.0f) {
-        q[i] = 0;
-        if (has_clip) clip[i] = o1b_isnan(sj) ? 2 : 0;
-        return;
+/* s[j] (stored), q[j, :] and (if has_clip) clip[j, :], one warp per row j (QW_ROWS rows per block):
+ * lane 0 sums the row in the contract's order (k ascending) and makes its step, the warp's lanes
+ * write the row's levels (consecutive lanes, consecutive elements). */
+extern "C" __global__ void __launch_bounds__(32 * QW_ROWS)
+o1b_q_weight(i64 M, i64 K, const bf16 *w, float *s, i8 *q, unsigned char *clip, int has_clip, int qmax) {
+    int lane = (int)threadIdx.x & 31;
+    i64 j = (i64)blockIdx.x * QW_ROWS + ((int)threadIdx.x >> 5);
+    if (j >= M) return;                          /* the whole warp: j is the warp's */
+    const bf16 *row = w + j * K;
+    float sj = 0.0f, inv = 0.0f;
+    if (lane == 0) {
+        float S = 0.0f;
+        for (i64 k = 0; k < K; k++) S = o1b_add(S, o1b_from_bits(o1b_abs_bits(o1b_bf16_to_f32(row[k]))));
+        float v = o1b_q_finite(S) ? o1b_mul(o1b_div(S, o1b_i2f((int)K)), o1b_q_coef(qmax)) : o1b_nan();
+        inv = (!o1b_isnan(v) && v != 0.0f) ? o1b_div(1.0f, v) : 0.0f;
+        sj = o1b_store(v);
+        s[j] = sj;
     }
-    float t = o1b_mul(o1b_bf16_to_f32(w[i]), inv[j]);
-    q[i] = o1b_level(t, qmax);
-    if (has_clip) clip[i] = o1b_abs_bits(t) > o1b_bits(o1b_q_maxf(qmax)) ? 1 : 0;
+    sj = __shfl_sync(0xFFFFFFFFu, sj, 0);
+    inv = __shfl_sync(0xFFFFFFFFu, inv, 0);
+    o1b_q_weight_row(K, row, sj, inv, q + j * K, has_clip ? clip + j * K : clip, has_clip, qmax, lane, 32);
 }
 
 /* ------------------------------------------------------------------ per-tensor quantization */
@@ -347,10 +361,16 @@ __device__ __forceinline__ void o1b_gemm_i8_tile(i64 I, i64 J, i64 P, const i8 *
                 for (int ni = 0; ni < GI_NI; ni++) o1b_mma_s8_16x8x32(acc[mi][ni], fa[mi][s], &fb[ni][2 * s]);
         __syncthreads();
     }
+    /* unrolled: the accumulators stay in registers (an epilogue's loop indexing them would move them
+     * all to local memory) */
+#pragma unroll
     for (int mi = 0; mi < GI_MI; mi++)
+#pragma unroll
         for (int ni = 0; ni < GI_NI; ni++)
+#pragma unroll
             for (int c = 0; c < 4; c++) {
-                i64 i = i0 + 16 * GI_MI * wm + 16 * mi + g + 8 * (c >> 1), j = j0 + 8 * GI_NI * wn + 8 * ni + 2 * t + (c & 1);
+                i64 i = i0 + 16 * GI_MI * wm + 16 * mi + g + 8 * (c >> 1);
+                i64 j = j0 + 8 * GI_NI * wn + 8 * ni + 2 * t + (c & 1);
                 if (i < I && j < J) out.put(i, j, J, acc[mi][ni][c]);
             }
 }

@@ -107,8 +107,9 @@ def quant_levels(gpu, v, s, qmax):
     """The level kernel with given scales: row r of v (fp32, K per row) quantized with step s[r]
     -> q (rows, K) int8, clip (rows, K) uint8 and the values the clip flags were computed from.
     Metal's quant_apply kernel does both from fp32 values; on cuda the levels come from
-    o1b_q_tensor_levels (fp32 values, one row at a time) and the clip flags from
-    o1b_q_weight_levels, which reads bf16 weights: the values rounded to bf16."""
+    o1b_q_tensor_levels (fp32 values, one row at a time) and the clip flags from the weight
+    quantizer's row levels (quant.cu's o1b_q_weight_row, in a kernel taking the steps given), which
+    read bf16 weights: the values rounded to bf16."""
     K = v.size
     vv = np.tile(v, s.size)
     if gpu.NAME == "metal":
@@ -126,9 +127,20 @@ def quant_levels(gpu, v, s, qmax):
     w = f32_to_bf16(vv).reshape(s.size, K)
     M = s.size
     qw, clip = gpu._empty((M, K), np.int8), gpu._empty((M, K), np.uint8)
-    gpu._launch1d("quant.cu", "o1b_q_weight_levels", M * K, np.int64(M), np.int64(K), gpu._dev(w), gpu._dev(s),
-                  gpu._dev(inv), qw, clip, np.int32(1), np.int32(qmax))
+    from mlx_open1b.cuda import runtime as cuda_runtime
+    mod = cuda_runtime.CudaModule(cuda_runtime.read_source("quant.cu") + WEIGHT_ROW_SRC, name="quant.cu + test")
+    mod.get_function("test_weight_rows")((M,), (32,), (np.int64(K), gpu._dev(w), gpu._dev(s), gpu._dev(inv), qw, clip,
+                                                       np.int32(qmax)))
     return np.stack(rows), gpu._host(clip), C.bf16_to_f32(w[0])
+
+
+WEIGHT_ROW_SRC = """
+extern "C" __global__ void test_weight_rows(i64 K, const bf16 *w, const float *s, const float *inv, i8 *q,
+                                            unsigned char *clip, int qmax) {
+    i64 j = blockIdx.x;
+    o1b_q_weight_row(K, w + j * K, s[j], inv[j], q + j * K, clip + j * K, 1, qmax, (int)threadIdx.x, 32);
+}
+"""
 
 
 def rotate_i8(gpu, q):
