@@ -45,11 +45,12 @@
 #define ATTN_ROWS 64
 #define ATTN_SHARED 49152                     /* bytes of static shared memory a block may hold */
 #define ATTN_SLOT_BYTES (4 * 8)               /* the guard keys of a staged tile, one int per warp (<= 8) */
-/* the largest power of two <= 64 of tile rows costing `per` bytes each that fits ATTN_SHARED */
-#define ATTN_FIT(per) ((64 * (per) <= ATTN_SHARED) ? 64 : (32 * (per) <= ATTN_SHARED) ? 32 \
-                       : (16 * (per) <= ATTN_SHARED) ? 16 : 8)
-/* dq: keys per tile (k and v rows bf16, p and dp of 64 query rows) */
-#define ATTN_DQ_TILE ATTN_FIT(4 * ATTN_D + 2 * 4 * ATTN_ROWS)
+/* The backward's tiles: the largest power of two <= 64 of rows costing `per` bytes each that fits
+ * ATTN_SHARED beside the guard slots, 8 at least (above that D the kernel does not compile). */
+/* dq: keys per tile (k rows fp32, v rows bf16, p and dp of 64 query rows), beside the guard slots */
+#define ATTN_DQ_PER (6 * ATTN_D + 2 * 4 * ATTN_ROWS)
+#define ATTN_DQ_TILE ((ATTN_SLOT_BYTES + 64 * ATTN_DQ_PER <= ATTN_SHARED) ? 64                                \
+    : (ATTN_SLOT_BYTES + 32 * ATTN_DQ_PER <= ATTN_SHARED) ? 32 : (ATTN_SLOT_BYTES + 16 * ATTN_DQ_PER <= ATTN_SHARED) ? 16 : 8)
 /* dk/dv: queries per tile (q bf16 and dout fp32 rows, lse, Di, p and dp of 64 key rows), beside the
  * warps' guard slots; 8 rows at least (the head-dim limit: cuda/ops.py ATTN_MAX_HEAD_DIM) */
 #define ATTN_DKV_PER (6 * ATTN_D + 8 + 2 * 4 * ATTN_ROWS)
@@ -62,12 +63,12 @@
 #define ATTN_FIT_KEYS(per, fixed) ((fixed) + 64 * (per) <= ATTN_SHARED ? 64 : (fixed) + 32 * (per) <= ATTN_SHARED ? 32 \
     : (fixed) + 16 * (per) <= ATTN_SHARED ? 16 : (fixed) + 8 * (per) <= ATTN_SHARED ? 8                         \
     : (fixed) + 4 * (per) <= ATTN_SHARED ? 4 : (fixed) + 2 * (per) <= ATTN_SHARED ? 2 : 1)
-/* bf16: k (then v) rows bf16; the fixed tile is S (fp32 scores of 64 rows x 64 keys) */
+/* bf16: k (then v) rows widened to fp32; the fixed tile is S (fp32 scores of 64 rows x 64 keys) */
 #define ATTN_FWD_FIXED (4 * ATTN_ROWS * ATTN_BLOCK + ATTN_SLOT_BYTES)
-#define ATTN_FWD_TILE ATTN_FIT_KEYS(2 * ATTN_D, ATTN_FWD_FIXED)
-/* int8: k rows bf16 and q_v rows int8; fixed: S, s_v of the block (fp32), q_p (int8, 64 x 64) */
+#define ATTN_FWD_TILE ATTN_FIT_KEYS(4 * ATTN_D, ATTN_FWD_FIXED)
+/* int8: k rows fp32 and q_v rows int8; fixed: S, s_v of the block (fp32), q_p (int8, 64 x 64) */
 #define ATTN_I8_FIXED (4 * ATTN_ROWS * ATTN_BLOCK + 4 * ATTN_BLOCK + ATTN_ROWS * ATTN_BLOCK + ATTN_SLOT_BYTES)
-#define ATTN_I8_TILE ATTN_FIT_KEYS(3 * ATTN_D, ATTN_I8_FIXED)
+#define ATTN_I8_TILE ATTN_FIT_KEYS(5 * ATTN_D, ATTN_I8_FIXED)
 #define ATTN_NW ((ATTN_D + 1) / 2)            /* words of a bf16 row packed two to a word */
 #define ATTN_NC ((ATTN_D + 1) / 2)            /* forward: columns per part, d = part ATTN_NC + c */
 /* dq and dk/dv: four parts per row (ATTN_BNT = 256 threads), so that a thread holding a whole fp32
@@ -242,6 +243,18 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, i64 step,
     }
 }
 
+/* the same into fp32 rows, widened by §2 (flushed): the partners of fused steps (no unpacking in the
+ * inner loops) and of the checked ones alike */
+__device__ __forceinline__ void stage_f32(float *dst, const bf16 *src, i64 step, i64 r0, int n, i64 last,
+                                          int nthreads, int &lo, int &hi) {
+    for (int e = threadIdx.x; e < n * ATTN_D; e += nthreads) {
+        int rr = e / ATTN_D, d = e % ATTN_D;
+        const bf16 x = r0 + rr <= last ? src[(r0 + rr) * step + d] : (bf16)0;
+        dst[e] = o1b_bf16_to_f32(x);
+        lo = imin32(lo, o1b_key_lo((u32)x << 16)); hi = imax32(hi, o1b_key_hi((u32)x << 16));
+    }
+}
+
 /* The forward of one query block, both precisions (I8: the §6.10 block product from qv, sv). The
  * block's keys are staged FT at a time (a power of two dividing 64): k for the scores, then v (or
  * q_v) for the block product, whose per-column sums run over the sub-tiles in key order. A part owns
@@ -253,7 +266,7 @@ template <bool I8, int FT>
 __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float scale, const bf16 *q,
                                               const bf16 *k, const bf16 *v, const signed char *qv,
                                               const float *sv, float *o, float *lse,
-                                              bf16 *Ks, float *S, signed char *QV, float *SV, signed char *QP,
+                                              float *Ks, float *S, signed char *QV, float *SV, signed char *QP,
                                               int *SLOT) {
     const int t = threadIdx.x, rr = t % ATTN_ROWS, part = t / ATTN_ROWS;
     const int half = (FT + 1) / 2;                          /* a part's share of a sub-tile's keys */
@@ -289,7 +302,7 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
 #pragma unroll
         for (int s0 = 0; s0 < ATTN_BLOCK; s0 += FT) {
             int lo = 255, hi = 0;
-            stage_bf16(Ks, kg, kstep, kbase + s0, FT, ilast, ATTN_NT, lo, hi);
+            stage_f32(Ks, kg, kstep, kbase + s0, FT, ilast, ATTN_NT, lo, hi);
             keys_to_slot(lo, hi, 255, SLOT);
             __syncthreads();
             if (visit) {
@@ -302,18 +315,18 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
                     int jj = ja;
                     for (; jj + ATTN_NB - 1 <= jb; jj += ATTN_NB) {
                         float d4[ATTN_NB];
-                        dots_fast<ATTN_NB, false, false, true>(qw, Ks + (jj - s0) * ATTN_D, ATTN_D, d4);
+                        dots_fast<ATTN_NB, false, true, true>(qw, Ks + (jj - s0) * ATTN_D, ATTN_D, d4);
 #pragma unroll
                         for (int n = 0; n < ATTN_NB; n++) S[ATTN_CELL(rr, jj + n, ATTN_BLOCK)] = o1b_mul_inl(d4[n], sc);
                     }
                     for (; jj <= jb; jj++) {
                         float d1[1];
-                        dots_fast<1, false, false, true>(qw, Ks + (jj - s0) * ATTN_D, ATTN_D, d1);
+                        dots_fast<1, false, true, true>(qw, Ks + (jj - s0) * ATTN_D, ATTN_D, d1);
                         S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul_inl(d1[0], sc);
                     }
                 } else {
                     for (int jj = ja; jj <= jb; jj++)
-                        S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul(dot_packed(qw, Ks + (jj - s0) * ATTN_D), sc);
+                        S[ATTN_CELL(rr, jj, ATTN_BLOCK)] = o1b_mul(dot_packed_f32(qw, Ks + (jj - s0) * ATTN_D), sc);
                 }
             }
             __syncthreads();
@@ -321,7 +334,7 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
         /* the scores are done with k: the first sub-tile of v (or q_v) */
         {
             int lo = 255, hi = 0;
-            if (!I8) stage_bf16(Ks, vg, kstep, kbase, FT, ilast, ATTN_NT, lo, hi);
+            if (!I8) stage_f32(Ks, vg, kstep, kbase, FT, ilast, ATTN_NT, lo, hi);
             else
                 for (int e = t; e < FT * ATTN_D; e += ATTN_NT) {
                     int jj = e / ATTN_D, d = e % ATTN_D;
@@ -379,7 +392,7 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
             if (s0 > 0) {
                 __syncthreads();                            /* the previous sub-tile read */
                 int lo = 255, hi = 0;
-                if (!I8) stage_bf16(Ks, vg, kstep, kbase + s0, FT, ilast, ATTN_NT, lo, hi);
+                if (!I8) stage_f32(Ks, vg, kstep, kbase + s0, FT, ilast, ATTN_NT, lo, hi);
                 else
                     for (int e = t; e < FT * ATTN_D; e += ATTN_NT) {
                         int jj = e / ATTN_D, d = e % ATTN_D;
@@ -393,26 +406,24 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
             if (visit && !I8) {
                 int vlo, unused, unused2;
                 keys_from_slots(SLOT, ATTN_NT / 32, vlo, unused, unused2);
-                constexpr int VA = ATTN_VC(ATTN_NC);
+                constexpr int VA = ATTN_VCF(ATTN_NC);
                 for (int jj = j0; jj <= j1; jj++) {
                     const float pj = S[ATTN_CELL(rr, jj, ATTN_BLOCK)];
-                    const bf16 *vr = Ks + (jj - s0) * ATTN_D + cbase;
+                    const float *vr = Ks + (jj - s0) * ATTN_D + cbase;
                     if (o1b_key_lo(__float_as_uint(pj)) + vlo >= 128) {
 #pragma unroll
                         for (int c0v = 0; c0v < ATTN_NC; c0v += VA) {
-                            u32 w[(VA + 1) / 2];
-                            if (ATTN_D % 2 == 0 || cbase + c0v < ATTN_D) ld_bf16<VA>(vr + c0v, w);
+                            u32 w[VA];
+                            if (ATTN_D % 2 == 0 || cbase + c0v < ATTN_D) ld_f32<VA>(vr + c0v, w);
 #pragma unroll
                             for (int e = 0; e < VA; e++)
                                 if (ATTN_D % 2 == 0 || cbase + c0v + e < ATTN_D)
-                                    pv[c0v + e] = o1b_add_ftz(pv[c0v + e],
-                                                              o1b_mul_ftz(pj, __uint_as_float(bf16_bits<VA>(w, e))));
+                                    pv[c0v + e] = o1b_add_ftz(pv[c0v + e], o1b_mul_ftz(pj, __uint_as_float(w[e])));
                         }
                     } else {
 #pragma unroll
                         for (int c = 0; c < ATTN_NC; c++)
-                            if (ATTN_D % 2 == 0 || cbase + c < ATTN_D)
-                                pv[c] = o1b_add(pv[c], o1b_mul(pj, o1b_bf16_to_f32(vr[c])));
+                            if (ATTN_D % 2 == 0 || cbase + c < ATTN_D) pv[c] = o1b_add(pv[c], o1b_mul(pj, vr[c]));
                     }
                 }
             }
@@ -454,7 +465,7 @@ __device__ __forceinline__ void forward_block(i64 T, i64 H, i64 G, i64 W, float 
 extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64 W, float scale,
                                                  const bf16 *q, const bf16 *k, const bf16 *v,
                                                  float *o, float *lse) {
-    __shared__ __align__(16) bf16 Ks[ATTN_FWD_TILE * ATTN_D];   /* k of a sub-tile, then its v */
+    __shared__ __align__(16) float Ks[ATTN_FWD_TILE * ATTN_D];  /* k of a sub-tile, then its v (fp32) */
     __shared__ float S[ATTN_ROWS * ATTN_BLOCK];             /* scores, then p */
     __shared__ int SLOT[ATTN_NT / 32];                      /* the staged sub-tile's guard keys per warp */
     forward_block<false, ATTN_FWD_TILE>(T, H, G, W, scale, q, k, v, 0, 0, o, lse, Ks, S, 0, 0, 0, SLOT);
@@ -468,7 +479,7 @@ extern "C" __global__ void o1b_attention_forward(i64 B, i64 T, i64 H, i64 G, i64
 extern "C" __global__ void o1b_attention_forward_i8(i64 B, i64 T, i64 H, i64 G, i64 W, float scale,
                                                     const bf16 *q, const bf16 *k, const signed char *qv,
                                                     const float *sv, float *o, float *lse) {
-    __shared__ __align__(16) bf16 Ks[ATTN_I8_TILE * ATTN_D];
+    __shared__ __align__(16) float Ks[ATTN_I8_TILE * ATTN_D];
     __shared__ float S[ATTN_ROWS * ATTN_BLOCK];
     __shared__ signed char QV[ATTN_I8_TILE * ATTN_D];
     __shared__ float SV[ATTN_BLOCK];
@@ -523,7 +534,7 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
                                             const float *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                                             const float *lse, const float *Di, float *dq) {
     const int NK = ATTN_DQ_TILE;
-    __shared__ __align__(16) bf16 Ks[NK * ATTN_D];
+    __shared__ __align__(16) float Ks[NK * ATTN_D];   /* widened (fp32): no unpacking in the inner loops */
     __shared__ __align__(16) bf16 Vs[NK * ATTN_D];
     __shared__ float P[ATTN_ROWS * NK], DP[ATTN_ROWS * NK];
     __shared__ int SLOT[ATTN_BNT / 32];
@@ -558,7 +569,7 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
         const int c0 = (int)(imax(j0, jlo) - j0), c1 = (int)(imin(j0 + NK - 1, i) - j0);
         {
             int klo = 255, khi = 0, vlo = 255, vhi = 0;
-            stage_bf16(Ks, kg, G * ATTN_D, j0, NK, ilast, ATTN_BNT, klo, khi);
+            stage_f32(Ks, kg, G * ATTN_D, j0, NK, ilast, ATTN_BNT, klo, khi);
             stage_bf16(Vs, vg, G * ATTN_D, j0, NK, ilast, ATTN_BNT, vlo, vhi);
             keys_to_slot(klo, khi, vlo, SLOT);
         }
@@ -572,7 +583,7 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
                 int jj = ja;
                 for (; jj + 2 * (ATTN_NB - 1) <= jb; jj += 2 * ATTN_NB) {
                     float d4[ATTN_NB];
-                    if (!dp_role) dots_fast<ATTN_NB, false, false, true>(mine, Ks + jj * ATTN_D, 2 * ATTN_D, d4);
+                    if (!dp_role) dots_fast<ATTN_NB, false, true, true>(mine, Ks + jj * ATTN_D, 2 * ATTN_D, d4);
                     else dots_fast<ATTN_NB, true, false, false>(drow, Vs + jj * ATTN_D, 2 * ATTN_D, d4);
 #pragma unroll
                     for (int n = 0; n < ATTN_NB; n++) {
@@ -583,7 +594,7 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
                 for (; jj <= jb; jj += 2) {
                     float d1[1];
                     if (!dp_role) {
-                        dots_fast<1, false, false, true>(mine, Ks + jj * ATTN_D, ATTN_D, d1);
+                        dots_fast<1, false, true, true>(mine, Ks + jj * ATTN_D, ATTN_D, d1);
                         P[ATTN_CELL(rr, jj, NK)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(d1[0], sc), li));
                     } else {
                         dots_fast<1, true, false, false>(drow, Vs + jj * ATTN_D, ATTN_D, d1);
@@ -593,7 +604,7 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
             } else {
                 for (int jj = ja; jj <= jb; jj += 2) {
                     if (!dp_role)
-                        P[ATTN_CELL(rr, jj, NK)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(dot_packed(mine, Ks + jj * ATTN_D), sc), li));
+                        P[ATTN_CELL(rr, jj, NK)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(dot_packed_f32(mine, Ks + jj * ATTN_D), sc), li));
                     else
                         DP[ATTN_CELL(rr, jj, NK)] = dot_load_bf16(dout + base, Vs + jj * ATTN_D);
                 }
@@ -601,24 +612,24 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
         }
         __syncthreads();
         if (row) {
-            constexpr int VA = ATTN_VC(ATTN_BNC);
+            constexpr int VA = ATTN_VCF(ATTN_BNC);
             for (int jj = c0; jj <= c1; jj++) {
                 const float ds = o1b_mul_inl(P[ATTN_CELL(rr, jj, NK)], o1b_sub(DP[ATTN_CELL(rr, jj, NK)], di));
-                const bf16 *kr = Ks + jj * ATTN_D + cbase;
+                const float *kr = Ks + jj * ATTN_D + cbase;
                 if (o1b_key_lo(__float_as_uint(ds)) + klo >= 128) {
 #pragma unroll
                     for (int c0v = 0; c0v < ATTN_BNC; c0v += VA) {
-                        u32 w[(VA + 1) / 2];
-                        if (cbase + c0v < ATTN_D) ld_bf16<VA>(kr + c0v, w);
+                        u32 w[VA];
+                        if (cbase + c0v < ATTN_D) ld_f32<VA>(kr + c0v, w);
 #pragma unroll
                         for (int e = 0; e < VA; e++)
                             if (cbase + c0v + e < ATTN_D)
-                                acc[c0v + e] = o1b_add_ftz(acc[c0v + e], o1b_mul_ftz(ds, __uint_as_float(bf16_bits<VA>(w, e))));
+                                acc[c0v + e] = o1b_add_ftz(acc[c0v + e], o1b_mul_ftz(ds, __uint_as_float(w[e])));
                     }
                 } else {
 #pragma unroll
                     for (int c = 0; c < ATTN_BNC; c++)
-                        if (cbase + c < ATTN_D) acc[c] = o1b_add(acc[c], o1b_mul(ds, o1b_bf16_to_f32(kr[c])));
+                        if (cbase + c < ATTN_D) acc[c] = o1b_add(acc[c], o1b_mul(ds, kr[c]));
                 }
             }
         }
