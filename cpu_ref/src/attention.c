@@ -19,6 +19,9 @@
  * the block's dot products run on SIMD lanes, one row per lane, each still summed d-ascending
  * (vmath.c's dots_t, contract.h's bits); the sums over d of the outputs (p v, ds k, ...) run
  * across d on lanes the same way (axpy), and the exps of a block on lanes (exp_sub).
+ * Where the machine has a hardware flush mode, whole rows run in vmath.c's attention rows instead
+ * (the same sums in the same order, bare adds under FTZ/DAZ); a row in which a product rounds to
+ * exactly 2^-126 comes back and is computed here. The arrays they read are padded for them.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -123,12 +126,14 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     fwd_args *a = (fwd_args *)ctx;
     const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
     const size_t Dn = (size_t)(D > 0 ? D : 1);
-    float *acc = malloc(2 * Dn * sizeof(float) + Dn * sizeof(int32_t));
+    float *acc = malloc((2 * Dn + O1B_VATTN_PAD) * sizeof(float) + Dn * sizeof(int32_t));
     if (!acc) { atomic_store(&a->failed, 1); return; }
-    float *pv = acc + D;
+    float *pv = acc + D + O1B_VATTN_PAD;
     int32_t *iacc = (int32_t *)(pv + D);
     float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
     const o1b_vkernels *vk = o1b_vkernels_now();
+    int fast = vk->attn_fwd_row && !a->qv;
+    o1b_fpmode mode = fast ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
     int8_t qp[O1B_ATTN_BK];
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
@@ -136,6 +141,9 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         const float *kt = a->kt + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
         const int8_t *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
         const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
+        if (fast && vk->attn_fwd_row(i, first_key(i, W), T, D, a->scale, q, kt, v, acc,
+                                     a->o + ((b * T + i) * H + h) * D, a->lse + r))
+            continue;
         float m = -INFINITY, l = 0.0f;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         int64_t jlo = first_key(i, W);
@@ -170,6 +178,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         for (int64_t d = 0; d < D; d++) o[d] = o1b_store(o1b_mul(acc[d], inv));
         a->lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
     }
+    o1b_fpmode_restore(mode);
     free(acc);
 }
 
@@ -184,7 +193,7 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
                                   float *lse) {   /* (B, H, T) m + log(l), for the backward */
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
-    float *qh = malloc((nq + 3 * nk + 1) * sizeof(float));
+    float *qh = calloc(nq + 3 * nk + O1B_VATTN_PAD, sizeof(float));   /* zero padding past kt */
     if (!qh) return -1;
     float *kh = qh + nq, *vh = kh + nk, *kt = vh + nk;
     to_head_major(q, NULL, B, T, H, D, qh);
@@ -251,7 +260,8 @@ typedef struct {
     const float *qt, *kt, *vt, *dout_t;  /* the same transposed: (B,H,D,T), (B,G,D,T), ... */
     const float *o;                  /* (B,T,H,D) as given */
     const float *lse;                /* (B,H,T) as given (loaded with o1b_load) */
-    float *Di;                       /* (B,H,T) sum_d dout*o */
+    const float *lse_p;              /* (B,H,T) the same loaded, with O1B_VATTN_PAD floats after */
+    float *Di;                       /* (B,H,T) sum_d dout*o, with O1B_VATTN_PAD floats after */
     float *dq, *dk, *dv;             /* (B,T,H,D), (B,T,G,D), (B,T,G,D) */
     atomic_int failed;
 } bwd_args;
@@ -280,16 +290,20 @@ static void di_range(void *ctx, int64_t lo, int64_t hi) {
 static void dq_range(void *ctx, int64_t lo, int64_t hi) {
     bwd_args *a = (bwd_args *)ctx;
     const int64_t T = a->T, H = a->H, D = a->D, rep = a->H / a->G;
-    float *acc = malloc((size_t)(D > 0 ? D : 1) * sizeof(float));
+    float *acc = malloc((size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
     if (!acc) { atomic_store(&a->failed, 1); return; }
     float s[CHUNK], dp[CHUNK], pb[CHUNK];
     const o1b_vkernels *vk = o1b_vkernels_now();
+    o1b_fpmode mode = vk->attn_dq_row ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
     for (int64_t r = lo; r < hi; r++) {
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         const float *q = a->q + r * D, *dout = a->dout + r * D;
         const float *k = a->k + (b * a->G + g) * T * D;
         const float *kt = a->kt + (b * a->G + g) * T * D, *vt = a->vt + (b * a->G + g) * T * D;
         float lse = o1b_load(a->lse[r]), Di = a->Di[r];
+        if (vk->attn_dq_row && vk->attn_dq_row(i, first_key(i, a->W), T, D, a->scale, lse, Di, q, dout,
+                                               kt, vt, k, acc, a->dq + ((b * T + i) * H + h) * D))
+            continue;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         for (int64_t j0 = first_key(i, a->W); j0 <= i; j0 += CHUNK) {
             int64_t n = imin(CHUNK, i + 1 - j0);
@@ -305,6 +319,7 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
         float *dq = a->dq + ((b * T + i) * H + h) * D;
         for (int64_t d = 0; d < D; d++) dq[d] = o1b_store(o1b_mul(acc[d], a->scale));
     }
+    o1b_fpmode_restore(mode);
     free(acc);
 }
 
@@ -314,14 +329,23 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
 static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
     bwd_args *a = (bwd_args *)ctx;
     const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G;
-    float *dk_acc = malloc(2 * (size_t)(D > 0 ? D : 1) * sizeof(float));
+    float *dk_acc = malloc(2 * (size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
     if (!dk_acc) { atomic_store(&a->failed, 1); return; }
     float *dv_acc = dk_acc + D;
     float s[CHUNK], dp[CHUNK], pb[CHUNK];
     const o1b_vkernels *vk = o1b_vkernels_now();
+    o1b_fpmode mode = vk->attn_dkv_row ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
     for (int64_t r = lo; r < hi; r++) {
         int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
         const float *kj = a->k + r * D, *vj = a->v + r * D;
+        if (vk->attn_dkv_row) {
+            int64_t row0 = (b * a->H + g * rep) * T;      /* query row (b, first head of the group, 0) */
+            if (vk->attn_dkv_row(j, last_query(j, T, a->W), T, D, rep, a->scale, kj, vj,
+                                 a->qt + row0 * D, a->dout_t + row0 * D, a->q + row0 * D,
+                                 a->dout + row0 * D, a->lse_p + row0, a->Di + row0, dk_acc,
+                                 a->dk + ((b * T + j) * G + g) * D, a->dv + ((b * T + j) * G + g) * D))
+                continue;
+        }
         for (int64_t d = 0; d < D; d++) { dk_acc[d] = 0.0f; dv_acc[d] = 0.0f; }
         int64_t ilast = last_query(j, T, a->W);
         for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
@@ -350,6 +374,7 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
             dv[d] = o1b_store(dv_acc[d]);
         }
     }
+    o1b_fpmode_restore(mode);
     free(dk_acc);
 }
 
@@ -367,10 +392,14 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
                                    float *dv) {       /* (B, T, G, D) */
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D), nr = (size_t)(B * H * T);
-    float *qh = malloc((4 * nq + 4 * nk + nr + 1) * sizeof(float));
+    /* the SIMD rows read up to O1B_VATTN_PAD floats past an array: each one here is followed by
+     * another or by zero padding */
+    float *qh = calloc(4 * nq + 4 * nk + 2 * nr + 3 * O1B_VATTN_PAD, sizeof(float));
     if (!qh) return -1;
     float *gh = qh + nq, *kh = gh + nq, *vh = kh + nk, *Di = vh + nk;
-    float *qt = Di + nr, *gt = qt + nq, *kt = gt + nq, *vt = kt + nk;
+    float *lse_p = Di + nr + O1B_VATTN_PAD;
+    float *qt = lse_p + nr + O1B_VATTN_PAD, *gt = qt + nq, *kt = gt + nq, *vt = kt + nk;
+    for (size_t r = 0; r < nr; r++) lse_p[r] = o1b_load(lse[r]);
     to_head_major(q, NULL, B, T, H, D, qh);
     to_head_major(NULL, dout, B, T, H, D, gh);
     to_head_major(k, NULL, B, T, G, D, kh);
@@ -379,7 +408,7 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
     to_transposed(gh, B * H, T, D, gt);
     to_transposed(kh, B * G, T, D, kt);
     to_transposed(vh, B * G, T, D, vt);
-    bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, qt, kt, vt, gt, o, lse, Di,
+    bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, qt, kt, vt, gt, o, lse, lse_p, Di,
                   dq, dk, dv, 0};
     o1b_parallel_for(B * H * T, 1 + 4096 / (1 + D), di_range, &a);
     int64_t grain = 1 + (1 << 16) / (1 + T * D);

@@ -304,12 +304,19 @@ static void axpy_s(int64_t n, float a, const float *x, float *y) { axpy_scalar(0
 static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out) {
     dots_t_scalar(0, n, D, x, rows_t, ld, out);
 }
+/* The attention rows need the hardware flush mode (x86 and arm64 have it). */
+#if defined(O1B_VM_X86) || defined(__aarch64__)
+#define O1B_ATTN_ROWS(s) attn_fwd_row_##s, attn_dq_row_##s, attn_dkv_row_##s
+#else
+#define O1B_ATTN_ROWS(s) NULL, NULL, NULL
+#endif
 const o1b_vkernels *o1b_vkernels_now(void) {
-    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s};
-    static const o1b_vkernels portable = {exp_sub_portable, axpy_portable, dots_t_portable};
+    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s, NULL, NULL, NULL};
+    static const o1b_vkernels portable = {exp_sub_portable, axpy_portable, dots_t_portable,
+                                          O1B_ATTN_ROWS(portable)};
 #if defined(O1B_VM_X86)
-    static const o1b_vkernels avx2 = {exp_sub_avx2, axpy_avx2, dots_t_avx2};
-    static const o1b_vkernels avx512 = {exp_sub_avx512, axpy_avx512, dots_t_avx512};
+    static const o1b_vkernels avx2 = {exp_sub_avx2, axpy_avx2, dots_t_avx2, O1B_ATTN_ROWS(avx2)};
+    static const o1b_vkernels avx512 = {exp_sub_avx512, axpy_avx512, dots_t_avx512, O1B_ATTN_ROWS(avx512)};
     if (!g_vmath) return &scalar;
     int level = o1b_simd_level();
     return level >= 2 ? &avx512 : level >= 1 ? &avx2 : &portable;
@@ -865,6 +872,233 @@ static O1B_TGT void FN(rms_dg_row)(int64_t n, const float *dy, const float *x, f
         else FN(put)(acc + c, a);
     }
     rms_dg_row_scalar(c, n, dy, x, r, acc);
+}
+
+/* ---- attention rows (attention.c) under the hardware flush mode ----
+ * The caller has set FTZ/DAZ (FZ on arm64) with o1b_fpmode_ftz. There a bare IEEE add or subtract
+ * of flushed operands is o1b_add / o1b_sub (a subnormal sum is exact, and the hardware flushes it
+ * to the zero of its sign), a bare product of two bf16 values is o1b_mul (exact, gemm_fast.c's
+ * argument), and any other bare product is o1b_mul unless its magnitude is exactly 2^-126 (x86
+ * detects tininess after rounding): such a lane (a valid one) marks the row, and the caller
+ * computes the whole row again with contract.h. So each accumulator is one bare add per step,
+ * the chain the hardware can run at full speed. Keys (or queries) of a block are lanes for the
+ * dot products and the exps; the output's d is the lanes for the sums over keys (queries), each
+ * lane adding in the written order. Lanes past the valid ones read neighbouring data or the
+ * callers' padding (O1B_VATTN_PAD) and are never stored. */
+#define NBV (O1B_VATTN_BK / O1B_W)
+
+AI vf FN(mulz)(vf a, vf b, vi *rare) {
+    vf r = a * b;
+    *rare |= (BITS(r) & 0x7FFFFFFF) == 0x00800000;
+    return r;
+}
+/* lanes l < n */
+AI vi FN(below)(int64_t n) {
+    vi idx;
+    for (int l = 0; l < O1B_W; l++) idx[l] = l;
+    return idx < (int32_t)(n < O1B_W ? n : O1B_W);
+}
+AI void FN(exp_n)(int n, const vf *x, vf *y, vi *rare) {
+    int k = 0;
+    for (; k + O1B_EXP_K <= n; k += O1B_EXP_K) FN(exp_k)(x + k, y + k, rare);
+    for (; k < n; k++) y[k] = FN(exp)(x[k], rare);
+}
+/* sv[u] lane l = sum_{d ascending} x[d] rows_t[d * ld + u W + l] from +0, u < nv; `exact`: the
+ * products are of bf16 values; otherwise their marks go to rr[u]. */
+AI void FN(dots_block)(int nv, int64_t D, const float *x, const float *rows_t, int64_t ld, vf *sv,
+                       int exact, vi *rr) {
+    for (int u = 0; u < NBV; u++) { sv[u] = (vf){0}; rr[u] = (vi){0}; }
+    for (int64_t d = 0; d < D; d++) {
+        vf xd = FN(splat)(x[d]);
+        const float *row = rows_t + d * ld;
+#pragma GCC unroll 16
+        for (int u = 0; u < NBV; u++)
+            if (u < nv) sv[u] = sv[u] + (exact ? xd * FN(load)(row + u * O1B_W)
+                                               : FN(mulz)(xd, FN(load)(row + u * O1B_W), &rr[u]));
+    }
+}
+/* The max of s[0..n) in the written order (o1b_max from -inf): the lane maxima (-inf in the
+ * invalid lanes) combined. A nonzero maximum has the same bits wherever it occurs; a zero one
+ * (+0 and -0 compare equal) is taken again in order. */
+AI float FN(block_max)(int nv, int64_t n, const vf *sv, const float *s) {
+    vf mv = FN(splat)(-INFINITY);
+    for (int u = 0; u < nv; u++) {
+        vf x = FN(sel)(FN(below)(n - u * O1B_W), sv[u], FN(splat)(-INFINITY));
+        mv = FN(sel)(x > mv, x, mv);
+    }
+    float mb = -INFINITY;
+    for (int l = 0; l < O1B_W; l++) mb = o1b_max(mb, mv[l]);
+    if (mb == 0.0f) {
+        mb = -INFINITY;
+        for (int64_t j = 0; j < n; j++) mb = o1b_max(mb, s[j]);
+    }
+    return mb;
+}
+/* For d < D, four vectors of d at a time in registers, t[d] = sum_{j < n ascending} c[j] rows[j * ld + d]:
+ * without corr, continued from acc[d] (acc = t); with it, from +0 and then acc = add(mul(acc, *corr), t)
+ * (the forward's rescaled block). */
+AI void FN(rows_axpy)(int64_t n, int64_t D, const float *c, const float *rows, int64_t ld,
+                      const float *corr, float *acc, vi *rare) {
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * O1B_W) {
+        vf a[4];
+        int nd = (int)((D - d0 + O1B_W - 1) / O1B_W);
+        if (nd > 4) nd = 4;
+        for (int t = 0; t < 4; t++)
+            if (t < nd) a[t] = corr ? (vf){0} : FN(load)(acc + d0 + t * O1B_W);
+        for (int64_t j = 0; j < n; j++) {
+            vf cj = FN(splat)(c[j]);
+            const float *r = rows + j * ld + d0;
+            for (int t = 0; t < 4; t++)
+                if (t < nd) a[t] = a[t] + FN(mulz)(cj, FN(load)(r + t * O1B_W), rare);
+        }
+        for (int t = 0; t < 4; t++)
+            if (t < nd) {
+                if (corr) a[t] = FN(mulz)(FN(load)(acc + d0 + t * O1B_W), FN(splat)(*corr), rare) + a[t];
+                FN(put)(acc + d0 + t * O1B_W, a[t]);
+            }
+    }
+}
+/* out[d] = store(mul(acc[d], s)) for d < D */
+AI void FN(store_scaled)(int64_t D, const float *acc, float s, float *out, vi *rare) {
+    vf sv = FN(splat)(s);
+    int64_t d = 0;
+    for (; d + O1B_W <= D; d += O1B_W) FN(put)(out + d, FN(store)(FN(mulz)(FN(load)(acc + d), sv, rare)));
+    if (d < D) {
+        vi r = {0};
+        vf y = FN(store)(FN(mulz)(FN(load)(acc + d), sv, &r));
+        *rare |= r & FN(below)(D - d);
+        for (int64_t l = 0; l < D - d; l++) out[d + l] = y[l];
+    }
+}
+
+/* attention.c's forward of query row i (keys [jlo, i], blocks of O1B_VATTN_BK at absolute key
+ * indices); acc is scratch of D + O1B_VATTN_PAD floats. */
+static O1B_TGT int FN(attn_fwd_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale,
+                                    const float *q, const float *kt, const float *v, float *acc,
+                                    float *o, float *lse) {
+    float s[O1B_VATTN_BK] __attribute__((aligned(64))), pb[O1B_VATTN_BK] __attribute__((aligned(64)));
+    vi rare = {0};
+    vf scv = FN(splat)(scale);
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + d, (vf){0});
+    for (int64_t kb = jlo / O1B_VATTN_BK; kb <= i / O1B_VATTN_BK; kb++) {
+        int64_t j0 = kb * O1B_VATTN_BK > jlo ? kb * O1B_VATTN_BK : jlo;
+        int64_t j1 = kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 < i ? kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 : i;
+        int64_t n = j1 - j0 + 1;
+        int nv = (int)((n + O1B_W - 1) / O1B_W);
+        vf sv[NBV], x[NBV], p[NBV];
+        vi rr[NBV];
+        FN(dots_block)(nv, D, q, kt + j0, T, sv, 1, rr);
+        for (int u = 0; u < nv; u++) {
+            vi r = {0};
+            sv[u] = FN(mulz)(sv[u], scv, &r);
+            rare |= r & FN(below)(n - u * O1B_W);
+            FN(put)(s + u * O1B_W, sv[u]);
+        }
+        float m_new = o1b_max(m, FN(block_max)(nv, n, sv, s));
+        float corr = o1b_exp(o1b_sub(m, m_new));        /* exp(-inf) = 0 on the first block */
+        vf mv = FN(splat)(m_new);
+        for (int u = 0; u < nv; u++)
+            x[u] = FN(sel)(FN(below)(n - u * O1B_W), FN(sub)(sv[u], mv), (vf){0});
+        FN(exp_n)(nv, x, p, &rare);
+        for (int u = 0; u < nv; u++) FN(put)(pb + u * O1B_W, p[u]);
+        float ps = 0.0f;
+        for (int64_t j = 0; j < n; j++) ps = ps + pb[j];
+        l = o1b_add(o1b_mul(l, corr), ps);
+        FN(rows_axpy)(n, D, pb, v + j0 * D, D, &corr, acc, &rare);
+        m = m_new;
+    }
+    if (FN(any)(rare)) return 0;
+    FN(store_scaled)(D, acc, o1b_div(1.0f, l), o, &rare);
+    if (FN(any)(rare)) return 0;
+    *lse = o1b_store(o1b_add(m, o1b_log(l)));
+    return 1;
+}
+
+/* p and ds of a block of pairs on lanes, from the scores' dots sv (exact products) and dout v's
+ * dp (rare marks rr): p = exp(sub(mul(s, scale), lse)), ds = mul(p, sub(dp, Di)); lse and Di
+ * per lane. Stored to pb and dsb; invalid lanes get exp(0) and are never used. */
+AI void FN(p_ds_block)(int nv, int64_t n, const vf *sv, const vf *dp, const vi *rr, vf scv,
+                       const vf *lsev, const vf *Div, float *pb, float *dsb, vi *rare) {
+    vf x[NBV], p[NBV];
+    for (int u = 0; u < nv; u++) {
+        vi valid = FN(below)(n - u * O1B_W), r = rr[u];
+        x[u] = FN(sel)(valid, FN(sub)(FN(mulz)(sv[u], scv, &r), lsev[u]), (vf){0});
+        rare[0] |= r & valid;
+    }
+    FN(exp_n)(nv, x, p, rare);
+    for (int u = 0; u < nv; u++) {
+        vi r = {0};
+        vf ds = FN(mulz)(p[u], FN(sub)(dp[u], Div[u]), &r);
+        rare[0] |= r & FN(below)(n - u * O1B_W);
+        FN(put)(pb + u * O1B_W, p[u]);
+        FN(put)(dsb + u * O1B_W, ds);
+    }
+}
+
+/* attention.c's pass 1 for query row i (keys [jlo, i] in chunks of O1B_VATTN_BK): dq. */
+static O1B_TGT int FN(attn_dq_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale,
+                                   float lse, float Di, const float *q, const float *dout,
+                                   const float *kt, const float *vt, const float *k, float *acc,
+                                   float *dq) {
+    float pb[O1B_VATTN_BK] __attribute__((aligned(64))), dsb[O1B_VATTN_BK] __attribute__((aligned(64)));
+    vi rare = {0};
+    vf scv = FN(splat)(scale), lsev[NBV], Div[NBV];
+    for (int u = 0; u < NBV; u++) { lsev[u] = FN(splat)(lse); Div[u] = FN(splat)(Di); }
+    for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + d, (vf){0});
+    for (int64_t j0 = jlo; j0 <= i; j0 += O1B_VATTN_BK) {
+        int64_t n = i + 1 - j0 < O1B_VATTN_BK ? i + 1 - j0 : O1B_VATTN_BK;
+        int nv = (int)((n + O1B_W - 1) / O1B_W);
+        vf sv[NBV], dp[NBV];
+        vi rs[NBV], rr[NBV];
+        FN(dots_block)(nv, D, q, kt + j0, T, sv, 1, rs);
+        FN(dots_block)(nv, D, dout, vt + j0, T, dp, 0, rr);
+        FN(p_ds_block)(nv, n, sv, dp, rr, scv, lsev, Div, pb, dsb, &rare);
+        FN(rows_axpy)(n, D, dsb, k + j0 * D, D, NULL, acc, &rare);
+    }
+    if (FN(any)(rare)) return 0;
+    FN(store_scaled)(D, acc, scale, dq, &rare);
+    return !FN(any)(rare);
+}
+
+/* attention.c's pass 2 for key row j of a kv head: the rep query heads h of its group in order,
+ * queries [j, ilast] of each in chunks; qt, dout_t (D, T) transposed, q, dout (T, D) head-major,
+ * lse, Di (T) at head h0, the next heads T D (T) floats on. acc: 2 (D + O1B_VATTN_PAD) floats. */
+static O1B_TGT int FN(attn_dkv_row)(int64_t j, int64_t ilast, int64_t T, int64_t D, int64_t rep,
+                                    float scale, const float *kj, const float *vj, const float *qt,
+                                    const float *dout_t, const float *q, const float *dout,
+                                    const float *lse, const float *Di, float *acc, float *dk,
+                                    float *dv) {
+    float pb[O1B_VATTN_BK] __attribute__((aligned(64))), dsb[O1B_VATTN_BK] __attribute__((aligned(64)));
+    float *dk_acc = acc, *dv_acc = acc + D + O1B_VATTN_PAD;
+    vi rare = {0};
+    vf scv = FN(splat)(scale);
+    for (int64_t d = 0; d < D; d += O1B_W) { FN(put)(dk_acc + d, (vf){0}); FN(put)(dv_acc + d, (vf){0}); }
+    for (int64_t h = 0; h < rep; h++) {
+        const float *qt_h = qt + h * T * D, *gt_h = dout_t + h * T * D;
+        const float *q_h = q + h * T * D, *g_h = dout + h * T * D;
+        const float *lse_h = lse + h * T, *Di_h = Di + h * T;
+        for (int64_t i0 = j; i0 <= ilast; i0 += O1B_VATTN_BK) {
+            int64_t n = ilast + 1 - i0 < O1B_VATTN_BK ? ilast + 1 - i0 : O1B_VATTN_BK;
+            int nv = (int)((n + O1B_W - 1) / O1B_W);
+            vf sv[NBV], dp[NBV], lsev[NBV], Div[NBV];
+            vi rs[NBV], rr[NBV];
+            /* mul(k, q) = mul(q, k): the same scores as pass 1 */
+            FN(dots_block)(nv, D, kj, qt_h + i0, T, sv, 1, rs);
+            FN(dots_block)(nv, D, vj, gt_h + i0, T, dp, 0, rr);
+            for (int u = 0; u < nv; u++) {
+                lsev[u] = FN(flush)(FN(load)(lse_h + i0 + u * O1B_W));
+                Div[u] = FN(load)(Di_h + i0 + u * O1B_W);
+            }
+            FN(p_ds_block)(nv, n, sv, dp, rr, scv, lsev, Div, pb, dsb, &rare);
+            FN(rows_axpy)(n, D, dsb, q_h + i0 * D, D, NULL, dk_acc, &rare);
+            FN(rows_axpy)(n, D, pb, g_h + i0 * D, D, NULL, dv_acc, &rare);
+        }
+    }
+    if (FN(any)(rare)) return 0;
+    FN(store_scaled)(D, dk_acc, scale, dk, &rare);
+    FN(store_scaled)(D, dv_acc, 1.0f, dv, &rare);
+    return !FN(any)(rare);
 }
 
 #undef O1B_VM_MAP_LOOP

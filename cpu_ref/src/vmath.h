@@ -66,7 +66,22 @@ typedef struct {
     void (*exp_sub)(int64_t n, const float *z, float m, float *e);
     void (*axpy)(int64_t n, float a, const float *x, float *y);
     void (*dots_t)(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out);
+    /* attention.c's rows, NULL where there is no hardware flush mode or with vmath off. Each
+     * requires the caller to have set o1b_fpmode_ftz, reads its arrays up to O1B_VATTN_PAD floats
+     * past the last one it uses (allocate them so), and returns 0 when the row must be computed
+     * with contract.h instead (a product of exactly 2^-126; see vmath.c). */
+    int (*attn_fwd_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, const float *q,
+                        const float *kt, const float *v, float *acc, float *o, float *lse);
+    int (*attn_dq_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, float lse, float Di,
+                       const float *q, const float *dout, const float *kt, const float *vt,
+                       const float *k, float *acc, float *dq);
+    int (*attn_dkv_row)(int64_t j, int64_t ilast, int64_t T, int64_t D, int64_t rep, float scale,
+                        const float *kj, const float *vj, const float *qt, const float *dout_t,
+                        const float *q, const float *dout, const float *lse, const float *Di,
+                        float *acc, float *dk, float *dv);
 } o1b_vkernels;
+#define O1B_VATTN_BK 64     /* attention.c's key block (a contract constant) */
+#define O1B_VATTN_PAD 64
 const o1b_vkernels *o1b_vkernels_now(void);
 
 #endif

@@ -285,6 +285,35 @@ def test_attention_lanes_on_the_exact_path():
             assert_bits_equal(a, b, f"attention d{what}, level {lv}")
 
 
+def test_attention_sums_through_the_flush():
+    # dv of the one key of a 1-token sequence sums dout over the 4 query heads of its group (p = 1):
+    # 2^-125 - 1.25 * 2^-125 is -2^-127, flushed to -0 by the contract, then + 1.75 * 2^-126. The
+    # SIMD rows add with the hardware flush mode set; without it the sum would keep -2^-127 and
+    # end at 1.25 * 2^-126. No product or result is exactly 2^-126 (no row goes the exact way).
+    from mlx_open1b.cpu_ref import attention as CA
+    from mlx_open1b.spec import attention as SA
+    B, T, H, G, D, W = 1, 1, 4, 1, 20, 0
+    rng = np.random.default_rng(13)
+    q = A.f32_to_bf16(rng.standard_normal((B, T, H, D)).astype(np.float32))
+    k = A.f32_to_bf16(rng.standard_normal((B, T, G, D)).astype(np.float32))
+    v = A.f32_to_bf16((1 + np.abs(rng.standard_normal((B, T, G, D)))).astype(np.float32))  # dout v: no tiny sums
+    scale = float(np.float32(1 / np.sqrt(D)))
+    dout = np.zeros((B, T, H, D), np.float32)
+    for h, x in enumerate([2.0 ** -125, -1.25 * 2.0 ** -125, 1.75 * 2.0 ** -126, 0.0]):
+        dout[0, 0, h, :] = x
+    with scalar():
+        o, lse = CA.attention_forward(q, k, v, W, scale)
+        want = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+    for a, b, what in zip(want, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
+        assert_bits_equal(a, b, f"attention d{what}: scalar C vs spec")
+    assert (want[2] == np.float32(1.75 * 2.0 ** -126)).all()     # the flush really decides
+    for lv in LEVELS:
+        with level(lv):
+            got = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+        for a, b, what in zip(got, want, "qkv"):
+            assert_bits_equal(a, b, f"attention d{what}, level {lv}")
+
+
 def SA_dot(x, y):
     """sum_{d ascending} mul(x[d], y[d]) from +0, the contract's dot product."""
     acc = np.float32(0.0)
