@@ -13,7 +13,13 @@
  * ATTN_BNT = 256): thread t works on row t % 64 as part t / 64. The rows' partners (64 keys of the
  * forward's block, or a backward tile of keys or queries) are staged in shared memory, the parts
  * compute the scores (and the backward's dp) of the row's pairs into shared memory, and then each
- * part keeps the running sums of its own columns d = part + (parts) c.
+ * part keeps the running sums of its own columns d = part (columns per part) + c.
+ * The arithmetic runs on hardware flush-to-zero steps where CONTRACT.md §6.6's implementation notes
+ * prove them the contract's (ftz.cuh): the scores' bf16 dot products on fma.rn.ftz for a row and a
+ * staged tile passing §6.1's guard, ATTN_NB partners at a time; the other products and sums on
+ * mul.rn.ftz / add.rn.ftz for each term passing the product guard (its fp32 factor against the least
+ * exponent of the staged tile), and exp on o1b_exp_ftz; anything else on the checked o1b_mul/o1b_add.
+ * A staged tile's guard keys are folded while staging (warp shuffles, one shared word per warp).
  * Every output element is still one accumulator, its terms added in the contract's order: the
  * tiles only decide which thread computes a product and where an operand is read from. A row takes
  * part only in the pairs it has (the visible ones; for the forward, the blocks it visits), so no
@@ -22,9 +28,9 @@
  * Forward: the online softmax over key blocks of ATTN_BLOCK = 64 keys aligned at absolute key
  * positions (a contract constant: it decides where the running sum is rescaled); a block of threads
  * takes the query block qb (rows 64 qb ... 64 qb + 63) and visits the key blocks from the first one
- * its first row sees to qb, staging each block's keys in sub-tiles of ATTN_FWD_TILE (bf16) or
- * ATTN_I8_TILE (int8) keys sized from D to fit 48 KiB of static shared memory (64 keys up to D = 256
- * and D = 148 respectively). Backward: two passes without atomics — dq per query row, dk and dv per
+ * its first row sees to qb, staging each block's keys (widened to fp32) in sub-tiles of ATTN_FWD_TILE
+ * (bf16) or ATTN_I8_TILE (int8) keys sized from D to fit 48 KiB of static shared memory (64 keys up to
+ * D = 127 and D = 88 respectively, 32 at the presets' D = 128). Backward: two passes without atomics — dq per query row, dk and dv per
  * key row — recomputing s, p, dp, ds; the backward has no block size in the contract, so its tiles
  * (ATTN_DQ_TILE keys, ATTN_DKV_TILE queries) are sized to fit 48 KiB of static shared memory.
  *
