@@ -14,7 +14,8 @@ see the same machine load, and each block starts with --warmup seconds of untime
 same op: OpenBLAS's worker threads keep spinning for tens of milliseconds after a call (timed
 right after numpy, ours would share its cores with them), and a core that has idled (a virtual
 CPU in particular) runs the first calls slowly. Best and median of --repeat runs each are printed, and the ratios
-ours/numpy. On a shared machine take the best of several invocations.
+ours/numpy. On a shared machine take the best of several invocations, or time one thread by
+its own CPU time (`--threads 1 --clock thread`), which other processes' load does not inflate.
 
     python benchmarks/linear_bench.py                       # all CPUs, default shapes
     python benchmarks/linear_bench.py --threads 1 --repeat 11
@@ -53,12 +54,21 @@ def parse_args(argv=None):
     ap.add_argument("--simd", type=int, default=None,
                     help="cap our SIMD level: 0 portable, 1 AVX2, 2 AVX-512 (default: best)")
     ap.add_argument("--no-numpy", action="store_true", help="time ours only")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="wall: perf_counter; thread: CPU time of the calling thread, which "
+                         "time slicing on a loaded machine does not inflate (needs --threads 1, "
+                         "where both sides compute on the calling thread)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     threads = args.threads if args.threads > 0 else (os.cpu_count() or 1)
+    if args.clock == "thread" and threads != 1:
+        print("linear_bench: --clock thread needs --threads 1 (other threads' CPU time is not "
+              "counted)", file=sys.stderr)
+        return 2
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     blas_note = ""
     try:
         import threadpoolctl  # noqa: F401
@@ -94,8 +104,8 @@ def main(argv=None) -> int:
     print("numpy %s: %s" % (np.__version__, blas_note))
     print("env: OPENBLAS_CORETYPE=%s OPENBLAS_L2_SIZE=%s" %
           (os.environ.get("OPENBLAS_CORETYPE", "unset"), os.environ.get("OPENBLAS_L2_SIZE", "unset")))
-    print("GFLOP/s = 2 N K M / time; best and median of %d runs each, alternating in blocks of %d\n"
-          % (args.repeat, args.block))
+    print("GFLOP/s = 2 N K M / time (%s clock); best and median of %d runs each, alternating in "
+          "blocks of %d\n" % (args.clock, args.repeat, args.block))
 
     rng = np.random.default_rng(0)
 
@@ -107,9 +117,9 @@ def main(argv=None) -> int:
         return (h.astype(np.uint32) << 16).view(np.float32)
 
     def timed(fn):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        return time.perf_counter() - t
+        return clock() - t
 
     def warm(fn):
         t = time.perf_counter()

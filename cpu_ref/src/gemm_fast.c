@@ -358,6 +358,33 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
         }
 }
 
+/* panel_range at this level's width: the min of the nonzero exponent fields (a zero field
+ * counts as 1000) and the max, lane by lane and then across the lanes; a max of 255 is an inf
+ * or NaN. Min and max are exact in any order, so the result is panel_range's. */
+static O1B_TGT erange FN(range)(const uint32_t *v, int64_t n) {
+    vi vmin = (vi){0} + 1000, vmax = (vi){0};
+    int64_t i = 0;
+    for (; i + O1B_W <= n; i += O1B_W) {
+        vi u;
+        memcpy(&u, v + i, sizeof u);
+        vi e = (u >> 23) & 0xFF;
+        vi lo = e | ((e == 0) & 1000);
+        vi lt = lo < vmin, gt = e > vmax;
+        vmin = (lo & lt) | (vmin & ~lt);
+        vmax = (e & gt) | (vmax & ~gt);
+    }
+    int emin = 1000, emax = 0;
+    for (int l = 0; l < O1B_W; l++) {
+        emin = vmin[l] < emin ? vmin[l] : emin;
+        emax = vmax[l] > emax ? vmax[l] : emax;
+    }
+    erange r = panel_range(v + i, n - i);
+    r.emin = r.emin < emin ? r.emin : emin;
+    r.emax = r.emax > emax ? r.emax : emax;
+    r.special |= emax == 0xFF;
+    return r;
+}
+
 /* Pack an (nw x kc) block of an operand into panels R values across and kc deep:
  *   dst[(w / R) * kc * R + p * R + w % R] = widen(src[w * s_w + p * s_d]),  zeros for w >= nw.
  * src points at element (w, p) = (0, 0) of the block. Called with a constant R, so the inner
@@ -429,13 +456,13 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
             int final = pc + kc == g->P;
             FN(pack_b)(pb, g->B + pc * g->sb_p + jc * g->sb_j, g->sb_j, g->sb_p, nc, kc);
             if (use_fma)
-                for (int64_t jr = 0; jr < nc; jr += NR) rb[jr / NR] = panel_range(pb + jr * kc, NR * kc);
+                for (int64_t jr = 0; jr < nc; jr += NR) rb[jr / NR] = FN(range)(pb + jr * kc, NR * kc);
             for (int64_t ic = i0; ic < i1; ic += MC) {
                 int64_t mc = i1 - ic < MC ? i1 - ic : MC;
                 FN(pack_a)(pa, g->A + ic * g->sa_i + pc * g->sa_p, g->sa_i, g->sa_p, mc, kc);
                 if (use_fma)
                     for (int64_t ir = 0; ir < mc; ir += O1B_MR)
-                        ra[ir / O1B_MR] = panel_range(pa + ir * kc, O1B_MR * kc);
+                        ra[ir / O1B_MR] = FN(range)(pa + ir * kc, O1B_MR * kc);
                 for (int64_t jr = 0; jr < nc; jr += NR) {
                     int64_t nr = nc - jr < NR ? nc - jr : NR;
                     const float *bp = (const float *)(pb + jr * kc);
