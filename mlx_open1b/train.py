@@ -95,7 +95,7 @@ class Trainer:
             self.state = self._load_latest(at_step)
         elif resume:
             self.state = self._load_latest()
-            self.ledger.truncate_after(self.state.step - 1)
+            self._cut_ledger()
         else:
             self._start_new()
         st = self.state              # the state in the backend's arrays (mx.array, cupy; numpy: itself)
@@ -190,6 +190,10 @@ class Trainer:
             raise TrainError(f"{self.dir}: no checkpoint to resume from", exit_code=2)
         return self.load_state(found[1])
 
+    def _cut_ledger(self) -> None:
+        """A resumed run's ledger cut back to its checkpoint, once the checkpoint is verified."""
+        self.ledger.truncate_after(self.state.step - 1)
+
     def load_state(self, path) -> TrainState:
         tensors, meta = load_checkpoint(path)
         if meta.get("genesis") != self.genesis:
@@ -198,17 +202,23 @@ class Trainer:
                         *(np.array(tensors[k][0], copy=True) for k in ("params", "m", "v")), meta["stream"])
         if param_hash(self, st.params) != meta["params_hash"] or opt_hash(self, st) != meta["opt_hash"]:
             raise TrainError(f"{path}: tensors do not match the hashes recorded in its meta.json", exit_code=2)
-        if self.gnmr is not None:
-            if "gnmr" not in meta:
-                raise TrainError(f"{path}: meta.json has no GNMR controller state, but the run configures gnmr",
-                                 exit_code=2)
-            try:
-                st.gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
-            except GNMRError as e:
-                raise TrainError(f"{path}: {e}", exit_code=2) from None
-            if gnmr_hash(self, st.gnmr) != meta.get("gnmr_hash"):
-                raise TrainError(f"{path}: the GNMR state does not match gnmr_hash in its meta.json", exit_code=2)
+        st.gnmr = self._gnmr_of(path, meta)
         return st
+
+    def _gnmr_of(self, path, meta: dict):
+        """The GNMR controller state in a checkpoint's meta (None without a controller), checked."""
+        if self.gnmr is None:
+            return None
+        if "gnmr" not in meta:
+            raise TrainError(f"{path}: meta.json has no GNMR controller state, but the run configures gnmr",
+                             exit_code=2)
+        try:
+            g = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
+        except GNMRError as e:
+            raise TrainError(f"{path}: {e}", exit_code=2) from None
+        if gnmr_hash(self, g) != meta.get("gnmr_hash"):
+            raise TrainError(f"{path}: the GNMR state does not match gnmr_hash in its meta.json", exit_code=2)
+        return g
 
     # ------------------------------------------------------------------ the loop
     # One loop for one process and for N workers; a distributed trainer overrides the hooks:

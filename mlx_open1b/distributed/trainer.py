@@ -11,8 +11,9 @@ each piece as it arrives (checkpoint.StreamedCheckpoint), so no worker holds the
 new run starts on every worker at once: each initializes the parameters it owns (element i is a
 pure function of (seed, i)), the ranges are all-gathered, the moments start at zero on their owners,
 and the checkpoint of step 0 is streamed as any other. Rank 0 alone reads the run directory: on
-resume it broadcasts the state (parameters, moments to their owners, counters and the stream
-position), so the other workers need only the corpus. Held-out evaluation: in bf16 every probe
+resume it streams the last checkpoint the same way round — read in file order, each owner's range
+of the moments sent to it in turn and in pieces, the parameters broadcast, everything verified
+(file, tensor and state hashes) before any step — so the other workers need only the corpus. Held-out evaluation: in bf16 every probe
 window is a row of its own, so all the windows are cut into near-equal runs, one per worker, and
 each source's CE is the mean over its windows' values gathered in window order — the same numbers
 as one process; in the quantized precisions a source's windows must stay one batch (per-tensor
@@ -43,7 +44,7 @@ from ..gnmr import GNMRState
 from ..ledger import LedgerError, genesis_hash
 from ..rundir import RunDir
 from ..train import Trainer, TrainError, TrainState, get_backend, resolve_backend
-from ..checkpoint import StreamedCheckpoint, TensorStreams
+from ..checkpoint import StreamedCheckpoint, StreamedCheckpointReader, TensorStreams
 from ..model import init_params
 from ..step import _counter_items
 from .collectives import Comm, CommError, DistError, cpu_count, load_torch
@@ -241,9 +242,36 @@ class DistributedTrainer(Trainer):
                 err = (f"{e} (no run was created)", getattr(e, "exit_code", 3))
         self._all_ok("creating the run", err)
 
+    def _load_latest(self, at_or_before: int | None = None) -> TrainState:
+        """Rank 0 inside Trainer.__init__ (resume): the newest checkpoint opened for streaming
+        (meta.json, sizes and header checked); its tensors are read in _distribute_state as they go
+        to their owners, and verified there. A stand-in state with the checkpoint's counters."""
+        found = self.rundir.latest_checkpoint(at_or_before)
+        if found is None:
+            raise TrainError(f"{self.dir}: no checkpoint to resume from", exit_code=2)
+        path = found[1]
+        reader = StreamedCheckpointReader(path)
+        meta = reader.meta
+        try:
+            if meta.get("genesis") != self.genesis:
+                raise TrainError(f"{path}: checkpoint belongs to another run (genesis differs)", exit_code=2)
+            gnmr = self._gnmr_of(path, meta)
+        except BaseException:
+            reader.close()
+            raise
+        self._reader = reader
+        empty = np.zeros(0, np.float32)
+        return TrainState(int(meta["step"]), int(meta["consumed"]), int(meta["adam_t"]), int(meta["skip_left"]),
+                          np.zeros(0, np.uint16), empty, empty, meta["stream"], gnmr)
+
+    def _cut_ledger(self) -> None:
+        """Deferred until the checkpoint is read and verified (_read_checkpoint)."""
+
     def _distribute_state(self) -> None:
-        """Rank 0's state to every worker: counters and stream position, the parameters, and each
-        owner's slices of the Adam moments."""
+        """A resumed run's state on every worker: counters and stream position from rank 0; the
+        checkpoint's tensors streamed from rank 0's reader — each owner's range of the moments sent
+        to it in turn and in pieces, the parameters broadcast — and verified (file, tensor and
+        state hashes) before any step."""
         comm, rank = self.comm, self.comm.rank
         self._make_reduce()
         P = self.model_cfg.n_params()
@@ -252,20 +280,20 @@ class DistributedTrainer(Trainer):
                                      {**{k: getattr(st, k) for k in ("step", "consumed", "adam_t", "skip_left", "stream")},
                                       "gnmr": None if st.gnmr is None else st.gnmr.to_json()})
         # start-up moves host buffers (once); the state then lives in the backend's arrays
-        params = arrays.to_host(st.params) if rank == 0 else np.empty(P, np.uint16)
-        comm.broadcast(params)
+        params = np.empty(P, np.uint16)
         m = np.empty(self.own.size, np.float32)
         v = np.empty(self.own.size, np.float32)
-        if rank == 0:
-            hm, hv = arrays.to_host(st.m), arrays.to_host(st.v)
-            m[:], v[:] = hm[self.own.lo:self.own.hi], hv[self.own.lo:self.own.hi]
-            for sh in self.shards[1:]:
-                if sh.size:
-                    comm.send(hm[sh.lo:sh.hi], sh.rank)
-                    comm.send(hv[sh.lo:sh.hi], sh.rank)
-        elif self.own.size:
-            comm.recv(m, 0)
-            comm.recv(v, 0)
+        what, err = f"reading the checkpoint of step {meta['step']}", None
+        with comm.phase(what, busy=range(comm.world), timeout=self.timeouts.opening(P, resume=True)):
+            if rank == 0:
+                err = self._read_checkpoint(params, m, v)
+            elif self.own.size:
+                for buf in (m, v):              # the file's order: m, then v, each by rank
+                    comm.await_turn(0)
+                    for lo, hi in self._pieces(self.own.size, 4):
+                        comm.recv(buf[lo:hi], 0)
+        self._all_ok(f"{what} (before any training step)", err)
+        comm.broadcast(params)
         gnmr = None
         if meta["gnmr"] is not None:
             gnmr = GNMRState.from_json(meta["gnmr"], len(self.gnmr.units), self.gnmr.cfg.window)
@@ -275,6 +303,65 @@ class DistributedTrainer(Trainer):
             self.stream = Stream(self.corpus, self.tcfg.seed, self.model_cfg.seq_len, state=meta["stream"])
         self.last_checkpoint = meta["step"]
         self._sharded = True
+
+    def _state_streams(self) -> dict:
+        """The "params" and "opt_state" collections' tensors, hashed from a stream of the flat
+        buffers (step.param_hash, opt_hash)."""
+        return {"params": TensorStreams([(n, "bf16", s) for n, s, _ in self.shapes]),
+                "m": TensorStreams([("m." + n, "f32", s) for n, s, _ in self.shapes]),
+                "v": TensorStreams([("v." + n, "f32", s) for n, s, _ in self.shapes])}
+
+    def _state_hashes(self, coll: dict, st) -> tuple[str, str]:
+        opt = {**coll["m"].digests, **coll["v"].digests, **hashing.tensor_digests(_counter_items(st))}
+        return (hashing.collection_hash_from_tensor_hashes("params", coll["params"].digests),
+                hashing.collection_hash_from_tensor_hashes("opt_state", opt))
+
+    def _read_checkpoint(self, params, m, v):
+        """Rank 0's part of a resume: read the checkpoint in file order, keeping the parameters and
+        its own moments, sending each owner its range; then verify. Returns None or (message, exit
+        code). A read that fails goes on with zeros, so no owner waits on a reader that gave up."""
+        r, st, comm, P = self._reader, self.state, self.comm, self.model_cfg.n_params()
+        coll, err = self._state_streams(), None
+        if [n for n, _, _ in r.order] != ["m", "v", "params"]:
+            err = (f"{r.path}: holds tensors {[n for n, _, _ in r.order]}, a training checkpoint m, v and params", 2)
+
+        def get(name, n, dtype):
+            nonlocal err
+            if err is None:
+                try:
+                    a = r.read(name, n)
+                    coll[name].update(hashing.byte_view(a))
+                    return a
+                except (CheckpointError, OSError) as e:
+                    err = (str(e), 2)
+            return np.zeros(n, dtype)
+        try:
+            for name, buf in (("m", m), ("v", v)):
+                for sh in sorted(self.shards, key=lambda sh: sh.lo):
+                    if not sh.size:
+                        continue
+                    if sh.rank == comm.rank:
+                        for lo, hi in self._pieces(sh.size, 4):
+                            buf[lo:hi] = get(name, hi - lo, np.float32)
+                        continue
+                    comm.give_turn(sh.rank)
+                    for lo, hi in self._pieces(sh.size, 4):
+                        comm.send(np.ascontiguousarray(get(name, hi - lo, np.float32)), sh.rank)
+            for lo, hi in self._pieces(P, 2):
+                params[lo:hi] = get("params", hi - lo, np.uint16)
+            if err is None:
+                try:
+                    r.finish()
+                except CheckpointError as e:
+                    err = (str(e), 2)
+            if err is None and self._state_hashes(coll, st) != (r.meta["params_hash"], r.meta["opt_hash"]):
+                err = (f"{r.path}: tensors do not match the hashes recorded in its meta.json", 2)
+        finally:
+            r.close()
+            self._reader = None
+        if err is None:
+            Trainer._cut_ledger(self)
+        return err
 
     # ------------------------------------------------------------------ the loop's hooks (Trainer.train)
     def _reducer(self) -> DistributedReduce:
@@ -382,10 +469,7 @@ class DistributedTrainer(Trainer):
         pieces (and drops them), so no owner waits on a writer that gave up."""
         comm, st, P = self.comm, self.state, self.model_cfg.n_params()
         err = None
-        # the "params" and "opt_state" collections' tensors, hashed from the same pieces (step.param_hash, opt_hash)
-        coll = {"params": TensorStreams([(n, "bf16", s) for n, s, _ in self.shapes]),
-                "m": TensorStreams([("m." + n, "f32", s) for n, s, _ in self.shapes]),
-                "v": TensorStreams([("v." + n, "f32", s) for n, s, _ in self.shapes])}
+        coll = self._state_streams()            # the state's hashes from the same pieces
 
         def failed(e):
             return (f"{e} (the checkpoint of step {self.last_checkpoint} is intact)", getattr(e, "exit_code", 3))
@@ -421,11 +505,9 @@ class DistributedTrainer(Trainer):
             for lo, hi in self._pieces(P, 2):
                 put("params", arrays.to_host(st.params[lo:hi]))
             if err is None:
-                opt = {**coll["m"].digests, **coll["v"].digests, **hashing.tensor_digests(_counter_items(st))}
+                p_hash, o_hash = self._state_hashes(coll, st)
                 try:
-                    return w.finish({"params_hash": hashing.collection_hash_from_tensor_hashes("params",
-                                                                                              coll["params"].digests),
-                                     "opt_hash": hashing.collection_hash_from_tensor_hashes("opt_state", opt)}), None
+                    return w.finish({"params_hash": p_hash, "opt_hash": o_hash}), None
                 except (CheckpointError, OSError) as e:
                     err = failed(e)
         return None, err

@@ -89,3 +89,31 @@ def test_rank0_write_fails_mid_stream(tmp_path, corpus, script):
                 f"is intact)") in r.stderr, r.stderr[-3000:]
     assert sorted(p.name for p in run.iterdir() if "ckpt" in p.name) == ["ckpt-00000000"]
     assert len(ledger(run).splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_resume_from_a_corrupt_checkpoint_stops_before_any_step(tmp_path, corpus, script):
+    """A bit flipped in the second moments of the newest checkpoint (step 2's; the ledger has 3
+    records): the streamed resume at 2
+    workers finds it as the pieces pass (after rank 1 has received its range) and every worker
+    stops before any step, naming the tensor; the ledger is not cut back (nothing was resumed)."""
+    cfg = dist_cfg(checkpoint_every=2, eval_every=0)
+    run = tmp_path / "run"
+    r = torchrun(2, script, _args(run, cfg, corpus, steps=3))
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = ledger(run)
+    assert len(before.splitlines()) == 3
+    import shutil
+    shutil.rmtree(run / "ckpt-00000003")   # the newest is step 2's: a resume would cut the ledger back to it
+    sp = run / "ckpt-00000002" / "state.safetensors"
+    data = bytearray(sp.read_bytes())
+    base = 8 + int.from_bytes(data[:8], "little")
+    P = (len(data) - base) // 10           # the file holds m, v, params: 4 + 4 + 2 bytes a parameter
+    data[base + 4 * P + 2 * P] ^= 0x01     # in the middle of v
+    sp.write_bytes(bytes(data))
+    r = torchrun(2, script, _args(run, resume=True, steps=5))
+    assert r.returncode != 0
+    for rank in range(2):
+        assert (f"error: [rank {rank}/2] reading the checkpoint of step 2 (before any training step) failed: rank 0: "
+                f"{sp}: corrupt: tensor 'v' differs from the recorded hash") in r.stderr, r.stderr[-3000:]
+    assert ledger(run) == before
