@@ -19,7 +19,11 @@ lowest peak among the workers):
   params ... transients   what the live bytes were at the peak, by owner (mlx_open1b/shape/ledger.py)
   host        the host peak of the step: the fold entries and partials that wait on the host, the
               full-size copies the hashes read (the highest among the workers)
+  pinned      of host, page-locked buffers (the hashes' copies, the pool of parked fold entries)
   h2d, d2h    bytes copied host->device and device->host in the step (the most among the workers)
+  ovl h2d/d2h of h2d, d2h: the bytes copied on a copy stream while later work computes (parked fold
+              entries asked back a microbatch ahead, parks, the hashes' copies); the rest block
+              (--details: the number of copies; --park sync: every park blocking, pageable memory)
   net out/in  bytes a worker sends to / receives from the others, arrays only (its own piece
               excluded; the most among the workers)
   a2a in      of net in, the gradient partials an owner receives in the reduce-scatter (the most)
@@ -60,9 +64,9 @@ def _at(where: str, n: int = 3) -> str:
     return " > ".join(names[-n:])
 
 
-def rows(cfg, workers: int, phases=None, replay: bool = True) -> list[dict]:
+def rows(cfg, workers: int, phases=None, replay: bool = True, overlap: bool = True) -> list[dict]:
     out = []
-    for ranks in measure(cfg, workers, phases, replay=replay):
+    for ranks in measure(cfg, workers, phases, replay=replay, overlap=overlap):
         top = max(ranks, key=lambda m: m.peak["device"])
         owners = dict(top.device.owners)
         out.append({
@@ -70,6 +74,7 @@ def rows(cfg, workers: int, phases=None, replay: bool = True) -> list[dict]:
             "peak": top.peak["device"], "min_peak": min(m.peak["device"] for m in ranks),
             "owners": owners, "after": top.device.after, "sites": top.device.sites,
             "host": max(m.peak["host"] for m in ranks), "host_owners": top.host.owners,
+            "pinned": max(m.host.owners.get("pinned", 0) for m in ranks),
             "moved": {k: max(m.moved[k] for m in ranks) for k in top.moved},
             "a2a_in": max(m.moved["net_in"] - m.moved["gather_in"] for m in ranks),
             "at": top.device.where, "owners_of_rank": {m.rank: m.owned for m in ranks if m.owned}})
@@ -79,14 +84,16 @@ def rows(cfg, workers: int, phases=None, replay: bool = True) -> list[dict]:
 def table(all_rows: list[dict]) -> str:
     head = (f"{'W':>3} {'M':>4} {'rank':>4} {'mb':>4} {'peak':>7} {'min':>7} "
             + " ".join(f"{SHORT[c]:>7}" for c in COLUMNS)
-            + f" {'host':>7} {'h2d':>7} {'d2h':>7} {'netout':>7} {'netin':>7} {'a2a in':>7} {'gath in':>7}  at")
+            + f" {'host':>7} {'pinned':>7} {'h2d':>7} {'ovl h2d':>7} {'d2h':>7} {'ovl d2h':>7}"
+              f" {'netout':>7} {'netin':>7} {'a2a in':>7} {'gath in':>7}  at")
     lines = [head]
     for r in all_rows:
         o = r["owners"]
         other = sum(v for k, v in o.items() if k not in COLUMNS)
         lines.append(f"{r['workers']:>3} {r['M']:>4} {r['rank']:>4} {r['mb']:>4} {_gb(r['peak'])} {_gb(r['min_peak'])} "
                      + " ".join(_gb(o.get(c, 0)) for c in COLUMNS)
-                     + f" {_gb(r['host'])} {_gb(r['moved']['h2d'])} {_gb(r['moved']['d2h'])} "
+                     + f" {_gb(r['host'])} {_gb(r['pinned'])} {_gb(r['moved']['h2d'])} {_gb(r['moved']['h2d_async'])}"
+                       f" {_gb(r['moved']['d2h'])} {_gb(r['moved']['d2h_async'])} "
                        f"{_gb(r['moved']['net_out'])} {_gb(r['moved']['net_in'])} {_gb(r['a2a_in'])} "
                        f"{_gb(r['moved']['gather_in'])}  {_at(r['at'])}"
                      + (f"  (+{other / G:.2f} other)" if other >= 0.005 * G else ""))
@@ -96,11 +103,14 @@ def table(all_rows: list[dict]) -> str:
 def details(r: dict) -> str:
     sites = sorted(r["sites"].items(), key=lambda kv: -kv[1])[:4]
     host = sorted(r["host_owners"].items(), key=lambda kv: -kv[1])[:3]
+    mv = r["moved"]
     owners = sorted(r["owners_of_rank"].values(), reverse=True)
     return (f"  W={r['workers']} M={r['M']}: peak at {r['at']}\n"
             "    transients: " + ", ".join(f"{k} {v / G:.2f}" for k, v in sites) + "\n"
             "    host: " + ", ".join(f"{k} {v / G:.2f}" for k, v in host) + "\n"
-            f"    ranks owning parameters: {len(owners)} of {r['workers']} (largest {owners[0] / 1e6:.0f} M elements)")
+            f"    ranks owning parameters: {len(owners)} of {r['workers']} (largest {owners[0] / 1e6:.0f} M elements)\n"
+            + "    copies: " + ", ".join(f"{k} {mv[k + '_n']} ({mv[k + '_async_n']} overlapped: "
+                                          f"{mv[k + '_async'] / G:.2f} of {mv[k] / G:.2f} GB)" for k in ("h2d", "d2h")))
 
 
 def main(argv=None) -> int:
@@ -109,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="1,8,48,64", help="worker counts, comma-separated")
     ap.add_argument("--json", default=None, help="also write every row to this JSON file")
     ap.add_argument("--details", action="store_true", help="per row: the transient sites, host owners, owners")
+    ap.add_argument("--park", choices=("async", "sync"), default="async",
+                    help="fold entries parked by pinned copies under compute (the trainer's) or blocking ones")
     ap.add_argument("--no-replay", action="store_true",
                     help="run the model program at every microbatch (slow; the same numbers)")
     a = ap.parse_args(argv)
@@ -128,7 +140,7 @@ def main(argv=None) -> int:
     for w in workers:
         t0 = time.perf_counter()
         try:
-            got = rows(cfg, w, replay=not a.no_replay)
+            got = rows(cfg, w, replay=not a.no_replay, overlap=a.park == "async")
         except ShardingError as e:      # a worker count the batch cannot be split over
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -108,6 +108,7 @@ class HashStage:
         if k == arrays.SHAPE:
             buf = self._buffer(role, a, k)
             a._buf.ledger.count("d2h", a.nbytes)
+            a._buf.ledger.count("d2h_async", a.nbytes)      # on the copy stream, under the next step
             return Captured(buf)
         raise ValueError(f"cannot capture an array of kind {k!r} for hashing")
 
@@ -147,17 +148,24 @@ class HashStage:
         buf = self._buffer(role, a, arrays.CUPY)
         if self._stream is None:
             self._stream = cuda.Stream(non_blocking=True)
-        written = cuda.Event()
-        written.record()                       # on the current stream: after the kernels that wrote `a`
-        self._stream.wait_event(written)
-        try:
-            a.get(stream=self._stream, out=buf, blocking=False)
-        except TypeError:                      # CuPy before `blocking`: a copy on a given stream is asynchronous
-            a.get(stream=self._stream, out=buf)
-        done = cuda.Event()
-        done.record(self._stream)
-        self._events[role] = done
+        done = self._events[role] = copy_down(a, buf, self._stream)
         return Captured(buf, done, a)
+
+
+def copy_down(a, buf, stream):
+    """Queue the copy of cupy array `a` into pinned host buffer `buf` on `stream`, after the kernels
+    the current stream has queued so far (those that wrote `a`); returns the event of its end."""
+    from cupy import cuda
+    written = cuda.Event()
+    written.record()                       # on the current stream: after the kernels that wrote `a`
+    stream.wait_event(written)
+    try:
+        a.get(stream=stream, out=buf, blocking=False)
+    except TypeError:                      # CuPy before `blocking`: a copy on a given stream is asynchronous
+        a.get(stream=stream, out=buf)
+    done = cuda.Event()
+    done.record(stream)
+    return done
 
 
 def pinned_empty(shape, dtype, kind: str):

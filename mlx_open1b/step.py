@@ -29,6 +29,7 @@ import numpy as np
 from . import arrays, hashing
 from .errors import Open1bError
 from .hostmath import f32, reciprocal
+from .parking import Parked, Parking
 from .state_hashes import HashStage, submit, timed
 
 
@@ -47,43 +48,102 @@ class TreeFold:
     backend's elementwise contract add: in place on its first argument (returning None, like
     ops.add_inplace) or returning the sum (like arrays.add_into).
 
-    park / unpark (optional): where an entry of level PARK_LEVEL or more waits while a push leaves
-    it idle under the top of the stack (e.g. arrays.to_host), and how it comes back before its add
-    (e.g. ops.to_device). An entry of level L waits at least 2^L pushes, so the device keeps at most
-    the entries of the lowest levels and each transfer is spread over many microbatches. Only where
-    an operand waits changes: the adds, their operands and their order, so every bit, are the same."""
+    Parking (optional): where an entry of level PARK_LEVEL or more waits while a push leaves it
+    idle under the top of the stack, and how it comes back before its add: a parking.Parking, or
+    two functions park / unpark (e.g. arrays.to_host, ops.to_device). An entry of level L waits at
+    least 2^L pushes, so the device keeps at most the entries of the lowest levels and each
+    transfer is spread over many microbatches. The carry rule says which entries the next push
+    reads (and, once `pushes` values are known to come, which the final sum reads): the first of
+    them that waits is asked back as soon as a push returns, under the next microbatch's compute,
+    and while one is added the next is on its way. The last two pushes park nothing (the sum reads
+    what they would park at once). Only where an operand waits changes: the adds, their operands and their order, so
+    every bit, are the same."""
 
-    def __init__(self, add, park=None, unpark=None):
+    def __init__(self, add, park=None, unpark=None, *, parking=None, pushes: int | None = None):
         self.add, self.stack = add, []
-        self.park, self.unpark = park, unpark
-        self._parked: list[bool] = []       # per stack entry: moved by park
+        self.parking = parking if parking is not None else None if park is None else _Calls(park, unpark)
+        self.pushes, self._pushed = pushes, 0
+        self._parked: list[bool] = []       # per stack entry: it waits parked
 
-    def _back(self, a):
-        return a if self.unpark is None else self.unpark(a)
+    def _reads(self, level: int, last: bool) -> list:
+        """[(entry, parked)] in the order the next push of `level` reads them (the entries it
+        carries into), then, if that push is the last, the order result() reads the rest."""
+        items, k = [], len(self.stack) - 1
+        while k >= 0 and self.stack[k][0] == level:
+            items.append((self.stack[k][1], self._parked[k]))
+            k, level = k - 1, level + 1
+        return items + ([(self.stack[j][1], self._parked[j]) for j in range(k + 1)] if last else [])
 
-    def _add(self, lower, v):
-        lower, v = self._back(lower), self._back(v)
+    def _prefetch(self, items, n: int) -> None:
+        """Start bringing back the first n parked entries of items."""
+        for a in [a for a, parked in items if parked][:n]:
+            self.parking.prefetch(a)
+
+    def _read(self, items, i: int):
+        """items[i] on the device; it and the next parked entry asked back first."""
+        a, parked = items[i]
+        if self.parking is not None:
+            self._prefetch(items[i:], 1 + parked)
+            if parked:
+                a = self.parking.unpark(a)
+        return a
+
+    def _sum(self, lower, v):
         r = self.add(lower, v)
         return lower if r is None else r
 
     def push(self, v: np.ndarray, level: int = 0) -> None:
         """Push the next value in index order; a value at level L stands for an aligned block of
         2^L leaves already folded by this same tree (CONTRACT.md §7), e.g. a worker's partial."""
+        p = self.parking
+        if p is not None:
+            p.settle()
+        self._pushed += 1
+        last = self.pushes is not None and self._pushed >= self.pushes
+        first, items, i = level, self._reads(level, last), 0
         while self.stack and self.stack[-1][0] == level:
-            _, lower = self.stack.pop()
+            self.stack.pop()
             self._parked.pop()
-            v, level = self._add(lower, v), level + 1
-        if self.park is not None and self.stack and self.stack[-1][0] >= PARK_LEVEL and not self._parked[-1]:
+            v, level, i = self._sum(self._read(items, i), v), level + 1, i + 1
+        del items
+        summed_next = self.pushes is not None and self._pushed + 1 >= self.pushes     # read within a push
+        if p is not None and not summed_next and self.stack and self.stack[-1][0] >= PARK_LEVEL \
+                and not self._parked[-1]:
             idle_level, idle = self.stack[-1]
-            self.stack[-1], self._parked[-1] = (idle_level, self.park(idle)), True
+            self.stack[-1], self._parked[-1] = (idle_level, p.park(idle)), True
         self.stack.append((level, v))
         self._parked.append(False)
+        if p is not None and not last:      # assumes the next push is of this one's level
+            self._prefetch(self._reads(first, self.pushes is not None and self._pushed + 1 >= self.pushes), 1)
 
     def result(self) -> np.ndarray:
-        acc = self._back(self.stack[0][1])
-        for _, v in self.stack[1:]:
-            acc = self._add(acc, v)
+        items = list(zip((a for _, a in self.stack), self._parked))
+        acc = self._read(items, 0)
+        for i in range(1, len(items)):
+            acc = self._sum(acc, self._read(items, i))
         return acc
+
+    def held(self):
+        """The device arrays the fold holds: entries that do not wait parked, and those parked
+        entries' copies under way (the memory model's "fold stack")."""
+        for (_, a), parked in zip(self.stack, self._parked):
+            if not parked:
+                yield a
+            elif isinstance(a, Parked):
+                yield from a.on_device()
+
+
+class _Calls:
+    """Parking by two functions: each copy blocks, nothing is asked back ahead."""
+
+    def __init__(self, park, unpark):
+        self.park, self.unpark = park, unpark
+
+    def settle(self) -> None:
+        pass
+
+    def prefetch(self, a) -> None:
+        pass
 
 
 def norm_partials(ops, tensors) -> dict:
@@ -281,19 +341,29 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
     parts, scalars = [], {}
     # on a device with memory of its own, what waits idle waits on the host: the fold's high levels
     # (TreeFold) and each run's partial while the later runs are computed
-    park = (arrays.to_host, ops.to_device) if arrays.own_memory(params) else ()
+    park = _parking(tr) if arrays.own_memory(params) else None
     for k, (start, n) in enumerate(blocks):
-        fold = TreeFold(functools.partial(arrays.add_into, ops), *park)
+        fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n)
         for i in range(start, start + n):
             loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
             scalars[i] = (loss, ce, zl)
             fold.push(g)
             del g       # held by the fold, or added into it: not alive while the next one is computed
-        parts.append(park[0](fold.result()) if park and k + 1 < len(blocks) else fold.result())
+        parts.append(park.park(fold.result()) if park and k + 1 < len(blocks) else fold.result())
     if park:
-        parts = [park[1](p) for p in parts]
+        for p in parts[:-1]:
+            park.prefetch(p)
+        parts = [park.unpark(p) for p in parts[:-1]] + parts[-1:]
     _spent(tr.timing, "compute", t0)
     return parts, scalars
+
+
+def _parking(tr) -> Parking:
+    """The trainer's parking of fold entries (its pinned buffers reused from step to step)."""
+    p = getattr(tr, "parking", None)
+    if p is None:
+        p = tr.parking = Parking(arrays.kind(tr.state.params))
+    return p
 
 
 def _gather_step(tr, reduce: Reduce, M: int, scalars: dict, grads):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ class FakeCupyArray:
     and the explicit host copy .get()."""
 
     __module__ = "cupy._fake"          # arrays.kind: type(a).__module__ starts with "cupy"
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "__weakref__")
     __array_ufunc__ = None             # numpy ufuncs and numpy binary operators refuse it
     __hash__ = None                    # as cupy.ndarray
 
@@ -114,6 +115,14 @@ class FakeCupyArray:
             return out
         return np.array(self._a, order=order, copy=True)
 
+    def set(self, arr, stream=None) -> None:
+        """The explicit host-to-device copy; with a stream it is queued there (FakeStream: it runs
+        when an event recorded after it is waited for)."""
+        if stream is not None:
+            stream.enqueue(arr, self)
+            return
+        self._a[...] = arr
+
     def __getitem__(self, key):
         key = _unwrap_key(key)
         out = self._a[key]
@@ -164,28 +173,28 @@ class FakeCupyArray:
 
 class FakeStream:
     """cupy.cuda.Stream in the stand-in. The current stream (`NULL`) runs everything at once, as the
-    emulated kernels do; another stream queues its device-to-host copies and runs them as late as
+    emulated kernels do; another stream queues its copies (either way) and runs them as late as
     CUDA may: when an event recorded after them is synchronized, or waited for by the current
     stream. So a copy's destination read before its event is waited for holds stale bytes, and a
     copy not ordered before a kernel that writes its source reads the kernel's result: the
     ordering mistakes a real GPU makes only sometimes, made every time."""
 
     def __init__(self, null=False, non_blocking=False, ptds=False):
-        self.null, self.copies, self.ran = null, [], 0        # copies: (source, destination)
+        self.null, self.copies, self.ran = null, [], 0        # copies: (source, destination), either kind
         self._lock = threading.Lock()
 
     def enqueue(self, src, out) -> None:
         if self.null:
-            out[...] = src._a
+            _unwrap(out)[...] = _unwrap(src)
             return
         with self._lock:
-            self.copies.append((src, out))
+            self.copies.append((_Held(src), _Held(out)))
 
     def run_until(self, n: int) -> None:
         with self._lock:
             while self.ran < n:
                 src, out = self.copies[self.ran]
-                out[...] = src._a
+                out.memory()[...] = src.memory()
                 self.copies[self.ran] = (None, out)          # the source may be freed once copied
                 self.ran += 1
 
@@ -195,6 +204,22 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self.run_until(len(self.copies))
+
+
+class _Held:
+    """An operand of a queued copy: a host array as it is; a device array by a weak reference and
+    its memory. A device array the program let go of before its copy ran is an error: on a GPU the
+    caching allocator may already have handed its memory to a kernel of another stream."""
+
+    def __init__(self, a):
+        self.ref = weakref.ref(a) if isinstance(a, FakeCupyArray) else None
+        self.a = a._a if isinstance(a, FakeCupyArray) else a
+
+    def memory(self) -> np.ndarray:
+        if self.ref is not None and self.ref() is None:
+            raise AssertionError("a device array was let go before its queued copy ran (a missing "
+                                 "wait before its memory may be reused)")
+        return self.a
 
 
 class FakeEvent:

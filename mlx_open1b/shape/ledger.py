@@ -5,7 +5,8 @@ peak on the device and on the host, bytes moved host<->device and over the netwo
 device peak a breakdown of the live bytes by owner:
 
   params, moments      the trainer's state arrays (registered roots)
-  fold stack           arrays held in a TreeFold's stack (the microbatch or owner fold)
+  fold stack           arrays held by a TreeFold (the microbatch or owner fold): its entries on the
+                       device, parked entries' copies under way (TreeFold.held)
   activations          arrays held by a model Cache (what the backward reads)
   gradients            a gradient buffer being written (arrays.FlatBuffer), a run's partial, the
                        step's gradient
@@ -57,7 +58,7 @@ class Peak:
 OPS_MODULE = _HERE + ".cuda_ops"        # the CUDA backend's op code as this package loads it (ops.py)
 _SKIP = (_HERE, "mlx_open1b.derived_ops")
 GRADIENT_SITE = "arrays.FlatBuffer"
-UNPARKED = ("step._back", "step._microbatches")    # partials brought back from the host (step.py)
+UNPARKED = ("step._microbatches", "parking.")    # partials brought back from the host (step.py, parking.py)
 
 
 def _site(frame, place: str) -> str:
@@ -126,7 +127,9 @@ class MemoryLedger:
         self.bytes = {DEVICE: 0, HOST: 0}
         self.peak = {DEVICE: 0, HOST: 0}
         self.breakdown = {DEVICE: Peak(), HOST: Peak()}
-        self.moved = {"h2d": 0, "d2h": 0, "net_out": 0, "net_in": 0, "net_objects": 0,
+        # h2d, d2h: bytes copied, of them *_async on a copy stream under later compute; *_n: copies
+        self.moved = {"h2d": 0, "d2h": 0, "h2d_async": 0, "d2h_async": 0, "h2d_n": 0, "d2h_n": 0,
+                      "h2d_async_n": 0, "d2h_async_n": 0, "net_out": 0, "net_in": 0, "net_objects": 0,
                       "gather_out": 0, "gather_in": 0}
         self.allocs = 0
         self.roots: list = []
@@ -179,6 +182,8 @@ class MemoryLedger:
             if self.trace is not None:
                 self.trace.append(("count", key, int(nbytes)))
             self.moved[key] += int(nbytes)
+            if key + "_n" in self.moved:
+                self.moved[key + "_n"] += 1
 
     def reset(self) -> None:
         """Start a new measurement: peaks from the live bytes now, traffic from zero."""
@@ -233,7 +238,7 @@ class MemoryLedger:
             del loc
             f = f.f_back
         for fold in folds:
-            for _, a in fold.stack:
+            for a in fold.held():
                 mark("fold stack", a)
         for c in caches:
             for a in cache_arrays(c):

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import RunConfig
+from .. import arrays
 from ..model import Cache
+from ..parking import Parking
 from ..step import TreeFold
 from ..train import Trainer, TrainState
 from . import array as xp
@@ -107,10 +109,12 @@ def _roots(tr):
             ("constants", lambda: [a for t in tr.model._tables.values() for a in t])]
 
 
-def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float, replay: bool) -> list[Measure]:
+def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float, replay: bool,
+            overlap: bool) -> list[Measure]:
     rank = 0 if comm is None else comm.rank
     led = MemoryLedger(f"rank {rank}", resolution).activate()
     tr = shape_trainer(cfg, comm)
+    tr.parking = Parking(arrays.SHAPE, overlap)
     install(tr, replay)
     led.roots = _roots(tr)
     reduce = tr._reducer()
@@ -127,17 +131,18 @@ def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float, rep
 
 
 def measure(cfg: RunConfig, workers: int = 1, phases=None, resolution: float = 0.002,
-            replay: bool = True) -> list[list[Measure]]:
+            replay: bool = True, overlap: bool = True) -> list[list[Measure]]:
     """[phase][rank] Measures of one step per batch phase (default: every phase of cfg) on `workers`
     workers (1: the single-process Trainer; more: the DistributedTrainer on a SimWorld). replay:
     the model program runs once per shape and is replayed after (replay.py); False runs it at every
-    microbatch (slow at the open1b preset; the same numbers)."""
+    microbatch (slow at the open1b preset; the same numbers). overlap=False: fold entries parked
+    by blocking copies into pageable memory (parking.py) instead of the pinned, overlapped ones."""
     from ..distributed.sharding import check_worker_count
     check_worker_count(workers, cfg.train.phases)          # as the distributed trainer does at start-up
     phases = [tuple(p) for p in (cfg.train.phases if phases is None else phases)]
     if workers == 1:
-        per_rank = [_worker(cfg, None, phases, resolution, replay)]
+        per_rank = [_worker(cfg, None, phases, resolution, replay, overlap)]
     else:
         world = SimWorld(workers)
-        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution, replay))
+        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution, replay, overlap))
     return [[per_rank[r][i] for r in range(workers)] for i in range(len(phases))]

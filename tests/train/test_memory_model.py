@@ -54,25 +54,40 @@ def activation_bytes(c) -> int:
     return m.n_layers * layer + top
 
 
-def fold_walk(M: int) -> tuple[int, int]:
-    """(fold-stack entries on the device at the peak, entries parked on the host) of the microbatch
-    fold: while microbatch i is computed the binary-carry stack holds one entry per set bit of i and
-    the gradient of i is being written; an entry of level >= PARK_LEVEL left idle under a new top
-    waits on the host (the shape kind has memory of its own, like cupy)."""
-    stack, best, parks = [], (-1, 0), 0          # stack: [level, on the device]
+def fold_walk(M: int, overlap: bool = True) -> tuple[int, int, int, int]:
+    """(fold-stack entries on the device at the peak, entries parked on the host, of them brought
+    back ahead, most parked at once) of the microbatch fold: while microbatch i is computed the
+    binary-carry stack holds one entry per set bit of i and the gradient of i is being written; an
+    entry of level >= PARK_LEVEL left idle under a new top waits on the host (the shape kind has
+    memory of its own, like cupy), except at the last two pushes (the sum reads it at once). Overlapped
+    (parking.py), the device also holds, while microbatch i is computed, the entry parked at push
+    i-1 (its copy is waited for at push i) and the first parked entry push i reads (or, if it is
+    the last, the sum after it), asked back when push i-1 returned."""
+    stack, best, parks, ahead, most = [], (-1, 0), 0, 0, 0     # stack: [level, on the device]
+    pending = fetched = 0
     for i in range(M):
-        on_device = sum(1 for _, d in stack if d)
+        on_device = sum(1 for _, d in stack if d) + pending + fetched
         if on_device + 1 > best[0]:
             best = (on_device + 1, on_device)
+        last, pending = i == M - 1, 0
         level = 0
         while stack and stack[-1][0] == level:
             stack.pop()
             level += 1
-        if stack and stack[-1][0] >= PARK_LEVEL and stack[-1][1]:
+        if i < M - 2 and stack and stack[-1][0] >= PARK_LEVEL and stack[-1][1]:
             stack[-1][1] = False
-            parks += 1
+            parks, pending = parks + 1, int(overlap)
         stack.append([level, True])
-    return best[1], parks
+        most = max(most, sum(1 for _, d in stack if not d))
+        k, lv, reads = len(stack) - 1, 0, []
+        while k >= 0 and stack[k][0] == lv:
+            reads.append(stack[k])
+            k, lv = k - 1, lv + 1
+        if i + 1 == M - 1:
+            reads += stack[:k + 1]
+        fetched = int(overlap and not last and any(not d for _, d in reads))
+        ahead += fetched
+    return best[1], parks, ahead, most
 
 
 def test_shape_arrays_are_a_kind_without_values():
@@ -104,7 +119,7 @@ def test_one_worker_step_against_a_hand_count():
     for (start, M), (m,) in zip(PHASES, measure(c, 1, resolution=0)):
         assert m.microbatches == M
         o = m.device.owners
-        stack, parks = fold_walk(M)
+        stack, parks, ahead, most = fold_walk(M)
         assert o["params"] == 2 * P and o["moments"] == 2 * 4 * P
         assert o["activations"] == activation_bytes(c)
         assert (o.get("fold stack", 0), o["gradients"]) == (stack * 4 * P, 4 * P), M
@@ -115,6 +130,13 @@ def test_one_worker_step_against_a_hand_count():
         # parameter); each parked fold entry goes down once and comes back once
         assert 14 * P + parks * 4 * P <= m.moved["d2h"] < 14 * P + parks * 4 * P + M * 64 * 1024
         assert parks * 4 * P <= m.moved["h2d"] < parks * 4 * P + M * 64 * 1024
+        # on the copy stream under later compute: the hashes' copies and every park's; of the
+        # entries coming back, those asked for a microbatch ahead
+        assert (m.moved["d2h_async"], m.moved["h2d_async"]) == (14 * P + parks * 4 * P, ahead * 4 * P), M
+        assert (m.moved["d2h_async_n"], m.moved["h2d_async_n"]) == (4 + parks, ahead), M
+        assert m.moved["d2h_n"] > m.moved["d2h_async_n"] and m.moved["h2d_n"] >= parks
+        # pinned: the hashes' copies and the pool of parked entries (the most parked at once)
+        assert m.host.owners["pinned"] == 14 * P + most * 4 * P, (M, m.host.owners)
         assert m.peak["host"] >= 2 * 4 * P                                   # m and v copies at once
         assert m.moved["net_out"] == m.moved["net_in"] == 0
 
@@ -151,8 +173,13 @@ def test_workers_step_against_a_hand_count(W, make):
             assert m.peak["device"] >= base + max(stages)
             if "activations" not in o:      # the step's peak is the reduce-scatter
                 assert m.peak["device"] == base + max(stages), (M, r)
-            else:                           # a backward: the gradient being written is the only one
-                assert o["gradients"] == 4 * P, (M, r)      # (earlier blocks' partials wait on the host)
+            else:       # a backward: the gradient being written, the fold's entries (one per set bit of
+                # the microbatch's place in its block; blocks here are too short to park) and, in a
+                # later block's first microbatch, the partial before it on its way to the host (its
+                # copy is waited for at the next push)
+                held = max(bin(q).count("1") + (q == 0 and b > 0)
+                           for b, (_, lv) in enumerate(blocks[r]) for q in range(1 << lv))
+                assert o["gradients"] + o.get("fold stack", 0) == 4 * P * (1 + held), (M, r)
                 assert o["activations"] == activation_bytes(c)
                 backward_peaks += len(blocks[r]) > 1
             assert m.peak["device"] == sum(o.values())
@@ -189,13 +216,15 @@ def test_parked_fold_adds_the_same_bits(M):
     for pushes in ([(x, 0) for x in xs], by_block):
         moved = []
         plain = TreeFold(cpu_ref.add_inplace)
-        parked = TreeFold(cpu_ref.add_inplace, lambda a: moved.append(a.size) or a.copy(), lambda a: a.copy())
+        parked = TreeFold(cpu_ref.add_inplace, lambda a: moved.append(a.size) or a.copy(), lambda a: a.copy(),
+                          pushes=len(pushes))
         for x, lv in pushes:
             plain.push(x.copy(), lv)
             parked.push(x.copy(), lv)
         assert (plain.result().view(np.uint32) == parked.result().view(np.uint32)).all()
         if pushes is not by_block:
-            assert len(moved) == fold_walk(M)[1] and (len(moved) > 0) == (M > 4)   # first at the 5th push
+            # the first park at the 5th push, never at the last two
+            assert len(moved) == fold_walk(M)[1] and (len(moved) > 0) == (M > 6)
 
 
 def test_benchmark_prints_the_table(tmp_path, capsys):
