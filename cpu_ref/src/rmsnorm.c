@@ -15,13 +15,21 @@ typedef struct {
 
 static float inv_count(int64_t C) { return o1b_div(1.0f, o1b_i2f((int32_t)C)); }
 
+/* Rows per step: the rows' sums (sum of squares, the backward's dot) run with rows on SIMD
+ * lanes (vmath.c), each in c order. */
+#define ROWS 64
+
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     const norm_args *a = (const norm_args *)ctx;
     const float invC = inv_count(a->C);
+    float sums[ROWS];
     for (int64_t n = lo; n < hi; n++) {
         const float *x = a->x + n * a->C;
-        float ss = 0.0f;
-        for (int64_t c = 0; c < a->C; c++) { float v = o1b_load(x[c]); ss = o1b_add(ss, o1b_mul(v, v)); }
+        if ((n - lo) % ROWS == 0) {
+            int64_t m = hi - n < ROWS ? hi - n : ROWS;
+            o1b_vrow_dots(m, a->C, x, x, NULL, sums);   /* ss = sum_c mul(x_c, x_c) */
+        }
+        float ss = sums[(n - lo) % ROWS];
         float r = o1b_rsqrt(o1b_add(o1b_mul(ss, invC), a->eps));
         a->rstd[n] = o1b_store(r);
         o1b_vrms_scale(a->C, x, r, a->g, a->y + n * a->C);
@@ -42,14 +50,14 @@ O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
 static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
     const norm_args *a = (const norm_args *)ctx;
     const float invC = inv_count(a->C);
+    float dots[ROWS];
     for (int64_t n = lo; n < hi; n++) {
         const float *x = a->x + n * a->C, *dy = a->dy + n * a->C;
-        float r = o1b_load(a->rstd[n]), dot = 0.0f;
-        for (int64_t c = 0; c < a->C; c++) {
-            float t = o1b_load(dy[c]);
-            if (a->g) t = o1b_mul(t, o1b_bf16_to_f32(a->g[c]));
-            dot = o1b_add(dot, o1b_mul(t, o1b_load(x[c])));
+        if ((n - lo) % ROWS == 0) {
+            int64_t m = hi - n < ROWS ? hi - n : ROWS;
+            o1b_vrow_dots(m, a->C, dy, x, a->g, dots);
         }
+        float r = o1b_load(a->rstd[n]), dot = dots[(n - lo) % ROWS];
         float b = o1b_mul(o1b_mul(dot, o1b_mul(o1b_mul(r, r), r)), invC);
         o1b_vrms_dx(a->C, dy, x, a->g, r, b, a->dx + n * a->C);
     }

@@ -151,6 +151,19 @@ static void scale_inplace_scalar(int64_t lo, int64_t hi, float *a, float s) {
     for (int64_t i = lo; i < hi; i++) a[i] = o1b_store(o1b_mul(o1b_load(a[i]), s));
 }
 
+static void row_dots_scalar(int64_t lo, int64_t hi, int64_t C, const float *a, const float *b,
+                            const bf16 *g, float *out) {
+    for (int64_t k = lo; k < hi; k++) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < C; c++) {
+            float t = o1b_load(a[k * C + c]);
+            if (g) t = o1b_mul(t, o1b_bf16_to_f32(g[c]));
+            acc = o1b_add(acc, o1b_mul(t, o1b_load(b[k * C + c])));
+        }
+        out[k] = acc;
+    }
+}
+
 /* ---- instantiations: this file again, from its template section ---- */
 #define O1B_VMATH_TEMPLATE 1
 #if defined(O1B_VM_X86)
@@ -274,6 +287,12 @@ void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float 
 #undef CALL
 }
 
+void o1b_vrow_dots(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g, float *out) {
+    if (!g_vmath) { row_dots_scalar(0, n, C, a, b, g, out); return; }
+#define CALL(s) row_dots_##s(n, C, a, b, g, out)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
 void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y) {
     if (!g_vmath) { to_bf16_scalar(lo, hi, x, y); return; }
 #define CALL(s) to_bf16_arr_##s(lo, hi, x, y)
@@ -609,7 +628,7 @@ static O1B_TGT void FN(exp_sub)(int64_t n, const float *z, float m, float *e) {
         if (__builtin_expect(FN(any)(rare), 0)) exp_sub_scalar(i, i + O1B_W, z, m, e);
         else FN(put)(e + i, y);
     }
-    exp_sub_scalar(i, n, z, m, e);
+    if (i < n) exp_sub_scalar(i, n, z, m, e);
 }
 
 /* Lanes are rows (expsum_cols_scalar's k), so each lane's max and sum run over v in order while
@@ -647,7 +666,7 @@ static O1B_TGT void FN(expsum_cols)(int64_t n, int64_t L, const float *zt, int64
         FN(put)(mn + k, mv);
         FN(put)(cs + k, s);
     }
-    expsum_cols_scalar(k, n, L, zt, ldz, m, mn, cs);
+    if (k < n) expsum_cols_scalar(k, n, L, zt, ldz, m, mn, cs);
 }
 
 /* o1b_f32_to_bf16 */
@@ -689,7 +708,7 @@ static O1B_TGT void FN(xent_grad)(int64_t n, const float *z, float lse, float co
             memcpy(dz + i, &h, sizeof h);
         }
     }
-    xent_grad_scalar(i, n, z, lse, coef, dl, dz);
+    if (i < n) xent_grad_scalar(i, n, z, lse, coef, dl, dz);
 }
 
 static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, float *out) {
@@ -700,7 +719,7 @@ static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, fl
         if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + O1B_W, g, u, out);
         else FN(put)(out + i, FN(store)(y));
     }
-    swiglu_fwd_scalar(i, n, g, u, out);
+    if (i < n) swiglu_fwd_scalar(i, n, g, u, out);
 }
 
 static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *gate,
@@ -722,7 +741,7 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
             FN(put)(dgate + i, FN(store)(b));
         }
     }
-    swiglu_bwd_scalar(i, n, dout, gate, up, dgate, dup);
+    if (i < n) swiglu_bwd_scalar(i, n, dout, gate, up, dgate, dup);
 }
 
 static O1B_TGT void FN(axpy)(int64_t n, float a, const float *x, float *y) {
@@ -734,7 +753,7 @@ static O1B_TGT void FN(axpy)(int64_t n, float a, const float *x, float *y) {
         if (__builtin_expect(FN(any)(rare), 0)) axpy_scalar(i, i + O1B_W, a, x, y);
         else FN(put)(y + i, r);
     }
-    axpy_scalar(i, n, a, x, y);
+    if (i < n) axpy_scalar(i, n, a, x, y);
 }
 
 /* Lanes are rows r; two vectors of rows at a time so that their chains of adds overlap. */
@@ -765,7 +784,7 @@ static O1B_TGT void FN(dots_t)(int64_t n, int64_t D, const float *x, const float
         if (__builtin_expect(FN(any)(rare), 0)) dots_t_scalar(r, r + O1B_W, D, x, rows_t, ld, out);
         else FN(put)(out + r, acc);
     }
-    dots_t_scalar(r, n, D, x, rows_t, ld, out);
+    if (r < n) dots_t_scalar(r, n, D, x, rows_t, ld, out);
 }
 
 /* o1b_bf16_to_f32 of W values */
@@ -775,24 +794,46 @@ AI vf FN(widen)(const bf16 *h) {
     return FN(flush)(VF(__builtin_convertvector(x, vi) << 16));
 }
 
+/* Lanes are rows: W rows' values at one c gathered into a vector, each lane's sum over c in
+ * order (row_dots_scalar's). A vector of rows with a product at 2^-126 is done again by the
+ * scalar loop. */
+static O1B_TGT void FN(row_dots)(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g,
+                                 float *out) {
+    int64_t k = 0;
+    for (; k + O1B_W <= n; k += O1B_W) {
+        vi rare = {0};
+        vf acc = {0};
+        for (int64_t c = 0; c < C; c++) {
+            vf t, x;
+            for (int l = 0; l < O1B_W; l++) { t[l] = a[(k + l) * C + c]; x[l] = b[(k + l) * C + c]; }
+            t = FN(flush)(t);
+            if (g) t = FN(mul)(t, FN(splat)(o1b_bf16_to_f32(g[c])), &rare);
+            acc = FN(add)(acc, FN(mul)(t, FN(flush)(x), &rare));
+        }
+        if (__builtin_expect(FN(any)(rare), 0)) row_dots_scalar(k, k + O1B_W, C, a, b, g, out);
+        else FN(put)(out + k, acc);
+    }
+    if (k < n) row_dots_scalar(k, n, C, a, b, g, out);
+}
+
 static O1B_TGT void FN(to_bf16_arr)(int64_t lo, int64_t hi, const float *x, bf16 *y) {
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W) {
         vh h = FN(to_bf16)(FN(load)(x + i));
         memcpy(y + i, &h, sizeof h);
     }
-    to_bf16_scalar(i, hi, x, y);
+    if (i < hi) to_bf16_scalar(i, hi, x, y);
 }
 static O1B_TGT void FN(to_f32_arr)(int64_t lo, int64_t hi, const bf16 *x, float *y) {
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W) FN(put)(y + i, FN(store)(FN(widen)(x + i)));
-    to_f32_scalar(i, hi, x, y);
+    if (i < hi) to_f32_scalar(i, hi, x, y);
 }
 static O1B_TGT void FN(add_inplace_arr)(int64_t lo, int64_t hi, float *a, const float *b) {
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W)
         FN(put)(a + i, FN(store)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
-    add_inplace_scalar(i, hi, a, b);
+    if (i < hi) add_inplace_scalar(i, hi, a, b);
 }
 static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, float s) {
     vf sv = FN(splat)(s);
@@ -803,7 +844,7 @@ static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, floa
         if (__builtin_expect(FN(any)(rare), 0)) scale_inplace_scalar(i, i + O1B_W, a, s);
         else FN(put)(a + i, FN(store)(y));
     }
-    scale_inplace_scalar(i, hi, a, s);
+    if (i < hi) scale_inplace_scalar(i, hi, a, s);
 }
 
 static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, float *vv,
@@ -829,7 +870,7 @@ static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, f
             memcpy(pp + i, &h, sizeof h);
         }
     }
-    adamw_scalar(i, n, pp, gg, mm, vv, k);
+    if (i < n) adamw_scalar(i, n, pp, gg, mm, vv, k);
 }
 
 static O1B_TGT void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *y) {
@@ -842,7 +883,7 @@ static O1B_TGT void FN(rms_scale)(int64_t n, const float *x, float r, const bf16
         if (__builtin_expect(FN(any)(rare), 0)) rms_scale_scalar(c, c + O1B_W, x, r, g, y);
         else FN(put)(y + c, FN(store)(v));
     }
-    rms_scale_scalar(c, n, x, r, g, y);
+    if (c < n) rms_scale_scalar(c, n, x, r, g, y);
 }
 
 static O1B_TGT void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, float r,
@@ -857,7 +898,7 @@ static O1B_TGT void FN(rms_dx)(int64_t n, const float *dy, const float *x, const
         if (__builtin_expect(FN(any)(rare), 0)) rms_dx_scalar(c, c + O1B_W, dy, x, g, r, b, dx);
         else FN(put)(dx + c, FN(store)(d));
     }
-    rms_dx_scalar(c, n, dy, x, g, r, b, dx);
+    if (c < n) rms_dx_scalar(c, n, dy, x, g, r, b, dx);
 }
 
 static O1B_TGT void FN(rms_dg_row)(int64_t n, const float *dy, const float *x, float r, float *acc) {
@@ -871,7 +912,7 @@ static O1B_TGT void FN(rms_dg_row)(int64_t n, const float *dy, const float *x, f
         if (__builtin_expect(FN(any)(rare), 0)) rms_dg_row_scalar(c, c + O1B_W, dy, x, r, acc);
         else FN(put)(acc + c, a);
     }
-    rms_dg_row_scalar(c, n, dy, x, r, acc);
+    if (c < n) rms_dg_row_scalar(c, n, dy, x, r, acc);
 }
 
 /* ---- attention rows (attention.c) under the hardware flush mode ----

@@ -47,6 +47,10 @@ void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const fl
  *   y[c]  = store(mul(mul(load(x[c]), r), g_c))              (without gain mul(load(x[c]), r))
  *   dx[c] = store(sub(mul(t_c, r), mul(load(x[c]), b))),  t_c = mul(load(dy[c]), g_c) or load(dy[c])
  *   acc[c] = add(acc[c], mul(load(dy[c]), mul(load(x[c]), r)))   one row of the gain's column sums */
+/* out[k] = sum_{c ascending} mul(t, load(b[k C + c])) from +0 (unstored), t = load(a[k C + c]) or
+ * mul(load(a[k C + c]), g_c) with a gain, for rows k in [0, n) of C values: RMSNorm's sum of
+ * squares (a = b, no gain) and its backward's dot, rows on SIMD lanes. */
+void o1b_vrow_dots(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g, float *out);
 void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y);
 void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx);
 void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);

@@ -347,6 +347,31 @@ def test_rmsnorm_equals_scalar(N, Cc, gain):
             assert_bits_equal(dg2, dg, f"rmsnorm dg, level {lv}")
 
 
+def test_rmsnorm_rows_on_the_exact_path():
+    # The backward's dot of a row that is zero but for one x = 0.75 whose dy makes mul(dy, x)
+    # round up to 2^-126 (the contract flushes it): that vector of rows goes the scalar way.
+    N, Cc = 33, 16
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((N, Cc)).astype(np.float32)
+    dy = rng.standard_normal((N, Cc)).astype(np.float32)
+    d = tiny_product_pairs(np.array([0.75], np.float32))[0]
+    assert not np.isnan(d)
+    for row in (3, 20):
+        x[row] = 0.0
+        dy[row] = 0.0
+        x[row, 5], dy[row, 5] = 0.75, d
+    with scalar():
+        y, r = CL.rmsnorm_forward(x, None, 1e-6)
+        dx, _ = CL.rmsnorm_backward(dy, x, None, r)
+    sy, sr = SL.rmsnorm_forward(x, None, 1e-6)
+    assert_bits_equal(y, sy, "rmsnorm y: scalar C vs spec")
+    assert_bits_equal(dx, SL.rmsnorm_backward(dy, x, None, sr)[0], "rmsnorm dx: scalar C vs spec")
+    for lv in LEVELS:
+        with level(lv):
+            dx2, _ = CL.rmsnorm_backward(dy, x, None, r)
+        assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
+
+
 @pytest.mark.parametrize("n", [5, 16, 1000])
 def test_adamw_equals_scalar(n):
     # Gradients and moments with specials and zeros of both signs; the first and a later step.
