@@ -102,6 +102,22 @@ def test_late_and_background_hashes_write_the_inline_ledger(tmp_path, corpus, in
     assert tr.hash_stage.host_bytes() == 4 * tr.model_cfg.n_params()
 
 
+def test_checkpoints_take_the_hashes_of_the_records(tmp_path, corpus, inline, monkeypatch):
+    """A checkpoint after a step takes that step's state hashes (its record's) instead of hashing
+    the state again; resuming from each checkpoint verifies them against its tensors."""
+    from mlx_open1b import train as train_mod
+    calls = []
+    for name in ("param_hash", "opt_hash"):
+        real = getattr(train_mod, name)
+        monkeypatch.setattr(train_mod, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    run = tmp_path / "run"
+    Trainer(run, cfg(), corpus).train(STEPS)
+    assert run_files(run) == inline and len(list_checkpoints(run)) == 1 + STEPS // 2
+    assert calls == ["param_hash", "opt_hash"]          # step 0's checkpoint only: no step before it
+    for step, _ in list_checkpoints(run)[1:]:
+        Trainer.replay(run, at_step=step, log=lambda m: None)      # load_state checks meta.json's hashes
+
+
 def test_audit_replays_with_the_overlap(tmp_path, corpus, monkeypatch):
     """The audit recomputes steps through the training loop: step t's record is settled only after
     step t+1's microbatches began (from the start and from a checkpoint), and every step certifies."""
