@@ -202,7 +202,7 @@ def profile(a, base, precision, tokens, M) -> None:
     n = a.steps
     ours_step = wall / n
     rows = [(name, sec / n, calls / n) for name, (sec, calls) in totals.items()]
-    rows.append(("hashing (state hashes), on the step's path", hash_s / n, 1.0))
+    rows.append(("hashing (on the step's path)", hash_s / n, 1.0))
     rows.append(("rest: Python, data, ledger", max(0.0, ours_step - sum(r[1] for r in rows)), 0.0))
 
     torch.set_num_threads(a.threads)
