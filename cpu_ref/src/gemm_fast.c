@@ -116,7 +116,8 @@ static inline uint32_t widen(bf16 h) {
     return (u & 0x7F800000u) ? u : (u & 0x80000000u);
 }
 
-/* ---- transposed packing: the source rows run along p (x and W in y = x W^T, dy in dx = dy W). Blocks of 16 x 16 (8 x 8) values are widened and transposed in registers; lanes
+/* ---- transposed packing: the source rows run along p (x and W in y = x W^T, dy in dx = dy W).
+ * Blocks of 16 x 16 (8 x 8) values are widened and transposed in registers; lanes
  * beyond the panel's m valid rows are zeros, as in the scalar loop. Returns how many p it did. */
 #if defined(O1B_GEMM_X86)
 #define O1B_AVX512 __attribute__((target("avx512f")))
@@ -157,6 +158,17 @@ static O1B_AVX512 int64_t transpose_avx512(uint32_t *d, const bf16 *s, int64_t s
             for (int k = 0; k < 16; k++) _mm512_mask_storeu_epi32(d + (p + k) * R + g, lanes, t[k]);
         }
     return p;
+}
+
+/* Twelve contiguous bf16 at s widened into d[0..11] (an A panel's row when the source runs
+ * across the rows: dy in dW = dy^T x); reads exactly 24 bytes. */
+static inline __attribute__((always_inline)) O1B_AVX512 void widen12_avx512(uint32_t *d, const bf16 *s) {
+    __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)s)),
+                                        _mm_loadl_epi64((const __m128i *)(s + 8)), 1);
+    __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    __mmask16 normal = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7F800000));
+    v = _mm512_mask_mov_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)0x80000000u)), normal, v);
+    _mm512_mask_storeu_epi32(d, 0x0FFF, v);
 }
 
 #define O1B_AVX2 __attribute__((target("avx2")))
@@ -227,6 +239,7 @@ static void rows_cols_simple(const fast_args *g, int64_t i0, int64_t i1, int64_t
 #define O1B_BCAST(s) ((vf)_mm512_set1_ps(s))
 #define O1B_FMA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
 #define O1B_TRANSPOSE transpose_avx512
+#define O1B_WIDEN12 widen12_avx512
 #include "gemm_fast.c"
 
 #define O1B_TGT __attribute__((target("avx2")))
@@ -396,6 +409,11 @@ static inline __attribute__((always_inline)) O1B_TGT void FN(pack)(
     if (s_w == 1) {                     /* each p is a contiguous run across the block */
         for (int64_t p = 0; p < kc; p++) {
             const bf16 *sp = src + p * s_d;
+#ifdef O1B_WIDEN12
+            if (R == 12) {
+                for (int64_t w0 = 0; w0 < full; w0 += R) O1B_WIDEN12(dst + w0 * kc + p * R, sp + w0);
+            } else
+#endif
             for (int64_t w0 = 0; w0 < full; w0 += R) {
                 uint32_t *dp = dst + w0 * kc + p * R;
                 for (int r = 0; r < R; r++) dp[r] = widen(sp[w0 + r]);
@@ -531,4 +549,5 @@ static void FN(run)(fast_args *g) {
 #undef O1B_BCAST
 #undef O1B_FMA
 #undef O1B_TRANSPOSE
+#undef O1B_WIDEN12
 #endif
