@@ -30,8 +30,9 @@ lowest peak among the workers):
   gath in     of net in, the parameters a worker receives in the all-gather (the most)
   at          the call path where the peak is reached (innermost functions)
 Not modelled: start-up (initialization, the first checkpoint, the state broadcast), checkpoints
-and held-out evaluation (they read and write values), the caching allocator's fragmentation, the
-CUDA context and NCCL's own buffers.
+and held-out evaluation (they read and write values; their host bytes by formula:
+benchmarks/phase_bytes.py), the caching allocator's fragmentation, the CUDA context and NCCL's own
+buffers.
 """
 from __future__ import annotations
 
