@@ -117,10 +117,13 @@ class _Progress:
                    "GPUs): the same ledger, bit for bit, at any count from 1 to the microbatches per step")
 @click.option("--dist-timeout", type=Positive("number of seconds"), default=120.0, show_default=True,
               help="seconds a worker waits for the others (rendezvous, each collective) before it stops with an "
-                   "error; work a rank does alone (rank 0 writing a checkpoint) may take longer, as long as its "
-                   "heartbeat goes on")
+                   "error; the long phases (opening the run, checkpoints, held-out evaluation) may take longer, "
+                   "as long as the working ranks' heartbeats go on, up to a deadline from their size")
+@click.option("--phase-timeout-scale", type=Positive("number"), default=1.0, show_default=True,
+              help="multiplies the size-derived part of the long phases' deadlines (a slow disk or a shared "
+                   "machine: raise it); see mlx_open1b/distributed/phases.py")
 def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokenizer_path, resume, threads, seed,
-          precision, gnmr_spec, nproc, dist_timeout, selftest_refusal=None):
+          precision, gnmr_spec, nproc, dist_timeout, phase_timeout_scale=1.0, selftest_refusal=None):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     from mlx_open1b import cpu_ref
     from mlx_open1b.distributed import in_worker_env
@@ -167,10 +170,10 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         if nproc is not None:
             return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
                            seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
-                           gnmr_spec=gnmr_spec, config_file=config_file, sets=sets)
+                           gnmr_spec=gnmr_spec, config_file=config_file, sets=sets, phase_scale=phase_timeout_scale)
         if worker:
             return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout,
-                                 selftest_refusal)
+                                 selftest_refusal, phase_scale=phase_timeout_scale)
         if backend == "torch":
             return _train_torch(cfg, data_dir, steps or 50, threads)
         tr = Trainer.resume(out, backend=backend) if resume else Trainer.new(out, cfg, data_dir, backend=backend)
@@ -249,7 +252,7 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
 
 
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
-            precision, preset_name, timeout, gnmr_spec=None, config_file=None, sets=()) -> None:
+            precision, preset_name, timeout, gnmr_spec=None, config_file=None, sets=(), phase_scale=1.0) -> None:
     """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
@@ -273,6 +276,7 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "mlx_open1b.cli.main", "train", "--backend", backend, "--out", str(out),
            "--threads", str(per), "--dist-timeout", repr(float(timeout)),
+           "--phase-timeout-scale", repr(float(phase_scale)),
            "--skip-selftest"]                 # this process checked every local device the workers use
     for text in sets:
         cmd += ["--set", text]
@@ -294,10 +298,11 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
 
 
 def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend: str, threads: int,
-                  precision, timeout: float, selftest_refusal: str | None = None) -> None:
+                  precision, timeout: float, selftest_refusal: str | None = None, phase_scale: float = 1.0) -> None:
     """One torchrun worker of a distributed run (RANK, WORLD_SIZE, MASTER_ADDR... set by torchrun)."""
     from mlx_open1b import cpu_ref
     from mlx_open1b.distributed import DistError, run_worker
+    from mlx_open1b.distributed.phases import PhaseTimeouts
     rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
     prog = {}
 
@@ -312,7 +317,8 @@ def _train_worker(cfg, out: pathlib.Path, data_dir, resume: bool, steps, backend
     try:
         h, tr = run_worker(out, cfg, data_dir, steps=steps, backend=backend, resume=resume, timeout=timeout,
                            threads=threads, on_start=on_start, progress=lambda rec, tok_s: prog["p"](rec, tok_s),
-                           startup_error=None if selftest_refusal is None else (selftest_refusal, 3))
+                           startup_error=None if selftest_refusal is None else (selftest_refusal, 3),
+                           phase_timeouts=PhaseTimeouts(collective=timeout, scale=phase_scale))
     except WriteError as e:
         fail(f"[rank {rank}/{world}] {_write_failed(e, out, int(world) if world.isdigit() else None)}", e.exit_code,
              at_once=True)
