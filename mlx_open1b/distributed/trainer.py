@@ -389,22 +389,8 @@ class DistributedTrainer(Trainer):
                              f"{self._last_checkpoint()}", exit_code=3) from None
 
     def _eval_work(self) -> list[tuple[int, str, int, int]]:
-        """[(rank, source, first window, end window)]: who evaluates which probe windows. bf16: every
-        window is a row of its own (Model.eval_loss), so all the windows, sources in manifest order,
-        are cut into near-equal runs, one per worker; quantized: a source's windows are one batch,
-        so whole sources go round the workers (source i on rank i mod N)."""
-        N = self.comm.world
         sources = [(s.name, len(self._probes[s.name])) for s in self.manifest.sources if len(self._probes[s.name])]
-        if self.cfg.precision != "bf16":
-            return [(i % N, name, 0, n) for i, (name, n) in enumerate(sources)]
-        total, out, at = sum(n for _, n in sources), [], 0
-        for name, n in sources:
-            for r in range(N):
-                a, b = max(at, r * total // N), min(at + n, (r + 1) * total // N)
-                if a < b:
-                    out.append((r, name, a - at, b - at))
-            at += n
-        return out
+        return eval_work(sources, self.comm.world, self.cfg.precision == "bf16")
 
     def _eval_rate(self) -> float | None:
         """Tokens this worker trains per second (the steps so far), for the evaluation's deadline."""
@@ -428,12 +414,7 @@ class DistributedTrainer(Trainer):
             for w, name, a, b in work:
                 if w == self.comm.rank:
                     mine.append((name, a, self.model.eval_loss(self.state.params, self._probes[name][a:b])))
-        runs = {}
-        for g in self.comm.all_gather_object(mine):
-            for name, a, losses in g:
-                runs.setdefault(name, []).append((a, losses))
-        return {name: float(np.mean(np.concatenate([x for _, x in sorted(r, key=lambda t: t[0])]), dtype=np.float64))
-                for name, r in runs.items()}
+        return eval_means(self.comm.all_gather_object(mine))
 
     # ------------------------------------------------------------------ checkpoints
     PIECE_BYTES = 64 << 20      # the most bytes of state a checkpoint moves in one send
@@ -515,6 +496,37 @@ class DistributedTrainer(Trainer):
     def _run_hash(self) -> str:
         """Rank 0's run hash, on every worker."""
         return self.comm.broadcast_object(Trainer._run_hash(self) if self.comm.rank == 0 else None)
+
+
+# ---------------------------------------------------------------------- held-out evaluation's split
+def eval_work(sources: list[tuple[str, int]], N: int, rows_apart: bool) -> list[tuple[int, str, int, int]]:
+    """[(rank, source, first window, end window)]: who evaluates which probe windows of `sources`
+    [(name, windows)] (manifest order). rows_apart (bf16: every window is a row of its own,
+    Model.eval_loss): all the windows are cut into N near-equal runs, one per worker; else a
+    source's windows are one batch (per-tensor activation scales), so whole sources go round the
+    workers (source i on rank i mod N)."""
+    if not rows_apart:
+        return [(i % N, name, 0, n) for i, (name, n) in enumerate(sources)]
+    total, out, at = sum(n for _, n in sources), [], 0
+    for name, n in sources:
+        for r in range(N):
+            a, b = max(at, r * total // N), min(at + n, (r + 1) * total // N)
+            if a < b:
+                out.append((r, name, a - at, b - at))
+        at += n
+    return out
+
+
+def eval_means(gathered) -> dict:
+    """{source: CE} from every worker's [(source, first window, per-window CE)]: each source's
+    values joined in window order (whatever the ranks' order), then np.mean in float64 over the
+    array — the very array, so the same number, one process averages."""
+    runs: dict = {}
+    for g in gathered:
+        for name, a, losses in g:
+            runs.setdefault(name, []).append((a, losses))
+    return {name: float(np.mean(np.concatenate([x for _, x in sorted(r, key=lambda t: t[0])]), dtype=np.float64))
+            for name, r in runs.items()}
 
 
 # ---------------------------------------------------------------------- worker entry point
