@@ -199,3 +199,20 @@ def test_turns_in_the_writers_order_past_the_collective_timeout(tmp_path):
     got = json.loads(res[0][1])
     assert [g[0] for g in got] == [3, 1, 2] and all(g[2] == 7 for g in got)
     assert got[0][1] < got[1][1] < got[2][1]          # each sent only once given its turn
+
+
+@pytest.mark.slow
+def test_trainer_phase_past_its_deadline(tmp_path, corpus):
+    """The trainer gives its phases the deadlines of PhaseTimeouts: rank 0 alive but 8 s late in
+    opening the run, whose deadline is the 3 s collective timeout plus the micro model's tiny
+    initialization; rank 1 stops with the phase and the rank named, before any step."""
+    cfg = dist_cfg(checkpoint_every=2, eval_every=2)
+    run = tmp_path / "run"
+    args = {"run": str(run), "cfg": cfg.to_json(), "corpus": str(corpus), "steps": 2, "timeout": 3.0, "slow": [0, 8],
+            "phases": {}}
+    res, _ = _launch(2, _TRAIN_WORKER, args, tmp_path / "w", "agent")
+    code, _, err = res[1]
+    assert code == 3, err[-3000:]
+    assert ("error: [rank 1/2] worker lost while starting the run (rank 1 of 2): waiting for rank 0 (opening the "
+            "run): rank 0 did not finish opening the run within the phase's timeout of 3 s") in err, err[-3000:]
+    assert not (run / "ledger.jsonl").exists() or not (run / "ledger.jsonl").read_bytes()
