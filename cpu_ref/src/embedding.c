@@ -1,9 +1,11 @@
 /* embedding.c — token embedding lookup and its backward (CONTRACT.md §6.2).
  * N = tokens, V = vocabulary, C = channels. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 typedef struct { const int32_t *tok; const bf16 *wte; float *out; int64_t C; } fwd_args;
 
@@ -29,14 +31,11 @@ typedef struct { const int64_t *start; const int64_t *pos; const float *dout; fl
 
 static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
     const bwd_args *a = (const bwd_args *)ctx;
-    for (int64_t v = lo; v < hi; v++) {
+    for (int64_t v = lo; v < hi; v++) {       /* c of the row on SIMD lanes (vmath.c) */
+        int64_t n = a->start[v + 1] - a->start[v];
         float *drow = a->dwte + v * a->C;
-        for (int64_t c = 0; c < a->C; c++) drow[c] = 0.0f;
-        for (int64_t t = a->start[v]; t < a->start[v + 1]; t++) {
-            const float *g = a->dout + a->pos[t] * a->C;
-            for (int64_t c = 0; c < a->C; c++) drow[c] = o1b_add(drow[c], o1b_load(g[c]));
-        }
-        for (int64_t c = 0; c < a->C; c++) drow[c] = o1b_store(drow[c]);
+        if (n == 0) memset(drow, 0, (size_t)a->C * sizeof(float));
+        else o1b_vsum_rows(n, a->pos + a->start[v], a->dout, a->C, drow);
     }
 }
 /* Returns 0, or -1 when out of memory. */

@@ -6,28 +6,22 @@
  * pairing is fixed by block index alone. */
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 #define O1B_NORM_BLOCK 4096
 
 typedef struct { int64_t n; const float *x; float *out; } ss_args;
 
+/* Whole blocks on SIMD lanes, each summed in order (vmath.c). */
 static void ss_range(void *ctx, int64_t lo, int64_t hi) {
     const ss_args *a = (const ss_args *)ctx;
-    for (int64_t b = lo; b < hi; b++) {
-        int64_t end = (b + 1) * O1B_NORM_BLOCK < a->n ? (b + 1) * O1B_NORM_BLOCK : a->n;
-        float acc = 0.0f;
-        for (int64_t i = b * O1B_NORM_BLOCK; i < end; i++) {
-            float v = o1b_load(a->x[i]);
-            acc = o1b_add(acc, o1b_mul(v, v));
-        }
-        a->out[b] = o1b_store(acc);
-    }
+    o1b_vsumsq_blocks(lo, hi, a->n, O1B_NORM_BLOCK, a->x, a->out);
 }
 O1B_API int64_t o1b_norm_block(void) { return O1B_NORM_BLOCK; }
 /* out[b] = sum of squares of block b; out has ceil(n / NORM_BLOCK) entries. */
 O1B_API void o1b_sumsq_blocks(int64_t n, const float *x, float *out) {
     ss_args a = {n, x, out};
-    o1b_parallel_for((n + O1B_NORM_BLOCK - 1) / O1B_NORM_BLOCK, 4, ss_range, &a);
+    o1b_parallel_for((n + O1B_NORM_BLOCK - 1) / O1B_NORM_BLOCK, 16, ss_range, &a);
 }
 
 /* The binary-carry tree fold (paper App. A, Algorithm 2) of v[0..n-1]: push each value; while

@@ -5,6 +5,7 @@
  */
 #include "contract.h"
 #include "runtime.h"
+#include "vmath.h"
 
 O1B_API void o1b_rope_tables(int64_t T, int64_t D, float theta,
                              float *cos_t,   /* (T, D/2) */
@@ -23,26 +24,12 @@ O1B_API void o1b_rope_tables(int64_t T, int64_t D, float theta,
 
 typedef struct { int64_t T, R, D; const float *x, *cs, *sn; float *y; int backward; } rope_args;
 
-/* Rows are (b, t, head) of x (B, T, R, D); row index -> t = (row / R) % T. */
+/* Rows are (b, t, head) of x (B, T, R, D); row index -> t = (row / R) % T. Each output
+ *   forward:  y1 = x1 c - x2 s,  y2 = x2 c + x1 s;  backward (the transpose): dx1 = dy1 c + dy2 s,
+ *   dx2 = dy2 c - dy1 s  (x1 = x[i], x2 = x[i + D/2]) is vmath.c's rope_rows, i on SIMD lanes. */
 static void rope_range(void *ctx, int64_t lo, int64_t hi) {
     const rope_args *a = (const rope_args *)ctx;
-    const int64_t Dh = a->D / 2;
-    for (int64_t row = lo; row < hi; row++) {
-        const int64_t t = (row / a->R) % a->T;
-        const float *x = a->x + row * a->D, *c = a->cs + t * Dh, *s = a->sn + t * Dh;
-        float *y = a->y + row * a->D;
-        for (int64_t i = 0; i < Dh; i++) {
-            float x1 = o1b_load(x[i]), x2 = o1b_load(x[i + Dh]);
-            float ci = o1b_load(c[i]), si = o1b_load(s[i]);
-            if (!a->backward) {       /* y1 = x1 c - x2 s,  y2 = x2 c + x1 s */
-                y[i] = o1b_store(o1b_sub(o1b_mul(x1, ci), o1b_mul(x2, si)));
-                y[i + Dh] = o1b_store(o1b_add(o1b_mul(x2, ci), o1b_mul(x1, si)));
-            } else {                  /* the transpose: dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s */
-                y[i] = o1b_store(o1b_add(o1b_mul(x1, ci), o1b_mul(x2, si)));
-                y[i + Dh] = o1b_store(o1b_sub(o1b_mul(x2, ci), o1b_mul(x1, si)));
-            }
-        }
-    }
+    o1b_vrope_rows(lo, hi, a->T, a->R, a->D, a->x, a->cs, a->sn, a->y, a->backward);
 }
 O1B_API void o1b_rope(int64_t B, int64_t T, int64_t R, int64_t D,
                       const float *x,     /* (B, T, R, D)  R = heads; dy in the backward */

@@ -164,6 +164,46 @@ static void row_dots_scalar(int64_t lo, int64_t hi, int64_t C, const float *a, c
     }
 }
 
+static void rope_rows_scalar(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, const float *x,
+                             const float *cs, const float *sn, float *y, int backward) {
+    const int64_t Dh = D / 2;
+    for (int64_t row = lo; row < hi; row++) {
+        const int64_t t = (row / R) % T;
+        const float *xr = x + row * D, *c = cs + t * Dh, *s = sn + t * Dh;
+        float *yr = y + row * D;
+        for (int64_t i = 0; i < Dh; i++) {
+            float x1 = o1b_load(xr[i]), x2 = o1b_load(xr[i + Dh]);
+            float ci = o1b_load(c[i]), si = o1b_load(s[i]);
+            if (!backward) {          /* y1 = x1 c - x2 s,  y2 = x2 c + x1 s */
+                yr[i] = o1b_store(o1b_sub(o1b_mul(x1, ci), o1b_mul(x2, si)));
+                yr[i + Dh] = o1b_store(o1b_add(o1b_mul(x2, ci), o1b_mul(x1, si)));
+            } else {                  /* the transpose: dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s */
+                yr[i] = o1b_store(o1b_add(o1b_mul(x1, ci), o1b_mul(x2, si)));
+                yr[i + Dh] = o1b_store(o1b_sub(o1b_mul(x2, ci), o1b_mul(x1, si)));
+            }
+        }
+    }
+}
+static void sum_rows_scalar(int64_t lo, int64_t hi, int64_t n, const int64_t *pos, const float *src,
+                            int64_t C, float *dst) {
+    for (int64_t c = lo; c < hi; c++) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < n; t++) acc = o1b_add(acc, o1b_load(src[pos[t] * C + c]));
+        dst[c] = o1b_store(acc);
+    }
+}
+static void sumsq_blocks_scalar(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x, float *out) {
+    for (int64_t b = lo; b < hi; b++) {
+        int64_t end = (b + 1) * B < n ? (b + 1) * B : n;
+        float acc = 0.0f;
+        for (int64_t i = b * B; i < end; i++) {
+            float v = o1b_load(x[i]);
+            acc = o1b_add(acc, o1b_mul(v, v));
+        }
+        out[b] = o1b_store(acc);
+    }
+}
+
 /* ---- instantiations: this file again, from its template section ---- */
 #define O1B_VMATH_TEMPLATE 1
 #if defined(O1B_VM_X86)
@@ -290,6 +330,25 @@ void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float 
 void o1b_vrow_dots(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g, float *out) {
     if (!g_vmath) { row_dots_scalar(0, n, C, a, b, g, out); return; }
 #define CALL(s) row_dots_##s(n, C, a, b, g, out)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vrope_rows(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, const float *x,
+                    const float *cs, const float *sn, float *y, int backward) {
+    if (!g_vmath) { rope_rows_scalar(lo, hi, T, R, D, x, cs, sn, y, backward); return; }
+#define CALL(s) rope_rows_##s(lo, hi, T, R, D, x, cs, sn, y, backward)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vsum_rows(int64_t n, const int64_t *pos, const float *src, int64_t C, float *dst) {
+    if (!g_vmath) { sum_rows_scalar(0, C, n, pos, src, C, dst); return; }
+#define CALL(s) sum_rows_##s(n, pos, src, C, dst)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vsumsq_blocks(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x, float *out) {
+    if (!g_vmath) { sumsq_blocks_scalar(lo, hi, n, B, x, out); return; }
+#define CALL(s) sumsq_blocks_##s(lo, hi, n, B, x, out)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -814,6 +873,59 @@ static O1B_TGT void FN(row_dots)(int64_t n, int64_t C, const float *a, const flo
         else FN(put)(out + k, acc);
     }
     if (k < n) row_dots_scalar(k, n, C, a, b, g, out);
+}
+
+/* rope_rows_scalar with i on lanes; a row with a product at 2^-126 goes the scalar way. */
+static O1B_TGT void FN(rope_rows)(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D,
+                                  const float *x, const float *cs, const float *sn, float *y,
+                                  int backward) {
+    const int64_t Dh = D / 2;
+    for (int64_t row = lo; row < hi; row++) {
+        const int64_t t = (row / R) % T;
+        const float *xr = x + row * D, *c = cs + t * Dh, *s = sn + t * Dh;
+        float *yr = y + row * D;
+        vi rare = {0};
+        int64_t i = 0;
+        for (; i + O1B_W <= Dh; i += O1B_W) {
+            vf x1 = FN(flush)(FN(load)(xr + i)), x2 = FN(flush)(FN(load)(xr + i + Dh));
+            vf ci = FN(flush)(FN(load)(c + i)), si = FN(flush)(FN(load)(s + i));
+            vf a = FN(mul)(x1, ci, &rare), b = FN(mul)(x2, si, &rare);
+            vf e = FN(mul)(x2, ci, &rare), f = FN(mul)(x1, si, &rare);
+            FN(put)(yr + i, FN(store)(backward ? FN(add)(a, b) : FN(sub)(a, b)));
+            FN(put)(yr + i + Dh, FN(store)(backward ? FN(sub)(e, f) : FN(add)(e, f)));
+        }
+        if (i < Dh || __builtin_expect(FN(any)(rare), 0))
+            rope_rows_scalar(row, row + 1, T, R, D, x, cs, sn, y, backward);
+    }
+}
+/* dst[c] = store(sum_{t < n ascending} load(src[pos[t] C + c])) from +0, c on lanes */
+static O1B_TGT void FN(sum_rows)(int64_t n, const int64_t *pos, const float *src, int64_t C, float *dst) {
+    int64_t c = 0;
+    for (; c + O1B_W <= C; c += O1B_W) {
+        vf acc = {0};
+        for (int64_t t = 0; t < n; t++) acc = FN(add)(acc, FN(flush)(FN(load)(src + pos[t] * C + c)));
+        FN(put)(dst + c, FN(store)(acc));
+    }
+    if (c < C) sum_rows_scalar(c, C, n, pos, src, C, dst);
+}
+/* Blocks [lo, hi) of B elements on lanes, W whole blocks at a time (each lane's sum in order). */
+static O1B_TGT void FN(sumsq_blocks)(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x,
+                                     float *out) {
+    int64_t b = lo;
+    for (; b + O1B_W <= hi && (b + O1B_W) * B <= n; b += O1B_W) {
+        vi rare = {0};
+        vf acc = {0};
+        const float *base = x + b * B;
+        for (int64_t i = 0; i < B; i++) {
+            vf v;
+            for (int l = 0; l < O1B_W; l++) v[l] = base[l * B + i];
+            v = FN(flush)(v);
+            acc = FN(add)(acc, FN(mul)(v, v, &rare));
+        }
+        if (__builtin_expect(FN(any)(rare), 0)) sumsq_blocks_scalar(b, b + O1B_W, n, B, x, out);
+        else FN(put)(out + b, FN(store)(acc));
+    }
+    if (b < hi) sumsq_blocks_scalar(b, hi, n, B, x, out);
 }
 
 static O1B_TGT void FN(to_bf16_arr)(int64_t lo, int64_t hi, const float *x, bf16 *y) {

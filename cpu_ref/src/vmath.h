@@ -55,6 +55,15 @@ void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y)
 void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx);
 void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);
 
+/* RoPE rows [lo, hi) of x (B, T, R, D) (rope.c); i of a row on lanes. */
+void o1b_vrope_rows(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, const float *x,
+                    const float *cs, const float *sn, float *y, int backward);
+/* dst[c] = store(sum_{t < n ascending} load(src[pos[t] * C + c])) from +0 for c < C (the embedding
+ * backward's row of one token id), c on lanes. */
+void o1b_vsum_rows(int64_t n, const int64_t *pos, const float *src, int64_t C, float *dst);
+/* out[b] = store(sum_{i ascending} mul(v, v)), v = load(x[i]) over block b's B elements (the last
+ * block ends at n), for blocks [lo, hi) (reduce.c), whole blocks on lanes. */
+void o1b_vsumsq_blocks(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x, float *out);
 /* Elements [lo, hi) of the small elementwise ops (mathfn.c):
  *   y[i] = f32_to_bf16(x[i]),  y[i] = store(bf16_to_f32(x[i])),
  *   a[i] = store(add(load(a[i]), load(b[i]))),  a[i] = store(mul(load(a[i]), s))  (s loaded) */

@@ -372,6 +372,49 @@ def test_rmsnorm_rows_on_the_exact_path():
         assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
 
 
+@pytest.mark.parametrize("D", [32, 20, 64])
+def test_rope_embedding_sumsq_equal_scalar(D):
+    # RoPE rows with special values (D/2 in whole vectors of a level, or a scalar row); the
+    # embedding backward's rows of repeated token ids (positions in order, C in vectors and a
+    # tail); sums of squares of whole blocks on lanes and the partial last block; each at every
+    # level and thread count, against the scalar C and the spec. A RoPE row whose products
+    # round up to 2^-126 (cos, sin = 0.75) goes the exact way.
+    from mlx_open1b.cpu_ref import optim as CO
+    from mlx_open1b.spec import optim as SO
+    from helpers import sprinkle
+    rng = np.random.default_rng(D)
+    B, T, R = 2, 9, 3
+    x = sprinkle(rng, (rng.standard_normal((B, T, R, D)) * 3).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.03)
+    cos, sin = CL.rope_tables(T, D, 10000.0)
+    d = tiny_product_pairs(np.array([0.75], np.float32))[0]
+    cos, sin = cos.copy(), sin.copy()
+    cos[4], sin[4] = 0.75, 0.75
+    x[1, 4, 2, :] = d                               # every product of that row is tiny
+    V, N = 11, 40
+    tok = rng.integers(0, V - 3, N).astype(np.int32)
+    dout = sprinkle(rng, rng.standard_normal((N, D + 5)).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.05)
+    xs = sprinkle(rng, rng.standard_normal(CO.NORM_BLOCK * 17 + 37).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.001)
+    xs[5 * CO.NORM_BLOCK + 3] = np.float32(2.0 ** -63)   # a square of exactly 2^-126 marks its vector
+    # (the exact way gives the same bits: no fp32 square rounds up to 2^-126 from below)
+
+    def run():
+        return [CL.rope_forward(x, cos, sin), CL.rope_backward(x, cos, sin),
+                CL.embedding_backward(tok, dout, V), CO.sumsq_blocks(xs)]
+    with scalar():
+        want = run()
+    assert_bits_equal(want[0], SL.rope(x, cos, sin), "rope forward: scalar C vs spec")
+    assert_bits_equal(want[1], SL.rope(x, cos, sin, backward=True), "rope backward: scalar C vs spec")
+    assert_bits_equal(want[2], SL.embedding_backward(tok, dout, V), "embedding backward: scalar C vs spec")
+    assert_bits_equal(want[3], SO.sumsq_blocks(xs, CO.NORM_BLOCK), "sumsq: scalar C vs spec")
+    assert (want[0][1, 4, 2] == 0).all()             # the tiny products really flush
+    for lv in LEVELS:
+        for threads in (1, 2):
+            with level(lv), C.settings(threads=threads):
+                got = run()
+            for k, (a, b) in enumerate(zip(got, want)):
+                assert_bits_equal(a, b, f"op {k}, level {lv}, {threads} threads")
+
+
 @pytest.mark.parametrize("n", [5, 16, 1000])
 def test_adamw_equals_scalar(n):
     # Gradients and moments with specials and zeros of both signs; the first and a later step.
