@@ -3,6 +3,10 @@ forward + backward, C reference) with precision bf16 and int8, alternated so tha
 same machine load; medians over repetitions, and where the time goes by op.
 
     python benchmarks/int8_step_bench.py --preset small --reps 7 --threads 2 [--no-ops] [--pool-ab]
+    python benchmarks/int8_step_bench.py --preset small --threads 1 --clock thread   # loaded machine
+
+--clock thread times by the calling thread's CPU time, which other processes' load does not
+inflate; with one thread every op computes on the calling thread, so it counts all the work.
 
 --pool-ab also runs both precisions with the C reference's thread pool off (threads started on
 every parallel call, as before the pool), alternated with the pooled runs.
@@ -24,6 +28,9 @@ from mlx_open1b.config import preset
 from mlx_open1b.model import Model, init_params
 
 
+CLOCK = time.perf_counter
+
+
 class TimedOps:
     """cpu_ref with every function call timed by name (modules and constants pass through)."""
 
@@ -37,9 +44,9 @@ class TimedOps:
         t = self.t
 
         def timed(*a, **k):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             r = v(*a, **k)
-            t[name] = t.get(name, 0.0) + time.perf_counter() - t0
+            t[name] = t.get(name, 0.0) + CLOCK() - t0
             return r
         return timed
 
@@ -51,7 +58,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-ops", action="store_true")
     ap.add_argument("--pool-ab", action="store_true", help="also time both precisions with the thread pool off")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: the calling thread's CPU time (needs --threads 1)")
     a = ap.parse_args()
+    if a.clock == "thread" and a.threads != 1:
+        ap.error("--clock thread needs --threads 1 (other threads' CPU time is not counted)")
+    global CLOCK
+    CLOCK = time.thread_time if a.clock == "thread" else time.perf_counter
     cpu_ref.set_num_threads(a.threads)
     cfg = preset(a.preset)
     m, t = cfg.model, cfg.train
@@ -69,14 +82,15 @@ def main():
         for p, pool in runs:
             if set_pool is not None:
                 set_pool(pool)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             models[p].loss_and_grad(params, win)
-            times[(p, pool)].append(time.perf_counter() - t0)
+            times[(p, pool)].append(CLOCK() - t0)
     if set_pool is not None:
         set_pool(1)
     N = t.microbatch_seqs * m.seq_len
     print(f"preset {a.preset}: N {N}, d {m.d_model}, F {m.ffn_hidden}, layers {m.n_layers}, "
-          f"threads {cpu_ref.get_num_threads()}, {a.reps} reps (microbatch forward+backward)")
+          f"threads {cpu_ref.get_num_threads()}, {a.reps} reps (microbatch forward+backward), "
+          f"{a.clock} clock")
     for pool in pools:
         tag = "" if len(pools) == 1 else (" pool on " if pool else " pool off")
         for p in models:
@@ -94,9 +108,9 @@ def main():
         acc = {}
         for _ in range(a.reps):
             ops.t.clear()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             mod.loss_and_grad(params, win)
-            tot.append(time.perf_counter() - t0)
+            tot.append(CLOCK() - t0)
             for k, v in ops.t.items():
                 acc.setdefault(k, []).append(v)
         total = statistics.median(tot)
