@@ -57,9 +57,13 @@ def report(run, out, max_checkpoints, png, png_scale, engine):
 @click.option("--tokenizer", type=Path(exists=True, dir_okay=False), default=None,
               help="the run's tokenizer.json to ship with it (default: the shipped one, when it is the run's; its "
                    "SHA-256 must be the run's)")
-def export(run, step, fmt, out, tokenizer):
+@click.option("--float-model", is_flag=True,
+              help="export a quantized (int8/int6/int4) run's master weights all the same, as a float model that "
+                   "does not compute the run's quantized GEMMs (its logits are not the run's; config.json and "
+                   "README.md say so); no effect on a bf16 run")
+def export(run, step, fmt, out, tokenizer, float_model):
     """Export a checkpoint's weights (bf16, bit-identical) with config.json and tokenizer.json
-    (bf16 runs only: the float models do not compute a quantized run's GEMMs).
+    (bf16 runs; a quantized run only with --float-model: the float models do not compute its GEMMs).
 
     \b
     Loads in plain MLX (mx.load; mlx_open1b.export.mlx_forward runs it) and in PyTorch
@@ -76,10 +80,10 @@ def export(run, step, fmt, out, tokenizer):
     """
     from mlx_open1b.export import ExportError, export as do_export
     try:
-        path = do_export(run, step, fmt, out, tokenizer)
+        path = do_export(run, step, fmt, out, tokenizer, float_model)
     except WriteError as e:
         again = (f"open1b export {run}{f' --step {step}' if step is not None else ''} --format {fmt} --out {out}"
-                 f"{f' --tokenizer {tokenizer}' if tokenizer else ''}")
+                 f"{f' --tokenizer {tokenizer}' if tokenizer else ''}{' --float-model' if float_model else ''}")
         fail(e.context(intact=f"the run (an export only reads it); nothing is left under {out} (an export is "
                               f"renamed into place only when complete)", then=f"run `{again}` again"))
     except ExportError as e:

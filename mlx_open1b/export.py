@@ -23,8 +23,11 @@ Both formats write into a new directory (atomically: built beside it, then renam
 `mlx_forward` below runs them in plain MLX, and `torch_state_dict` loads them into
 `mlx_open1b.torch_model.TorchModel` (`load_state_dict`, strict).
 
-Only bf16 runs export: a quantized run's logits come from its int8/int6/int4 GEMMs (CONTRACT.md §6.9),
-which neither shipped model computes, so its float export would not be the model that was trained.
+Only bf16 runs export by default: a quantized run's logits come from its int8/int6/int4 GEMMs (CONTRACT.md
+§6.9), which neither shipped model computes, so its float export would not be the model that was trained.
+`float_model=True` (`--float-model`) exports such a run's master weights all the same, as a float model
+(bit-identical weights; config.json's `source.float_model` and README.md say it does not compute the run's
+quantized GEMMs), for a user who wants the weights in another tool knowing its logits are not the run's.
 
 `hf`: the same weights under Hugging Face Llama names (`model.embed_tokens.weight`,
 `model.layers.<l>.self_attn.{q,k,v,o}_proj.weight`, `input_layernorm`, `post_attention_layernorm`,
@@ -130,17 +133,21 @@ def _config_json(cfg: ModelConfig, fmt: str, provenance: dict, tok=None) -> dict
 
 
 # ------------------------------------------------------------------------------- export
-def export(run_dir, step: int | None, fmt: str, out_dir, tokenizer=None) -> pathlib.Path:
+def export(run_dir, step: int | None, fmt: str, out_dir, tokenizer=None, float_model: bool = False) -> pathlib.Path:
     """Write checkpoint `step` (default: the latest) of the run in `fmt` to the new directory out_dir.
-    tokenizer: the run's tokenizer.json to ship (default: the shipped one, when it is the run's)."""
+    tokenizer: the run's tokenizer.json to ship (default: the shipped one, when it is the run's).
+    float_model: also export a quantized run, as a float model of its master weights (said so in
+    config.json and README.md); no effect on a bf16 run."""
     if fmt not in FILES:
         raise ExportError(f"--format: expected mlx or hf, got {fmt!r}")
     rd = RunDir(run_dir)
     run = rd.path
     info = rd.info(error=ExportError)
-    if info.config.precision != "bf16":
-        raise ExportError(f"{run}: a {info.config.precision} run: its logits come from quantized GEMMs (CONTRACT.md "
-                          f"§6.9), which the exported float models do not compute; only bf16 runs export")
+    precision = info.config.precision
+    if precision != "bf16" and not float_model:
+        raise ExportError(f"{run}: a {precision} run: its logits come from quantized GEMMs (CONTRACT.md §6.9), "
+                          f"which the exported float models do not compute; only bf16 runs export (--float-model "
+                          f"exports its master weights as a float model all the same)")
     tok = _run_tokenizer(tokenizer, info.tokenizer_sha256)
     cfg = info.config.model
     step = rd.select_checkpoint(step, ExportError)
@@ -169,7 +176,11 @@ def export(run_dir, step: int | None, fmt: str, out_dir, tokenizer=None) -> path
                  for hn, (n, sl) in hf_names(cfg).items()}
     provenance = {"run": str(run.resolve()), "run_hash": run_hash, "genesis": info.genesis, "step": step,
                   "params_hash": meta.get("params_hash"), "tokenizer_sha256": info.tokenizer_sha256,
-                  "contract_version": info.contract_version, "exported_by": f"mlx-open1b {__version__}"}
+                  "contract_version": info.contract_version, "exported_by": f"mlx-open1b {__version__}",
+                  "precision": precision}
+    if precision != "bf16":
+        provenance["float_model"] = (f"the master weights of a {precision} run as a float model: it does not compute "
+                                     f"the run's quantized GEMMs (CONTRACT.md §6.9), so its logits are not the run's")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -225,8 +236,11 @@ def _readme(fmt: str, prov: dict) -> str:
     lines = [f"# open1b export ({fmt})", "",
              f"Checkpoint step {prov['step']} of run `{prov['run_hash']}` (genesis `{prov['genesis']}`), parameter "
              f"hash `{prov['params_hash']}` as in the run's ledger. Weights are bf16, bit-identical to the checkpoint.",
-             "", "Load: `mx.load(\"" + FILES[fmt] + "\")` (MLX); `mlx_open1b.export.mlx_forward` runs them in plain MLX; "
-             "`mlx_open1b.export.torch_model(DIR)` gives a `mlx_open1b.torch_model.TorchModel`.", ""]
+             ""]
+    if "float_model" in prov:
+        lines += [f"**Not the trained model's arithmetic:** {prov['float_model']}.", ""]
+    lines += ["Load: `mx.load(\"" + FILES[fmt] + "\")` (MLX); `mlx_open1b.export.mlx_forward` runs them in plain MLX; "
+              "`mlx_open1b.export.torch_model(DIR)` gives a `mlx_open1b.torch_model.TorchModel`.", ""]
     if fmt == "mlx":
         lines += ["MLX (no mlx-open1b needed): `import sys; sys.path.insert(0, DIR); import model`, then "
                   "`m = model.load(DIR)` (an `mlx.nn.Module`, float32 activations on the exactly widened weights), "
