@@ -57,9 +57,9 @@
 #define ATTN_DQ_PER (6 * ATTN_D + 2 * 4 * ATTN_ROWS)
 #define ATTN_DQ_TILE ((ATTN_SLOT_BYTES + 64 * ATTN_DQ_PER <= ATTN_SHARED) ? 64                                \
     : (ATTN_SLOT_BYTES + 32 * ATTN_DQ_PER <= ATTN_SHARED) ? 32 : (ATTN_SLOT_BYTES + 16 * ATTN_DQ_PER <= ATTN_SHARED) ? 16 : 8)
-/* dk/dv: queries per tile (q bf16 and dout fp32 rows, lse, Di, p and dp of 64 key rows), beside the
- * warps' guard slots; 8 rows at least (the head-dim limit: cuda/ops.py ATTN_MAX_HEAD_DIM) */
-#define ATTN_DKV_PER (6 * ATTN_D + 8 + 2 * 4 * ATTN_ROWS)
+/* dk/dv: queries per tile (q rows widened to fp32, dout rows fp32, lse, Di, p and dp of 64 key rows);
+ * its 8-row minimum sets the head-dim limit (cuda/ops.py ATTN_MAX_HEAD_DIM) */
+#define ATTN_DKV_PER (8 * ATTN_D + 8 + 2 * 4 * ATTN_ROWS)
 #define ATTN_DKV_TILE ((ATTN_SLOT_BYTES + 64 * ATTN_DKV_PER <= ATTN_SHARED) ? 64                              \
     : (ATTN_SLOT_BYTES + 32 * ATTN_DKV_PER <= ATTN_SHARED) ? 32 : (ATTN_SLOT_BYTES + 16 * ATTN_DKV_PER <= ATTN_SHARED) ? 16 : 8)
 /* forward: keys staged per sub-tile of the 64-key block, the largest power of two <= 64 of key rows
@@ -77,8 +77,8 @@
 #define ATTN_I8_TILE ATTN_FIT_KEYS(5 * ATTN_D, ATTN_I8_FIXED)
 #define ATTN_NW ((ATTN_D + 1) / 2)            /* words of a bf16 row packed two to a word */
 #define ATTN_NC ((ATTN_D + 1) / 2)            /* forward: columns per part, d = part ATTN_NC + c */
-/* dq and dk/dv: four parts per row (ATTN_BNT = 256 threads), so that a thread holding a whole fp32
- * row for its dot products keeps a quarter of the row's accumulators: no spills at D = 128 */
+/* dq and dk/dv: four parts per row (ATTN_BNT = 256 threads), each keeping a quarter of the row's
+ * accumulators beside the row it holds for its dot products */
 #define ATTN_BP 4
 #define ATTN_BNT (ATTN_BP * ATTN_ROWS)
 #define ATTN_BNC ((ATTN_D + ATTN_BP - 1) / ATTN_BP)   /* columns per part: d = part ATTN_BNC + c */
@@ -86,11 +86,8 @@
  * a part's first column) is 16-byte aligned, else 4 bytes (2 bf16) where it is word aligned, else one. */
 #define ATTN_VB (ATTN_D % 8 == 0 ? 8 : ATTN_D % 2 == 0 ? 2 : 1)           /* bf16 partner rows, whole */
 #define ATTN_VF (ATTN_D % 4 == 0 ? 4 : 1)                                 /* fp32 partner rows, whole */
-#define ATTN_VC(nc) (ATTN_D % 8 == 0 && (nc) % 8 == 0 ? 8 : ATTN_D % 2 == 0 && (nc) % 2 == 0 ? 2 : 1)
 #define ATTN_VCF(nc) (ATTN_D % 4 == 0 && (nc) % 4 == 0 ? 4 : 1)
-#ifndef ATTN_NB
 #define ATTN_NB 4                             /* partner rows per register block of dot products */
-#endif
 
 /* a (row, partner) cell of a 64 x n score tile (n a power of two <= 64), rotated by the row so
  * that the 32 rows of a warp reading one partner hit 32 banks */
@@ -129,14 +126,8 @@ __device__ __forceinline__ void packed_keys(const u32 *w, int &lo, int &hi) {
         lo = imin32(lo, o1b_key_lo(u)); hi = imax32(hi, o1b_key_hi(u));
     }
 }
-/* dot = sum from +0 over d ascending of mul(a[d], b[d]): a packed bf16, b a bf16 row (shared) */
-__device__ __forceinline__ float dot_packed(const u32 *a, const bf16 *b) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int d = 0; d < ATTN_D; d++) acc = o1b_add(acc, o1b_mul(packed_bf16(a, d), o1b_bf16_to_f32(b[d])));
-    return acc;
-}
-/* the same with an fp32 row a of global memory (loaded: flushed) and a bf16 row b */
+/* The checked dot products, the contract's steps: dot = sum from +0 over d ascending of mul(a[d], b[d]),
+ * a an fp32 row of global memory (loaded: flushed) and b a bf16 row (shared) */
 __device__ __forceinline__ float dot_load_bf16(const float *a, const bf16 *b) {
     float acc = 0.0f;
 #pragma unroll
@@ -663,7 +654,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                                              const float *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                                              const float *lse, const float *Di, float *dk, float *dv) {
     const int NQ = ATTN_DKV_TILE;
-    __shared__ __align__(16) bf16 Qs[NQ * ATTN_D];
+    __shared__ __align__(16) float Qs[NQ * ATTN_D];   /* widened (fp32): no unpacking in the inner loops */
     __shared__ __align__(16) float DO[NQ * ATTN_D];
     __shared__ float L[NQ], DI[NQ];
     __shared__ float P[ATTN_ROWS * NQ], DP[ATTN_ROWS * NQ];
@@ -690,7 +681,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
             const int c0 = (int)(imax(i0, j) - i0), c1 = (int)(imin(i0 + NQ - 1, ihi) - i0);
             {
                 int qlo = 255, qhi = 0, dlo = 255;
-                stage_bf16(Qs, qh, H * ATTN_D, i0, NQ, imax_, ATTN_BNT, qlo, qhi);
+                stage_f32(Qs, qh, H * ATTN_D, i0, NQ, imax_, ATTN_BNT, qlo, qhi);
                 for (int e = t; e < NQ * ATTN_D; e += ATTN_BNT) {
                     int ii = e / ATTN_D, d = e % ATTN_D;
                     const float x = i0 + ii <= imax_ ? o1b_load(dh[(i0 + ii) * H * ATTN_D + d]) : 0.0f;
@@ -713,7 +704,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                     int ii = ia;
                     for (; ii + 2 * (ATTN_NB - 1) <= ib; ii += 2 * ATTN_NB) {
                         float d4[ATTN_NB];
-                        if (!dp_role) dots_fast<ATTN_NB, false, false, true>(mine, Qs + ii * ATTN_D, 2 * ATTN_D, d4);
+                        if (!dp_role) dots_fast<ATTN_NB, false, true, true>(mine, Qs + ii * ATTN_D, 2 * ATTN_D, d4);
                         else dots_fast<ATTN_NB, false, true, false>(mine, DO + ii * ATTN_D, 2 * ATTN_D, d4);
 #pragma unroll
                         for (int n = 0; n < ATTN_NB; n++) {
@@ -724,7 +715,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                     for (; ii <= ib; ii += 2) {
                         float d1[1];
                         if (!dp_role) {
-                            dots_fast<1, false, false, true>(mine, Qs + ii * ATTN_D, ATTN_D, d1);
+                            dots_fast<1, false, true, true>(mine, Qs + ii * ATTN_D, ATTN_D, d1);
                             P[ATTN_CELL(rr, ii, NQ)] = o1b_exp_ftz(o1b_sub(o1b_mul_inl(d1[0], sc), L[ii]));
                         } else {
                             dots_fast<1, false, true, false>(mine, DO + ii * ATTN_D, ATTN_D, d1);
@@ -735,7 +726,7 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
                     for (int ii = ia; ii <= ib; ii += 2) {
                         if (!dp_role)
                             P[ATTN_CELL(rr, ii, NQ)] =
-                                o1b_exp_ftz(o1b_sub(o1b_mul_inl(dot_packed(mine, Qs + ii * ATTN_D), sc), L[ii]));
+                                o1b_exp_ftz(o1b_sub(o1b_mul_inl(dot_packed_f32(mine, Qs + ii * ATTN_D), sc), L[ii]));
                         else
                             DP[ATTN_CELL(rr, ii, NQ)] = dot_packed_f32(mine, DO + ii * ATTN_D);
                     }
@@ -743,26 +734,26 @@ extern "C" __global__ void o1b_attention_dkv(i64 B, i64 T, i64 H, i64 G, i64 W, 
             }
             __syncthreads();
             if (row) {
-                constexpr int VA = ATTN_VC(ATTN_BNC), VF = ATTN_VCF(ATTN_BNC);
+                constexpr int VF = ATTN_VCF(ATTN_BNC);
                 for (int ii = c0; ii <= c1; ii++) {
                     const float p = P[ATTN_CELL(rr, ii, NQ)];
                     const float ds = o1b_mul_inl(p, o1b_sub(DP[ATTN_CELL(rr, ii, NQ)], DI[ii]));
-                    const bf16 *qr = Qs + ii * ATTN_D + cbase;
+                    const float *qr = Qs + ii * ATTN_D + cbase;
                     const float *dr = DO + ii * ATTN_D + cbase;
                     if (o1b_key_lo(__float_as_uint(ds)) + qlo >= 128) {
 #pragma unroll
-                        for (int c0v = 0; c0v < ATTN_BNC; c0v += VA) {
-                            u32 w[(VA + 1) / 2];
-                            if (cbase + c0v < ATTN_D) ld_bf16<VA>(qr + c0v, w);
+                        for (int c0v = 0; c0v < ATTN_BNC; c0v += VF) {
+                            u32 w[VF];
+                            if (cbase + c0v < ATTN_D) ld_f32<VF>(qr + c0v, w);
 #pragma unroll
-                            for (int e = 0; e < VA; e++)
+                            for (int e = 0; e < VF; e++)
                                 if (cbase + c0v + e < ATTN_D)
-                                    dka[c0v + e] = o1b_add_ftz(dka[c0v + e], o1b_mul_ftz(ds, __uint_as_float(bf16_bits<VA>(w, e))));
+                                    dka[c0v + e] = o1b_add_ftz(dka[c0v + e], o1b_mul_ftz(ds, __uint_as_float(w[e])));
                         }
                     } else {
 #pragma unroll
                         for (int c = 0; c < ATTN_BNC; c++)
-                            if (cbase + c < ATTN_D) dka[c] = o1b_add(dka[c], o1b_mul(ds, o1b_bf16_to_f32(qr[c])));
+                            if (cbase + c < ATTN_D) dka[c] = o1b_add(dka[c], o1b_mul(ds, qr[c]));
                     }
                     if (o1b_key_lo(__float_as_uint(p)) + dlo >= 128) {
 #pragma unroll

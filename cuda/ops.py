@@ -394,9 +394,9 @@ ATTN_THREADS = {"o1b_attention_forward": 128, "o1b_attention_forward_i8": 128,  
                 "o1b_attention_dq": 256, "o1b_attention_dkv": 256}             # four per row
 
 # the largest head dim D for which attention.cu's dk/dv pass keeps its smallest query tile (8 rows)
-# within 48 KiB of static shared memory beside its guard slots (tests/ops/test_attention_head_dims.py
-# holds it to the source)
-ATTN_MAX_HEAD_DIM = 936
+# (q and dout rows fp32) within 48 KiB of static shared memory beside its guard slots
+# (tests/ops/test_attention_head_dims.py holds it to the source)
+ATTN_MAX_HEAD_DIM = 702
 
 
 def _attention_head_dim(D: int) -> None:
