@@ -142,8 +142,8 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         # on --resume, --set and --seed alone apply to the run's own config; a file or a preset is a whole config
         own = resume and config_file is None and preset_name is None
         if tokenizer_path is not None and not resume:
-            if data_dir is not None:         # a tokenizer that is not the corpus's is named by its hash first
-                _check_tokenizer(tokenizer_path, data_dir, False)
+            # a tokenizer that is not the corpus's is named by its hash first (before the default corpus is made)
+            _check_tokenizer(tokenizer_path, data_dir, False)
             sets = vocab_of_tokenizer(tokenizer_path, config_file, sets)
         cfg = resolve_config(preset_name, config_file, sets, base=_run_config(out) if own else None)
         if seed is not None:
@@ -196,9 +196,16 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
 
 
 def _check_tokenizer(tokenizer_path, where, resume: bool) -> None:
-    """--tokenizer must be the one the corpus was prepared with (or the run recorded): both hashes named."""
-    from mlx_open1b.data.tokenizer import Tokenizer
+    """--tokenizer must be the one the corpus was prepared with (or the run recorded): both hashes named.
+    where None: the default corpus, prepared with the shipped tokenizer."""
+    from mlx_open1b.data.tokenizer import DEFAULT_TOKENIZER_SHA256, Tokenizer
     tok = Tokenizer.load(tokenizer_path)
+    if where is None:
+        if tok.sha256 != DEFAULT_TOKENIZER_SHA256:
+            fail(f"--tokenizer {tokenizer_path}: SHA-256 {tok.sha256}, but without --data the run trains on the "
+                 f"default corpus, prepared with the shipped tokenizer {DEFAULT_TOKENIZER_SHA256}; pass --data DIR, a "
+                 f"corpus prepared with it (open1b data prepare --tokenizer {tokenizer_path} ...)", 2)
+        return
     if resume:
         try:
             want, what = RunDir(where).info().tokenizer_sha256, f"the run in {where}"

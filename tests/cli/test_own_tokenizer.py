@@ -125,6 +125,19 @@ def test_train_takes_the_vocabulary_from_the_tokenizer(trained, tmp_path):
     assert res.exit_code == 2 and f"model.vocab_size: {tmp_path / 'run.toml'} gives 512" in res.output, res.output
 
 
+def test_own_tokenizer_without_data_is_refused_before_the_default_corpus(trained, tmp_path, monkeypatch):
+    """Without --data the run would train on the default corpus (the shipped tokenizer's): a user's
+    tokenizer is refused naming both hashes and --data, exit 2, before that corpus is prepared."""
+    root, _, _ = trained
+    tok = Tokenizer.load(root / "tok1.json")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["train", "--preset", "tiny", "--tokenizer", str(root / "tok1.json"), "--out",
+                                   "runs/x", "--steps", "1"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert tok.sha256 in res.output and DEFAULT_TOKENIZER_SHA256 in res.output and "--data" in res.output
+    assert list(tmp_path.iterdir()) == []                # neither runs/data-default nor runs/x
+
+
 def test_tokenizer_train_refuses_to_replace_other_content(trained, tmp_path):
     root, _, _ = trained
     f = tmp_path / "t.json"
