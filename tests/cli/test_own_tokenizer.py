@@ -97,6 +97,10 @@ def test_prepare_and_train_with_own_tokenizer(trained, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == a
     conf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert conf["eos_token_id"] == tok.eot_id and conf["vocab_size"] == tok.vocab_size
+    # without --tokenizer the weights export, and the command says the tokenizer is not shipped
+    res = _ok(r, ["export", str(run), "--format", "hf", "--out", str(tmp_path / "bare")])
+    assert "no tokenizer.json" in res.output and "--tokenizer" in res.output
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
 
 
 def test_train_takes_the_vocabulary_from_the_tokenizer(trained, tmp_path):
