@@ -965,6 +965,33 @@ static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, f
     vf omb2 = FN(splat)(k[4]), eps = FN(splat)(k[5]), decay = FN(splat)(k[6]);
     vf bc1 = FN(splat)(k[7]), bc2 = FN(splat)(k[8]);
     int64_t i = 0;
+    /* two vectors side by side: each one's chain (m, v, sqrt, div, p) is long */
+    for (; i + 2 * O1B_W <= n; i += 2 * O1B_W) {
+        vi rare = {0};
+        vf g[2], m[2], v[2], u[2], p[2];
+        for (int j = 0; j < 2; j++) g[j] = FN(flush)(FN(load)(gg + i + j * O1B_W));
+        for (int j = 0; j < 2; j++)
+            m[j] = FN(add)(FN(mul)(b1, FN(flush)(FN(load)(mm + i + j * O1B_W)), &rare),
+                           FN(mul)(omb1, g[j], &rare));
+        for (int j = 0; j < 2; j++)
+            v[j] = FN(add)(FN(mul)(b2, FN(flush)(FN(load)(vv + i + j * O1B_W)), &rare),
+                           FN(mul)(omb2, FN(mul)(g[j], g[j], &rare), &rare));
+        for (int j = 0; j < 2; j++)
+            u[j] = FN(div)(FN(mul)(m[j], bc1, &rare),
+                           FN(add)(FN(sqrt)(FN(mul)(v[j], bc2, &rare)), eps), &rare);
+        for (int j = 0; j < 2; j++)
+            p[j] = FN(sub)(FN(mul)(FN(widen)(pp + i + j * O1B_W), decay, &rare), FN(mul)(lr, u[j], &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            adamw_scalar(i, i + 2 * O1B_W, pp, gg, mm, vv, k);
+        } else {
+            for (int j = 0; j < 2; j++) {
+                FN(put)(mm + i + j * O1B_W, FN(store)(m[j]));
+                FN(put)(vv + i + j * O1B_W, FN(store)(v[j]));
+                vh h = FN(to_bf16)(p[j]);
+                memcpy(pp + i + j * O1B_W, &h, sizeof h);
+            }
+        }
+    }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
         vf g = FN(flush)(FN(load)(gg + i));

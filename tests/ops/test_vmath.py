@@ -417,7 +417,8 @@ def test_rope_embedding_sumsq_equal_scalar(D):
 
 @pytest.mark.parametrize("n", [5, 16, 1000])
 def test_adamw_equals_scalar(n):
-    # Gradients and moments with specials and zeros of both signs; the first and a later step.
+    # Gradients and moments with specials and zeros of both signs; the first and a later step;
+    # moments whose decay product rounds up to 2^-126 (flushed by the contract).
     from helpers import sprinkle
     from mlx_open1b.cpu_ref import optim as CO
     rng = np.random.default_rng(n)
@@ -425,14 +426,19 @@ def test_adamw_equals_scalar(n):
     g = sprinkle(rng, (rng.standard_normal(n) * 1e-3).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.05)
     m0 = sprinkle(rng, (rng.standard_normal(n) * 1e-4).astype(np.float32), np.array([0.0, -0.0], np.float32), 0.1)
     v0 = np.abs(rng.standard_normal(n) * 1e-7).astype(np.float32)
-    for step in (1, 7):
+    d = tiny_product_pairs(np.array([0.75], np.float32))[0]   # mul(b1 = 0.75, d) rounds up to 2^-126
+    assert not np.isnan(d)
+    for i in (3, 20):                                          # the exact way, in vectors of a pair
+        if i < n:
+            m0[i], g[i] = d, 0.0
+    for step, b1 in ((1, 0.9), (7, 0.9), (7, 0.75)):
         outs = []
         for ctx in [scalar()] + [level(lv) for lv in LEVELS]:
             p, m, v = p0.copy(), m0.copy(), v0.copy()
             with ctx:
-                CO.adamw_step(p, g, m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                CO.adamw_step(p, g, m, v, lr=3e-3, beta1=b1, beta2=0.95, eps=1e-8, weight_decay=0.1,
                               step=step)
             outs.append((p, m, v))
         for lv, got in zip(LEVELS, outs[1:]):
             for a, b, what in zip(got, outs[0], "pmv"):
-                assert_bits_equal(a, b, f"adamw {what}, step {step}, level {lv}")
+                assert_bits_equal(a, b, f"adamw {what}, step {step}, beta1 {b1}, level {lv}")
