@@ -279,6 +279,10 @@ def test_norm_and_hashes_from_owner_pieces_are_the_whole_tensors():
                                                   for n, s, _, at, a in tensor_views(shapes, x[sh.lo:sh.hi], sh.lo)]))
         joined = join_partials(parts)
         assert list(joined) == [n for n, _, _ in shapes]
+        # each tensor's own block partials, bit for bit (the folded norm below hides a swap of pieces: a few
+        # hundred partials of similar size fold to the same float32 in most orders)
+        for (n, *_), t in zip(shapes, tensors):
+            assert np.array_equal(joined[n].view(np.uint32), cpu_ref.sumsq_blocks(t).view(np.uint32)), (N, n)
         got = norm_from_partials(list(joined.values()), cpu_ref)
         assert np.float32(got).view(np.uint32) == np.float32(want).view(np.uint32), N
         for dn in ("f32", "bf16"):
