@@ -7,7 +7,8 @@ stream (CONTRACT.md §7, §10):
      of the microbatch gradients over microbatch index, times the reciprocal 1/M; the loss the same;
   3. the pre-clip global norm; the spike protocol; clipping at clip_norm;
   4. AdamW with the token-anchored learning rate (weight decay on linear layers and the LM head);
-  5. a ledger record with the batch, gradient, parameter and optimizer-state hashes.
+  5. a ledger record with the batch, gradient, parameter and optimizer-state hashes (the last three
+     computed in the background while the next step computes: PendingHashes, state_hashes.py).
 
 What one process and N workers do differently is a reducer's (`Reduce`): which microbatches this
 process computes (each run of them folded into one partial by the tree fold), how the partials meet
