@@ -23,7 +23,8 @@ lowest peak among the workers):
   h2d, d2h    bytes copied host->device and device->host in the step (the most among the workers)
   ovl h2d/d2h of h2d, d2h: the bytes copied on a copy stream while later work computes (parked fold
               entries asked back a microbatch ahead, parks, the hashes' copies); the rest block
-              (--details: the number of copies; --park sync: every park blocking, pageable memory)
+              (--details: the number of copies of 256 KiB or more; --park sync: every park
+              blocking, into pageable memory)
   net out/in  bytes a worker sends to / receives from the others, arrays only (its own piece
               excluded; the most among the workers)
   a2a in      of net in, the gradient partials an owner receives in the reduce-scatter (the most)

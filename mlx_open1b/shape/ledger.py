@@ -55,6 +55,7 @@ class Peak:
     after: int = 0             # bytes the peak grew after this breakdown was taken
 
 
+COUNTED_COPY = 1 << 18     # bytes: a copy this size or more is counted in moved["h2d_n"] etc.
 OPS_MODULE = _HERE + ".cuda_ops"        # the CUDA backend's op code as this package loads it (ops.py)
 _SKIP = (_HERE, "mlx_open1b.derived_ops")
 GRADIENT_SITE = "arrays.FlatBuffer"
@@ -128,6 +129,7 @@ class MemoryLedger:
         self.peak = {DEVICE: 0, HOST: 0}
         self.breakdown = {DEVICE: Peak(), HOST: Peak()}
         # h2d, d2h: bytes copied, of them *_async on a copy stream under later compute; *_n: copies
+        # of at least COUNTED_COPY bytes (not the many small uploads: kernel placeholders, windows)
         self.moved = {"h2d": 0, "d2h": 0, "h2d_async": 0, "d2h_async": 0, "h2d_n": 0, "d2h_n": 0,
                       "h2d_async_n": 0, "d2h_async_n": 0, "net_out": 0, "net_in": 0, "net_objects": 0,
                       "gather_out": 0, "gather_in": 0}
@@ -182,7 +184,7 @@ class MemoryLedger:
             if self.trace is not None:
                 self.trace.append(("count", key, int(nbytes)))
             self.moved[key] += int(nbytes)
-            if key + "_n" in self.moved:
+            if key + "_n" in self.moved and nbytes >= COUNTED_COPY:
                 self.moved[key + "_n"] += 1
 
     def reset(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 from mlx_open1b import arrays, backend, hashing
 from mlx_open1b.distributed.sharding import ALIGN, dyadic_blocks, microbatch_range, shard_elements
 from mlx_open1b.shape import array as xp
+from mlx_open1b.shape.ledger import COUNTED_COPY
 from mlx_open1b.shape.run import measure
 from mlx_open1b.step import PARK_LEVEL, TreeFold
 from runs import micro_cfg
@@ -133,8 +134,10 @@ def test_one_worker_step_against_a_hand_count():
         # on the copy stream under later compute: the hashes' copies and every park's; of the
         # entries coming back, those asked for a microbatch ahead
         assert (m.moved["d2h_async"], m.moved["h2d_async"]) == (14 * P + parks * 4 * P, ahead * 4 * P), M
+        # the copies of COUNTED_COPY bytes or more: the hashes' four, each park's down and back up
+        assert min(2 * P, 4 * P) >= COUNTED_COPY
+        assert (m.moved["d2h_n"], m.moved["h2d_n"]) == (4 + parks, parks), M
         assert (m.moved["d2h_async_n"], m.moved["h2d_async_n"]) == (4 + parks, ahead), M
-        assert m.moved["d2h_n"] > m.moved["d2h_async_n"] and m.moved["h2d_n"] >= parks
         # pinned: the hashes' copies and the pool of parked entries (the most parked at once)
         assert m.host.owners["pinned"] == 14 * P + most * 4 * P, (M, m.host.owners)
         assert m.peak["host"] >= 2 * 4 * P                                   # m and v copies at once
