@@ -770,8 +770,28 @@ static O1B_TGT void FN(xent_grad)(int64_t n, const float *z, float lse, float co
     if (i < n) xent_grad_scalar(i, n, z, lse, coef, dl, dz);
 }
 
+/* sigmoid(g[j]) = div(1, add(1, exp(neg(g[j])))) of O1B_EXP_K vectors, the exps side by side */
+AI void FN(sigmoid_k)(const vf *g, vf *s, vi *rare) {
+    vf ng[O1B_EXP_K], e[O1B_EXP_K];
+    for (int j = 0; j < O1B_EXP_K; j++) ng[j] = FN(neg)(g[j]);
+    FN(exp_k)(ng, e, rare);
+    for (int j = 0; j < O1B_EXP_K; j++)
+        s[j] = FN(div)(FN(splat)(1.0f), FN(add)(FN(splat)(1.0f), e[j]), rare);
+}
+
 static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, float *out) {
+    enum { K = O1B_EXP_K };
     int64_t i = 0;
+    for (; i + K * O1B_W <= n; i += K * O1B_W) {
+        vi rare = {0};
+        vf gv[K], s[K], y[K];
+        for (int j = 0; j < K; j++) gv[j] = FN(flush)(FN(load)(g + i + j * O1B_W));
+        FN(sigmoid_k)(gv, s, &rare);
+        for (int j = 0; j < K; j++)
+            y[j] = FN(mul)(FN(mul)(gv[j], s[j], &rare), FN(flush)(FN(load)(u + i + j * O1B_W)), &rare);
+        if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + K * O1B_W, g, u, out);
+        else for (int j = 0; j < K; j++) FN(put)(out + i + j * O1B_W, FN(store)(y[j]));
+    }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
         vf y = FN(mul)(FN(silu)(FN(flush)(FN(load)(g + i)), &rare), FN(flush)(FN(load)(u + i)), &rare);
@@ -783,8 +803,30 @@ static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, fl
 
 static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *gate,
                                    const float *up, float *dgate, float *dup) {
+    enum { K = O1B_EXP_K };
     int64_t i = 0;
     vf one = FN(splat)(1.0f);
+    for (; i + K * O1B_W <= n; i += K * O1B_W) {
+        vi rare = {0};
+        vf g[K], s[K], a[K], b[K];
+        for (int j = 0; j < K; j++) g[j] = FN(flush)(FN(load)(gate + i + j * O1B_W));
+        FN(sigmoid_k)(g, s, &rare);
+        for (int j = 0; j < K; j++) {
+            vf u = FN(flush)(FN(load)(up + i + j * O1B_W)), d = FN(flush)(FN(load)(dout + i + j * O1B_W));
+            vf silu = FN(mul)(g[j], s[j], &rare);
+            vf dsilu = FN(mul)(s[j], FN(add)(one, FN(mul)(g[j], FN(sub)(one, s[j]), &rare)), &rare);
+            a[j] = FN(mul)(d, silu, &rare);
+            b[j] = FN(mul)(FN(mul)(d, u, &rare), dsilu, &rare);
+        }
+        if (__builtin_expect(FN(any)(rare), 0)) {
+            swiglu_bwd_scalar(i, i + K * O1B_W, dout, gate, up, dgate, dup);
+        } else {
+            for (int j = 0; j < K; j++) {
+                FN(put)(dup + i + j * O1B_W, FN(store)(a[j]));
+                FN(put)(dgate + i + j * O1B_W, FN(store)(b[j]));
+            }
+        }
+    }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
         vf g = FN(flush)(FN(load)(gate + i)), u = FN(flush)(FN(load)(up + i));
