@@ -57,8 +57,8 @@ class TreeFold:
     reads (and, once `pushes` values are known to come, which the final sum reads): the first of
     them that waits is asked back as soon as a push returns, under the next microbatch's compute,
     and while one is added the next is on its way. The last two pushes park nothing (the sum reads
-    what they would park at once). Only where an operand waits changes: the adds, their operands and their order, so
-    every bit, are the same."""
+    what they would park at once). Only where an operand waits changes: the adds, their operands
+    and their order, so every bit, are the same."""
 
     def __init__(self, add, park=None, unpark=None, *, parking=None, pushes: int | None = None):
         self.add, self.stack = add, []
@@ -107,15 +107,15 @@ class TreeFold:
             self._parked.pop()
             v, level, i = self._sum(self._read(items, i), v), level + 1, i + 1
         del items
-        summed_next = self.pushes is not None and self._pushed + 1 >= self.pushes     # read within a push
+        summed_next = self.pushes is not None and self._pushed + 1 >= self.pushes     # the next push is the last
         if p is not None and not summed_next and self.stack and self.stack[-1][0] >= PARK_LEVEL \
-                and not self._parked[-1]:
+                and not self._parked[-1]:       # (the sum would read it within a push)
             idle_level, idle = self.stack[-1]
             self.stack[-1], self._parked[-1] = (idle_level, p.park(idle)), True
         self.stack.append((level, v))
         self._parked.append(False)
         if p is not None and not last:      # assumes the next push is of this one's level
-            self._prefetch(self._reads(first, self.pushes is not None and self._pushed + 1 >= self.pushes), 1)
+            self._prefetch(self._reads(first, summed_next), 1)
 
     def result(self) -> np.ndarray:
         items = list(zip((a for _, a in self.stack), self._parked))
