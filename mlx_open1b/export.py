@@ -252,7 +252,9 @@ def _readme(fmt: str, prov: dict) -> str:
                   "`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `modeling_open1b.py` "
                   "(the full architecture below, float32 norms and softmax), `.generate(...)` included; "
                   "`AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` reads tokenizer.json where "
-                  "shipped.", ""]
+                  "shipped. Past `max_position_embeddings` (the run's seq_len) `generate` goes on at positions the "
+                  "model never trained on; `open1b generate` and the mlx export's model.py instead keep the last "
+                  "seq_len tokens at positions 0.., so their tokens differ from there on.", ""]
     lines += ["Not mapped onto Hugging Face / mlx-lm Llama (config `model_type` is `open1b` on purpose):", ""]
     lines += [f"- {n}" for n in NOT_MAPPED]
     return "\n".join(lines) + "\n"
