@@ -89,6 +89,11 @@ def export(run, step, fmt, out, tokenizer, float_model):
     except ExportError as e:
         fail(e)
     click.echo(f"exported {path} ({fmt})")
+    if float_model:
+        import json
+        said = json.loads((path / "config.json").read_text())["source"].get("float_model")
+        if said:
+            click.echo(f"note: {said}", err=True)
     if not (path / "tokenizer.json").exists():      # weights without a tokenizer: other tools cannot encode text
         click.echo(f"note: no tokenizer.json in {path}: the run was trained with its own tokenizer; pass it as "
                    f"--tokenizer F to ship it", err=True)

@@ -30,6 +30,7 @@ def test_float_model_exports_a_quantized_run_saying_so(tmp_path):
         res = r.invoke(cli, ["export", str(tmp_path / "run"), "--format", fmt, "--out", str(out), "--float-model"])
         assert res.exit_code == 0, res.output
         mcfg, tensors, conf = load_export(out)
+        assert f"note: {conf['source']['float_model']}" in res.output
         assert np.array_equal(flat_params(mcfg, tensors), ck)             # the master weights, bit for bit
         src = conf["source"]
         assert src["precision"] == "int8" and src["step"] == 2
