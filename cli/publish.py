@@ -1,6 +1,8 @@
 """`open1b report`, `open1b export`, `open1b eval`: what a user of a published run needs."""
 from __future__ import annotations
 
+import json
+
 import click
 
 from mlx_open1b.checkpoint import CheckpointError
@@ -90,7 +92,6 @@ def export(run, step, fmt, out, tokenizer, float_model):
         fail(e)
     click.echo(f"exported {path} ({fmt})")
     if float_model:
-        import json
         said = json.loads((path / "config.json").read_text())["source"].get("float_model")
         if said:
             click.echo(f"note: {said}", err=True)
