@@ -23,14 +23,15 @@
  *   3. NaN: whether a result is NaN does not depend on the payload, and every NaN is replaced by
  *      0x7FC00000 when the final value is stored; an accumulated C input is flushed when loaded.
  * Padding lanes of edge tiles compute on zeros in a scratch tile and are never stored.
- *   4. The fused step (AVX-512 level): a tile of packed A and B panels over one depth block whose
- *      nonzero operands pass CONTRACT.md §6.1's guard (min E(A) + min E(B) >= 128,
- *      max E(A) + max E(B) <= 380, no inf or NaN; E the exponent field) runs every step as one
- *      vfmadd. §6.1 proves that a fused multiply-add with a sign-preserving flush of a tiny result
- *      equals add(acc, mul(a, b)) there; x86 FTZ (set by the worker, see 2) is that flush: a tiny
- *      result becomes the zero of the true result's sign, and a result below 2^-126 is exact
- *      (§6.1), so detecting tininess after rounding changes nothing. Any other tile takes the
- *      separate multiply and add. The exponent ranges are read once per packed panel.
+ *   4. The fused step (AVX-512 level, and AVX2 where the CPU has FMA3): a tile of packed A and B
+ *      panels over one depth block whose nonzero operands pass CONTRACT.md §6.1's guard
+ *      (min E(A) + min E(B) >= 128, max E(A) + max E(B) <= 380, no inf or NaN; E the exponent
+ *      field) runs every step as one vfmadd. §6.1 proves that a fused multiply-add with a
+ *      sign-preserving flush of a tiny result equals add(acc, mul(a, b)) there; x86 FTZ (set by
+ *      the worker, see 2) is that flush: a tiny result becomes the zero of the true result's
+ *      sign, and a result below 2^-126 is exact (§6.1), so detecting tininess after rounding
+ *      changes nothing. Any other tile takes the separate multiply and add. The exponent ranges
+ *      are read once per packed panel.
  *
  * The kernel is written once with GCC/clang vector extensions (the O1B_GEMM_TEMPLATE section at
  * the end of this file, which the file includes again with different parameters) and
@@ -242,7 +243,17 @@ static void rows_cols_simple(const fast_args *g, int64_t i0, int64_t i1, int64_t
 #define O1B_WIDEN12 widen12_avx512
 #include "gemm_fast.c"
 
-#define O1B_TGT __attribute__((target("avx2")))
+/* FMA3 is its own CPUID flag: the AVX2 level's fused path runs only where the CPU reports it. */
+static int cpu_has_fma(void) {
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("fma") ? 1 : 0;
+    }
+    return has;
+}
+
+#define O1B_TGT __attribute__((target("avx2,fma")))
 #define O1B_SFX avx2
 #define O1B_W 8
 #define O1B_MR 6
@@ -250,6 +261,8 @@ static void rows_cols_simple(const fast_args *g, int64_t i0, int64_t i1, int64_t
 #define O1B_MC 96
 #define O1B_NC 512
 #define O1B_BCAST(s) ((vf)_mm256_set1_ps(s))
+#define O1B_FMA(a, b, c) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#define O1B_FMA_OK cpu_has_fma()
 #define O1B_TRANSPOSE transpose_avx2
 #include "gemm_fast.c"
 
@@ -460,7 +473,9 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
     }
     float tile[O1B_MR * NR] __attribute__((aligned(64))) = {0};
     erange ra[MC / O1B_MR], rb[NC / NR];
-#ifdef O1B_FMA
+#if defined(O1B_FMA) && defined(O1B_FMA_OK)
+    const int use_fma = g_gemm_fma && O1B_FMA_OK;
+#elif defined(O1B_FMA)
     const int use_fma = g_gemm_fma;
 #else
     const int use_fma = 0;
@@ -548,6 +563,7 @@ static void FN(run)(fast_args *g) {
 #undef O1B_NC
 #undef O1B_BCAST
 #undef O1B_FMA
+#undef O1B_FMA_OK
 #undef O1B_TRANSPOSE
 #undef O1B_WIDEN12
 #endif
