@@ -149,6 +149,7 @@ __device__ void o1b_q_absmax_finish(u32 m, u32 *part, u32 *counter, float *sc, i
         part[b] = m;
         __threadfence();                 /* the partial is visible to every block before it is counted */
         last = atomicAdd(counter, 1u) == (u32)(nb - 1);
+        if (last) __threadfence();       /* acquire: the partials counted before it are seen by the reads below */
     }
     __syncthreads();
     if (!last) return;                   /* the whole block leaves together */
