@@ -148,6 +148,18 @@ class Parking:
         self.pool.give(p.host)
         return a
 
+    def drain(self) -> None:
+        """After the folds were abandoned (an exception): the copies under way end before the fold
+        lets go of the arrays they read or write (cupy's pool may hand a freed device block to the
+        compute stream's next kernel while a queued copy still writes it); the parks' device arrays
+        are let go and their pinned buffers go back to the pool."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        for p in self._pending:
+            p.source = p.down = None
+            self.pool.give(p.host)
+        self._pending = []
+
     def host_bytes(self) -> int:
         return self.pool.nbytes
 

@@ -343,18 +343,23 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
     # on a device with memory of its own, what waits idle waits on the host: the fold's high levels
     # (TreeFold) and each run's partial while the later runs are computed
     park = _parking(tr) if arrays.own_memory(params) else None
-    for k, (start, n) in enumerate(blocks):
-        fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n)
-        for i in range(start, start + n):
-            loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
-            scalars[i] = (loss, ce, zl)
-            fold.push(g)
-            del g       # held by the fold, or added into it: not alive while the next one is computed
-        parts.append(park.park(fold.result()) if park and k + 1 < len(blocks) else fold.result())
-    if park:
-        for p in parts[:-1]:
-            park.prefetch(p)
-        parts = [park.unpark(p) for p in parts[:-1]] + parts[-1:]
+    try:
+        for k, (start, n) in enumerate(blocks):
+            fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n)
+            for i in range(start, start + n):
+                loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
+                scalars[i] = (loss, ce, zl)
+                fold.push(g)
+                del g       # held by the fold, or added into it: not alive while the next one is computed
+            parts.append(park.park(fold.result()) if park and k + 1 < len(blocks) else fold.result())
+        if park:
+            for p in parts[:-1]:
+                park.prefetch(p)
+            parts = [park.unpark(p) for p in parts[:-1]] + parts[-1:]
+    except BaseException:
+        if park:
+            park.drain()    # no copy still under way into or out of what the folds let go
+        raise
     _spent(tr.timing, "compute", t0)
     return parts, scalars
 

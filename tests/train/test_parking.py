@@ -107,6 +107,39 @@ def test_a_missing_wait_gives_other_bytes(fake_gpu, monkeypatch):
     assert bits(folded(xs, cu.add_inplace, dev, parking=Parking(arrays.CUPY), pushes=12)) != want
 
 
+def test_an_abandoned_step_leaves_no_copy_under_way(fake_gpu, monkeypatch):
+    """A microbatch that raises (at each index in turn) while copies are queued, parked entries on
+    their way down or back: the step lets go of its folds only after the copy stream has run them
+    all (Parking.drain), so no device array is let go before its queued copy ran."""
+    import gc
+    from types import SimpleNamespace
+    from mlx_open1b import step
+    from mlx_open1b.cuda import ops as cu
+    _poisoned(monkeypatch, fake_gpu)
+    M, xs, dev = 20, values(20), fake_gpu.asarray
+    in_flight = 0
+    for bad in range(1, M):
+        tr = SimpleNamespace(ops=cu, state=SimpleNamespace(params=dev(np.zeros(1, np.float32))))
+
+        def loss_and_grad(params, windows, tr=tr, bad=bad):
+            nonlocal in_flight
+            i = windows[0]
+            if i == bad:
+                s = tr.parking._stream
+                in_flight += s is not None and s.ran < len(s.copies)
+                raise KeyboardInterrupt
+            return 0.0, 0.0, 0.0, dev(xs[i].copy())
+        tr.model = SimpleNamespace(loss_and_grad=loss_and_grad)
+        with pytest.raises(KeyboardInterrupt):
+            step._microbatches(tr, [(0, 12), (12, M - 12)], list(range(M)), 1)
+        gc.collect()
+        s = tr.parking._stream
+        if s is not None:
+            s.synchronize()         # a copy still queued whose device array is gone raises here
+            assert not tr.parking._pending, bad
+    assert in_flight > 0          # some raise came while a copy was queued
+
+
 def test_pinned_pool_is_reused_across_steps():
     """A pool's buffers taken by one step's parks are the next step's: no growth after the first."""
     park = Parking(arrays.NUMPY)
