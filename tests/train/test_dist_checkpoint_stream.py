@@ -51,24 +51,17 @@ def _args(run, cfg=None, corpus=None, steps=4, resume=False, piece=1000, fail_st
 
 
 def test_small_pieces_same_run_directory_and_resume(tmp_path, corpus, script):
-    """3 workers, pieces of 1000 bytes (250 moments: every owner sends hundreds, each Merkle chunk
-    arrives cut): checkpoints of steps 0, 2 and 4 are one process's; resumed from step 2 at 2
-    workers, the run ends as one process's."""
-    cfg = dist_cfg(checkpoint_every=2)
+    """Pieces of 1000 bytes (250 moments: every owner sends hundreds, each Merkle chunk arrives cut):
+    2 workers write the checkpoints of steps 0 and 2, 3 workers resume from step 2 (reading it in
+    such pieces) and write step 3's; the run directory is one process's, byte for byte."""
+    cfg = dist_cfg(checkpoint_every=2, eval_every=0)
     single = tmp_path / "single"
-    Trainer(single, cfg, corpus).train(6)
+    Trainer(single, cfg, corpus).train(3)
     run = tmp_path / "run"
-    r = torchrun(3, script, _args(run, cfg, corpus, steps=4))
+    r = torchrun(2, script, _args(run, cfg, corpus, steps=2))
     assert r.returncode == 0, r.stderr[-3000:]
-    want = {k: v for k, v in tree(single).items() if not k.startswith("ckpt-00000006")}
-    got = tree(run)
-    for k in got:
-        if k.startswith("ckpt-"):
-            assert got[k] == want[k], k
-    assert sorted(k for k in got if k.startswith("ckpt-")) == sorted(k for k in want if k[:13] <= "ckpt-00000004")
-    import shutil
-    shutil.rmtree(run / "ckpt-00000004")
-    r = torchrun(2, script, _args(run, resume=True, steps=6, piece=4096))
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-00000000", "ckpt-00000002"]
+    r = torchrun(3, script, _args(run, resume=True, steps=3))
     assert r.returncode == 0, r.stderr[-3000:]
     assert ledger(run) == ledger(single)
     assert tree(run) == tree(single)
