@@ -310,7 +310,8 @@ class Comm:
                         raise CommError(op, TimeoutError(
                             f"no heartbeat from rank {r} for {self.timeout_s:g} s (it died, or its host did)"))
                     # past the deadline and beating (a silent rank is left to the heartbeat rule above)
-                    if limit is not None and now - began > limit and now - seen[r][1] <= 2 * (self._beat_every() + poll):
+                    beating = now - seen[r][1] <= 2 * (self._beat_every() + poll)
+                    if limit is not None and now - began > limit and beating:
                         raise CommError(op, TimeoutError(
                             f"rank {r} did not {doing} {what} within the phase's timeout of {limit:.0f} s (alive: "
                             f"its heartbeat goes on; a hung disk or device? raise the phase timeouts' scale)"))

@@ -13,11 +13,12 @@ pure function of (seed, i)), the ranges are all-gathered, the moments start at z
 and the checkpoint of step 0 is streamed as any other. Rank 0 alone reads the run directory: on
 resume it streams the last checkpoint the same way round — read in file order, each owner's range
 of the moments sent to it in turn and in pieces, the parameters broadcast, everything verified
-(file, tensor and state hashes) before any step — so the other workers need only the corpus. Held-out evaluation: in bf16 every probe
-window is a row of its own, so all the windows are cut into near-equal runs, one per worker, and
-each source's CE is the mean over its windows' values gathered in window order — the same numbers
-as one process; in the quantized precisions a source's windows must stay one batch (per-tensor
-activation scales), so the sources are spread over the workers.
+(file, tensor and state hashes) before any step — so the other workers need only the corpus.
+Held-out evaluation: in bf16 every probe window is a row of its own, so all the windows are cut
+into near-equal runs, one per worker, and each source's CE is the mean over its windows' values
+gathered in window order — the same numbers as one process; in the quantized precisions a source's
+windows must stay one batch (per-tensor activation scales), so the sources are spread over the
+workers.
 
 Each of these runs inside `Comm.phase`, with a deadline that fits its size (phases.py): the ranks
 wait on each other's heartbeats, not in a collective, so minutes of work never trip the collective

@@ -7,7 +7,8 @@ import pytest
 
 from mlx_open1b import checkpoint as C
 from mlx_open1b import fsutil
-from mlx_open1b.checkpoint import CheckpointError, StreamedCheckpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from mlx_open1b.checkpoint import (CheckpointError, StreamedCheckpoint, list_checkpoints, load_checkpoint,
+                                   save_checkpoint)
 from mlx_open1b.hashing import CHUNK
 
 from helpers import rand_bf16, rand_f32
