@@ -245,12 +245,8 @@ static void rows_cols_simple(const fast_args *g, int64_t i0, int64_t i1, int64_t
 
 /* FMA3 is its own CPUID flag: the AVX2 level's fused path runs only where the CPU reports it. */
 static int cpu_has_fma(void) {
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("fma") ? 1 : 0;
-    }
-    return has;
+    __builtin_cpu_init();          /* idempotent; reads what libgcc's constructor found */
+    return __builtin_cpu_supports("fma") != 0;
 }
 
 #define O1B_TGT __attribute__((target("avx2,fma")))
