@@ -195,6 +195,9 @@ _ALLOWED = {
     r"^mlx_open1b/data/prepare\.py:.*os\.open\(out / LOCK": "the corpus lock file (no data)",
     r"^cli/train\.py:.*\.lock\", \"w\"\)": "the default corpus's lock file (no data)",
     r"^(metal|cuda)/emu/__init__\.py:.*src\.write_text": "the emulators' build cache (rebuilt when missing)",
+    r"^mlx_open1b/checkpoint\.py:.*open\(self\.tmp / STATE_FILE, \"wb\"": "the streamed checkpoint's file in its "
+    "temporary directory: written by fsutil.write_all, every OSError a WriteError naming the checkpoint "
+    "(StreamedCheckpoint._fail), published by rename",
 }
 _WRITES = re.compile(r"\.write_text\(|\.write_bytes\(|os\.write\(|os\.pwrite\(|open\([^)]*[\"'][wax]b?\+?[\"']|"
                      r"shutil\.copy|np\.save|\.tofile\(|os\.open\([^)]*O_(WRONLY|RDWR|CREAT|APPEND)|"
