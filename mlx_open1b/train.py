@@ -292,8 +292,8 @@ class Trainer:
                 t, t0, tok0 = self.state.step, time.perf_counter(), self.state.consumed
                 with self._failures(t):
                     nxt = self._take_step(settle)
+                    self.add_eval(nxt.record)       # before it is pending: a record that failed it is not appended
                     pending = nxt
-                    self.add_eval(nxt.record)
                     due = not self.readonly and self.state.step % self.tcfg.checkpoint_every == 0
                     if due or self.state.step >= steps or not self.overlap_hashes:
                         t1 = time.perf_counter()

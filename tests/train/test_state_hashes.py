@@ -250,3 +250,22 @@ def test_memory_model_records_the_pinned_host_buffers():
     (m,), = measure(c, 1, resolution=0)
     assert m.host.owners.get("pinned") == 14 * P, m.host.owners
     assert m.moved["d2h"] >= 14 * P
+
+
+def test_a_failed_evaluation_appends_no_record_without_its_eval(tmp_path, corpus, inline, monkeypatch):
+    """Held-out evaluation fails after step 3 was computed: step 2's record (complete) is appended,
+    step 3's (its eval missing) is not; resuming writes the uninterrupted run's bytes."""
+    run = tmp_path / "run"
+    tr = Trainer(run, cfg(), corpus)
+
+    def broken():
+        raise RuntimeError("planted")
+    monkeypatch.setattr(tr, "heldout_ce", broken)
+    with pytest.raises(RuntimeError, match="planted"):
+        tr.train(STEPS)
+    ledger = (run / "ledger.jsonl").read_bytes()
+    assert [json.loads(x)["step"] for x in ledger.splitlines()] == [0, 1, 2]
+    assert inline["ledger.jsonl"].startswith(ledger)
+    monkeypatch.undo()
+    Trainer(run, resume=True).train(STEPS)
+    assert run_files(run) == inline
