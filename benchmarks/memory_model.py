@@ -66,9 +66,10 @@ def _at(where: str, n: int = 3) -> str:
     return " > ".join(names[-n:])
 
 
-def rows(cfg, workers: int, phases=None, replay: bool = True, overlap: bool = True) -> list[dict]:
+def rows(cfg, workers: int, phases=None, replay: bool = True, overlap: bool = True,
+         recompute_blocks: bool = False) -> list[dict]:
     out = []
-    for ranks in measure(cfg, workers, phases, replay=replay, overlap=overlap):
+    for ranks in measure(cfg, workers, phases, replay=replay, overlap=overlap, recompute_blocks=recompute_blocks):
         top = max(ranks, key=lambda m: m.peak["device"])
         owners = dict(top.device.owners)
         out.append({
@@ -123,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--details", action="store_true", help="per row: the transient sites, host owners, owners")
     ap.add_argument("--park", choices=("async", "sync"), default="async",
                     help="fold entries parked by pinned copies under compute (the trainer's) or blocking ones")
+    ap.add_argument("--recompute-blocks", action="store_true",
+                    help="keep each block's input alone and recompute its cache in the backward (open1b train "
+                         "--recompute-blocks)")
     ap.add_argument("--no-replay", action="store_true",
                     help="run the model program at every microbatch (slow; the same numbers)")
     a = ap.parse_args(argv)
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
     for w in workers:
         t0 = time.perf_counter()
         try:
-            got = rows(cfg, w, replay=not a.no_replay, overlap=a.park == "async")
+            got = rows(cfg, w, replay=not a.no_replay, overlap=a.park == "async", recompute_blocks=a.recompute_blocks)
         except ShardingError as e:      # a worker count the batch cannot be split over
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -122,8 +122,12 @@ class _Progress:
 @click.option("--phase-timeout-scale", type=Positive("number"), default=1.0, show_default=True,
               help="multiplies the size-derived part of the long phases' deadlines (a slow disk or a shared "
                    "machine: raise it); see mlx_open1b/distributed/phases.py")
+@click.option("--recompute-blocks", is_flag=True,
+              help="keep only each block's input from the forward and recompute the block in the backward: less "
+                   "device memory for about a third more compute; the same bits (not part of the run's config)")
 def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokenizer_path, resume, threads, seed,
-          precision, gnmr_spec, nproc, dist_timeout, phase_timeout_scale=1.0, selftest_refusal=None):
+          precision, gnmr_spec, nproc, dist_timeout, phase_timeout_scale=1.0, recompute_blocks=False,
+          selftest_refusal=None):
     """Train a model; every step is hashed into OUT/ledger.jsonl."""
     from mlx_open1b import cpu_ref
     from mlx_open1b.distributed import in_worker_env
@@ -137,6 +141,7 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         fail("--backend torch: the PyTorch baseline runs in one process (no --nproc, no torchrun)", 2)
     if not worker:
         cpu_ref.set_num_threads(threads)
+    Trainer.recompute_blocks = recompute_blocks
     try:
         # the configuration first: a bad value stops the command before anything is written
         # on --resume, --set and --seed alone apply to the run's own config; a file or a preset is a whole config
@@ -170,7 +175,8 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         if nproc is not None:
             return _launch(nproc, cfg, out, data_dir, resume, steps=steps, backend=backend, threads=threads,
                            seed=seed, precision=precision, preset_name=preset_name, timeout=dist_timeout,
-                           gnmr_spec=gnmr_spec, config_file=config_file, sets=sets, phase_scale=phase_timeout_scale)
+                           gnmr_spec=gnmr_spec, config_file=config_file, sets=sets, phase_scale=phase_timeout_scale,
+                           recompute_blocks=recompute_blocks)
         if worker:
             return _train_worker(cfg, out, data_dir, resume, steps, backend, threads, precision, dist_timeout,
                                  selftest_refusal, phase_scale=phase_timeout_scale)
@@ -259,7 +265,8 @@ def _check_resume_precision(out: pathlib.Path, resume: bool, precision) -> None:
 
 
 def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps, backend, threads, seed,
-            precision, preset_name, timeout, gnmr_spec=None, config_file=None, sets=(), phase_scale=1.0) -> None:
+            precision, preset_name, timeout, gnmr_spec=None, config_file=None, sets=(), phase_scale=1.0,
+            recompute_blocks=False) -> None:
     """`open1b train --nproc N`: run this same command as N torchrun workers on this machine."""
     from mlx_open1b.distributed import ShardingError, check_worker_count
     from mlx_open1b.distributed.collectives import cpu_count
@@ -295,6 +302,8 @@ def _launch(nproc: int, cfg, out: pathlib.Path, data_dir, resume: bool, *, steps
             cmd += [flag, str(val)]
     if resume:
         cmd.append("--resume")
+    if recompute_blocks:
+        cmd.append("--recompute-blocks")
     env = dict(os.environ, OMP_NUM_THREADS=str(per))
     rc = subprocess.call(cmd, env=env)
     if rc:

@@ -192,7 +192,7 @@ class Cache:
     targets: np.ndarray    # (N,) int32    next-token ids
     x0: np.ndarray | None = None        # (N, d) fp32 embedding rows (emb_norm's x)
     rstd_emb: np.ndarray | None = None  # (N,) fp32
-    layers: list = field(default_factory=list)   # LayerCache per block
+    layers: list = field(default_factory=list)   # LayerCache per block (the block's input with recompute_blocks)
     h_last: np.ndarray | None = None   # (N, d) fp32 stream after the last block (final_norm's x)
     rstd_final: np.ndarray | None = None  # (N,) fp32
     hn_b: np.ndarray | None = None     # (N, d) bf16 final_norm output, the LM head's input
@@ -206,7 +206,7 @@ class Model:
     (B, seq_len + 1) uint32; params is the flat bf16 buffer (n_params,) uint16."""
 
     def __init__(self, cfg: ModelConfig, ops=cpu_ref, precision: str = "bf16", attention_pv: str = "int8",
-                 recompute_gate_up: bool | None = None):
+                 recompute_gate_up: bool | None = None, recompute_blocks: bool = False):
         cfg.check()
         if precision not in ("bf16", "int8", "int6", "int4"):
             raise ValueError(f"precision: expected 'bf16', 'int8', 'int6' or 'int4', got {precision!r}")
@@ -229,6 +229,10 @@ class Model:
         # instead of kept: True, False, or None: where the params are on a device with memory of its
         # own (cupy), whose memory bounds what fits
         self.recompute_gate_up = recompute_gate_up
+        # per-block recomputation: the forward keeps each block's input alone and the backward runs
+        # that block's forward again for its cache (the same kernels on the same operands: the same
+        # bits), one block's cache live at a time instead of every block's
+        self.recompute_blocks = bool(recompute_blocks)
         self.layout = ParamLayout(cfg)
         self.n_params = self.layout.n_params
         # host scalars, each rounded once to fp32 (CONTRACT.md §8)
@@ -376,10 +380,13 @@ class Model:
         w = views(params, self.layout)
         x0 = ops.embedding_forward(inputs, w["wte"])                    # (N, d)
         h, rstd_emb = ops.rmsnorm_forward(x0, w["emb_norm"], eps)      # (N, d), (N,)
+        keep = cache is not None and not self.recompute_blocks
         for l in range(cfg.n_layers):
-            lc = {} if cache is not None else None
+            if cache is not None and not keep:
+                cache.layers.append(h)             # (N, d) fp32 the block's input: _backward recomputes the rest
+            lc = {} if keep else None
             h = self._block_forward(l, params, w, h, B, lc)
-            if cache is not None:
+            if keep:
                 cache.layers.append(LayerCache(**lc))
         hn, rstd_final = ops.rmsnorm_forward(h, w["final_norm"], eps)  # (N, d)
         hn_b = ops.f32_to_bf16(hn)
@@ -389,8 +396,9 @@ class Model:
             cache.h_last, cache.rstd_final, cache.hn_b, cache.lse = h, rstd_final, hn_b, lse_n
         return loss_n, lse_n, ce_n
 
-    def _block_forward(self, l, params, w, h, B, lc: dict | None):
-        """One transformer block: h (N, d) fp32 -> h (N, d) fp32 (a new array)."""
+    def _block_forward(self, l, params, w, h, B, lc: dict | None, recompute_gu: bool | None = None):
+        """One transformer block: h (N, d) fp32 -> h (N, d) fp32 (a new array). lc: filled with the
+        block's cache; its gu kept or not by recompute_gu (None: the model's rule)."""
         ops, cfg, eps = self.ops, self.cfg, self.eps
         p = f"layers.{l}."
         N, d = h.shape
@@ -420,7 +428,9 @@ class Model:
         s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
         h_out = ops.add(h_mid, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
         if lc is not None:
-            recompute = arrays.own_memory(params) if self.recompute_gate_up is None else self.recompute_gate_up
+            recompute = self.recompute_gate_up if recompute_gu is None else recompute_gu
+            if recompute is None:
+                recompute = arrays.own_memory(params)
             lc.update(h_in=h, rstd_attn=rstd_attn, a_b=a_b, q_pre=q_pre, rstd_q=rstd_q, k_pre=k_pre,
                       rstd_k=rstd_k, q_b=q_b, k_b=k_b, v_b=v_b, o=o, lse=lse, o_b=o_b, h_mid=h_mid,
                       rstd_ffn=rstd_ffn, f_b=f_b, gu=None if recompute else gu, s_b=s_b)
@@ -438,7 +448,13 @@ class Model:
                                                   c.lse, dloss)          # (N, d), (V, d)
         dh, grads["final_norm"] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
         for l in reversed(range(cfg.n_layers)):
-            dh = self._block_backward(l, params, w, grads, dh, c.layers[l], c.B)
+            lc = c.layers[l]
+            if not isinstance(lc, LayerCache):    # the block's input alone (recompute_blocks)
+                got = {}
+                self._block_forward(l, params, w, lc, c.B, got, recompute_gu=False)   # one block's gu: kept
+                lc = LayerCache(**got)
+            dh = self._block_backward(l, params, w, grads, dh, lc, c.B)
+            del lc
         dx0, grads["emb_norm"] = ops.rmsnorm_backward(dh, c.x0, w["emb_norm"], c.rstd_emb)  # (N, d)
         grads["wte"] = ops.embedding_backward(c.inputs, dx0, cfg.vocab_size)               # (V, d)
         return grads.result()

@@ -156,8 +156,13 @@ class Trainer:
         self.genesis = genesis_hash(self.cfg.to_json(), self.fingerprint, self.manifest.tokenizer_sha256,
                                     CONTRACT_VERSION)
 
+    # per-block recomputation in the backward (Model(recompute_blocks)): how this process computes,
+    # never part of a run's configuration (the same bits either way); `open1b train --recompute-blocks`
+    recompute_blocks = False
+
     def _build_model(self) -> None:
-        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision, attention_pv=self.cfg.attention_pv)
+        self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision, attention_pv=self.cfg.attention_pv,
+                           recompute_blocks=self.recompute_blocks)
         self.layout = ParamLayout(self.model_cfg)
         self.shapes = self.model_cfg.param_shapes()
         self.timing = {"hash": 0.0, "steps": 0.0, "n": 0, "gnmr": 0.0}   # seconds hashing / in compute_step / GNMR

@@ -272,7 +272,8 @@ class MemoryLedger:
 def cache_arrays(cache):
     """The shape arrays a model Cache holds (what the backward reads)."""
     for a in (cache.x0, cache.rstd_emb, cache.h_last, cache.rstd_final, cache.hn_b, cache.lse, cache.inputs,
-              cache.targets, *(v for lc in cache.layers for v in vars(lc).values())):
+              cache.targets, *(v for lc in cache.layers for v in (vars(lc).values() if hasattr(lc, "__dict__")
+                                                                  else (lc,)))):    # a block's input alone
         if getattr(a, "_buf", None) is not None:
             yield a
 

@@ -67,8 +67,8 @@ class ReplayedProgram:
 
     def _key(self, params, windows):
         m = self.model
-        return (type(m), m.cfg, m.precision, tuple(sorted(m.paths.items())), tuple(params.shape),
-                tuple(windows.shape))
+        return (type(m), m.cfg, m.precision, tuple(sorted(m.paths.items())), m.recompute_gate_up, m.recompute_blocks,
+                tuple(params.shape), tuple(windows.shape))
 
     def __call__(self, params, windows):
         if not self.warm:                      # the first call sets the model up (RoPE tables): real

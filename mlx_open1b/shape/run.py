@@ -110,11 +110,12 @@ def _roots(tr):
 
 
 def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float, replay: bool,
-            overlap: bool) -> list[Measure]:
+            overlap: bool, recompute_blocks: bool = False) -> list[Measure]:
     rank = 0 if comm is None else comm.rank
     led = MemoryLedger(f"rank {rank}", resolution).activate()
     tr = shape_trainer(cfg, comm)
     tr.parking = Parking(arrays.SHAPE, overlap)
+    tr.model.recompute_blocks = recompute_blocks
     install(tr, replay)
     led.roots = _roots(tr)
     reduce = tr._reducer()
@@ -131,18 +132,21 @@ def _worker(cfg: RunConfig, comm: SimComm | None, phases, resolution: float, rep
 
 
 def measure(cfg: RunConfig, workers: int = 1, phases=None, resolution: float = 0.002,
-            replay: bool = True, overlap: bool = True) -> list[list[Measure]]:
+            replay: bool = True, overlap: bool = True, recompute_blocks: bool = False) -> list[list[Measure]]:
     """[phase][rank] Measures of one step per batch phase (default: every phase of cfg) on `workers`
     workers (1: the single-process Trainer; more: the DistributedTrainer on a SimWorld). replay:
     the model program runs once per shape and is replayed after (replay.py); False runs it at every
     microbatch (slow at the open1b preset; the same numbers). overlap=False: fold entries parked
-    by blocking copies into pageable memory (parking.py) instead of the pinned, overlapped ones."""
+    by blocking copies into pageable memory (parking.py) instead of the pinned, overlapped ones.
+    recompute_blocks: the model keeps each block's input alone and recomputes its cache in the
+    backward (Model(recompute_blocks=True))."""
     from ..distributed.sharding import check_worker_count
     check_worker_count(workers, cfg.train.phases)          # as the distributed trainer does at start-up
     phases = [tuple(p) for p in (cfg.train.phases if phases is None else phases)]
     if workers == 1:
-        per_rank = [_worker(cfg, None, phases, resolution, replay, overlap)]
+        per_rank = [_worker(cfg, None, phases, resolution, replay, overlap, recompute_blocks)]
     else:
         world = SimWorld(workers)
-        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution, replay, overlap))
+        per_rank = world.run(lambda r: _worker(cfg, SimComm(world, r), phases, resolution, replay, overlap,
+                                               recompute_blocks))
     return [[per_rank[r][i] for r in range(workers)] for i in range(len(phases))]

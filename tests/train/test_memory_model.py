@@ -286,3 +286,40 @@ def test_reduce_scatter_in_rounds_gives_the_bits_of_one_process():
 
         for rec, k in world.run(worker):
             assert rec == want and (k == rounds if rounds else k > 3), (recv_bytes, k)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_recomputed_blocks_give_the_same_gradient_bits(precision):
+    """Per-block recomputation (Model(recompute_blocks=True)): the cache holds each block's input
+    alone and the backward recomputes the block's forward; loss and gradient bits equal the cached
+    path's, with a unit on another path (as GNMR sets them) taken by both forwards."""
+    from mlx_open1b import cpu_ref
+    from mlx_open1b.model import Model, init_params
+    c = micro_cfg()
+    params = init_params(c.model, 3)
+    windows = np.random.default_rng(7).integers(0, c.model.vocab_size, (2, c.model.seq_len + 1)).astype(np.uint32)
+    paths = {(0, "gate_up"): "bf16" if precision == "int8" else "int8"}
+    kept_m = Model(c.model, cpu_ref, precision=precision)
+    kept_m.set_paths(paths)
+    kept = kept_m.loss_and_grad(params, windows)
+    again = Model(c.model, cpu_ref, precision=precision, recompute_blocks=True)
+    again.set_paths(paths)
+    _, _, _, cache = again.forward(params, windows)
+    assert len(cache.layers) == c.model.n_layers and all(isinstance(h, np.ndarray) for h in cache.layers)
+    got = again.loss_and_grad(params, windows)
+    bits = lambda xs: np.array(xs, np.float64).view(np.uint64).tolist()     # noqa: E731  (fp32 values as floats)
+    assert bits(got[:3]) == bits(kept[:3]) and (got[3].view(np.uint32) == kept[3].view(np.uint32)).all()
+
+
+def test_recomputed_blocks_lower_the_modelled_peak():
+    """The memory model with --recompute-blocks: the activations' share of the device peak falls
+    to at most one block's cache plus every block's input (N x d fp32 each)."""
+    import dataclasses
+    from mlx_open1b.shape.run import measure
+    c = micro_cfg(microbatch_seqs=8)
+    c = dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=64, n_layers=6))   # activations lead
+    kept, again = measure(c, 1)[0][0], measure(c, 1, recompute_blocks=True)[0][0]
+    assert again.peak["device"] < kept.peak["device"]
+    N = c.train.microbatch_seqs * c.model.seq_len
+    inputs = c.model.n_layers * N * c.model.d_model * 4
+    assert again.device.owners.get("activations", 0) <= inputs + kept.device.owners["activations"] / c.model.n_layers
