@@ -314,7 +314,7 @@ class Comm:
                     if limit is not None and now - began > limit and beating:
                         raise CommError(op, TimeoutError(
                             f"rank {r} did not {doing} {what} within the phase's timeout of {limit:.0f} s (alive: "
-                            f"its heartbeat goes on; a hung disk or device? raise the phase timeouts' scale)"))
+                            f"its heartbeat goes on; a hung disk or device? a slow one: raise --phase-timeout-scale)"))
                 if seen:
                     time.sleep(poll)
         finally:

@@ -160,6 +160,7 @@ def test_phase_past_its_deadline_names_the_phase_and_the_rank(tmp_path):
     assert code == 3, err[-2000:]
     assert ("error: waiting for rank 0 (writing the checkpoint of step 2): rank 0 did not finish writing the "
             "checkpoint of step 2 within the phase's timeout of 3 s (alive") in err, err[-2000:]
+    assert "raise --phase-timeout-scale" in err, err[-2000:]       # what to change, by the option's name
     waited = float(err.rsplit(" after ", 1)[1].split()[0])
     assert 3.0 <= waited < 6.0, err
 
