@@ -260,7 +260,7 @@ def check_levels_t(shapes=((128, 3), (256, 70), (33, 65), (1, 1))):
             q = cu._empty((R, C), np.int8)
             cu._q_tensor(R * C, cu._dev(v), True, q, cu.QMAX)
             qt = cu._empty((C, R), np.int8)
-            cu._q_tensor(R * C, cu._dev(v), True, qt, cu.QMAX, rows=R)
+            cu._q_levels(R * C, cu._dev(v), True, cu._q_scale(R * C, cu._dev(v), True, cu.QMAX), qt, cu.QMAX, rows=R)
             assert np.array_equal(cu.to_host(qt), cu.to_host(q).T), (R, C)
 
 
@@ -337,6 +337,8 @@ def test_nvcc_emits_the_tensor_core_instruction(arch, mma, tmp_path):
     assert proc.returncode == 0, f"quant.cu ({arch}):\n{proc.stdout}{proc.stderr}"
     text = ptx.read_text()
     body = text[text.index(".entry o1b_gemm_i8("):]
+    if ".entry" in body[1:]:        # that kernel alone: the rotations after it shuffle on every arch
+        body = body[:body.index(".entry", 1)]
     assert ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in body) == mma
     assert "satfinite" not in body
     assert ("shfl.sync" in body) != mma
