@@ -518,7 +518,7 @@ QR_COLS = 64         # quant.cu's QR_COLS: columns per block of the rotations
 GRID_Y_MAX = 65535   # CUDA's largest grid y dimension
 QW_ROWS = 4          # quant.cu's QW_ROWS: rows per block of the weight quantizer (a warp each)
 _NO_U8 = np.zeros(1, np.uint8)
-_ZERO_U32 = np.zeros(1, np.uint32)
+_counters: dict = {}     # device id -> the absmax's count of finished blocks (a 1-element uint32 cupy array)
 
 
 def _pad_qb(n: int) -> int:
@@ -526,10 +526,17 @@ def _pad_qb(n: int) -> int:
 
 
 def _counter():
-    """The absmax's count of finished blocks, +0 before each launch: on a GPU one per device (_dummy's
-    cache; the last block of each launch sets it back to 0, and launches on one stream run in order),
-    elsewhere a fresh zero (an emulated launch that fails half-way leaves nothing behind)."""
-    return _dummy(_ZERO_U32) if runtime.real_cuda() else _xp().zeros(1, np.uint32)
+    """The absmax's count of finished blocks, +0 before each launch: on a GPU one per device, its own
+    array (the kernel writes it, so never a shared placeholder of _dummy's; the last block of each
+    launch sets it back to 0, and launches on one stream run in order), elsewhere a fresh zero (an
+    emulated launch that fails half-way leaves nothing behind)."""
+    xp = _xp()
+    if not runtime.real_cuda():
+        return xp.zeros(1, np.uint32)
+    key = xp.cuda.Device().id
+    if key not in _counters:
+        _counters[key] = xp.zeros(1, np.uint32)
+    return _counters[key]
 
 
 def _q_weight(M: int, K: int, dw_, clip: bool, qmax: int = QMAX):

@@ -9,8 +9,9 @@ with numpy arrays in place of cupy arrays and numpy scalars of the kernel's para
 run one after another.
 
 Race check: `options(race_check=True)` runs every launch twice — threads scheduled in thread order
-and in reverse order (at each barrier phase) on copies of the arrays — and raises EmuRaceError if
-any array differs, which is how a missing __syncthreads shows up.
+and in reverse order (at each barrier phase; the blocks too, last to first) on copies of the arrays
+— and raises EmuRaceError if any array differs, which is how a missing __syncthreads shows up (and a
+block that reads another's writes in an order the grid does not give).
 
 Planted faults and adversarial flushing: `with emu.hardware(fault=..., adversarial_flush=...,
 seed=...):` launches inside the block run on that fp32 unit (mlx_open1b.metal.emu.hwmodel, shared

@@ -113,8 +113,11 @@ struct alignas(16) uint4 { unsigned int x, y, z, w; };
 /* Atomics: fibers switch only at barriers and returns, so a read-modify-write is atomic as written. */
 static inline int atomicMin(int *p, int v) { int old = *p; if (v < old) *p = v; return old; }
 static inline int atomicMax(int *p, int v) { int old = *p; if (v > old) *p = v; return old; }
-static inline unsigned int atomicAdd(unsigned int *p, unsigned int v) { unsigned int old = *p; *p = old + v; return old; }
-/* Blocks run one after another, so every store of a finished block is visible: a fence orders nothing more. */
+static inline unsigned int atomicAdd(unsigned int *p, unsigned int v) {
+    unsigned int old = *p; *p = old + v; return old;
+}
+/* Blocks run one after another (last to first in the race check's reverse pass), so every store of a
+ * finished block is visible: a fence orders nothing more. */
 static inline void __threadfence(void) {}
 
 /* ---- the block scheduler ---- */
@@ -330,10 +333,13 @@ extern "C" int emu_launch(void (*body)(void **), void **args, unsigned gx, unsig
     gridDim.x = gx; gridDim.y = gy; gridDim.z = gz;
     blockDim.x = bx; blockDim.y = by; blockDim.z = bz;
     int nthreads = (int)(bx * by * bz);
+    /* the reverse pass also runs the blocks last to first: a block that reads another block's writes
+     * without an order the grid gives (e.g. a last block found by its index, not by a count) differs */
+    int rb = mode & 1;
     for (unsigned z = 0; z < gz; z++)
         for (unsigned y = 0; y < gy; y++)
             for (unsigned x = 0; x < gx; x++) {
-                blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                blockIdx.x = rb ? gx - 1 - x : x; blockIdx.y = rb ? gy - 1 - y : y; blockIdx.z = rb ? gz - 1 - z : z;
                 int rc = emu_run_block(nthreads, mode & 1);
                 if (rc) return rc;
             }

@@ -106,6 +106,24 @@ def test_cuda_absmax_counter_is_reset_for_the_next_launch(tmp_path):
     assert np.float32(second[0]).view(np.uint32) != np.float32(want).view(np.uint32)
 
 
+def test_cuda_counter_is_its_own_array_per_device(monkeypatch):
+    """On a GPU the count lives from launch to launch, one per device, and is never one of _dummy's
+    shared placeholders (another op passing a uint32 placeholder must not get the kernel's count)."""
+    import types
+    device = [0]
+    xp = types.SimpleNamespace(zeros=np.zeros, asarray=np.array,
+                               cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=device[0])))
+    monkeypatch.setattr(G, "_xp", lambda: xp)
+    monkeypatch.setattr(G, "_counters", {})
+    monkeypatch.setattr(G, "_dummies", {})
+    monkeypatch.setattr(cuda_runtime, "real_cuda", lambda: True)
+    first = G._counter()
+    assert G._counter() is first and first.dtype == np.uint32 and first.tolist() == [0]
+    assert G._dummy(np.zeros(1, np.uint32)) is not first
+    device[0] = 1
+    assert G._counter() is not first
+
+
 def test_cuda_race_check_sees_a_missing_barrier_in_the_tree(tmp_path):
     """Under the race check the quantizers and rotations pass; without the barrier between the tree's
     levels they do not."""
@@ -119,6 +137,23 @@ def test_cuda_race_check_sees_a_missing_barrier_in_the_tree(tmp_path):
     v = rand_bf16(rng, (5000,))
     with cuda_emu.options(race_check=True), pytest.raises(cuda_emu.EmuRaceError):
         _absmax_twice(bad, v, np.zeros(1, np.uint32))
+
+
+def test_cuda_race_check_sees_a_last_block_found_by_its_index(tmp_path):
+    """The block that folds the partials is the one whose count comes last, whichever it is: the race
+    check's reverse pass runs the blocks last to first, so a kernel that takes the highest block for
+    the last reads partials not yet written there (the plant), while the count finds block 0."""
+    rng = np.random.default_rng(7)
+    v = rand_bf16(rng, (3 * 4096 + 5,))
+    v[10] = f32_to_bf16(np.float32(500.0))         # the largest |v| in block 0
+    with cuda_emu.options(race_check=True):
+        first, second = _absmax_twice(_absmax_module(), v, np.zeros(1, np.uint32))
+        want = np.float32(C.quant_tensor(v)[1]).view(np.uint32)
+        assert first[:1].view(np.uint32)[0] == second[:1].view(np.uint32)[0] == want
+    by_index = ("        last = atomicAdd(counter, 1u) == (u32)(nb - 1);\n",
+                "        atomicAdd(counter, 1u);\n        last = b == nb - 1;\n")
+    with cuda_emu.options(race_check=True), pytest.raises(cuda_emu.EmuRaceError):
+        _absmax_twice(_absmax_module(by_index, tmp_path), v, np.zeros(1, np.uint32))
 
 
 # ------------------------------------------------------------------ the warp rotations (CUDA)
@@ -201,3 +236,22 @@ def test_metal_hadamard_threadgroup(R, Cc, monkeypatch):
     pad = np.zeros((R, Cc), np.float32)
     pad[:R - 3] = q
     _same(M._rotate("hadamard_i8", q, R - 3, Cc), C.hadamard_rows(pad), f"metal hadamard_i8 {R - 3}x{Cc}")
+
+
+def test_metal_race_check_sees_a_missing_stage_barrier(monkeypatch):
+    """Without the barrier between the butterfly stages the threadgroup rotation is a race, and the
+    race check says so (the plant: hadamard.metal's stage barrier removed)."""
+    from mlx_open1b.metal import emu as metal_emu, runtime as metal_runtime
+    monkeypatch.setenv("O1B_EMU_RACECHECK", "1")
+    source, stage_end = metal_runtime.source, "    threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n"
+
+    def planted(name):
+        text = source(name)
+        if name != "hadamard":
+            return text
+        assert text.count(stage_end) == 1
+        return text.replace(stage_end, "}\n")
+    f = np.random.default_rng(8).standard_normal((QB, 17)).astype(np.float32)
+    monkeypatch.setattr(metal_runtime, "source", planted)
+    with pytest.raises(metal_emu.EmuRaceError, match="hadamard"):
+        M.hadamard_rows(f)
