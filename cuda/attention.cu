@@ -617,16 +617,16 @@ extern "C" __global__ void o1b_attention_dq(i64 B, i64 T, i64 H, i64 G, i64 W, f
 #pragma unroll
                     for (int c0v = 0; c0v < ATTN_BNC; c0v += VA) {
                         u32 w[VA];
-                        if (cbase + c0v < ATTN_D) ld_f32<VA>(kr + c0v, w);
+                        if (ATTN_D % ATTN_BP == 0 || cbase + c0v < ATTN_D) ld_f32<VA>(kr + c0v, w);
 #pragma unroll
                         for (int e = 0; e < VA; e++)
-                            if (cbase + c0v + e < ATTN_D)
+                            if (ATTN_D % ATTN_BP == 0 || cbase + c0v + e < ATTN_D)
                                 acc[c0v + e] = o1b_add_ftz(acc[c0v + e], o1b_mul_ftz(ds, __uint_as_float(w[e])));
                     }
                 } else {
 #pragma unroll
                     for (int c = 0; c < ATTN_BNC; c++)
-                        if (cbase + c < ATTN_D) acc[c] = o1b_add(acc[c], o1b_mul(ds, kr[c]));
+                        if (ATTN_D % ATTN_BP == 0 || cbase + c < ATTN_D) acc[c] = o1b_add(acc[c], o1b_mul(ds, kr[c]));
                 }
             }
         }
