@@ -10,8 +10,9 @@ cupy, overlapped (the default):
 * park: the entry's bytes go to a pinned buffer of the pool (`PinnedPool`) by a copy on the copy
   stream that first waits for an event recorded on the compute stream after the kernels that
   wrote the entry. The device array stays referenced until `settle` (the next push) has made the
-  compute stream wait for the copy's end: cupy's pool hands a freed block only to work of the
-  stream that freed it, so no kernel can reuse the memory before the copy has read it.
+  compute stream wait for the copy's end: cupy's pool hands a freed block only to later allocations
+  on the stream it was allocated on (the compute stream; no event is waited for), so no kernel can
+  reuse the memory before the copy has read it.
 * prefetch: a device buffer allocated on the compute stream and filled on the copy stream after
   an event recorded on the compute stream (the block may be one that queued kernels still use),
   after the park's copy of the same pinned buffer (one copy stream: in order).
