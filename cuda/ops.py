@@ -568,6 +568,9 @@ def _q_levels(n: int, src, is_f32: bool, sc, q, qmax: int = QMAX, rows: int = 0)
     transposed, (n // rows, rows) — the layout the int8 GEMM contracts fastest (data movement only)."""
     if rows:
         cols = n // rows
+        if -(-rows // QT_TILE) > GRID_Y_MAX:
+            raise ValueError(f"int8 levels transposed: {rows} rows is over {GRID_Y_MAX * QT_TILE} (a grid's y "
+                             f"dimension holds {GRID_Y_MAX} tiles of {QT_TILE} rows)")
         if n > 0:
             fn = runtime.load("quant.cu").get_function("o1b_q_tensor_levels_t")
             fn((-(-cols // QT_TILE), -(-rows // QT_TILE)), (QT_TILE, QT_ROWS),

@@ -177,6 +177,11 @@ def test_cuda_rotation_grid_bound():
     assert G._rot_grid(0, 0) == (1, 1)
     with pytest.raises(ValueError, match=str(G.GRID_Y_MAX * QB)):
         G._rot_grid((G.GRID_Y_MAX + 1) * QB, 1)
+    # the transposed levels of a rotated operand run its rows along y in tiles of QT_TILE (a lower
+    # bound): refused before the launch, naming it
+    rows = G.GRID_Y_MAX * G.QT_TILE + 1
+    with pytest.raises(ValueError, match=str(G.GRID_Y_MAX * G.QT_TILE)):
+        G._q_levels(rows, None, True, None, None, rows=rows)
 
 
 @pytest.mark.parametrize("N,K,Mo", [(1, 1, 1), (65, 9, 129), (130, 3, 64), (200, 7, 300)])
