@@ -243,20 +243,24 @@ def test_metal_hadamard_threadgroup(R, Cc, monkeypatch):
     _same(M._rotate("hadamard_i8", q, R - 3, Cc), C.hadamard_rows(pad), f"metal hadamard_i8 {R - 3}x{Cc}")
 
 
-def test_metal_race_check_sees_a_missing_stage_barrier(monkeypatch):
-    """Without the barrier between the butterfly stages the threadgroup rotation is a race, and the
-    race check says so (the plant: hadamard.metal's stage barrier removed)."""
+@pytest.mark.parametrize("kernel", ["hadamard", "quant_absmax"])
+def test_metal_race_check_sees_a_missing_stage_barrier(kernel, monkeypatch):
+    """Without the barrier between the stages of the threadgroup rotation (the butterflies) or of the
+    absmax's tree of maxes the kernel is a race, and the race check says so (the plant: the barrier
+    at the end of the stage loop removed)."""
     from mlx_open1b.metal import emu as metal_emu, runtime as metal_runtime
     monkeypatch.setenv("O1B_EMU_RACECHECK", "1")
     source, stage_end = metal_runtime.source, "    threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n"
 
     def planted(name):
         text = source(name)
-        if name != "hadamard":
+        if name != kernel:
             return text
         assert text.count(stage_end) == 1
         return text.replace(stage_end, "}\n")
-    f = np.random.default_rng(8).standard_normal((QB, 17)).astype(np.float32)
+    rng = np.random.default_rng(8)
+    f = rng.standard_normal((QB, 17)).astype(np.float32)
+    x = rng.standard_normal(3 * 4096 + 300).astype(np.float32)
     monkeypatch.setattr(metal_runtime, "source", planted)
-    with pytest.raises(metal_emu.EmuRaceError, match="hadamard"):
-        M.hadamard_rows(f)
+    with pytest.raises(metal_emu.EmuRaceError, match=kernel):
+        M.hadamard_rows(f) if kernel == "hadamard" else M.quant_tensor(x)
