@@ -297,7 +297,9 @@ class Trainer:
                 t, t0, tok0 = self.state.step, time.perf_counter(), self.state.consumed
                 with self._failures(t):
                     nxt = self._take_step(settle)
-                    self.add_eval(nxt.record)       # before it is pending: a record that failed it is not appended
+                    # pending (owed the ledger on an error) only once complete: an evaluation that
+                    # fails leaves this step's record out rather than appended without its eval
+                    self.add_eval(nxt.record)
                     pending = nxt
                     due = not self.readonly and self.state.step % self.tcfg.checkpoint_every == 0
                     if due or self.state.step >= steps or not self.overlap_hashes:
