@@ -177,16 +177,25 @@ class FakeStream:
     CUDA may: when an event recorded after them is synchronized, or waited for by the current
     stream. So a copy's destination read before its event is waited for holds stale bytes, and a
     copy not ordered before a kernel that writes its source reads the kernel's result: the
-    ordering mistakes a real GPU makes only sometimes, made every time."""
+    ordering mistakes a real GPU makes only sometimes, made every time. The other way round, a
+    copy may run as early as CUDA allows, before the kernels queued ahead of it on the current
+    stream: stricter than CUDA, a copy queued on another stream that has not waited for an event
+    recorded on the current stream after its last kernel is an error (on a GPU it may read a
+    source those kernels have not written yet, or write a block they still use)."""
 
     def __init__(self, null=False, non_blocking=False, ptds=False):
         self.null, self.copies, self.ran = null, [], 0        # copies: (source, destination), either kind
+        self.launches = 0     # the current stream: kernels launched on it (fake_gpu counts them)
+        self.after = 0        # another stream: the current stream's launches it has waited for
         self._lock = threading.Lock()
 
     def enqueue(self, src, out) -> None:
         if self.null:
             _unwrap(out)[...] = _unwrap(src)
             return
+        if self.after < NULL_STREAM.launches:
+            raise AssertionError("a copy queued on a copy stream that has not waited for the kernels the "
+                                 "current stream launched before it (a missing event and wait_event)")
         with self._lock:
             self.copies.append((_Held(src), _Held(out)))
 
@@ -201,6 +210,8 @@ class FakeStream:
     def wait_event(self, event) -> None:
         if self.null:             # the current stream's later work waits: the event's work runs now
             event.synchronize()
+        elif event.stream is NULL_STREAM:
+            self.after = max(self.after, event.launches)
 
     def synchronize(self) -> None:
         self.run_until(len(self.copies))
@@ -226,11 +237,11 @@ class FakeEvent:
     """cupy.cuda.Event in the stand-in: marks the work queued on a stream so far."""
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.stream, self.upto = None, 0
+        self.stream, self.upto, self.launches = None, 0, 0
 
     def record(self, stream=None) -> None:
         self.stream = stream or NULL_STREAM
-        self.upto = len(self.stream.copies)
+        self.upto, self.launches = len(self.stream.copies), NULL_STREAM.launches
 
     def synchronize(self) -> None:
         if self.stream is not None:
@@ -326,6 +337,7 @@ def fake_gpu(monkeypatch):
             if isinstance(a, np.ndarray):
                 raise TypeError(f"{self.kernel}: argument {i} is a numpy array; a cupy kernel takes "
                                 "device arrays (a missing _dev?)")
+        NULL_STREAM.launches += 1
         return launch(self, grid, block, tuple(_unwrap(a) for a in args), shared_mem)
 
     monkeypatch.setattr(emu.EmuFunction, "__call__", device_launch)

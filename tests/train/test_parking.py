@@ -107,6 +107,21 @@ def test_a_missing_wait_gives_other_bytes(fake_gpu, monkeypatch):
     assert bits(folded(xs, cu.add_inplace, dev, parking=Parking(arrays.CUPY), pushes=12)) != want
 
 
+def test_a_copy_queued_before_the_copy_stream_waits_is_caught(fake_gpu):
+    """The stand-in refuses a copy queued on the copy stream before it has waited for the kernels
+    the compute stream launched ahead of it (on a GPU the copy could read a source not yet written,
+    or write a block still in use). The plant: the copy stream's wait_event does nothing."""
+    from mlx_open1b.cuda import ops as cu
+    xs, dev = values(12), fake_gpu.asarray
+    assert bits(folded(xs, cu.add_inplace, dev, parking=Parking(arrays.CUPY), pushes=12)) == \
+        bits(folded(xs, cu.add_inplace, dev))
+    wait = FakeStream.wait_event
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FakeStream, "wait_event", lambda self, event: wait(self, event) if self.null else None)
+        with pytest.raises(AssertionError, match="has not waited"):
+            folded(xs, cu.add_inplace, dev, parking=Parking(arrays.CUPY), pushes=12)
+
+
 def test_an_abandoned_step_leaves_no_copy_under_way(fake_gpu, monkeypatch):
     """A microbatch that raises (at each index in turn) while copies are queued, parked entries on
     their way down or back: the step lets go of its folds only after the copy stream has run them
