@@ -280,8 +280,10 @@ def find_tool(name: str, extra: str | None) -> str | None:
     return None
 
 
-def sass_report(cuda_dir: pathlib.Path, cuda_bin: str | None) -> dict:
-    """{file: {kernel: {resources..., loops: [LoopStats...]}}} or {"skipped": why}."""
+def sass_report(cuda_dir: pathlib.Path, cuda_bin: str | None, defines: dict | None = None) -> dict:
+    """{file: {kernel: {resources..., loops: [LoopStats...]}}} or {"skipped": why}. defines: {file:
+    ((name, value), ...)} written before that file's source, as the backend's runtime.load does
+    (attention.cu is built per head dim: ATTN_D)."""
     nvcc = find_tool("nvcc", cuda_bin)
     cuobjdump = find_tool("cuobjdump", cuda_bin)
     if not nvcc or not cuobjdump:
@@ -293,7 +295,8 @@ def sass_report(cuda_dir: pathlib.Path, cuda_bin: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="o1b-sass-") as tmp:
         for cu in sorted(cuda_dir.glob("*.cu")):
             src = pathlib.Path(tmp) / cu.name
-            src.write_text(runtime.read_source(cu.name, cuda_dir))
+            src.write_text("".join(f"#define {n} {v}\n" for n, v in (defines or {}).get(cu.name, ()))
+                           + runtime.read_source(cu.name, cuda_dir))
             cubin = src.with_suffix(".cubin")
             # the backend's NVRTC options, and CuPy's -ftz=true
             proc = subprocess.run([nvcc, *runtime.OPTIONS, "-ftz=true", "-arch=sm_90", "-cubin",
@@ -1098,7 +1101,11 @@ def run(args, out=print) -> dict:
     for hw in (H100, M3):
         out(f"  {hw.name}: {hw.source}")
     report: dict = {"rev": args.rev or "working tree", "label": LABEL}
-    sass = sass_report(tree / "cuda", args.cuda_bin) if args.part in ("all", "sass") else {"skipped": "--part"}
+    # attention.cu compiled as the backend builds it for the open1b preset's head dim (its loops are
+    # unrolled over D: a module built at another D has other inner loops)
+    attn_d = {"attention.cu": (("ATTN_D", preset("open1b").model.head_dim),)}
+    sass = (sass_report(tree / "cuda", args.cuda_bin, attn_d) if args.part in ("all", "sass")
+            else {"skipped": "--part"})
     print_sass(sass, out)
     report["sass"] = {f: ({k: dict({a: b for a, b in v.items() if a != "loops"},
                                    loops=[dict(dataclasses.asdict(s), per_madd=s.per_madd, kind=s.kind) for s in v["loops"]])
