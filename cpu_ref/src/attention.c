@@ -31,6 +31,7 @@
 #include "vmath.h"
 
 #define O1B_ATTN_BK 64      /* contract constant: key block of the forward online softmax */
+_Static_assert(O1B_ATTN_BK == O1B_VATTN_BK, "vmath.c's attention rows use the same key block");
 O1B_API int o1b_attn_block(void) { return O1B_ATTN_BK; }
 
 static int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
