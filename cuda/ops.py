@@ -533,7 +533,7 @@ def _counter():
     xp = _xp()
     if not runtime.real_cuda():
         return xp.zeros(1, np.uint32)
-    key = xp.cuda.Device().id
+    key = xp.cuda.Device().id if hasattr(xp, "cuda") else None    # None: the shape-only backend's stand-in
     if key not in _counters:
         _counters[key] = xp.zeros(1, np.uint32)
     return _counters[key]

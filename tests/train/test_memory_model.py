@@ -311,13 +311,15 @@ def test_recomputed_blocks_give_the_same_gradient_bits(precision):
     assert bits(got[:3]) == bits(kept[:3]) and (got[3].view(np.uint32) == kept[3].view(np.uint32)).all()
 
 
-def test_recomputed_blocks_lower_the_modelled_peak():
+@pytest.mark.parametrize("precision", ["bf16", "int8"])      # int8: the open1b preset's kernels on the shape backend
+def test_recomputed_blocks_lower_the_modelled_peak(precision):
     """The memory model with --recompute-blocks: the activations' share of the device peak falls
     to at most one block's cache plus every block's input (N x d fp32 each)."""
     import dataclasses
     from mlx_open1b.shape.run import measure
     c = micro_cfg(microbatch_seqs=8)
-    c = dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=64, n_layers=6))   # activations lead
+    c = dataclasses.replace(c, precision=precision,
+                            model=dataclasses.replace(c.model, vocab_size=64, n_layers=6))   # activations lead
     kept, again = measure(c, 1)[0][0], measure(c, 1, recompute_blocks=True)[0][0]
     assert again.peak["device"] < kept.peak["device"]
     N = c.train.microbatch_seqs * c.model.seq_len
