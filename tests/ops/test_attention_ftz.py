@@ -9,7 +9,9 @@ against the contract, bit for bit, in every emulated flush mode and under the ad
   it would not see), the same one exponent inside (the fused path, same bits), and fp32 x bf16 (or
   fp32) products of exponent sum 127 whose exact value lies just below 2^-126 and rounds up to it
   (where the hardware may keep 2^-126 and the contract flushes): in the forward's block product,
-  in dq's and dk/dv's dp, and in the dq, dk and dv sums.
+  in dq's and dk/dv's dp, and in the dq, dk and dv sums; the backward's scores (dq's and dk/dv's p,
+  recomputed under the same score guard) at both edges; and every edge again with its operand staged by
+  the block's last warp (a guard folded over fewer warps' keys than staged the tile fails there).
 Each attention case fails when its guard's bound is moved by one (checked by planting it)."""
 from __future__ import annotations
 
@@ -195,7 +197,9 @@ def cases():
 
 
 def backward_cases():
-    """(name, q, k, v, dout, o, lse) of one row and key (T = 1, D = 8), built around P_STAR x V_STAR."""
+    """(q, k, v, dout, o, lse, scale) by name, of one row and key (T = 1, D = 8): the products of
+    exponent sum 127 around P_STAR x V_STAR, and the scores of the forward's cases, whose p the
+    backward computes again from lse (an input: chosen here so that the score's bits reach p)."""
     D = 8
     z = [0.0] * D
     xs = float(x_star())
@@ -204,13 +208,25 @@ def backward_cases():
     # p = exp(sub(0, -x*)) = P_STAR, dp = 0, Di = -1: ds = P_STAR; dq = ds k, dk = ds q, dv = p dout each
     # meet P_STAR x V_STAR in column 0 (the score q k is tiny: +0)
     out["dq dk dv sums band"] = (bf(vs, *z[1:]), bf(vs, *z[1:]), bf(*z), np.array([vs, 1.0] + z[2:], np.float32),
-                                 np.array([0.0, -1.0] + z[2:], np.float32), np.float32(-xs))
+                                 np.array([0.0, -1.0] + z[2:], np.float32), np.float32(-xs), 1.0)
     # dp = dot(dout, v) = P_STAR V_STAR + 1 2^-110 (the first term tiny in the contract), p = 1, Di = 0:
     # ds = dp reaches dq[1] (k = e1) and dk[2] (q = e2); dk/dv's dp is the same sum (the exponent
     # sums: dout's least 126, v's 1)
     out["dp band"] = (bf(0.0, 0.0, 1.0, *z[3:]), bf(0.0, 1.0, *z[2:]), bf(vs, 2.0 ** -110, *z[2:]),
                       np.array([float(P_STAR), 1.0] + z[2:], np.float32), np.zeros(D, np.float32),
-                      np.float32(0.0))
+                      np.float32(0.0), 1.0)
+    # the score guard of dq's p and dk/dv's p (§6.1's, the row against the staged tile): the forward's
+    # score cases with lse = 0, v = dout = e1, o = 0 (Di = 0, dp = 1: ds = p reaches dq and dk, p
+    # reaches dv). Exponent sum 127: the score is 2^-126 in the contract, +0 in a fused step; the scale
+    # 2^120 makes that 2^-6 against 0, so p = exp(2^-6) against 1. Sum 381: p NaN against 0.
+    big = 1.5 * 2.0 ** 64
+    e1 = [1.0] + z[1:]
+    for name, qr, kr, scale in (("score lo 127", [2.0 ** -63, 2.0 ** -64], [2.0 ** -63, -(2.0 ** -63)], 2.0 ** 120),
+                                ("score lo 128", [2.0 ** -62, 2.0 ** -63], [2.0 ** -63, -(2.0 ** -63)], 2.0 ** 120),
+                                ("score hi 381", [-big, big], [big / 2, big / 2], 1.0),
+                                ("score hi 380", [-big / 2, big / 2], [big / 2, big / 2], 1.0)):
+        out[name] = (bf(*qr, *z[2:]), bf(*kr, *z[2:]), bf(*e1), np.array(e1, np.float32), np.zeros(D, np.float32),
+                     np.float32(0.0), scale)
     return out
 
 
@@ -256,17 +272,56 @@ def test_forward_guard_edges(mode):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_backward_guard_edges(mode):
     ops = _cuda()
-    for name, (q, k, v, dout, o, lse) in backward_cases().items():
+    for name, (q, k, v, dout, o, lse, scale) in backward_cases().items():
         q, k, v = (x.reshape(1, 1, 1, -1) for x in (q, k, v))
         dout, o = dout.reshape(1, 1, 1, -1), o.reshape(1, 1, 1, -1)
         lse = np.array(lse, np.float32).reshape(1, 1, 1)
         with MODES[mode]():
-            for got, want, what in zip(ops.attention_backward(dout, q, k, v, o, lse, 0, 1.0),
-                                       ref.attention_backward(dout, q, k, v, o, lse, 0, 1.0), ("dq", "dk", "dv")):
+            for got, want, what in zip(ops.attention_backward(dout, q, k, v, o, lse, 0, scale),
+                                       ref.attention_backward(dout, q, k, v, o, lse, 0, scale), ("dq", "dk", "dv")):
                 assert_bits_equal(got, want, f"{name} [{mode}] {what}")
     # the band products are flushed in the contract and visible where they are not
-    q, k, v, dout, o, lse = backward_cases()["dq dk dv sums band"]
+    q, k, v, dout, o, lse, _ = backward_cases()["dq dk dv sums band"]
     dq, dk, dv = ref.attention_backward(dout.reshape(1, 1, 1, -1), q.reshape(1, 1, 1, -1), k.reshape(1, 1, 1, -1),
                                         v.reshape(1, 1, 1, -1), o.reshape(1, 1, 1, -1),
                                         np.array(lse, np.float32).reshape(1, 1, 1), 0, 1.0)
     assert dq.reshape(-1)[0] == 0 and dk.reshape(-1)[0] == 0 and dv.reshape(-1)[0] == 0
+    # the scores reach p: a fused step's score (+0, -inf) would give p = 1 or 0 where the contract's
+    # gives exp(2^-6) and NaN (dv = p)
+    for name, want in (("score lo 127", lambda p: p != 1.0), ("score hi 381", np.isnan)):
+        q, k, v, dout, o, lse, scale = backward_cases()[name]
+        _, _, dv = ref.attention_backward(dout.reshape(1, 1, 1, -1), q.reshape(1, 1, 1, -1), k.reshape(1, 1, 1, -1),
+                                          v.reshape(1, 1, 1, -1), o.reshape(1, 1, 1, -1),
+                                          np.array(lse, np.float32).reshape(1, 1, 1), 0, scale)
+        assert want(dv.reshape(-1)[0]), (name, dv.reshape(-1)[0])
+
+
+# Rows of zeros put before a case so that its operands at a guard's edge are staged by the last warp of
+# the block (D = 8: key or query 28 is staged by threads 224..231, warp 3 of the forward's 4 as the
+# forward stages a sub-tile 128 elements at a time, warp 7 of the backward's 8). A window keeps each
+# shifted row's visible keys those of the case: 1 where the case reads its first row alone (whose only
+# key is its own), else 2 (a case's second row sees both its keys).
+SHIFT = 28
+FIRST_ROW_ONLY = ("score lo 127", "score lo 128")
+
+
+@pytest.mark.parametrize("mode", ["ftz1", "adversarial"])
+def test_guard_keys_of_every_warp(mode):
+    """The guards' keys are folded over every warp that staged the tile: the edge cases above again
+    with their edge operands staged by the block's last warp (a guard read from fewer warps' keys
+    takes the fast step there and gives other bits)."""
+    ops = _cuda()
+    for name, c in cases().items():
+        T, W = c["T"] + SHIFT, 1 if name in FIRST_ROW_ONLY else 2
+        q, k, v = (np.concatenate([np.zeros((SHIFT, 8), np.float32), np.array(c[x], np.float32)]) for x in "qkv")
+        q, k, v = (bf(*np.ravel(x)).reshape(1, T, 1, -1) for x in (q, k, v))
+        with MODES[mode]():
+            check_case(ops, q, k, v, W, 1.0, f"{name} shifted [{mode}]")
+    for name, case in backward_cases().items():
+        q, k, v, dout, o = (np.concatenate([np.zeros((SHIFT, 8), x.dtype), x.reshape(1, -1)])
+                            .reshape(1, SHIFT + 1, 1, -1) for x in case[:5])
+        lse = np.concatenate([np.zeros(SHIFT, np.float32), [case[5]]]).astype(np.float32).reshape(1, 1, -1)
+        with MODES[mode]():
+            for got, want, what in zip(ops.attention_backward(dout, q, k, v, o, lse, 1, case[6]),
+                                       ref.attention_backward(dout, q, k, v, o, lse, 1, case[6]), ("dq", "dk", "dv")):
+                assert_bits_equal(got, want, f"{name} shifted [{mode}] {what}")
