@@ -22,6 +22,7 @@
  * Where the machine has a hardware flush mode, whole rows run in vmath.c's attention rows instead
  * (the same sums in the same order, bare adds under FTZ/DAZ); a row in which a product rounds to
  * exactly 2^-126 comes back and is computed here. The arrays they read are padded for them.
+ * The int8 forward (§6.10) has its own row there, which also sends back a non-finite block.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -93,7 +94,7 @@ static void to_transposed(const float *hm, int64_t BN, int64_t T, int64_t D, flo
 typedef struct {
     int64_t T, H, G, D, W; float scale;
     const float *q, *kt, *v;   /* (B,H,T,D), (B,G,D,T) transposed, (B,G,T,D) head-major, widened (v unused with qv) */
-    const int8_t *qv;          /* NULL, or (B,G,T,D) quantized value rows (§6.10) */
+    const float *qv;           /* NULL, or (B,G,T,D) quantized value rows (§6.10), as floats (exact integers) */
     const float *sv;           /* with qv: (B,G,T) their step sizes */
     float *o, *lse;            /* (B,T,H,D), (B,H,T) */
     atomic_int failed;
@@ -101,7 +102,7 @@ typedef struct {
 
 /* §6.10's block product: pv[d] from the weights t[jj] = mul(p_j, s_v[j]) of n keys (their max
  * tmax, or nonfinite when one is NaN) and the keys' quantized value rows qv (n, D). */
-static void block_pv_i8(const float *t, int64_t n, float tmax, int nonfinite, const int8_t *qv, int64_t D,
+static void block_pv_i8(const float *t, int64_t n, float tmax, int nonfinite, const float *qv, int64_t D,
                         int8_t *qp, int32_t *iacc, float *pv) {
     float sp = o1b_div(tmax, 127.0f);
     if (nonfinite) {
@@ -116,7 +117,7 @@ static void block_pv_i8(const float *t, int64_t n, float tmax, int nonfinite, co
     for (int64_t jj = 0; jj < n; jj++) qp[jj] = o1b_level(o1b_mul(t[jj], inv));
     for (int64_t d = 0; d < D; d++) iacc[d] = 0;
     for (int64_t jj = 0; jj < n; jj++) {      /* exact integer sum: any order */
-        const int8_t *vj = qv + jj * D;
+        const float *vj = qv + jj * D;
         int32_t w = qp[jj];
         for (int64_t d = 0; d < D; d++) iacc[d] += w * (int32_t)vj[d];
     }
@@ -133,17 +134,19 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     int32_t *iacc = (int32_t *)(pv + D);
     float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
     const o1b_vkernels *vk = o1b_vkernels_now();
-    int fast = vk->attn_fwd_row && !a->qv;
+    int fast = a->qv ? vk->attn_fwd_row_i8 != NULL : vk->attn_fwd_row != NULL;
     o1b_fpmode mode = fast ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
     int8_t qp[O1B_ATTN_BK];
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         const float *q = a->q + r * D;
         const float *kt = a->kt + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
-        const int8_t *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
+        const float *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
         const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
-        if (fast && vk->attn_fwd_row(i, first_key(i, W), T, D, a->scale, q, kt, v, acc,
-                                     a->o + ((b * T + i) * H + h) * D, a->lse + r))
+        if (fast && (qv ? vk->attn_fwd_row_i8(i, first_key(i, W), T, D, a->scale, q, kt, qv, sv, acc,
+                                              a->o + ((b * T + i) * H + h) * D, a->lse + r)
+                        : vk->attn_fwd_row(i, first_key(i, W), T, D, a->scale, q, kt, v, acc,
+                                           a->o + ((b * T + i) * H + h) * D, a->lse + r)))
             continue;
         float m = -INFINITY, l = 0.0f;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
@@ -208,16 +211,17 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
 }
 
 /* ---- forward with the int8 P·V product (CONTRACT.md §6.10) ---- */
-typedef struct { const bf16 *v; int8_t *qv; float *sv; int64_t T, G, D; } vquant_args;
+typedef struct { const bf16 *v; float *qv; float *sv; int64_t T, G, D; } vquant_args;
 
-/* Value row (b, g, j) -> q_v (B,G,T,D) head-major int8 and s_v (B,G,T): §6.9's per-tensor rule. */
+/* Value row (b, g, j) -> q_v (B,G,T,D) head-major, its int8 levels held as floats (exact; the SIMD
+ * rows sum their products in fp32 lanes, see vmath.c), and s_v (B,G,T): §6.9's per-tensor rule. */
 static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
     const vquant_args *a = (const vquant_args *)ctx;
     const int64_t D = a->D;
     for (int64_t r = lo; r < hi; r++) {            /* r = (b*G + g)*T + j */
         int64_t j = r % a->T, g = (r / a->T) % a->G, b = r / (a->T * a->G);
         const bf16 *src = a->v + ((b * a->T + j) * a->G + g) * D;
-        int8_t *q = a->qv + r * D;
+        float *q = a->qv + r * D;
         float amax = 0.0f;
         int finite = 1;
         for (int64_t d = 0; d < D; d++) {
@@ -227,9 +231,9 @@ static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
         }
         float s = finite ? o1b_div(amax, 127.0f) : o1b_nan();
         a->sv[r] = s;
-        if (!finite || s == 0.0f) { for (int64_t d = 0; d < D; d++) q[d] = 0; continue; }
+        if (!finite || s == 0.0f) { for (int64_t d = 0; d < D; d++) q[d] = 0.0f; continue; }
         float inv = o1b_div(1.0f, s);
-        for (int64_t d = 0; d < D; d++) q[d] = o1b_level(o1b_mul(o1b_bf16_to_f32(src[d]), inv));
+        for (int64_t d = 0; d < D; d++) q[d] = (float)o1b_level(o1b_mul(o1b_bf16_to_f32(src[d]), inv));
     }
 }
 
@@ -239,10 +243,11 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
                                      float *o, float *lse) {
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
-    float *qh = malloc((nq + 2 * nk + (size_t)(B * G * T) + 1) * sizeof(float) + nk + 64);
+    /* the SIMD rows read up to O1B_VATTN_PAD floats past kt, qv and sv: each is followed by
+     * another or by zero padding */
+    float *qh = calloc(nq + 3 * nk + (size_t)(B * G * T) + O1B_VATTN_PAD, sizeof(float));
     if (!qh) return -1;
-    float *kh = qh + nq, *kt = kh + nk, *sv = kt + nk;
-    int8_t *qv = (int8_t *)(sv + B * G * T);
+    float *kh = qh + nq, *kt = kh + nk, *qv = kt + nk, *sv = qv + nk;
     to_head_major(q, NULL, B, T, H, D, qh);
     to_head_major(k, NULL, B, T, G, D, kh);
     to_transposed(kh, B * G, T, D, kt);

@@ -92,6 +92,11 @@ typedef struct {
                         const float *kj, const float *vj, const float *qt, const float *dout_t,
                         const float *q, const float *dout, const float *lse, const float *Di,
                         float *acc, float *dk, float *dv);
+    /* attn_fwd_row with CONTRACT.md §6.10's int8 block product: qv the quantized value rows as
+     * floats (exact integers), sv their step sizes; acc: D + O1B_VATTN_PAD floats */
+    int (*attn_fwd_row_i8)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, const float *q,
+                           const float *kt, const float *qv, const float *sv, float *acc, float *o,
+                           float *lse);
 } o1b_vkernels;
 #define O1B_VATTN_BK 64     /* attention.c's key block (a contract constant) */
 #define O1B_VATTN_PAD 64
