@@ -2,7 +2,8 @@
 against the contract, bit for bit, in every emulated flush mode and under the adversary:
 
 - o1b_exp_ftz, the exponential on hardware steps, equals the contract's o1b_exp for every input kind
-  (a dense sweep of the range, every binade, the thresholds of its branches, special values);
+  (a random sweep of the range, every input scaled by 2^-126, every binade, the thresholds of its
+  branches, special values);
 - PTX mul.rn.ftz / add.rn.ftz as emulated (metal/emu/hwfloat.h) against exact rational arithmetic;
 - the attention kernels at the edges of their guards, where the fast step would give other bits: a
   score whose exponent sum is 127 (a tiny product the fused step would keep) and 381 (an overflow
@@ -64,6 +65,12 @@ def exp_inputs():
         e = np.float32(edge).view(U32)
         near = (e + np.arange(-40, 41)).astype(U32).view(np.float32)
         xs += [near, -near]
+    # every input whose result is scaled by 2^-126 (n = -126): p * 2^-126 is tiny for p < 1, and would
+    # round up to 2^-126 on the subnormal grid for p = 1 - 2^-24 (never reached: the greatest p < 1 there
+    # is 1 - 52 2^-24)
+    ln2 = np.log(2.0)
+    xs.append(np.arange(np.float32(-125.5 * ln2).view(U32), np.float32(-126.5 * ln2).view(U32) + 1,
+                        dtype=U32).view(np.float32))              # negative: the bits grow with |x|
     xs = np.concatenate([np.asarray(x, np.float32) for x in xs]).astype(np.float32)
     xs = xs[(np.abs(xs) >= np.float32(MIN)) | (xs == 0)]
     specials = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
