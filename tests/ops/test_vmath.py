@@ -314,6 +314,34 @@ def test_attention_sums_through_the_flush():
             assert_bits_equal(a, b, f"attention d{what}, level {lv}")
 
 
+def test_attention_i8_zero_and_nonfinite_blocks():
+    # §6.10's special blocks on the SIMD rows: keys 64..127 have zero value rows, so that block's
+    # weight step is +0 (pv = +0) while its larger scores still rescale acc; batch 1 has an inf in
+    # value row 100, so every later query's second block is non-finite (the contract.h way).
+    from mlx_open1b.cpu_ref import attention as CA
+    from mlx_open1b.spec import attention as SA
+    B, T, H, G, D, W = 2, 150, 2, 1, 16, 0
+    rng = np.random.default_rng(17)
+    q = (rng.standard_normal((B, T, H, D)) * 2).astype(np.float32)
+    k = (rng.standard_normal((B, T, G, D)) * 2).astype(np.float32)
+    k[:, 64:128] = q[:, 64:128, :1] * 3            # the block's own scores rise: corr < 1
+    v = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    v[:, 64:128] = 0.0
+    v[1, 140, 0, 5] = np.inf
+    q, k, v = A.f32_to_bf16(q), A.f32_to_bf16(k), A.f32_to_bf16(v)
+    scale = float(np.float32(1 / np.sqrt(D)))
+    with scalar():
+        want = CA.attention_forward_i8(q, k, v, W, scale)
+    for a, b, what in zip(want, SA.attention_forward_i8(q, k, v, W, scale), ("o", "lse")):
+        assert_bits_equal(a, b, f"attention i8 {what}: scalar C vs spec")
+    assert np.isnan(want[0][1, 140:]).all() and not np.isnan(want[0][:, :140]).any()
+    for lv in LEVELS:
+        with level(lv):
+            got = CA.attention_forward_i8(q, k, v, W, scale)
+        for a, b, what in zip(got, want, ("o", "lse")):
+            assert_bits_equal(a, b, f"attention i8 {what}, level {lv}")
+
+
 def SA_dot(x, y):
     """sum_{d ascending} mul(x[d], y[d]) from +0, the contract's dot product."""
     acc = np.float32(0.0)
