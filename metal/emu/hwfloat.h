@@ -231,7 +231,9 @@ static inline float o1b_hw_fma_ftz(float a, float b, float c) {
 // result comes back as the zero of its sign, as the PTX ISA specifies for .ftz. For mul the ISA leaves
 // open, as for fma.rn.ftz, whether an exact product just below 2^-126 that rounds to 2^-126 is tiny:
 // kept where tininess is detected after rounding (O1B_HW_FTZ 0 or 1), the zero where before
-// (O1B_HW_FTZ 2), either per operation under the adversary. A tiny sum is exact, so add has no such
+// (O1B_HW_FTZ 2), either per operation under the adversary. "Rounds to 2^-126" is decided on the
+// subnormal grid, so a few products IEEE's after-rounding rule (24 bits, exponent unbounded) would
+// still call tiny are kept too: the harder case for a guard. A tiny sum is exact, so add has no such
 // case. The flush_unsigned fault returns +0 for every tiny result.
 static inline float o1b_hw_ftz_in(float x) {
     unsigned int u = o1b_hw_bits(x);
