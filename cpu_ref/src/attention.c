@@ -124,63 +124,83 @@ static void block_pv_i8(const float *t, int64_t n, float tmax, int nonfinite, co
     for (int64_t d = 0; d < D; d++) pv[d] = o1b_mul(o1b_i2f(iacc[d]), sp);
 }
 
+/* Query row r = (b*H + h)*T + i: the SIMD row when `fast` (and it succeeds), else contract.h.
+ * acc: D + O1B_VATTN_PAD floats, pv: D, iacc: D. */
+static void fwd_row(fwd_args *a, int64_t r, const o1b_vkernels *vk, int fast, float *acc, float *pv,
+                    int32_t *iacc) {
+    const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
+    float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
+    int8_t qp[O1B_ATTN_BK];
+    int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
+    const float *q = a->q + r * D;
+    const float *kt = a->kt + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
+    const float *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
+    const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
+    if (fast && (qv ? vk->attn_fwd_row_i8(i, first_key(i, W), T, D, a->scale, q, kt, qv, sv, acc,
+                                          a->o + ((b * T + i) * H + h) * D, a->lse + r)
+                    : vk->attn_fwd_row(i, first_key(i, W), T, D, a->scale, q, kt, v, acc,
+                                       a->o + ((b * T + i) * H + h) * D, a->lse + r)))
+        return;
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    int64_t jlo = first_key(i, W);
+    for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
+        int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
+        int64_t n = j1 - j0 + 1;
+        float mb = block_scores(vk, q, kt + j0, T, n, D, a->scale, s);
+        float m_new = o1b_max(m, mb);
+        float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
+        float ps = 0.0f, tmax = 0.0f;
+        int nonfinite = 0;
+        for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
+        vk->exp_sub(n, s, m_new, pb);                 /* s is flushed: load(s) = s */
+        for (int64_t jj = 0; jj < n; jj++) {
+            float p = pb[jj];
+            ps = o1b_add(ps, p);
+            if (qv) {
+                t[jj] = o1b_mul(p, sv[j0 + jj]);             /* >= +0 or NaN */
+                if (t[jj] != t[jj]) nonfinite = 1;
+                else tmax = o1b_max(tmax, t[jj]);
+            } else {
+                vk->axpy(D, p, v + (j0 + jj) * D, pv);
+            }
+        }
+        if (qv) block_pv_i8(t, n, tmax, nonfinite, qv + j0 * D, D, qp, iacc, pv);
+        l = o1b_add(o1b_mul(l, corr), ps);
+        for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pv[d]);
+        m = m_new;
+    }
+    float inv = o1b_div(1.0f, l);
+    float *o = a->o + ((b * T + i) * H + h) * D;
+    for (int64_t d = 0; d < D; d++) o[d] = o1b_store(o1b_mul(acc[d], inv));
+    a->lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
+}
+
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     fwd_args *a = (fwd_args *)ctx;
     const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
-    const size_t Dn = (size_t)(D > 0 ? D : 1);
-    float *acc = malloc((2 * Dn + O1B_VATTN_PAD) * sizeof(float) + Dn * sizeof(int32_t));
+    const size_t Dn = (size_t)(D > 0 ? D : 1), R = O1B_VATTN_ROWS;
+    float *acc = malloc(((R + 1) * (Dn + O1B_VATTN_PAD)) * sizeof(float) + Dn * sizeof(int32_t));
     if (!acc) { atomic_store(&a->failed, 1); return; }
-    float *pv = acc + D + O1B_VATTN_PAD;
-    int32_t *iacc = (int32_t *)(pv + D);
-    float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
+    float *pv = acc + R * (Dn + O1B_VATTN_PAD);
+    int32_t *iacc = (int32_t *)(pv + Dn + O1B_VATTN_PAD);
     const o1b_vkernels *vk = o1b_vkernels_now();
     int fast = a->qv ? vk->attn_fwd_row_i8 != NULL : vk->attn_fwd_row != NULL;
+    int rows = !a->qv && vk->attn_fwd_rows != NULL;
     o1b_fpmode mode = fast ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
-    int8_t qp[O1B_ATTN_BK];
-    for (int64_t r = lo; r < hi; r++) {           /* r = (b*H + h)*T + i, one query row */
+    for (int64_t r = lo; r < hi;) {               /* r = (b*H + h)*T + i, one query row */
+        if (!rows) { fwd_row(a, r, vk, fast, acc, pv, iacc); r++; continue; }
+        /* up to R rows of one head, interleaved; a row they leave goes the contract.h way */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
-        const float *q = a->q + r * D;
-        const float *kt = a->kt + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
-        const float *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
-        const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
-        if (fast && (qv ? vk->attn_fwd_row_i8(i, first_key(i, W), T, D, a->scale, q, kt, qv, sv, acc,
-                                              a->o + ((b * T + i) * H + h) * D, a->lse + r)
-                        : vk->attn_fwd_row(i, first_key(i, W), T, D, a->scale, q, kt, v, acc,
-                                           a->o + ((b * T + i) * H + h) * D, a->lse + r)))
-            continue;
-        float m = -INFINITY, l = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        int64_t jlo = first_key(i, W);
-        for (int64_t kb = jlo / O1B_ATTN_BK; kb <= i / O1B_ATTN_BK; kb++) {
-            int64_t j0 = imax(kb * O1B_ATTN_BK, jlo), j1 = imin(kb * O1B_ATTN_BK + O1B_ATTN_BK - 1, i);
-            int64_t n = j1 - j0 + 1;
-            float mb = block_scores(vk, q, kt + j0, T, n, D, a->scale, s);
-            float m_new = o1b_max(m, mb);
-            float corr = o1b_exp(o1b_sub(m, m_new));     /* exp(-inf) = 0 on the first block */
-            float ps = 0.0f, tmax = 0.0f;
-            int nonfinite = 0;
-            for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
-            vk->exp_sub(n, s, m_new, pb);                 /* s is flushed: load(s) = s */
-            for (int64_t jj = 0; jj < n; jj++) {
-                float p = pb[jj];
-                ps = o1b_add(ps, p);
-                if (qv) {
-                    t[jj] = o1b_mul(p, sv[j0 + jj]);             /* >= +0 or NaN */
-                    if (t[jj] != t[jj]) nonfinite = 1;
-                    else tmax = o1b_max(tmax, t[jj]);
-                } else {
-                    vk->axpy(D, p, v + (j0 + jj) * D, pv);
-                }
-            }
-            if (qv) block_pv_i8(t, n, tmax, nonfinite, qv + j0 * D, D, qp, iacc, pv);
-            l = o1b_add(o1b_mul(l, corr), ps);
-            for (int64_t d = 0; d < D; d++) acc[d] = o1b_add(o1b_mul(acc[d], corr), pv[d]);
-            m = m_new;
-        }
-        float inv = o1b_div(1.0f, l);
-        float *o = a->o + ((b * T + i) * H + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = o1b_store(o1b_mul(acc[d], inv));
-        a->lse[r] = o1b_store(o1b_add(m, o1b_log(l)));
+        int nr = (int)imin((int64_t)R, imin(hi - r, T - i));
+        int64_t jl[O1B_VATTN_ROWS];
+        for (int k = 0; k < nr; k++) jl[k] = first_key(i + k, W);
+        int done = vk->attn_fwd_rows(nr, i, jl, T, D, a->scale, a->q + r * D, a->kt + (b * a->G + g) * T * D,
+                                     a->v + (b * a->G + g) * T * D, acc, a->o + ((b * T + i) * H + h) * D,
+                                     H * D, a->lse + r);
+        for (int k = 0; k < nr; k++)
+            if (!(done >> k & 1)) fwd_row(a, r + k, vk, 0, acc, pv, iacc);
+        r += nr;
     }
     o1b_fpmode_restore(mode);
     free(acc);

@@ -384,12 +384,13 @@ static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, 
 }
 /* The attention rows need the hardware flush mode (x86 and arm64 have it). */
 #if defined(O1B_VM_X86) || defined(__aarch64__)
-#define O1B_ATTN_ROWS(s) attn_fwd_row_##s, attn_dq_row_##s, attn_dkv_row_##s, attn_fwd_row_i8_##s
+#define O1B_ATTN_ROWS(s) attn_fwd_row_##s, attn_dq_row_##s, attn_dkv_row_##s, attn_fwd_row_i8_##s, \
+                         attn_fwd_rows_##s
 #else
-#define O1B_ATTN_ROWS(s) NULL, NULL, NULL, NULL
+#define O1B_ATTN_ROWS(s) NULL, NULL, NULL, NULL, NULL
 #endif
 const o1b_vkernels *o1b_vkernels_now(void) {
-    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s, NULL, NULL, NULL, NULL};
+    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s, NULL, NULL, NULL, NULL, NULL};
     static const o1b_vkernels portable = {exp_sub_portable, axpy_portable, dots_t_portable,
                                           O1B_ATTN_ROWS(portable)};
 #if defined(O1B_VM_X86)
@@ -1235,6 +1236,126 @@ static O1B_TGT int FN(attn_fwd_row)(int64_t i, int64_t jlo, int64_t T, int64_t D
     if (FN(any)(rare)) return 0;
     *lse = o1b_store(o1b_add(m, o1b_log(l)));
     return 1;
+}
+
+/* attn_fwd_row for the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of one head
+ * (row r: keys [jlo[r], i + r], q at q + r D, o at o + r od, lse at lse + r), the rows interleaved
+ * so that their independent sums (the dots, ps, the d-sums over keys) overlap; each row's sums are
+ * attn_fwd_row's, in its order. acc: nr (D + O1B_VATTN_PAD) floats. Returns a bit mask of the rows
+ * done (a row with a product of exactly 2^-126 is left to the caller). */
+static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
+                                     float scale, const float *q, const float *kt, const float *v,
+                                     float *acc, float *o, int64_t od, float *lse) {
+    enum { R = O1B_VATTN_ROWS };
+    float pb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
+    vi rare[R];
+    vf scv = FN(splat)(scale);
+    float m[R], l[R];
+    const int64_t ld = D + O1B_VATTN_PAD;
+    for (int r = 0; r < R; r++) {
+        rare[r] = (vi){0};
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        if (r < nr) for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + r * ld + d, (vf){0});
+    }
+    int64_t ilast = i + nr - 1;
+    for (int64_t kb = jlo[0] / O1B_VATTN_BK; kb <= ilast / O1B_VATTN_BK; kb++) {
+        int64_t j0 = kb * O1B_VATTN_BK > jlo[0] ? kb * O1B_VATTN_BK : jlo[0];
+        int64_t j1 = kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 < ilast ? kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 : ilast;
+        int64_t nu = j1 - j0 + 1;                       /* the union of the rows' keys in the block */
+        int nv = (int)((nu + O1B_W - 1) / O1B_W);
+        int64_t lo[R], hi[R];                           /* row r's keys: lanes [lo, hi) of the union */
+        vf sv[R][NBV];
+        for (int r = 0; r < R; r++) {
+            int64_t a = kb * O1B_VATTN_BK > jlo[r] ? kb * O1B_VATTN_BK : jlo[r];
+            int64_t b = kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 < i + r ? kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 : i + r;
+            lo[r] = r < nr ? a - j0 : 0;
+            hi[r] = r < nr && b >= a ? b + 1 - j0 : lo[r];
+            for (int u = 0; u < NBV; u++) sv[r][u] = (vf){0};
+        }
+        for (int64_t d = 0; d < D; d++) {               /* dots: rows x key vectors, d ascending */
+            const float *row = kt + d * T + j0;
+            vf kv[NBV];
+            for (int u = 0; u < NBV; u++) if (u < nv) kv[u] = FN(load)(row + u * O1B_W);
+            for (int r = 0; r < R; r++) {
+                if (r >= nr) break;
+                vf xd = FN(splat)(q[r * D + d]);
+#pragma GCC unroll 16
+                for (int u = 0; u < NBV; u++) if (u < nv) sv[r][u] = sv[r][u] + xd * kv[u];
+            }
+        }
+        float corr[R];
+        for (int r = 0; r < R; r++) {
+            if (r >= nr || hi[r] == lo[r]) { corr[r] = 1.0f; continue; }
+            vf x[NBV], p[NBV];
+            vf mv = FN(splat)(-INFINITY);
+            for (int u = 0; u < nv; u++) {
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), rr = {0};
+                sv[r][u] = FN(mulz)(sv[r][u], scv, &rr);
+                rare[r] |= rr & valid;
+                vf y = FN(sel)(valid, sv[r][u], FN(splat)(-INFINITY));
+                mv = FN(sel)(y > mv, y, mv);
+                FN(put)(pb[r] + u * O1B_W, sv[r][u]);
+            }
+            float mb = -INFINITY;
+            for (int k = 0; k < O1B_W; k++) mb = o1b_max(mb, mv[k]);
+            if (mb == 0.0f) {                           /* a zero maximum: taken again in order */
+                mb = -INFINITY;
+                for (int64_t j = lo[r]; j < hi[r]; j++) mb = o1b_max(mb, pb[r][j]);
+            }
+            float m_new = o1b_max(m[r], mb);
+            corr[r] = o1b_exp(o1b_sub(m[r], m_new));
+            vf mnv = FN(splat)(m_new);
+            for (int u = 0; u < nv; u++) {
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                x[u] = FN(sel)(valid, FN(sub)(sv[r][u], mnv), (vf){0});
+            }
+            FN(exp_n)(nv, x, p, &rare[r]);
+            for (int u = 0; u < nv; u++) FN(put)(pb[r] + u * O1B_W, p[u]);
+            m[r] = m_new;
+        }
+        float ps[R];
+        for (int r = 0; r < R; r++) ps[r] = 0.0f;
+        for (int64_t j = 0; j < nu; j++)
+            for (int r = 0; r < R; r++)
+                if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
+        for (int r = 0; r < R; r++)
+            if (r < nr && hi[r] > lo[r]) l[r] = o1b_add(o1b_mul(l[r], corr[r]), ps[r]);
+        for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {  /* t[d] = sum_j p_j v_j, then the rescale */
+            vf a[R][2];
+            int nd = D - d0 > O1B_W ? 2 : 1;
+            for (int r = 0; r < R; r++) for (int t = 0; t < 2; t++) a[r][t] = (vf){0};
+            for (int64_t j = 0; j < nu; j++) {
+                const float *vr = v + (j0 + j) * D + d0;
+                vf v0 = FN(load)(vr), v1 = nd > 1 ? FN(load)(vr + O1B_W) : (vf){0};
+                for (int r = 0; r < R; r++) {
+                    if (r < nr && j >= lo[r] && j < hi[r]) {
+                        vf cj = FN(splat)(pb[r][j]);
+                        a[r][0] = a[r][0] + FN(mulz)(cj, v0, &rare[r]);
+                        if (nd > 1) a[r][1] = a[r][1] + FN(mulz)(cj, v1, &rare[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                if (r >= nr || hi[r] == lo[r]) continue;
+                vf cv = FN(splat)(corr[r]);
+                for (int t = 0; t < nd; t++) {
+                    float *ap = acc + r * ld + d0 + t * O1B_W;
+                    FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + a[r][t]);
+                }
+            }
+        }
+    }
+    int done = 0;
+    for (int r = 0; r < nr; r++) {
+        if (FN(any)(rare[r])) continue;
+        vi rr = {0};
+        FN(store_scaled)(D, acc + r * ld, o1b_div(1.0f, l[r]), o + r * od, &rr);
+        if (FN(any)(rr)) continue;
+        lse[r] = o1b_store(o1b_add(m[r], o1b_log(l[r])));
+        done |= 1 << r;
+    }
+    return done;
 }
 
 /* attn_fwd_row with §6.10's int8 block product. qv: the keys' quantized value rows (T, D) held as
