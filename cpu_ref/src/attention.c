@@ -186,7 +186,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     int32_t *iacc = (int32_t *)(pv + Dn + O1B_VATTN_PAD);
     const o1b_vkernels *vk = o1b_vkernels_now();
     int fast = a->qv ? vk->attn_fwd_row_i8 != NULL : vk->attn_fwd_row != NULL;
-    int rows = !a->qv && vk->attn_fwd_rows != NULL;
+    int rows = fast && vk->attn_fwd_rows != NULL;
     o1b_fpmode mode = fast ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
     for (int64_t r = lo; r < hi;) {               /* r = (b*H + h)*T + i, one query row */
         if (!rows) { fwd_row(a, r, vk, fast, acc, pv, iacc); r++; continue; }
@@ -196,8 +196,10 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         int64_t jl[O1B_VATTN_ROWS];
         for (int k = 0; k < nr; k++) jl[k] = first_key(i + k, W);
         int done = vk->attn_fwd_rows(nr, i, jl, T, D, a->scale, a->q + r * D, a->kt + (b * a->G + g) * T * D,
-                                     a->v + (b * a->G + g) * T * D, acc, a->o + ((b * T + i) * H + h) * D,
-                                     H * D, a->lse + r);
+                                     a->qv ? NULL : a->v + (b * a->G + g) * T * D,
+                                     a->qv ? a->qv + (b * a->G + g) * T * D : NULL,
+                                     a->qv ? a->sv + (b * a->G + g) * T : NULL,
+                                     acc, a->o + ((b * T + i) * H + h) * D, H * D, a->lse + r);
         for (int k = 0; k < nr; k++)
             if (!(done >> k & 1)) fwd_row(a, r + k, vk, 0, acc, pv, iacc);
         r += nr;

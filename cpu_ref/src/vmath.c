@@ -1241,13 +1241,16 @@ static O1B_TGT int FN(attn_fwd_row)(int64_t i, int64_t jlo, int64_t T, int64_t D
 /* attn_fwd_row for the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of one head
  * (row r: keys [jlo[r], i + r], q at q + r D, o at o + r od, lse at lse + r), the rows interleaved
  * so that their independent sums (the dots, ps, the d-sums over keys) overlap; each row's sums are
- * attn_fwd_row's, in its order. acc: nr (D + O1B_VATTN_PAD) floats. Returns a bit mask of the rows
- * done (a row with a product of exactly 2^-126 is left to the caller). */
+ * attn_fwd_row's, in its order. With qv set, the block products are attn_fwd_row_i8's (§6.10; v
+ * unused). acc: nr (D + O1B_VATTN_PAD) floats. Returns a bit mask of the rows done (a row with a
+ * product of exactly 2^-126, or with a non-finite int8 block, is left to the caller). */
 static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
                                      float scale, const float *q, const float *kt, const float *v,
-                                     float *acc, float *o, int64_t od, float *lse) {
+                                     const float *qv, const float *svr, float *acc, float *o,
+                                     int64_t od, float *lse) {
     enum { R = O1B_VATTN_ROWS };
     float pb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
+    float spr[R];
     vi rare[R];
     vf scv = FN(splat)(scale);
     float m[R], l[R];
@@ -1321,12 +1324,43 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
         for (int r = 0; r < R; r++)
             if (r < nr && hi[r] > lo[r]) l[r] = o1b_add(o1b_mul(l[r], corr[r]), ps[r]);
+        for (int r = 0; qv && r < nr; r++) {            /* §6.10: pb becomes q_p (floats), spr s_p */
+            if (hi[r] == lo[r]) continue;
+            vf x[NBV], tmv = (vf){0};
+            vi nan = {0};
+            for (int u = 0; u < nv; u++) {
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), rr = {0};
+                x[u] = FN(mulz)(FN(load)(pb[r] + u * O1B_W), FN(load)(svr + j0 + u * O1B_W), &rr);
+                rare[r] |= rr & valid;
+                nan |= valid & (x[u] != x[u]);
+                vf t = FN(sel)(valid, x[u], (vf){0});
+                tmv = FN(sel)(t > tmv, t, tmv);
+            }
+            if (FN(any)(nan)) rare[r] = FN(isplat)(-1);  /* non-finite block: the caller's way */
+            float tmax = 0.0f;
+            for (int k = 0; k < O1B_W; k++) tmax = tmv[k] > tmax ? tmv[k] : tmax;
+            spr[r] = FN(any)(nan) ? 0.0f : o1b_div(tmax, 127.0f);
+            if (spr[r] == 0.0f) {                        /* pv = +0: every q_p 0 (and s_p = +0) */
+                for (int u = 0; u < nv; u++) FN(put)(pb[r] + u * O1B_W, (vf){0});
+                continue;
+            }
+            vf invv = FN(splat)(o1b_div(1.0f, spr[r])), magic = FN(splat)(O1B_ROUND_MAGIC);
+            vf qmax = FN(splat)(127.0f);
+            for (int u = 0; u < nv; u++) {
+                vi rr = {0};
+                vf t = FN(mulz)(x[u], invv, &rr);
+                rare[r] |= rr & FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                t = FN(sel)(t >= qmax, qmax, t);
+                FN(put)(pb[r] + u * O1B_W, (t + magic) - magic);
+            }
+        }
+        const float *vsrc = qv ? qv : v;
         for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {  /* t[d] = sum_j p_j v_j, then the rescale */
             vf a[R][2];
             int nd = D - d0 > O1B_W ? 2 : 1;
             for (int r = 0; r < R; r++) for (int t = 0; t < 2; t++) a[r][t] = (vf){0};
             for (int64_t j = 0; j < nu; j++) {
-                const float *vr = v + (j0 + j) * D + d0;
+                const float *vr = vsrc + (j0 + j) * D + d0;
                 vf v0 = FN(load)(vr), v1 = nd > 1 ? FN(load)(vr + O1B_W) : (vf){0};
                 for (int r = 0; r < R; r++) {
                     if (r < nr && j >= lo[r] && j < hi[r]) {
@@ -1341,7 +1375,8 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 vf cv = FN(splat)(corr[r]);
                 for (int t = 0; t < nd; t++) {
                     float *ap = acc + r * ld + d0 + t * O1B_W;
-                    FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + a[r][t]);
+                    vf pvv = qv ? FN(mulz)(a[r][t], FN(splat)(spr[r]), &rare[r]) : a[r][t];
+                    FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + pvv);
                 }
             }
         }

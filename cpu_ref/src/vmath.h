@@ -97,11 +97,11 @@ typedef struct {
     int (*attn_fwd_row_i8)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, const float *q,
                            const float *kt, const float *qv, const float *sv, float *acc, float *o,
                            float *lse);
-    /* attn_fwd_row for nr <= O1B_VATTN_ROWS consecutive query rows of one head, interleaved (see
-     * vmath.c); returns the bit mask of the rows done */
+    /* attn_fwd_row (qv NULL) or attn_fwd_row_i8 for nr <= O1B_VATTN_ROWS consecutive query rows of
+     * one head, interleaved (see vmath.c); returns the bit mask of the rows done */
     int (*attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
-                         const float *q, const float *kt, const float *v, float *acc, float *o,
-                         int64_t od, float *lse);
+                         const float *q, const float *kt, const float *v, const float *qv,
+                         const float *sv, float *acc, float *o, int64_t od, float *lse);
 } o1b_vkernels;
 #define O1B_VATTN_BK 64     /* attention.c's key block (a contract constant) */
 #define O1B_VATTN_PAD 64
