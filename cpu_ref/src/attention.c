@@ -22,7 +22,8 @@
  * Where the machine has a hardware flush mode, whole rows run in vmath.c's attention rows instead
  * (the same sums in the same order, bare adds under FTZ/DAZ); a row in which a product rounds to
  * exactly 2^-126 comes back and is computed here. The arrays they read are padded for them.
- * The int8 forward (§6.10) has its own row there, which also sends back a non-finite block.
+ * The forward runs four query rows of a head at a time there (their sums interleaved), the int8
+ * forward (§6.10) too; a row with a non-finite int8 block also comes back.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -124,10 +125,8 @@ static void block_pv_i8(const float *t, int64_t n, float tmax, int nonfinite, co
     for (int64_t d = 0; d < D; d++) pv[d] = o1b_mul(o1b_i2f(iacc[d]), sp);
 }
 
-/* Query row r = (b*H + h)*T + i: the SIMD row when `fast` (and it succeeds), else contract.h.
- * acc: D + O1B_VATTN_PAD floats, pv: D, iacc: D. */
-static void fwd_row(fwd_args *a, int64_t r, const o1b_vkernels *vk, int fast, float *acc, float *pv,
-                    int32_t *iacc) {
+/* Query row r = (b*H + h)*T + i with contract.h (and vk's lane kernels). acc, pv, iacc: D each. */
+static void fwd_row(fwd_args *a, int64_t r, const o1b_vkernels *vk, float *acc, float *pv, int32_t *iacc) {
     const int64_t T = a->T, H = a->H, D = a->D, W = a->W, rep = a->H / a->G;
     float s[O1B_ATTN_BK], t[O1B_ATTN_BK], pb[O1B_ATTN_BK];
     int8_t qp[O1B_ATTN_BK];
@@ -136,11 +135,6 @@ static void fwd_row(fwd_args *a, int64_t r, const o1b_vkernels *vk, int fast, fl
     const float *kt = a->kt + (b * a->G + g) * T * D, *v = a->v + (b * a->G + g) * T * D;
     const float *qv = a->qv ? a->qv + (b * a->G + g) * T * D : NULL;
     const float *sv = a->qv ? a->sv + (b * a->G + g) * T : NULL;
-    if (fast && (qv ? vk->attn_fwd_row_i8(i, first_key(i, W), T, D, a->scale, q, kt, qv, sv, acc,
-                                          a->o + ((b * T + i) * H + h) * D, a->lse + r)
-                    : vk->attn_fwd_row(i, first_key(i, W), T, D, a->scale, q, kt, v, acc,
-                                       a->o + ((b * T + i) * H + h) * D, a->lse + r)))
-        return;
     float m = -INFINITY, l = 0.0f;
     for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
     int64_t jlo = first_key(i, W);
@@ -185,11 +179,10 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     float *pv = acc + R * (Dn + O1B_VATTN_PAD);
     int32_t *iacc = (int32_t *)(pv + Dn + O1B_VATTN_PAD);
     const o1b_vkernels *vk = o1b_vkernels_now();
-    int fast = a->qv ? vk->attn_fwd_row_i8 != NULL : vk->attn_fwd_row != NULL;
-    int rows = fast && vk->attn_fwd_rows != NULL;
-    o1b_fpmode mode = fast ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
+    int rows = vk->attn_fwd_rows != NULL;
+    o1b_fpmode mode = rows ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
     for (int64_t r = lo; r < hi;) {               /* r = (b*H + h)*T + i, one query row */
-        if (!rows) { fwd_row(a, r, vk, fast, acc, pv, iacc); r++; continue; }
+        if (!rows) { fwd_row(a, r, vk, acc, pv, iacc); r++; continue; }
         /* up to R rows of one head, interleaved; a row they leave goes the contract.h way */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
         int nr = (int)imin((int64_t)R, imin(hi - r, T - i));
@@ -201,7 +194,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
                                      a->qv ? a->sv + (b * a->G + g) * T : NULL,
                                      acc, a->o + ((b * T + i) * H + h) * D, H * D, a->lse + r);
         for (int k = 0; k < nr; k++)
-            if (!(done >> k & 1)) fwd_row(a, r + k, vk, 0, acc, pv, iacc);
+            if (!(done >> k & 1)) fwd_row(a, r + k, vk, acc, pv, iacc);
         r += nr;
     }
     o1b_fpmode_restore(mode);

@@ -384,13 +384,12 @@ static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, 
 }
 /* The attention rows need the hardware flush mode (x86 and arm64 have it). */
 #if defined(O1B_VM_X86) || defined(__aarch64__)
-#define O1B_ATTN_ROWS(s) attn_fwd_row_##s, attn_dq_row_##s, attn_dkv_row_##s, attn_fwd_row_i8_##s, \
-                         attn_fwd_rows_##s
+#define O1B_ATTN_ROWS(s) attn_fwd_rows_##s, attn_dq_row_##s, attn_dkv_row_##s
 #else
-#define O1B_ATTN_ROWS(s) NULL, NULL, NULL, NULL, NULL
+#define O1B_ATTN_ROWS(s) NULL, NULL, NULL
 #endif
 const o1b_vkernels *o1b_vkernels_now(void) {
-    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s, NULL, NULL, NULL, NULL, NULL};
+    static const o1b_vkernels scalar = {exp_sub_s, axpy_s, dots_t_s, NULL, NULL, NULL};
     static const o1b_vkernels portable = {exp_sub_portable, axpy_portable, dots_t_portable,
                                           O1B_ATTN_ROWS(portable)};
 #if defined(O1B_VM_X86)
@@ -1194,56 +1193,16 @@ AI void FN(store_scaled)(int64_t D, const float *acc, float s, float *out, vi *r
     }
 }
 
-/* attention.c's forward of query row i (keys [jlo, i], blocks of O1B_VATTN_BK at absolute key
- * indices); acc is scratch of D + O1B_VATTN_PAD floats. */
-static O1B_TGT int FN(attn_fwd_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale,
-                                    const float *q, const float *kt, const float *v, float *acc,
-                                    float *o, float *lse) {
-    float s[O1B_VATTN_BK] __attribute__((aligned(64))), pb[O1B_VATTN_BK] __attribute__((aligned(64)));
-    vi rare = {0};
-    vf scv = FN(splat)(scale);
-    float m = -INFINITY, l = 0.0f;
-    for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + d, (vf){0});
-    for (int64_t kb = jlo / O1B_VATTN_BK; kb <= i / O1B_VATTN_BK; kb++) {
-        int64_t j0 = kb * O1B_VATTN_BK > jlo ? kb * O1B_VATTN_BK : jlo;
-        int64_t j1 = kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 < i ? kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 : i;
-        int64_t n = j1 - j0 + 1;
-        int nv = (int)((n + O1B_W - 1) / O1B_W);
-        vf sv[NBV], x[NBV], p[NBV];
-        vi rr[NBV];
-        FN(dots_block)(nv, D, q, kt + j0, T, sv, 1, rr);
-        for (int u = 0; u < nv; u++) {
-            vi r = {0};
-            sv[u] = FN(mulz)(sv[u], scv, &r);
-            rare |= r & FN(below)(n - u * O1B_W);
-            FN(put)(s + u * O1B_W, sv[u]);
-        }
-        float m_new = o1b_max(m, FN(block_max)(nv, n, sv, s));
-        float corr = o1b_exp(o1b_sub(m, m_new));        /* exp(-inf) = 0 on the first block */
-        vf mv = FN(splat)(m_new);
-        for (int u = 0; u < nv; u++)
-            x[u] = FN(sel)(FN(below)(n - u * O1B_W), FN(sub)(sv[u], mv), (vf){0});
-        FN(exp_n)(nv, x, p, &rare);
-        for (int u = 0; u < nv; u++) FN(put)(pb + u * O1B_W, p[u]);
-        float ps = 0.0f;
-        for (int64_t j = 0; j < n; j++) ps = ps + pb[j];
-        l = o1b_add(o1b_mul(l, corr), ps);
-        FN(rows_axpy)(n, D, pb, v + j0 * D, D, &corr, acc, &rare);
-        m = m_new;
-    }
-    if (FN(any)(rare)) return 0;
-    FN(store_scaled)(D, acc, o1b_div(1.0f, l), o, &rare);
-    if (FN(any)(rare)) return 0;
-    *lse = o1b_store(o1b_add(m, o1b_log(l)));
-    return 1;
-}
-
-/* attn_fwd_row for the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of one head
- * (row r: keys [jlo[r], i + r], q at q + r D, o at o + r od, lse at lse + r), the rows interleaved
- * so that their independent sums (the dots, ps, the d-sums over keys) overlap; each row's sums are
- * attn_fwd_row's, in its order. With qv set, the block products are attn_fwd_row_i8's (§6.10; v
- * unused). acc: nr (D + O1B_VATTN_PAD) floats. Returns a bit mask of the rows done (a row with a
- * product of exactly 2^-126, or with a non-finite int8 block, is left to the caller). */
+/* attention.c's forward of the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of one
+ * head (row r: keys [jlo[r], i + r] in blocks of O1B_VATTN_BK at absolute key indices; q at q + r D,
+ * o at o + r od, lse at lse + r). The rows are interleaved so that their independent sums (the dots
+ * over shared key vectors, ps, the d-sums over keys) overlap; each row's sums are its own, in the
+ * written order. With qv set (§6.10; v unused): qv the keys' quantized value rows (T, D) held as
+ * floats (integers in [-127, 127]) and svr their step sizes (T); the block's int32 sum of q_p q_v
+ * runs in fp32 lanes: every product and partial sum is an integer below 64 * 127^2 < 2^24, so each
+ * is exact and the sum is the int32 one, and i2f of it is the float itself. acc: nr (D +
+ * O1B_VATTN_PAD) floats. Returns a bit mask of the rows done (a row with a product of exactly
+ * 2^-126, or with a non-finite int8 block, is left to the caller's contract.h path). */
 static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
                                      float scale, const float *q, const float *kt, const float *v,
                                      const float *qv, const float *svr, float *acc, float *o,
@@ -1391,103 +1350,6 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
         done |= 1 << r;
     }
     return done;
-}
-
-/* attn_fwd_row with §6.10's int8 block product. qv: the keys' quantized value rows (T, D) held as
- * floats (integers in [-127, 127]); sv: their step sizes (T). The block's int32 sum of q_p q_v is
- * computed in fp32 lanes: every product and partial sum is an integer below 64 * 127^2 < 2^24, so
- * each is exact and the sum is the int32 one in any order, and i2f of it is the float itself.
- * pv is scratch of D + O1B_VATTN_PAD floats. A block with a NaN weight t_j (non-finite) returns 0
- * (the caller's contract.h path writes its NaNs). */
-static O1B_TGT int FN(attn_fwd_row_i8)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale,
-                                       const float *q, const float *kt, const float *qv, const float *sv_row,
-                                       float *acc, float *o, float *lse) {
-    float s[O1B_VATTN_BK] __attribute__((aligned(64))), qp[O1B_VATTN_BK] __attribute__((aligned(64)));
-    vi rare = {0};
-    vf scv = FN(splat)(scale);
-    float m = -INFINITY, l = 0.0f;
-    for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + d, (vf){0});
-    for (int64_t kb = jlo / O1B_VATTN_BK; kb <= i / O1B_VATTN_BK; kb++) {
-        int64_t j0 = kb * O1B_VATTN_BK > jlo ? kb * O1B_VATTN_BK : jlo;
-        int64_t j1 = kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 < i ? kb * O1B_VATTN_BK + O1B_VATTN_BK - 1 : i;
-        int64_t n = j1 - j0 + 1;
-        int nv = (int)((n + O1B_W - 1) / O1B_W);
-        vf sv[NBV], x[NBV], p[NBV];
-        vi rr[NBV];
-        FN(dots_block)(nv, D, q, kt + j0, T, sv, 1, rr);
-        for (int u = 0; u < nv; u++) {
-            vi r = {0};
-            sv[u] = FN(mulz)(sv[u], scv, &r);
-            rare |= r & FN(below)(n - u * O1B_W);
-            FN(put)(s + u * O1B_W, sv[u]);
-        }
-        float m_new = o1b_max(m, FN(block_max)(nv, n, sv, s));
-        float corr = o1b_exp(o1b_sub(m, m_new));        /* exp(-inf) = 0 on the first block */
-        vf mv = FN(splat)(m_new);
-        for (int u = 0; u < nv; u++)
-            x[u] = FN(sel)(FN(below)(n - u * O1B_W), FN(sub)(sv[u], mv), (vf){0});
-        FN(exp_n)(nv, x, p, &rare);
-        float ps = 0.0f;
-        for (int u = 0; u < nv; u++) FN(put)(s + u * O1B_W, p[u]);
-        for (int64_t j = 0; j < n; j++) ps = ps + s[j];
-        l = o1b_add(o1b_mul(l, corr), ps);
-        /* t_j = mul(p_j, s_v[j]) >= +0 or NaN; their max, exact in any order (from +0: all are +0 or more) */
-        vf tmv = (vf){0};
-        vi nan = {0};
-        for (int u = 0; u < nv; u++) {
-            vi valid = FN(below)(n - u * O1B_W), r = {0};
-            x[u] = FN(mulz)(p[u], FN(load)(sv_row + j0 + u * O1B_W), &r);
-            rare |= r & valid;
-            nan |= valid & (x[u] != x[u]);
-            vf t = FN(sel)(valid, x[u], (vf){0});
-            tmv = FN(sel)(t > tmv, t, tmv);
-        }
-        if (FN(any)(nan)) return 0;
-        float tmax = 0.0f;
-        for (int l2 = 0; l2 < O1B_W; l2++) tmax = tmv[l2] > tmax ? tmv[l2] : tmax;
-        float sp = o1b_div(tmax, 127.0f);
-        vf corrv = FN(splat)(corr);
-        if (sp == 0.0f) {                                 /* pv = +0: acc = add(mul(acc, corr), +0) */
-            for (int64_t d = 0; d < D; d += O1B_W)
-                FN(put)(acc + d, FN(mulz)(FN(load)(acc + d), corrv, &rare) + (vf){0});
-            m = m_new;
-            continue;
-        }
-        /* q_p[j] = level(mul(t_j, inv)), t_j >= 0: min(u, 127) rounded to an integer, ties to even */
-        vf invv = FN(splat)(o1b_div(1.0f, sp)), magic = FN(splat)(O1B_ROUND_MAGIC), qmax = FN(splat)(127.0f);
-        for (int u = 0; u < nv; u++) {
-            vi r = {0};
-            vf t = FN(mulz)(x[u], invv, &r);
-            rare |= r & FN(below)(n - u * O1B_W);
-            t = FN(sel)(t >= qmax, qmax, t);
-            FN(put)(qp + u * O1B_W, (t + magic) - magic);
-        }
-        vf spv = FN(splat)(sp);
-        for (int64_t d0 = 0; d0 < D; d0 += 4 * O1B_W) {
-            vf a[4];
-            int nd = (int)((D - d0 + O1B_W - 1) / O1B_W);
-            if (nd > 4) nd = 4;
-            for (int t = 0; t < 4; t++) a[t] = (vf){0};
-            for (int64_t j = 0; j < n; j++) {
-                vf cj = FN(splat)(qp[j]);
-                const float *r = qv + (j0 + j) * D + d0;
-                for (int t = 0; t < 4; t++)
-                    if (t < nd) a[t] = a[t] + cj * FN(load)(r + t * O1B_W);
-            }
-            for (int t = 0; t < 4; t++)
-                if (t < nd) {
-                    vf pvv = FN(mulz)(a[t], spv, &rare);
-                    FN(put)(acc + d0 + t * O1B_W,
-                            FN(mulz)(FN(load)(acc + d0 + t * O1B_W), corrv, &rare) + pvv);
-                }
-        }
-        m = m_new;
-    }
-    if (FN(any)(rare)) return 0;
-    FN(store_scaled)(D, acc, o1b_div(1.0f, l), o, &rare);
-    if (FN(any)(rare)) return 0;
-    *lse = o1b_store(o1b_add(m, o1b_log(l)));
-    return 1;
 }
 
 /* p and ds of a block of pairs on lanes, from the scores' dots sv (exact products) and dout v's

@@ -81,10 +81,13 @@ typedef struct {
     void (*dots_t)(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out);
     /* attention.c's rows, NULL where there is no hardware flush mode or with vmath off. Each
      * requires the caller to have set o1b_fpmode_ftz, reads its arrays up to O1B_VATTN_PAD floats
-     * past the last one it uses (allocate them so), and returns 0 when the row must be computed
-     * with contract.h instead (a product of exactly 2^-126; see vmath.c). */
-    int (*attn_fwd_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, const float *q,
-                        const float *kt, const float *v, float *acc, float *o, float *lse);
+     * past the last one it uses (allocate them so), and leaves a row to be computed with
+     * contract.h (returns 0, or its bit unset) on a product of exactly 2^-126 (see vmath.c).
+     * attn_fwd_rows: the forward of nr <= O1B_VATTN_ROWS consecutive query rows of one head,
+     * interleaved, with §6.6's block product (v) or §6.10's (qv, sv); a bit mask of the rows done. */
+    int (*attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
+                         const float *q, const float *kt, const float *v, const float *qv,
+                         const float *sv, float *acc, float *o, int64_t od, float *lse);
     int (*attn_dq_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, float lse, float Di,
                        const float *q, const float *dout, const float *kt, const float *vt,
                        const float *k, float *acc, float *dq);
@@ -92,16 +95,6 @@ typedef struct {
                         const float *kj, const float *vj, const float *qt, const float *dout_t,
                         const float *q, const float *dout, const float *lse, const float *Di,
                         float *acc, float *dk, float *dv);
-    /* attn_fwd_row with CONTRACT.md §6.10's int8 block product: qv the quantized value rows as
-     * floats (exact integers), sv their step sizes; acc: D + O1B_VATTN_PAD floats */
-    int (*attn_fwd_row_i8)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, const float *q,
-                           const float *kt, const float *qv, const float *sv, float *acc, float *o,
-                           float *lse);
-    /* attn_fwd_row (qv NULL) or attn_fwd_row_i8 for nr <= O1B_VATTN_ROWS consecutive query rows of
-     * one head, interleaved (see vmath.c); returns the bit mask of the rows done */
-    int (*attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
-                         const float *q, const float *kt, const float *v, const float *qv,
-                         const float *sv, float *acc, float *o, int64_t od, float *lse);
 } o1b_vkernels;
 #define O1B_VATTN_BK 64     /* attention.c's key block (a contract constant) */
 #define O1B_VATTN_PAD 64
