@@ -308,37 +308,52 @@ static void di_range(void *ctx, int64_t lo, int64_t hi) {
 
 /* Pass 1, one query row per item r = (b*H + h)*T + i:
  *   dq_i = scale * sum_{visible j ascending} ds_ij k_j */
+static void dq_row(bwd_args *a, int64_t r, const o1b_vkernels *vk, float *acc) {
+    const int64_t T = a->T, H = a->H, D = a->D, rep = a->H / a->G;
+    float s[CHUNK], dp[CHUNK], pb[CHUNK];
+    int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
+    const float *q = a->q + r * D, *dout = a->dout + r * D;
+    const float *k = a->k + (b * a->G + g) * T * D;
+    const float *kt = a->kt + (b * a->G + g) * T * D, *vt = a->vt + (b * a->G + g) * T * D;
+    float lse = o1b_load(a->lse[r]), Di = a->Di[r];
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t j0 = first_key(i, a->W); j0 <= i; j0 += CHUNK) {
+        int64_t n = imin(CHUNK, i + 1 - j0);
+        vk->dots_t(n, D, q, kt + j0, T, s);
+        vk->dots_t(n, D, dout, vt + j0, T, dp);
+        for (int64_t c = 0; c < n; c++) s[c] = o1b_mul(s[c], a->scale);
+        vk->exp_sub(n, s, lse, pb);                   /* p = exp(s*scale - lse) */
+        for (int64_t c = 0; c < n; c++) {             /* j = j0 + c ascending */
+            float ds = o1b_mul(pb[c], o1b_sub(dp[c], Di));
+            vk->axpy(D, ds, k + (j0 + c) * D, acc);
+        }
+    }
+    float *dq = a->dq + ((b * T + i) * H + h) * D;
+    for (int64_t d = 0; d < D; d++) dq[d] = o1b_store(o1b_mul(acc[d], a->scale));
+}
+
 static void dq_range(void *ctx, int64_t lo, int64_t hi) {
     bwd_args *a = (bwd_args *)ctx;
     const int64_t T = a->T, H = a->H, D = a->D, rep = a->H / a->G;
-    float *acc = malloc((size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
+    const size_t R = O1B_VATTN_ROWS;
+    float *acc = malloc(R * (size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
     if (!acc) { atomic_store(&a->failed, 1); return; }
-    float s[CHUNK], dp[CHUNK], pb[CHUNK];
     const o1b_vkernels *vk = o1b_vkernels_now();
-    o1b_fpmode mode = vk->attn_dq_row ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
-    for (int64_t r = lo; r < hi; r++) {
+    o1b_fpmode mode = vk->attn_dq_rows ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
+    for (int64_t r = lo; r < hi;) {               /* r = (b*H + h)*T + i, one query row */
+        if (!vk->attn_dq_rows) { dq_row(a, r, vk, acc); r++; continue; }
+        /* up to R rows of one head, interleaved; a row they leave goes the contract.h way */
         int64_t i = r % T, h = (r / T) % H, b = r / (T * H), g = h / rep;
-        const float *q = a->q + r * D, *dout = a->dout + r * D;
-        const float *k = a->k + (b * a->G + g) * T * D;
-        const float *kt = a->kt + (b * a->G + g) * T * D, *vt = a->vt + (b * a->G + g) * T * D;
-        float lse = o1b_load(a->lse[r]), Di = a->Di[r];
-        if (vk->attn_dq_row && vk->attn_dq_row(i, first_key(i, a->W), T, D, a->scale, lse, Di, q, dout,
-                                               kt, vt, k, acc, a->dq + ((b * T + i) * H + h) * D))
-            continue;
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int64_t j0 = first_key(i, a->W); j0 <= i; j0 += CHUNK) {
-            int64_t n = imin(CHUNK, i + 1 - j0);
-            vk->dots_t(n, D, q, kt + j0, T, s);
-            vk->dots_t(n, D, dout, vt + j0, T, dp);
-            for (int64_t c = 0; c < n; c++) s[c] = o1b_mul(s[c], a->scale);
-            vk->exp_sub(n, s, lse, pb);                   /* p = exp(s*scale - lse) */
-            for (int64_t c = 0; c < n; c++) {             /* j = j0 + c ascending */
-                float ds = o1b_mul(pb[c], o1b_sub(dp[c], Di));
-                vk->axpy(D, ds, k + (j0 + c) * D, acc);
-            }
-        }
-        float *dq = a->dq + ((b * T + i) * H + h) * D;
-        for (int64_t d = 0; d < D; d++) dq[d] = o1b_store(o1b_mul(acc[d], a->scale));
+        int nr = (int)imin((int64_t)R, imin(hi - r, T - i));
+        int64_t jl[O1B_VATTN_ROWS];
+        for (int k = 0; k < nr; k++) jl[k] = first_key(i + k, a->W);
+        int64_t kv = (b * a->G + g) * T * D;
+        int done = vk->attn_dq_rows(nr, i, jl, T, D, a->scale, a->lse_p + r, a->Di + r, a->q + r * D,
+                                    a->dout + r * D, a->kt + kv, a->vt + kv, a->k + kv, acc,
+                                    a->dq + ((b * T + i) * H + h) * D, H * D);
+        for (int k = 0; k < nr; k++)
+            if (!(done >> k & 1)) dq_row(a, r + k, vk, acc);
+        r += nr;
     }
     o1b_fpmode_restore(mode);
     free(acc);

@@ -384,7 +384,7 @@ static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, 
 }
 /* The attention rows need the hardware flush mode (x86 and arm64 have it). */
 #if defined(O1B_VM_X86) || defined(__aarch64__)
-#define O1B_ATTN_ROWS(s) attn_fwd_rows_##s, attn_dq_row_##s, attn_dkv_row_##s
+#define O1B_ATTN_ROWS(s) attn_fwd_rows_##s, attn_dq_rows_##s, attn_dkv_row_##s
 #else
 #define O1B_ATTN_ROWS(s) NULL, NULL, NULL
 #endif
@@ -1373,29 +1373,97 @@ AI void FN(p_ds_block)(int nv, int64_t n, const vf *sv, const vf *dp, const vi *
     }
 }
 
-/* attention.c's pass 1 for query row i (keys [jlo, i] in chunks of O1B_VATTN_BK): dq. */
-static O1B_TGT int FN(attn_dq_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale,
-                                   float lse, float Di, const float *q, const float *dout,
-                                   const float *kt, const float *vt, const float *k, float *acc,
-                                   float *dq) {
-    float pb[O1B_VATTN_BK] __attribute__((aligned(64))), dsb[O1B_VATTN_BK] __attribute__((aligned(64)));
-    vi rare = {0};
-    vf scv = FN(splat)(scale), lsev[NBV], Div[NBV];
-    for (int u = 0; u < NBV; u++) { lsev[u] = FN(splat)(lse); Div[u] = FN(splat)(Di); }
-    for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + d, (vf){0});
-    for (int64_t j0 = jlo; j0 <= i; j0 += O1B_VATTN_BK) {
-        int64_t n = i + 1 - j0 < O1B_VATTN_BK ? i + 1 - j0 : O1B_VATTN_BK;
-        int nv = (int)((n + O1B_W - 1) / O1B_W);
-        vf sv[NBV], dp[NBV];
-        vi rs[NBV], rr[NBV];
-        FN(dots_block)(nv, D, q, kt + j0, T, sv, 1, rs);
-        FN(dots_block)(nv, D, dout, vt + j0, T, dp, 0, rr);
-        FN(p_ds_block)(nv, n, sv, dp, rr, scv, lsev, Div, pb, dsb, &rare);
-        FN(rows_axpy)(n, D, dsb, k + j0 * D, D, NULL, acc, &rare);
+/* attention.c's pass 1 (dq) for the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of
+ * one head (row r: keys [jlo[r], i + r] in chunks of O1B_VATTN_BK; q, dout at + r D; lse, Di at
+ * [r]; dq at dq + r od), interleaved like attn_fwd_rows; each row's sum over keys is its own, in
+ * ascending order (the chunks enter no sum).
+ * acc: nr (D + O1B_VATTN_PAD) floats. Returns the bit mask of the rows done. */
+static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
+                                    float scale, const float *lse, const float *Di, const float *q,
+                                    const float *dout, const float *kt, const float *vt, const float *k,
+                                    float *acc, float *dq, int64_t od) {
+    enum { R = O1B_VATTN_ROWS };
+    float dsb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
+    vi rare[R];
+    vf scv = FN(splat)(scale);
+    const int64_t ld = D + O1B_VATTN_PAD, ilast = i + nr - 1;
+    for (int r = 0; r < R; r++) {
+        rare[r] = (vi){0};
+        if (r < nr) for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + r * ld + d, (vf){0});
     }
-    if (FN(any)(rare)) return 0;
-    FN(store_scaled)(D, acc, scale, dq, &rare);
-    return !FN(any)(rare);
+    for (int64_t j0 = jlo[0]; j0 <= ilast; j0 += O1B_VATTN_BK) {
+        int64_t nu = ilast + 1 - j0 < O1B_VATTN_BK ? ilast + 1 - j0 : O1B_VATTN_BK;
+        int nv = (int)((nu + O1B_W - 1) / O1B_W);
+        int64_t lo[R], hi[R];                           /* row r's keys: lanes [lo, hi) of the chunk */
+        vf sv[R][NBV], dp[R][NBV];
+        vi rr[R][NBV];
+        for (int r = 0; r < R; r++) {
+            int64_t a = jlo[r] > j0 ? jlo[r] - j0 : 0, b = i + r + 1 - j0 < nu ? i + r + 1 - j0 : nu;
+            lo[r] = r < nr ? a : 0;
+            hi[r] = r < nr && b > a ? b : lo[r];
+            for (int u = 0; u < NBV; u++) { sv[r][u] = (vf){0}; dp[r][u] = (vf){0}; rr[r][u] = (vi){0}; }
+        }
+        for (int64_t d = 0; d < D; d++) {               /* both dots: rows x key vectors, d ascending */
+            vf kv[NBV], vv[NBV];
+            for (int u = 0; u < NBV; u++)
+                if (u < nv) { kv[u] = FN(load)(kt + d * T + j0 + u * O1B_W); vv[u] = FN(load)(vt + d * T + j0 + u * O1B_W); }
+            for (int r = 0; r < R; r++) {
+                if (r >= nr) break;
+                vf xd = FN(splat)(q[r * D + d]), gd = FN(splat)(dout[r * D + d]);
+#pragma GCC unroll 16
+                for (int u = 0; u < NBV; u++)
+                    if (u < nv) {
+                        sv[r][u] = sv[r][u] + xd * kv[u];
+                        dp[r][u] = dp[r][u] + FN(mulz)(gd, vv[u], &rr[r][u]);
+                    }
+            }
+        }
+        for (int r = 0; r < nr; r++) {                   /* p and ds on lanes (p_ds_block's) */
+            if (hi[r] == lo[r]) continue;
+            vf x[NBV], p[NBV], lsev = FN(splat)(lse[r]), Div = FN(splat)(Di[r]);
+            for (int u = 0; u < nv; u++) {
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = rr[r][u];
+                x[u] = FN(sel)(valid, FN(sub)(FN(mulz)(sv[r][u], scv, &m), lsev), (vf){0});
+                rare[r] |= m & valid;
+            }
+            FN(exp_n)(nv, x, p, &rare[r]);
+            for (int u = 0; u < nv; u++) {
+                vi m = {0};
+                vf ds = FN(mulz)(p[u], FN(sub)(dp[r][u], Div), &m);
+                rare[r] |= m & FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                FN(put)(dsb[r] + u * O1B_W, ds);
+            }
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {  /* acc += sum_j ds_j k_j, j ascending */
+            vf a[R][2];
+            int nd = D - d0 > O1B_W ? 2 : 1;
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < 2; t++)
+                    if (r < nr && t < nd) a[r][t] = FN(load)(acc + r * ld + d0 + t * O1B_W);
+            for (int64_t j = 0; j < nu; j++) {
+                const float *kr = k + (j0 + j) * D + d0;
+                vf k0 = FN(load)(kr), k1 = nd > 1 ? FN(load)(kr + O1B_W) : (vf){0};
+                for (int r = 0; r < R; r++) {
+                    if (r < nr && j >= lo[r] && j < hi[r]) {
+                        vf cj = FN(splat)(dsb[r][j]);
+                        a[r][0] = a[r][0] + FN(mulz)(cj, k0, &rare[r]);
+                        if (nd > 1) a[r][1] = a[r][1] + FN(mulz)(cj, k1, &rare[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < 2; t++)
+                    if (r < nr && t < nd) FN(put)(acc + r * ld + d0 + t * O1B_W, a[r][t]);
+        }
+    }
+    int done = 0;
+    for (int r = 0; r < nr; r++) {
+        if (FN(any)(rare[r])) continue;
+        vi m = {0};
+        FN(store_scaled)(D, acc + r * ld, scale, dq + r * od, &m);
+        if (!FN(any)(m)) done |= 1 << r;
+    }
+    return done;
 }
 
 /* attention.c's pass 2 for key row j of a kv head: the rep query heads h of its group in order,

@@ -88,9 +88,12 @@ typedef struct {
     int (*attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
                          const float *q, const float *kt, const float *v, const float *qv,
                          const float *sv, float *acc, float *o, int64_t od, float *lse);
-    int (*attn_dq_row)(int64_t i, int64_t jlo, int64_t T, int64_t D, float scale, float lse, float Di,
-                       const float *q, const float *dout, const float *kt, const float *vt,
-                       const float *k, float *acc, float *dq);
+    /* attn_dq_rows: pass 1 (dq) of nr <= O1B_VATTN_ROWS consecutive query rows of one head,
+     * interleaved; a bit mask of the rows done */
+    int (*attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
+                        const float *lse, const float *Di, const float *q, const float *dout,
+                        const float *kt, const float *vt, const float *k, float *acc, float *dq,
+                        int64_t od);
     int (*attn_dkv_row)(int64_t j, int64_t ilast, int64_t T, int64_t D, int64_t rep, float scale,
                         const float *kj, const float *vj, const float *qt, const float *dout_t,
                         const float *q, const float *dout, const float *lse, const float *Di,
