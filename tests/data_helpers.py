@@ -7,6 +7,8 @@ from mlx_open1b.data.format import Manifest, ShardInfo, SourceInfo, write_shard
 from mlx_open1b.fsutil import sha256_file
 
 EOT = 0
+# the small two-source corpus most training tests run on (make_corpus spec: {name: (share, n_docs, mean_len)})
+MICRO_MIX = {"web": (0.6, 30, 20), "code": (0.4, 12, 40)}
 
 
 def make_corpus(root, spec: dict, shard_docs: int = 5, seed: int = 0, heldout_docs: int = 2) -> Manifest:

@@ -12,7 +12,7 @@ from mlx_open1b.audit import AttestError, audit, certify, make_plan, report, sea
 from mlx_open1b.cli.main import cli
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 STEPS = 12
@@ -23,7 +23,7 @@ def runs(tmp_path_factory):
     """run: 12 steps; longer: the same run continued to 14 steps (same genesis, longer ledger);
     other: another seed (another genesis)."""
     root = tmp_path_factory.mktemp("attest")
-    make_corpus(root / "corpus", {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(root / "corpus", MICRO_MIX)
     quiet = dict(log=lambda m: None)
     Trainer(root / "run", micro_cfg(), root / "corpus", **quiet).train(STEPS)
     shutil.copytree(root / "run", root / "longer")

@@ -22,7 +22,7 @@ from mlx_open1b.ledger import canonical, canonical_dumps, read_records, record_h
 from mlx_open1b.step import gnmr_hash, opt_hash, param_hash
 from mlx_open1b.train import TrainError, Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import forge_records, gnmr_cfg, micro_cfg
 
 STEPS = 8      # checkpoints every 2 steps: ckpt-s holds the state after ledger step s - 1
@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
     """plain: 8 steps with clipped, skipped and spiking steps, 2 then 3 microbatches, evals after
     steps 3 and 7; gnmr: 6 steps of an int8 run whose controller acts."""
     root = tmp_path_factory.mktemp("audit_replay")
-    make_corpus(root / "corpus", {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(root / "corpus", MICRO_MIX)
     quiet = dict(log=lambda m: None)
     Trainer(root / "plain", micro_cfg(spike_threshold=4.3, spike_skip=1), root / "corpus", **quiet).train(STEPS)
     Trainer(root / "gnmr", gnmr_cfg(), root / "corpus", **quiet).train(6)

@@ -15,7 +15,7 @@ from mlx_open1b.cli.main import cli
 from mlx_open1b.data.format import read_shard, write_shard
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_fuzzed_readers_raise_only_their_own_errors():
 def _run(tmp_path, name, seed=7, steps=4):
     corpus = tmp_path / "corpus"
     if not corpus.exists():
-        make_corpus(corpus, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+        make_corpus(corpus, MICRO_MIX)
     run = tmp_path / name
     tr = Trainer.new(run, micro_cfg(seed=seed), corpus, log=lambda m: None)
     tr.train(steps)

@@ -18,7 +18,7 @@ from mlx_open1b.cli.main import cli
 from mlx_open1b.data.format import Manifest
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 
@@ -128,7 +128,7 @@ def env(tmp_path_factory):
     for i in range(8):
         (texts / f"{i}.txt").write_text(f"the document number {i} says " + "words and numbers 12 " * (30 + i))
     micro = tmp / "micro"
-    make_corpus(micro, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(micro, MICRO_MIX)
     run = tmp / "run"
     env = {"tmp": str(tmp), "texts": str(texts), "micro": str(micro), "run": str(run),
            "corpus": str(tmp / "corpus"), "attestation": str(tmp / "attestation.json"),

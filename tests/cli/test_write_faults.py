@@ -19,7 +19,7 @@ from mlx_open1b.cli.main import cli
 from mlx_open1b.rundir import RunDir
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ QUIET = dict(log=lambda m: None)
 @pytest.fixture()
 def corpus(tmp_path):
     d = tmp_path / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 

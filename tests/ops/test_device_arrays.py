@@ -172,10 +172,10 @@ def test_trainer_state_stays_on_the_device(tmp_path):
     """A metal run keeps params and moments as mx.arrays between steps, writes the cpu_ref run's
     ledger and checkpoints byte for byte, and resumes from them."""
     from runs import micro_cfg
-    from data_helpers import make_corpus
+    from data_helpers import MICRO_MIX, make_corpus
     from mlx_open1b.train import Trainer
     corpus = tmp_path / "corpus"
-    make_corpus(corpus, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(corpus, MICRO_MIX)
     cfg = micro_cfg(spike_threshold=0.5)        # spikes, skips and clipping all happen
     Trainer(tmp_path / "ref", cfg, corpus).train(4)
     tr = Trainer(tmp_path / "mx", cfg, corpus, backend="metal")

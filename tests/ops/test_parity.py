@@ -381,9 +381,9 @@ WHOLE_RUN = {"ci": (_micro_run(5, ((0, 7),), 2, 2.05), (2,)),
 
 @pytest.fixture(scope="module")
 def micro_corpus(tmp_path_factory):
-    from data_helpers import make_corpus
+    from data_helpers import MICRO_MIX, make_corpus
     d = tmp_path_factory.mktemp("whole_run") / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 

@@ -24,7 +24,7 @@ from mlx_open1b.report import ReportError, Plot, figures, load_run_data, mpl, re
 from mlx_open1b.report.axes import thin, tick_label
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 FIGURES = ["fig-loss", "fig-gradnorm", "fig-gradhist", "fig-lr", "fig-batch", "fig-update", "fig-wq", "fig-wk",
@@ -109,7 +109,7 @@ ENGINES = ["builtin", pytest.param("matplotlib", marks=pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
-    make_corpus(root / "corpus", {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(root / "corpus", MICRO_MIX)
     Trainer(root / "run", micro_cfg(checkpoint_every=4, eval_every=4), root / "corpus", log=lambda m: None).train(16)
     return root / "run"
 

@@ -23,7 +23,7 @@ from mlx_open1b.spec import optim as spec_optim
 from mlx_open1b.step import TreeFold
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 
 pytest.importorskip("torch.distributed")
 
@@ -42,7 +42,7 @@ def dist_cfg(**train):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("dist") / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 
@@ -464,7 +464,7 @@ def test_bad_input_fails_before_any_step(tmp_path, corpus, worker_script):
     assert not (tmp_path / "b").exists()
     # another corpus on rank 1 (same vocabulary, other documents)
     other = tmp_path / "other"
-    make_corpus(other, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)}, seed=5)
+    make_corpus(other, MICRO_MIX, seed=5)
     a0, a1 = _args(tmp_path / "c", dist_cfg(), corpus), _args(tmp_path / "c", dist_cfg(), other)
     port, procs = free_port(), []
     for r, a in enumerate((a0, a1)):

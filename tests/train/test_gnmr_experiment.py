@@ -14,7 +14,7 @@ import pytest
 
 from mlx_open1b.gnmr_experiment import ARMS, arms_for, run_experiment, table
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 
 MICRO = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     ffn_hidden=48, seq_len=16, window=8, global_every=2)
@@ -23,7 +23,7 @@ MICRO = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_hea
 @pytest.mark.parametrize("low", ["int4", "int6"])
 def test_experiment_arms_summary_and_plot(tmp_path, low):
     corpus = tmp_path / "corpus"
-    make_corpus(corpus, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(corpus, MICRO_MIX)
     base = RunConfig(MICRO, TrainConfig(seed=3, microbatch_seqs=2, phases=((0, 1),), total_tokens=4000,
                                         peak_lr=1e-2, warmup_tokens=64, checkpoint_every=3, eval_every=3,
                                         eval_windows=2), "micro")

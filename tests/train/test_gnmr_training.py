@@ -14,13 +14,13 @@ from mlx_open1b.config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from mlx_open1b.gnmr import GNMRConfig
 from mlx_open1b.train import TrainError, Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import MICRO, SENSITIVE, forge_records, gnmr_cfg
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("gnmr") / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 

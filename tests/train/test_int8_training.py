@@ -24,7 +24,7 @@ from mlx_open1b.cpu_ref import settings
 from mlx_open1b.model import Model, ParamLayout, init_params
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from helpers import assert_bits_equal
 
 MICRO = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -43,7 +43,7 @@ def micro_cfg(**train):
 @pytest.fixture()
 def corpus(tmp_path):
     d = tmp_path / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 

@@ -171,10 +171,10 @@ def test_trainer_parks_on_the_cupy_stand_in_with_the_bits_of_cpu_ref(tmp_path, f
     step: the fold parks an entry each step, asks it back a microbatch ahead, and the ledger is the
     cpu_ref run's byte for byte; the pinned pool is allocated in the first step and reused after."""
     import cupyx
-    from data_helpers import make_corpus
+    from data_helpers import MICRO_MIX, make_corpus
     from mlx_open1b.train import Trainer
     from runs import micro_cfg
-    make_corpus(tmp_path / "corpus", {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(tmp_path / "corpus", MICRO_MIX)
     c, steps = micro_cfg(phases=((0, 9),)), 3
     Trainer(tmp_path / "ref", c, tmp_path / "corpus").train(steps)
     tr = Trainer(tmp_path / "cuda", c, tmp_path / "corpus", backend="cuda")

@@ -18,7 +18,7 @@ from mlx_open1b import arrays, state_hashes, step as step_mod
 from mlx_open1b.checkpoint import list_checkpoints
 from mlx_open1b.train import TrainError, Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from fake_cupy import fake_gpu  # noqa: F401 (a fixture)
 from runs import micro_cfg
 
@@ -34,7 +34,7 @@ def cfg():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("state_hashes") / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 

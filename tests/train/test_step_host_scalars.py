@@ -7,7 +7,7 @@ import pytest
 
 from mlx_open1b.train import Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 
@@ -27,7 +27,7 @@ class CountingOps:
 
 
 def test_step_folds_host_scalars_without_the_backend(tmp_path):
-    make_corpus(tmp_path / "corpus", {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(tmp_path / "corpus", MICRO_MIX)
     tr = Trainer(tmp_path / "run", micro_cfg(), tmp_path / "corpus")
     calls = collections.Counter()
     tr.ops = CountingOps(tr.ops, calls)

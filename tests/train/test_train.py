@@ -18,7 +18,7 @@ from mlx_open1b.data.stream import Stream
 from mlx_open1b.ledger import LedgerError, verify_chain
 from mlx_open1b.train import TrainError, Trainer
 
-from data_helpers import make_corpus
+from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 
@@ -27,7 +27,7 @@ from runs import micro_cfg
 @pytest.fixture()
 def corpus(tmp_path):
     d = tmp_path / "corpus"
-    make_corpus(d, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(d, MICRO_MIX)
     return d
 
 

@@ -110,11 +110,11 @@ def test_distributed_rank0_is_refused_and_every_worker_stops(tmp_path, holder):
     before the first step with the holder's pid, and nothing in the run changes."""
     pytest.importorskip("torch.distributed")
     import test_distributed as dist
-    from data_helpers import make_corpus
+    from data_helpers import MICRO_MIX, make_corpus
     script = tmp_path / "worker.py"
     script.write_text(dist._WORKER)
     data = tmp_path / "corpus"
-    make_corpus(data, {"web": (0.6, 30, 20), "code": (0.4, 12, 40)})
+    make_corpus(data, MICRO_MIX)
     run = tmp_path / "run"
     tr = Trainer.new(run, dist.dist_cfg(), data, log=lambda m: None)
     tr.train(2)
