@@ -205,14 +205,15 @@ static inline float o1b_hw_fma(float a, float b, float c) {
 // back as 2^-126 where tininess is detected after rounding (O1B_HW_FTZ 0 or 1) and as the zero where
 // before (O1B_HW_FTZ 2); the adversary picks one of the two per operation. The flush_unsigned fault
 // returns +0 for every tiny result, as for the other operations.
-static inline float o1b_hw_fma_ftz(float a, float b, float c) {
-    unsigned int ua = o1b_hw_bits(a), ub = o1b_hw_bits(b), uc = o1b_hw_bits(c);
-    if ((ua & 0x7F800000u) == 0u) a = o1b_hw_float(ua & 0x80000000u);
-    if ((ub & 0x7F800000u) == 0u) b = o1b_hw_float(ub & 0x80000000u);
-    if ((uc & 0x7F800000u) == 0u) c = o1b_hw_float(uc & 0x80000000u);
-    float r = fmaf(a, b, c);
-    if (!o1b_hw_fused_tiny(a, b, c)) return r;
+static inline float o1b_hw_ftz_in(float x) {
+    unsigned int u = o1b_hw_bits(x);
+    return (u & 0x7F800000u) == 0u ? o1b_hw_float(u & 0x80000000u) : x;
+}
+// A tiny result r of fma.rn.ftz or mul.rn.ftz: 2^-126 kept where it rounded up to it and tininess is
+// detected after rounding, else the zero of its sign (the flush_unsigned fault: +0).
+static inline float o1b_hw_ftz_tiny_result(float r) {
 #if O1B_HW_FAULT == 3
+    (void)r;
     return o1b_hw_float(0u);
 #else
     unsigned int u = o1b_hw_bits(r);
@@ -224,6 +225,11 @@ static inline float o1b_hw_fma_ftz(float a, float b, float c) {
 #endif
     return keep ? r : o1b_hw_float(u & 0x80000000u);
 #endif
+}
+static inline float o1b_hw_fma_ftz(float a, float b, float c) {
+    a = o1b_hw_ftz_in(a); b = o1b_hw_ftz_in(b); c = o1b_hw_ftz_in(c);
+    float r = fmaf(a, b, c);
+    return o1b_hw_fused_tiny(a, b, c) ? o1b_hw_ftz_tiny_result(r) : r;
 }
 
 // PTX mul.rn.ftz.f32 and add.rn.ftz.f32 (contract.cuh's neighbours in cuda/ftz.cuh issue them as inline
@@ -235,27 +241,11 @@ static inline float o1b_hw_fma_ftz(float a, float b, float c) {
 // subnormal grid, so a few products IEEE's after-rounding rule (24 bits, exponent unbounded) would
 // still call tiny are kept too: the harder case for a guard. A tiny sum is exact, so add has no such
 // case. The flush_unsigned fault returns +0 for every tiny result.
-static inline float o1b_hw_ftz_in(float x) {
-    unsigned int u = o1b_hw_bits(x);
-    return (u & 0x7F800000u) == 0u ? o1b_hw_float(u & 0x80000000u) : x;
-}
 static inline float o1b_hw_mul_ftz(float a, float b) {
     a = o1b_hw_ftz_in(a); b = o1b_hw_ftz_in(b);
     float r = a * b;
     double e = (double)a * (double)b;                       // exact
-    if (!(e != 0.0 && fabs(e) < O1B_HW_MIN_NORMAL)) return r;
-#if O1B_HW_FAULT == 3
-    return o1b_hw_float(0u);
-#else
-    unsigned int u = o1b_hw_bits(r);
-    bool rounded_up = (u & 0x7FFFFFFFu) == 0x00800000u;
-#if O1B_HW_ADVERSARIAL
-    bool keep = rounded_up && o1b_hw_choice() == 0u;
-#else
-    bool keep = rounded_up && (O1B_HW_FTZ) != 2;
-#endif
-    return keep ? r : o1b_hw_float(u & 0x80000000u);
-#endif
+    return e != 0.0 && fabs(e) < O1B_HW_MIN_NORMAL ? o1b_hw_ftz_tiny_result(r) : r;
 }
 static inline float o1b_hw_add_ftz(float a, float b) {
     a = o1b_hw_ftz_in(a); b = o1b_hw_ftz_in(b);
