@@ -12,10 +12,7 @@ from mlx_open1b.checkpoint import load_checkpoint
 from mlx_open1b.cli.main import cli
 from mlx_open1b.export import ExportError, export, flat_params, load_export, program_logits
 from mlx_open1b.model import ParamLayout
-from mlx_open1b.train import Trainer
 
-from data_helpers import MICRO_MIX, make_corpus
-from runs import micro_cfg
 
 torch = pytest.importorskip("torch")
 mx = pytest.importorskip("mlx.core")
@@ -34,12 +31,8 @@ EPS_ROUNDED = 2.0 ** -9
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    make_corpus(root / "corpus", MICRO_MIX)
-    Trainer(root / "run", micro_cfg(checkpoint_every=4, peak_lr=3e-3, spike_threshold=5.0), root / "corpus",
-            log=lambda m: None).train(8)
-    return root / "run"
+def run(micro_export_run):
+    return micro_export_run
 
 
 def _tokens(cfg, seed=0):

@@ -10,10 +10,7 @@ import pytest
 
 from mlx_open1b.export import export, program_logits
 from mlx_open1b.model import ParamLayout
-from mlx_open1b.train import Trainer
 
-from data_helpers import MICRO_MIX, make_corpus
-from runs import micro_cfg
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,13 +29,8 @@ EPS_FP32 = 2.0 ** -18
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("export_hf")
-    make_corpus(root / "corpus", MICRO_MIX)
-    Trainer(root / "run", micro_cfg(checkpoint_every=4, peak_lr=3e-3, spike_threshold=5.0), root / "corpus",
-            log=lambda m: None).train(4)
-    out = export(root / "run", 4, "hf", root / "hf")
-    return root / "run", out
+def exported(micro_export_run, tmp_path_factory):
+    return micro_export_run, export(micro_export_run, 4, "hf", tmp_path_factory.mktemp("export_hf") / "hf")
 
 
 def _load(out):
