@@ -4,6 +4,11 @@ N = rows (tokens), C = channels, V = vocabulary. The logits z = h W^T (linear_fo
 are computed XENT_CHUNK vocabulary entries at a time and never held whole. Per row:
     lse = logsumexp(z)  (online over chunks),  ce = lse - z[target],  loss = ce + zcoef lse^2.
 The mean over rows is the caller's: the backward takes dloss (N,), usually 1/N in every entry.
+
+In training, xent_forward(..., keep=True) also returns a handle (XentSaved) holding every chunk's
+logits, when they fit XENT_KEEP_BYTES, and xent_backward(..., saved=handle) reads them instead of
+running the logits GEMM again (one GEMM of the backward's three). The logits kept are the stored
+bits of the same GEMM, so the results are the same bits either way.
 """
 from __future__ import annotations
 
@@ -12,15 +17,21 @@ import numpy as np
 from mlx_open1b import opargs
 from ._lib import c_f32, c_i64, c_int, declare, p, ptr
 
-_forward = declare("o1b_xent_forward_chunked", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, c_f32,
-                   ptr, ptr, ptr, restype=c_int)
-_backward = declare("o1b_xent_backward_chunked", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, c_f32,
-                    ptr, ptr, ptr, ptr, restype=c_int)
+_forward = declare("o1b_xent_forward_kept", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, c_f32,
+                   ptr, ptr, ptr, ptr, restype=c_int)
+_backward = declare("o1b_xent_backward_kept", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, c_f32,
+                    ptr, ptr, ptr, ptr, ptr, restype=c_int)
 _chunk = declare("o1b_xent_chunk", restype=c_int)
+_ldz = declare("o1b_xent_ldz", c_i64, restype=c_i64)
 
 #: Vocabulary entries per chunk: a contract constant (it decides where the online logsumexp
 #: rescales, hence the bits of lse), never a tuning parameter.
 XENT_CHUNK = int(_chunk())
+
+#: The most bytes of logits the forward keeps for the backward (one microbatch's, held from its
+#: forward to its backward); larger ones are computed again there. 16 MiB at tiny, 32 at small;
+#: open1b's (16384 x 128256) are not kept.
+XENT_KEEP_BYTES = 256 << 20
 
 _ERRORS = {1: MemoryError, 2: ValueError, 3: ValueError}
 
@@ -31,25 +42,61 @@ def _call(fn, *args):
         raise _ERRORS.get(rc, RuntimeError)(f"xent kernel failed (code {rc})")
 
 
-def _forward_chunked(h, w, targets, zcoef, chunk):
+def _key(a: np.ndarray) -> tuple:
+    return a.__array_interface__["data"][0], a.shape, a.strides
+
+
+class XentSaved:
+    """What xent_forward(keep=True) keeps for the backward of the same h and w: the logits,
+    z[n, v] at zk[v, n] (rows of o1b_xent_ldz(N) floats, as the forward computes them)."""
+    __slots__ = ("zk", "chunk", "_h", "_w")
+
+    def __init__(self, zk: np.ndarray, chunk: int, h: np.ndarray, w: np.ndarray):
+        self.zk, self.chunk, self._h, self._w = zk, chunk, _key(h), _key(w)
+
+    def check(self, h: np.ndarray, w: np.ndarray, chunk: int) -> None:
+        """The backward's h and w are the buffers the forward read (the logits are theirs)."""
+        if (_key(h), _key(w), chunk) != (self._h, self._w, self.chunk):
+            raise ValueError("saved: the logits kept by xent_forward are of another h, w or chunk "
+                             "(pass the h and w arrays the forward was given)")
+
+
+def kept_bytes(N: int, V: int) -> int:
+    """The size of the kept logits of N rows and V vocabulary entries (rows padded as the forward's)."""
+    return V * int(_ldz(N)) * 4
+
+
+def keeps(N: int, V: int) -> bool:
+    """Whether the forward keeps the logits of N rows and V vocabulary entries."""
+    return kept_bytes(N, V) <= XENT_KEEP_BYTES
+
+
+def _forward_chunked(h, w, targets, zcoef, chunk, keep=False):
     N, C, V, zc = opargs.xent_forward(h, w, targets, zcoef)
     loss, lse, ce = (np.empty(N, np.float32) for _ in range(3))
-    _call(_forward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(loss), p(lse), p(ce))
-    return loss, lse, ce
+    saved = XentSaved(np.empty((V, int(_ldz(N))), np.float32), int(chunk), h, w) if keep and keeps(N, V) else None
+    _call(_forward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(loss), p(lse), p(ce),
+          p(saved.zk) if saved else None)
+    return (loss, lse, ce, saved) if keep else (loss, lse, ce)
 
 
-def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
+def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, saved=None):
     N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    if saved is not None:
+        if not isinstance(saved, XentSaved):
+            raise ValueError(f"saved: expected what xent_forward(keep=True) returned, got {type(saved).__name__}")
+        saved.check(h, w, int(chunk))
     dh = np.empty((N, C), np.float32)
     dw = np.empty((V, C), np.float32)
-    _call(_backward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(lse), p(dloss), p(dh), p(dw))
+    _call(_backward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(lse), p(dloss),
+          p(saved.zk) if saved else None, p(dh), p(dw))
     return dh, dw
 
 
-def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
-    return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
+def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float, keep: bool = False):
+    return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK, keep)
 
 
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
-                  lse: np.ndarray, dloss: np.ndarray):
-    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+                  lse: np.ndarray, dloss: np.ndarray, saved=None):
+    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK, saved)

@@ -550,13 +550,14 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
 
 
 @_given_kind
-def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float):
-    return _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
+def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float, keep: bool = False):
+    out = _forward_chunked(h, w, targets, zcoef, XENT_CHUNK)
+    return (*out, None) if keep else out             # keeps nothing: the backward computes the logits
 
 
 @_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
-                  lse: np.ndarray, dloss: np.ndarray):
+                  lse: np.ndarray, dloss: np.ndarray, saved=None):
     return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
 
 

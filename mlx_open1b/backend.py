@@ -193,17 +193,22 @@ class Backend(Protocol):
         -> dq (B,T,H,D), dk (B,T,G,D), dv (B,T,G,D) fp32 (p recomputed from lse)."""
 
     # ------------------------------------------------------------------ §6.8 cross-entropy
-    def xent_forward(self, h: Array, w: Array, targets: Array, zcoef: float) -> tuple[Array, Array, Array]:
+    def xent_forward(self, h: Array, w: Array, targets: Array, zcoef: float,
+                     keep: bool = False) -> tuple[Array, Array, Array] | tuple[Array, Array, Array, Any]:
         """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 rounded to fp32
         -> loss, lse, ce (N,) fp32: the logits z = h W^T (linear_forward's bits) XENT_CHUNK
         vocabulary entries at a time, never held whole; lse = logsumexp(z) online over the chunks,
-        ce = lse - z[target], loss = ce + zcoef lse^2 per row (§6.8). The mean is the caller's."""
+        ce = lse - z[target], loss = ce + zcoef lse^2 per row (§6.8). The mean is the caller's.
+        keep=True (a forward whose backward follows): a fourth result, `saved`, for xent_backward
+        of the same h and w: what the backend kept of the forward to spare work there (cpu_ref:
+        the logits, when they fit its budget), or None where it keeps nothing. No bit depends on it."""
 
     def xent_backward(self, h: Array, w: Array, targets: Array, zcoef: float, lse: Array,
-                      dloss: Array) -> tuple[Array, Array]:
+                      dloss: Array, saved: Any = None) -> tuple[Array, Array]:
         """h, w, targets, zcoef as in the forward, lse (N,) from it, dloss (N,) fp32 (usually 1/N
         each) -> dh (N, C), dw (V, C) fp32; dz[n, v] = (softmax_v (1 + 2 zcoef lse) -
-        [v == target]) dloss[n], rounded to bf16 for the two GEMMs."""
+        [v == target]) dloss[n], rounded to bf16 for the two GEMMs. saved: None, or what
+        xent_forward(h, w, ..., keep=True) returned for these h and w."""
 
     # ------------------------------------------------------------------ §6.7 AdamW, §7 reductions
     def adamw_step(self, p_: Array, g: Array, m: Array, v: Array, *, lr: float, beta1: float = 0.9,

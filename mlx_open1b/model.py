@@ -197,6 +197,7 @@ class Cache:
     rstd_final: np.ndarray | None = None  # (N,) fp32
     hn_b: np.ndarray | None = None     # (N, d) bf16 final_norm output, the LM head's input
     lse: np.ndarray | None = None      # (N,) fp32  logsumexp of the logits (xent)
+    xent_saved: object = None          # what xent_forward(keep=True) kept for the backward (None: nothing)
     ids: tuple = ()    # (inputs, targets) on the host, checked by Model._split: no op reads ids back
 
 
@@ -390,7 +391,11 @@ class Model:
                 cache.layers.append(LayerCache(**lc))
         hn, rstd_final = ops.rmsnorm_forward(h, w["final_norm"], eps)  # (N, d)
         hn_b = ops.f32_to_bf16(hn)
-        loss_n, lse_n, ce_n = ops.xent_forward(hn_b, w["lm_head"], targets, self.zcoef)  # (N,) each
+        if cache is None:
+            loss_n, lse_n, ce_n = ops.xent_forward(hn_b, w["lm_head"], targets, self.zcoef)  # (N,) each
+        else:       # a training forward: the backend may keep the logits for the backward
+            loss_n, lse_n, ce_n, cache.xent_saved = ops.xent_forward(hn_b, w["lm_head"], targets,
+                                                                     self.zcoef, keep=True)
         if cache is not None:
             cache.x0, cache.rstd_emb = x0, rstd_emb
             cache.h_last, cache.rstd_final, cache.hn_b, cache.lse = h, rstd_final, hn_b, lse_n
@@ -444,8 +449,10 @@ class Model:
         grads = _Grads(self.layout, self._kind)    # every element is written below, exactly once
         N = c.B * c.T
         dloss = self._put(np.full(N, reciprocal(N), np.float32))       # d(mean)/d(loss row)
+        saved, c.xent_saved = c.xent_saved, None    # used once, and released before the blocks' backward
         dhn, grads["lm_head"] = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef,
-                                                  c.lse, dloss)          # (N, d), (V, d)
+                                                  c.lse, dloss, saved=saved)   # (N, d), (V, d)
+        del saved
         dh, grads["final_norm"] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
         for l in reversed(range(cfg.n_layers)):
             lc = c.layers[l]

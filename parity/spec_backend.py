@@ -120,11 +120,12 @@ def attention_backward(dout, q, k, v, o, lse, window, scale):
     return _att.attention_backward(dout, q, k, v, o, lse, int(window), F32(scale))
 
 
-def xent_forward(h, w, targets, zcoef):
-    return _xent.xent_forward(h, w, targets, F32(zcoef), XENT_CHUNK)
+def xent_forward(h, w, targets, zcoef, keep=False):
+    out = _xent.xent_forward(h, w, targets, F32(zcoef), XENT_CHUNK)
+    return (*out, None) if keep else out
 
 
-def xent_backward(h, w, targets, zcoef, lse, dloss):
+def xent_backward(h, w, targets, zcoef, lse, dloss, saved=None):
     return _xent.xent_backward(h, w, targets, F32(zcoef), A.flush(lse), A.flush(dloss))
 
 

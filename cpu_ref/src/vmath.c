@@ -78,6 +78,13 @@ static void xent_grad_scalar(int64_t lo, int64_t hi, const float *z, float lse, 
     for (int64_t i = lo; i < hi; i++)
         dz[i] = o1b_f32_to_bf16(o1b_mul(o1b_mul(o1b_exp(o1b_sub(o1b_load(z[i]), lse)), coef), dl));
 }
+static void xent_grad_cols_scalar(int64_t lo, int64_t hi, int64_t v0, int64_t v1, const float *zt,
+                                  int64_t ldz, const float *lse, const float *coef, const float *dl,
+                                  bf16 *dzt, int64_t ldd) {
+    for (int64_t k = lo; k < hi; k++)
+        for (int64_t v = v0; v < v1; v++)
+            xent_grad_scalar(0, 1, zt + v * ldz + k, lse[k], coef[k], dl[k], dzt + v * ldd + k);
+}
 static void swiglu_fwd_scalar(int64_t lo, int64_t hi, const float *g, const float *u, float *out) {
     for (int64_t i = lo; i < hi; i++) out[i] = o1b_store(o1b_mul(o1b_silu(o1b_load(g[i])), o1b_load(u[i])));
 }
@@ -270,9 +277,10 @@ void o1b_vexpsum_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const 
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
-void o1b_vxent_grad(int64_t n, const float *z, float lse, float coef, float dl, bf16 *dz) {
-    if (!g_vmath) { xent_grad_scalar(0, n, z, lse, coef, dl, dz); return; }
-#define CALL(s) xent_grad_##s(n, z, lse, coef, dl, dz)
+void o1b_vxent_grad_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *lse,
+                         const float *coef, const float *dl, bf16 *dzt, int64_t ldd) {
+    if (!g_vmath) { xent_grad_cols_scalar(0, n, 0, L, zt, ldz, lse, coef, dl, dzt, ldd); return; }
+#define CALL(s) xent_grad_cols_##s(n, L, zt, ldz, lse, coef, dl, dzt, ldd)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -737,37 +745,47 @@ AI vh FN(to_bf16)(vf x) {
     return __builtin_convertvector(u, vh);
 }
 
-static O1B_TGT void FN(xent_grad)(int64_t n, const float *z, float lse, float coef, float dl,
-                                  bf16 *dz) {
-    vf lv = FN(splat)(lse), cv = FN(splat)(coef), dv = FN(splat)(dl);
-    int64_t i = 0;
-    for (; i + O1B_EXP_K * O1B_W <= n; i += O1B_EXP_K * O1B_W) {
-        vi rare = {0};
-        vf x[O1B_EXP_K], pv[O1B_EXP_K], g[O1B_EXP_K];
-        for (int j = 0; j < O1B_EXP_K; j++) x[j] = FN(sub)(FN(flush)(FN(load)(z + i + j * O1B_W)), lv);
-        FN(exp_k)(x, pv, &rare);
-        for (int j = 0; j < O1B_EXP_K; j++) g[j] = FN(mul)(FN(mul)(pv[j], cv, &rare), dv, &rare);
-        if (__builtin_expect(FN(any)(rare), 0)) {
-            xent_grad_scalar(i, i + O1B_EXP_K * O1B_W, z, lse, coef, dl, dz);
-        } else {
-            for (int j = 0; j < O1B_EXP_K; j++) {
-                vh h = FN(to_bf16)(g[j]);
-                memcpy(dz + i + j * O1B_W, &h, sizeof h);
+/* Lanes are rows (xent_grad_cols_scalar's k), each with its row's lse, coef and dl; the chunk is
+ * walked v by v, so zt and dzt are read and written along their rows (a walk down the columns
+ * would take a cache line from memory per v and row block), O1B_EXP_K vectors of rows at a time. */
+static O1B_TGT void FN(xent_grad_cols)(int64_t n, int64_t L, const float *zt, int64_t ldz,
+                                       const float *lse, const float *coef, const float *dl,
+                                       bf16 *dzt, int64_t ldd) {
+    for (int64_t v = 0; v < L; v++) {
+        const float *zr = zt + v * ldz;
+        bf16 *dr = dzt + v * ldd;
+        int64_t k = 0;
+        for (; k + O1B_EXP_K * O1B_W <= n; k += O1B_EXP_K * O1B_W) {
+            vi rare = {0};
+            vf x[O1B_EXP_K], pv[O1B_EXP_K], g[O1B_EXP_K];
+            for (int j = 0; j < O1B_EXP_K; j++)
+                x[j] = FN(sub)(FN(flush)(FN(load)(zr + k + j * O1B_W)), FN(load)(lse + k + j * O1B_W));
+            FN(exp_k)(x, pv, &rare);
+            for (int j = 0; j < O1B_EXP_K; j++)
+                g[j] = FN(mul)(FN(mul)(pv[j], FN(load)(coef + k + j * O1B_W), &rare),
+                               FN(load)(dl + k + j * O1B_W), &rare);
+            if (__builtin_expect(FN(any)(rare), 0)) {
+                xent_grad_cols_scalar(k, k + O1B_EXP_K * O1B_W, v, v + 1, zt, ldz, lse, coef, dl, dzt, ldd);
+            } else {
+                for (int j = 0; j < O1B_EXP_K; j++) {
+                    vh h = FN(to_bf16)(g[j]);
+                    memcpy(dr + k + j * O1B_W, &h, sizeof h);
+                }
             }
         }
-    }
-    for (; i + O1B_W <= n; i += O1B_W) {
-        vi rare = {0};
-        vf pv = FN(exp)(FN(sub)(FN(flush)(FN(load)(z + i)), lv), &rare);
-        vf g = FN(mul)(FN(mul)(pv, cv, &rare), dv, &rare);
-        if (__builtin_expect(FN(any)(rare), 0)) {
-            xent_grad_scalar(i, i + O1B_W, z, lse, coef, dl, dz);
-        } else {
-            vh h = FN(to_bf16)(g);
-            memcpy(dz + i, &h, sizeof h);
+        for (; k + O1B_W <= n; k += O1B_W) {
+            vi rare = {0};
+            vf pv = FN(exp)(FN(sub)(FN(flush)(FN(load)(zr + k)), FN(load)(lse + k)), &rare);
+            vf g = FN(mul)(FN(mul)(pv, FN(load)(coef + k), &rare), FN(load)(dl + k), &rare);
+            if (__builtin_expect(FN(any)(rare), 0)) {
+                xent_grad_cols_scalar(k, k + O1B_W, v, v + 1, zt, ldz, lse, coef, dl, dzt, ldd);
+            } else {
+                vh h = FN(to_bf16)(g);
+                memcpy(dr + k, &h, sizeof h);
+            }
         }
+        if (k < n) xent_grad_cols_scalar(k, n, v, v + 1, zt, ldz, lse, coef, dl, dzt, ldd);
     }
-    if (i < n) xent_grad_scalar(i, n, z, lse, coef, dl, dz);
 }
 
 /* sigmoid(g[j]) = div(1, add(1, exp(neg(g[j])))) of O1B_EXP_K vectors, the exps side by side */

@@ -26,9 +26,12 @@ void o1b_vexp_sub(int64_t n, const float *z, float m, float *e);
  *   cs[k] = sum_{v ascending} exp(sub(load(zt[v * ldz + k]), mn[k])) from +0 (unstored) */
 void o1b_vexpsum_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *m, float *mn,
                       float *cs);
-/* dz[i] = f32_to_bf16(mul(mul(exp(sub(load(z[i]), lse)), coef), dl)): the cross-entropy
- * gradient of every non-target logit of a row. */
-void o1b_vxent_grad(int64_t n, const float *z, float lse, float coef, float dl, bf16 *dz);
+/* The cross-entropy gradient of every logit of a chunk as if not the target, lanes are rows: for
+ * rows k in [0, n) whose logits of one chunk are column k of zt (L rows of ldz floats), each row
+ * with its own lse[k], coef[k], dl[k] (loaded),
+ *   dzt[v * ldd + k] = f32_to_bf16(mul(mul(exp(sub(load(zt[v * ldz + k]), lse[k])), coef[k]), dl[k])) */
+void o1b_vxent_grad_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *lse,
+                         const float *coef, const float *dl, bf16 *dzt, int64_t ldd);
 /* out[i] = store(mul(silu(load(g[i])), load(u[i]))) */
 void o1b_vswiglu_fwd(int64_t n, const float *g, const float *u, float *out);
 /* s = sigmoid(g): dup[i] = store(mul(d, mul(g, s))),

@@ -9,6 +9,7 @@ import pytest
 
 from mlx_open1b import cpu_ref
 from mlx_open1b.cpu_ref import xent as cx
+from mlx_open1b.cpu_ref.mathfn import vector_math
 from mlx_open1b.spec import arith as A
 from mlx_open1b.spec import xent as S
 
@@ -455,3 +456,108 @@ def test_zcoef_zero_and_python_float_allowed():
     b = cpu_ref.xent_forward(h, w, t, 1e-4)          # a Python float is rounded to float32
     assert_bits(b[0], cpu_ref.xent_forward(h, w, t, np.float32(1e-4))[0], "zcoef rounding")
     assert math.isfinite(float(b[0][0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The logits kept by the forward for the backward (keep=True / saved=)
+# ---------------------------------------------------------------------------------------------
+LEVELS = list(range(cpu_ref.simd_level() + 1))     # 0 portable (SSE2/NEON), 1 AVX2, 2 AVX-512
+# N: one row, rows in no whole vector of any level, a tail after whole vectors; V: shorter than a
+# chunk, one entry past a chunk boundary, several chunks with a short last one
+KEEP_SHAPES = [(1, 8, 7), (17, 16, 2049), (33, 24, 3000), (70, 8, 1030)]
+
+
+def kept_and_recomputed(h, w, t, zc, dloss):
+    """-> (forward outputs, backward outputs) with the logits kept, and the same recomputed."""
+    fk = cpu_ref.xent_forward(h, w, t, zc, keep=True)
+    assert len(fk) == 4 and isinstance(fk[3], cx.XentSaved), "the logits were not kept"
+    bk = cpu_ref.xent_backward(h, w, t, zc, fk[1], dloss, saved=fk[3])
+    fr = cpu_ref.xent_forward(h, w, t, zc)
+    br = cpu_ref.xent_backward(h, w, t, zc, fr[1], dloss)
+    return (fk[:3], bk), (fr, br)
+
+
+@pytest.mark.parametrize("N,C,V", KEEP_SHAPES)
+def test_kept_logits_give_the_recomputed_bits(N, C, V):
+    """The backward reading the forward's logits gives the bits of the backward that computes them
+    again (and the forward the bits it gives without keeping), at every SIMD level, with the
+    scalar loops, on 1 and 2 threads; targets at the first entry and in the last chunk."""
+    h, w, t = make(N, C, V, seed=N + V)
+    t[-1] = V - 1
+    t[0] = 0 if N > 1 else t[0]
+    rng = np.random.default_rng(V)
+    dloss = (rng.standard_normal(N) * 0.1).astype(np.float32)
+    with cpu_ref.settings(threads=1):
+        (fk, want), _ = kept_and_recomputed(h, w, t, ZCOEF, dloss)
+    for name, a, b in zip(("dh", "dw"), want, S.xent_backward(h, w, t, ZCOEF, fk[1], dloss)):
+        assert_bits(a, b, f"kept {name} vs spec")
+    for threads in (1, 2):
+        for how, ctx in [(f"level {lv}", dict(simd=lv)) for lv in LEVELS] + [("scalar loops", None)]:
+            with cpu_ref.settings(threads=threads, **(ctx or {})), vector_math(ctx is not None):
+                (fk, bk), (fr, br) = kept_and_recomputed(h, w, t, ZCOEF, dloss)
+            for name, a, b in zip(("loss", "lse", "ce", "dh", "dw"), fk + bk, fr + br):
+                assert_bits(a, b, f"{name}: kept vs recomputed, {how}, {threads} threads")
+            for name, a, b in zip(("dh", "dw"), bk, want):
+                assert_bits(a, b, f"{name}: kept, {how}, {threads} threads vs level {LEVELS[-1]}, 1 thread")
+
+
+def test_keep_budget(monkeypatch):
+    """Logits over XENT_KEEP_BYTES are not kept (saved None, the backward computes them); at the
+    budget they are; the bits are the same either way."""
+    N, C, V = 33, 24, 3000
+    h, w, t = make(N, C, V, seed=5)
+    t[-1] = V - 1
+    dloss = mean_dloss(N)
+    need = cx.kept_bytes(N, V)
+    assert cx.keeps(1024, 8192) and not cx.keeps(16384, 128256), "small's logits kept, open1b's not"
+    outs = {}
+    for budget in (need - 1, need):
+        monkeypatch.setattr(cx, "XENT_KEEP_BYTES", budget)
+        loss, lse, ce, saved = cpu_ref.xent_forward(h, w, t, ZCOEF, keep=True)
+        assert (saved is not None) == (budget == need) == cx.keeps(N, V)
+        outs[budget] = (loss, lse, ce) + cpu_ref.xent_backward(h, w, t, ZCOEF, lse, dloss, saved=saved)
+    for name, a, b in zip(("loss", "lse", "ce", "dh", "dw"), outs[need - 1], outs[need]):
+        assert_bits(a, b, f"{name}: over the budget vs at it")
+
+
+def test_saved_of_other_arrays_is_refused():
+    """The kept logits are those of the forward's h and w: a backward given others, or anything
+    but a handle, is a ValueError naming saved; evaluation (keep False) returns no handle."""
+    h, w, t = make(9, 8, 1500, seed=6)
+    assert len(cpu_ref.xent_forward(h, w, t, ZCOEF)) == 3
+    loss, lse, ce, saved = cpu_ref.xent_forward(h, w, t, ZCOEF, keep=True)
+    dloss = mean_dloss(9)
+    for hh, ww in ((h.copy(), w), (h, w.copy())):
+        with pytest.raises(ValueError, match="saved: the logits kept by xent_forward are of another h, w"):
+            cpu_ref.xent_backward(hh, ww, t, ZCOEF, lse, dloss, saved=saved)
+    with pytest.raises(ValueError, match="saved: expected what xent_forward"):
+        cpu_ref.xent_backward(h, w, t, ZCOEF, lse, dloss, saved=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="another h, w or chunk"):
+        cx._backward_chunked(h, w, t, ZCOEF, lse, dloss, 512, saved=saved)
+
+
+@pytest.mark.parametrize("precision,recompute_blocks", [("bf16", False), ("bf16", True), ("int8", False)])
+def test_model_keeps_the_logits_from_forward_to_backward(monkeypatch, precision, recompute_blocks):
+    """A training forward leaves the kept logits in its Cache, the backward takes them out (one
+    microbatch's logits live at a time), and the gradient has the bits of a model whose logits
+    are over the budget; evaluation asks for nothing to be kept."""
+    from mlx_open1b.config import ModelConfig
+    from mlx_open1b.model import Model, init_params
+    cfg = ModelConfig(vocab_size=1100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      ffn_hidden=48, seq_len=16, window=4)
+    m = Model(cfg, precision=precision, recompute_blocks=recompute_blocks)
+    params = init_params(cfg, seed=3)
+    win = np.random.default_rng(4).integers(0, cfg.vocab_size, (3, cfg.seq_len + 1)).astype(np.uint32)
+    loss, _, _, cache = m.forward(params, win)
+    assert isinstance(cache.xent_saved, cx.XentSaved)
+    kept = m.backward(params, cache)
+    assert cache.xent_saved is None
+    monkeypatch.setattr(cx, "XENT_KEEP_BYTES", 0)
+    loss0, _, _, cache0 = m.forward(params, win)
+    assert cache0.xent_saved is None and loss0 == loss
+    assert_bits(kept, m.backward(params, cache0), "gradient: logits kept vs computed again")
+    asked = []
+    real = cpu_ref.xent_forward
+    monkeypatch.setattr(cpu_ref, "xent_forward", lambda *a, **k: asked.append(k) or real(*a, **k))
+    m.eval_loss(params, win)
+    assert asked == [{}]
