@@ -12,6 +12,8 @@ bits of the same GEMM, so the results are the same bits either way.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from mlx_open1b import opargs
@@ -29,9 +31,27 @@ _ldz = declare("o1b_xent_ldz", c_i64, restype=c_i64)
 XENT_CHUNK = int(_chunk())
 
 #: The most bytes of logits the forward keeps for the backward (one microbatch's, held from its
-#: forward to its backward); larger ones are computed again there. 16 MiB at tiny, 32 at small;
+#: forward to its backward); larger ones are computed again there. 17 MB at tiny, 34 at small;
 #: open1b's (16384 x 128256) are not kept.
 XENT_KEEP_BYTES = 256 << 20
+
+# The buffer of the last logits a backward consumed, for the next forward of the same shape: new
+# memory of this size is a fresh mapping each time (above glibc's largest mmap threshold, 32 MiB),
+# whose page faults and zeroing cost a fifth of the GEMM it spares. One buffer at most; no value
+# is read from it before the forward writes it, so no bit depends on it.
+_spare: list = [None]
+_spare_lock = threading.Lock()
+
+
+def _take_buffer(shape: tuple) -> np.ndarray:
+    with _spare_lock:
+        buf, _spare[0] = _spare[0], None
+    return buf if buf is not None and buf.shape == shape else np.empty(shape, np.float32)
+
+
+def _give_buffer(buf: np.ndarray) -> None:
+    with _spare_lock:
+        _spare[0] = buf
 
 _ERRORS = {1: MemoryError, 2: ValueError, 3: ValueError}
 
@@ -48,7 +68,8 @@ def _key(a: np.ndarray) -> tuple:
 
 class XentSaved:
     """What xent_forward(keep=True) keeps for the backward of the same h and w: the logits,
-    z[n, v] at zk[v, n] (rows of o1b_xent_ldz(N) floats, as the forward computes them)."""
+    z[n, v] at zk[v, n] (rows of o1b_xent_ldz(N) floats, as the forward computes them). One
+    backward consumes it."""
     __slots__ = ("zk", "chunk", "_h", "_w")
 
     def __init__(self, zk: np.ndarray, chunk: int, h: np.ndarray, w: np.ndarray):
@@ -56,6 +77,8 @@ class XentSaved:
 
     def check(self, h: np.ndarray, w: np.ndarray, chunk: int) -> None:
         """The backward's h and w are the buffers the forward read (the logits are theirs)."""
+        if self.zk is None:
+            raise ValueError("saved: already consumed by a backward (one handle serves one backward)")
         if (_key(h), _key(w), chunk) != (self._h, self._w, self.chunk):
             raise ValueError("saved: the logits kept by xent_forward are of another h, w or chunk "
                              "(pass the h and w arrays the forward was given)")
@@ -74,7 +97,7 @@ def keeps(N: int, V: int) -> bool:
 def _forward_chunked(h, w, targets, zcoef, chunk, keep=False):
     N, C, V, zc = opargs.xent_forward(h, w, targets, zcoef)
     loss, lse, ce = (np.empty(N, np.float32) for _ in range(3))
-    saved = XentSaved(np.empty((V, int(_ldz(N))), np.float32), int(chunk), h, w) if keep and keeps(N, V) else None
+    saved = XentSaved(_take_buffer((V, int(_ldz(N)))), int(chunk), h, w) if keep and keeps(N, V) else None
     _call(_forward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(loss), p(lse), p(ce),
           p(saved.zk) if saved else None)
     return (loss, lse, ce, saved) if keep else (loss, lse, ce)
@@ -90,6 +113,9 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, saved=None):
     dw = np.empty((V, C), np.float32)
     _call(_backward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(lse), p(dloss),
           p(saved.zk) if saved else None, p(dh), p(dw))
+    if saved is not None:
+        zk, saved.zk = saved.zk, None
+        _give_buffer(zk)
     return dh, dw
 
 

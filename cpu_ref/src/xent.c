@@ -19,6 +19,11 @@
  * everything after the logits runs the same code either way, so keeping changes no result.
  */
 #include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <emmintrin.h>
+#define XENT_STREAM 1
+#endif
 
 #include "contract.h"
 #include "gemm.h"
@@ -49,7 +54,28 @@ typedef struct {
     const int32_t *targets;   /* (N,) */
     float *m, *s, *zt_n;      /* (N,) running max, running sum of exp(z - m), target logit */
     float *mn, *cs;           /* (N,) scratch: the chunk's new max and its sum of exps */
+    float *keep;              /* NULL, or where the chunk's logits are kept (L, ldz) */
 } fwd_chunk_args;
+
+/* Columns [lo, hi) of the chunk's L rows into the kept logits: a copy of the stored bits. On x86
+ * with streaming stores, which write whole lines to memory without first reading them (the copy
+ * is read again only by the backward, after every other op of the forward has run). */
+static void keep_columns(const float *src, float *dst, int64_t ldz, int64_t L, int64_t lo, int64_t hi) {
+#ifdef XENT_STREAM
+    if (((uintptr_t)dst & 15) == 0 && lo % 4 == 0) {
+        int64_t h4 = lo + (hi - lo) / 4 * 4;
+        for (int64_t j = 0; j < L; j++) {
+            const float *s = src + j * ldz;
+            float *d = dst + j * ldz;
+            for (int64_t n = lo; n < h4; n += 4) _mm_stream_ps(d + n, _mm_loadu_ps(s + n));
+            if (h4 < hi) memcpy(d + h4, s + h4, sizeof(float) * (size_t)(hi - h4));
+        }
+        _mm_sfence();
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < L; j++) memcpy(dst + j * ldz + lo, src + j * ldz + lo, sizeof(float) * (size_t)(hi - lo));
+}
 
 /* One chunk of the online logsumexp for the rows of units [b0, b1). With the logits transposed,
  * a SIMD vector holds one logit of each of W rows, so every row's max and sum run in ascending v
@@ -65,6 +91,7 @@ static void fwd_chunk_rows(void *ctx, int64_t b0, int64_t b1) {
         int64_t t = (int64_t)a->targets[n] - a->v0;
         if (t >= 0 && t < a->L) a->zt_n[n] = o1b_load(a->zt[t * a->ldz + n]);
     }
+    if (a->keep) keep_columns(a->zt, a->keep, a->ldz, a->L, lo, hi);
 }
 
 typedef struct {
@@ -91,8 +118,8 @@ O1B_API int64_t o1b_xent_ldz(int64_t N) { return (N + XENT_ROWS - 1) / XENT_ROWS
 
 /* The forward with an explicit chunk size: the contract fixes it at XENT_CHUNK (o1b_xent_forward);
  * the tests call other sizes to show where it enters the arithmetic. zk: NULL, or (V, ldz) floats
- * that receive every chunk's logits for o1b_xent_backward_kept (the chunks are computed there in
- * place of a scratch chunk). */
+ * that receive every chunk's logits for o1b_xent_backward_kept (copied from the chunk that stays
+ * in cache, rather than computed into memory that a write would first have to read). */
 O1B_API int o1b_xent_forward_kept(int64_t N, int64_t C, int64_t V, int64_t chunk,
                                   const bf16 *h,           /* (N, C) final hidden states */
                                   const bf16 *w,           /* (V, C) LM head */
@@ -106,24 +133,24 @@ O1B_API int o1b_xent_forward_kept(int64_t N, int64_t C, int64_t V, int64_t chunk
     if (!targets_in_range(N, V, targets)) return XENT_BAD_TARGET;
     int64_t Lmax = chunk < V ? chunk : V;
     int64_t ldz = o1b_xent_ldz(N);
-    float *scratch = zk ? NULL : (float *)malloc(sizeof(float) * (size_t)(Lmax * ldz));
+    float *zt = (float *)malloc(sizeof(float) * (size_t)(Lmax * ldz));
     float *state = (float *)malloc(sizeof(float) * (size_t)(5 * N));
-    if ((!zk && !scratch) || !state) { free(scratch); free(state); return XENT_NO_MEMORY; }
+    if (!zt || !state) { free(zt); free(state); return XENT_NO_MEMORY; }
     float *m = state, *s = state + N, *zt_n = state + 2 * N;
     for (int64_t n = 0; n < N; n++) { m[n] = -INFINITY; s[n] = 0.0f; zt_n[n] = 0.0f; }
 
     for (int64_t v0 = 0; v0 < V; v0 += chunk) {
         int64_t L = V - v0 < chunk ? V - v0 : chunk;
-        float *zt = zk ? zk + v0 * ldz : scratch;
         /* zt[j, n] = sum_c w[v0 + j, c] h[n, c]: the columns v0.. of linear_forward(h, w),
          * transposed (each product's operands swapped, which does not change its bits) */
         o1b_gemm(L, N, C, w + v0 * C, C, 1, h, 1, C, zt, ldz, 0);
-        fwd_chunk_args a = {N, v0, L, ldz, zt, targets, m, s, zt_n, state + 3 * N, state + 4 * N};
+        fwd_chunk_args a = {N, v0, L, ldz, zt, targets, m, s, zt_n, state + 3 * N, state + 4 * N,
+                            zk ? zk + v0 * ldz : NULL};
         o1b_parallel_for((N + XENT_ROWS - 1) / XENT_ROWS, 1, fwd_chunk_rows, &a);
     }
     fwd_final_args f = {m, s, zt_n, o1b_load(zcoef), loss, lse, ce};
     o1b_parallel_for(N, 4096, fwd_final_rows, &f);
-    free(scratch);
+    free(zt);
     free(state);
     return XENT_OK;
 }

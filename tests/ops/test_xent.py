@@ -534,6 +534,22 @@ def test_saved_of_other_arrays_is_refused():
         cpu_ref.xent_backward(h, w, t, ZCOEF, lse, dloss, saved=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="another h, w or chunk"):
         cx._backward_chunked(h, w, t, ZCOEF, lse, dloss, 512, saved=saved)
+    cpu_ref.xent_backward(h, w, t, ZCOEF, lse, dloss, saved=saved)
+    with pytest.raises(ValueError, match="saved: already consumed by a backward"):
+        cpu_ref.xent_backward(h, w, t, ZCOEF, lse, dloss, saved=saved)
+
+
+def test_a_reused_buffer_keeps_nothing_of_before():
+    """The buffer a backward consumed serves the next forward of that shape: the logits of other
+    inputs in it never reach a result."""
+    N, C, V = 40, 16, 2100
+    dloss = mean_dloss(N)
+    for seed in (1, 2, 3):
+        h, w, t = make(N, C, V, seed=seed)
+        (fk, bk), (fr, br) = kept_and_recomputed(h, w, t, ZCOEF, dloss)
+        for name, a, b in zip(("loss", "lse", "ce", "dh", "dw"), fk + bk, fr + br):
+            assert_bits(a, b, f"{name}: kept vs recomputed, inputs {seed}")
+    assert cx._spare[0] is not None and cx._spare[0].shape == (V, cx.kept_bytes(N, V) // (4 * V))
 
 
 @pytest.mark.parametrize("precision,recompute_blocks", [("bf16", False), ("bf16", True), ("int8", False)])
