@@ -1,7 +1,7 @@
 """Fused, vocabulary-chunked cross-entropy + z-loss of the LM head (CONTRACT.md, cross-entropy).
 
 N = rows (tokens), C = channels, V = vocabulary. The logits z = h W^T (linear_forward's bits)
-are computed XENT_CHUNK vocabulary entries at a time and never held whole. Per row:
+are computed XENT_CHUNK vocabulary entries at a time (held whole only when kept, below). Per row:
     lse = logsumexp(z)  (online over chunks),  ce = lse - z[target],  loss = ce + zcoef lse^2.
 The mean over rows is the caller's: the backward takes dloss (N,), usually 1/N in every entry.
 
@@ -37,7 +37,7 @@ XENT_KEEP_BYTES = 256 << 20
 
 # The buffer of the last logits a backward consumed, for the next forward of the same shape: new
 # memory of this size is a fresh mapping each time (above glibc's largest mmap threshold, 32 MiB),
-# whose page faults and zeroing cost a fifth of the GEMM it spares. One buffer at most; no value
+# whose page faults and zeroing cost about a third of the GEMM it spares (small, one thread). One buffer at most; no value
 # is read from it before the forward writes it, so no bit depends on it.
 _spare: list = [None]
 _spare_lock = threading.Lock()
@@ -97,7 +97,9 @@ def keeps(N: int, V: int) -> bool:
 def _forward_chunked(h, w, targets, zcoef, chunk, keep=False):
     N, C, V, zc = opargs.xent_forward(h, w, targets, zcoef)
     loss, lse, ce = (np.empty(N, np.float32) for _ in range(3))
-    saved = XentSaved(_take_buffer((V, int(_ldz(N)))), int(chunk), h, w) if keep and keeps(N, V) else None
+    saved = None
+    if keep and keeps(N, V):
+        saved = XentSaved(_take_buffer((V, int(_ldz(N)))), int(chunk), h, w)
     _call(_forward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(loss), p(lse), p(ce),
           p(saved.zk) if saved else None)
     return (loss, lse, ce, saved) if keep else (loss, lse, ce)
@@ -107,7 +109,8 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, saved=None):
     N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
     if saved is not None:
         if not isinstance(saved, XentSaved):
-            raise ValueError(f"saved: expected what xent_forward(keep=True) returned, got {type(saved).__name__}")
+            raise ValueError("saved: expected what xent_forward(keep=True) returned, got "
+                             f"{type(saved).__name__}")
         saved.check(h, w, int(chunk))
     dh = np.empty((N, C), np.float32)
     dw = np.empty((V, C), np.float32)

@@ -197,8 +197,9 @@ class Backend(Protocol):
                      keep: bool = False) -> tuple[Array, Array, Array] | tuple[Array, Array, Array, Any]:
         """h (N, C) bf16, w (V, C) bf16, targets (N,) int32 in [0, V), zcoef >= 0 rounded to fp32
         -> loss, lse, ce (N,) fp32: the logits z = h W^T (linear_forward's bits) XENT_CHUNK
-        vocabulary entries at a time, never held whole; lse = logsumexp(z) online over the chunks,
-        ce = lse - z[target], loss = ce + zcoef lse^2 per row (§6.8). The mean is the caller's.
+        vocabulary entries at a time (held whole only to be kept, below); lse = logsumexp(z)
+        online over the chunks, ce = lse - z[target], loss = ce + zcoef lse^2 per row (§6.8). The
+        mean is the caller's.
         keep=True (a forward whose backward follows): a fourth result, `saved`, for xent_backward
         of the same h and w: what the backend kept of the forward to spare work there (cpu_ref:
         the logits, when they fit its budget), or None where it keeps nothing. No bit depends on it."""

@@ -1,5 +1,6 @@
 /* xent.c — fused, vocabulary-chunked cross-entropy + z-loss (CONTRACT.md, "Cross-entropy with
- * z-loss"), forward and backward, without ever holding the (N, V) logits.
+ * z-loss"), forward and backward, chunk by chunk: the (N, V) logits are held whole only when the
+ * forward keeps them for the backward (below).
  *
  *   N = rows (tokens), C = channels (hidden size), V = vocabulary, L = XENT_CHUNK
  *   z[n,v] = sum_{c ascending} h[n,c] w[v,c]        the contract GEMM, i.e. linear_forward's bits
