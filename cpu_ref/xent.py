@@ -37,8 +37,8 @@ XENT_KEEP_BYTES = 256 << 20
 
 # The buffer of the last logits a backward consumed, for the next forward of the same shape: new
 # memory of this size is a fresh mapping each time (above glibc's largest mmap threshold, 32 MiB),
-# whose page faults and zeroing cost about a third of the GEMM it spares (small, one thread). One buffer at most; no value
-# is read from it before the forward writes it, so no bit depends on it.
+# whose page faults and zeroing cost about a third of the GEMM it spares (small, one thread). One
+# buffer at most; no value is read from it before the forward writes it, so no bit depends on it.
 _spare: list = [None]
 _spare_lock = threading.Lock()
 
