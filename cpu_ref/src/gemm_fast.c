@@ -31,7 +31,7 @@
  *      the worker, see 2) is that flush: a tiny result becomes the zero of the true result's
  *      sign, and a result below 2^-126 is exact (§6.1), so detecting tininess after rounding
  *      changes nothing. Any other tile takes the separate multiply and add. The exponent ranges
- *      are read once per packed panel.
+ *      are taken once per packed panel (at the AVX-512 level on the lanes while it is packed).
  *
  * The kernel is written once with GCC/clang vector extensions (the O1B_GEMM_TEMPLATE section at
  * the end of this file, which the file includes again with different parameters) and
@@ -43,8 +43,9 @@
  * Structure (Goto's): for each block of NC columns, for each KC-deep slice of p, B is packed into
  * NR-wide panels (widened to fp32), then for each MC-row block A is packed into MR-high panels,
  * and the micro-kernel runs each MR x NR tile over the slice with its accumulators in registers.
- * Threads take contiguous ranges of row panels (or column panels when rows are few) and pack
- * their own copies, so no thread waits for another.
+ * Threads take contiguous ranges of row panels or of column panels (whichever leaves the
+ * busiest thread less work, its packing included) and pack their own copies, so no thread waits
+ * for another.
  */
 #ifndef O1B_GEMM_TEMPLATE
 
@@ -110,6 +111,11 @@ static erange panel_range(const uint32_t *v, int64_t n) {
 static int fma_guard(erange a, erange b) {
     return !a.special && !b.special && a.emin + b.emin >= 128 && a.emax + b.emax <= 380;
 }
+static erange range_merge(erange a, erange b) {
+    erange r = {a.emin < b.emin ? a.emin : b.emin, a.emax > b.emax ? a.emax : b.emax,
+                a.special | b.special};
+    return r;
+}
 
 /* bf16 bits -> fp32 bits, subnormal -> signed zero (o1b_bf16_to_f32 without the float trip). */
 static inline uint32_t widen(bf16 h) {
@@ -127,14 +133,38 @@ static inline __attribute__((always_inline)) O1B_AVX512 __m512i widen16_avx512(c
     __mmask16 normal = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7F800000));
     return _mm512_mask_mov_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)0x80000000u)), normal, v);
 }
-static O1B_AVX512 int64_t transpose_avx512(uint32_t *d, const bf16 *s, int64_t s_w, int64_t kc,
-                                           int64_t m, int R) {
+/* The exponent range of packed values, kept on the lanes while they are packed: vmax the max
+ * of the exponent bits (v & 0x7F800000), vmin the min of those bits minus 1 as unsigned (a zero
+ * field wraps to the top and drops out). Min and max are exact in any order. */
+typedef struct { __m512i vmin, vmax; } vrange512;
+static inline __attribute__((always_inline)) O1B_AVX512 vrange512 vrange_init_avx512(void) {
+    vrange512 q = {_mm512_set1_epi32(-1), _mm512_setzero_si512()};
+    return q;
+}
+static inline __attribute__((always_inline)) O1B_AVX512 void vrange_add_avx512(vrange512 *q, __m512i v) {
+    __m512i e = _mm512_and_si512(v, _mm512_set1_epi32(0x7F800000));
+    q->vmax = _mm512_max_epu32(q->vmax, e);
+    q->vmin = _mm512_min_epu32(q->vmin, _mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+}
+static inline __attribute__((always_inline)) O1B_AVX512 erange vrange_end_avx512(vrange512 q) {
+    uint32_t lo = (uint32_t)_mm512_reduce_min_epu32(q.vmin) + 1u;
+    uint32_t hi = (uint32_t)_mm512_reduce_max_epu32(q.vmax);
+    erange r = {lo ? (int)(lo >> 23) : 1000, (int)(hi >> 23), (hi >> 23) == 0xFF};
+    return r;
+}
+
+/* Returns how many p it did; with q, also the exponent range of what it packed (the padding
+ * rows are zeros, which the range leaves out). */
+static inline __attribute__((always_inline)) O1B_AVX512 int64_t transpose_avx512(
+        uint32_t *d, const bf16 *s, int64_t s_w, int64_t kc, int64_t m, int R, vrange512 *q) {
     int64_t p = 0;
     for (; p + 16 <= kc; p += 16)
         for (int g = 0; g < R; g += 16) {
             __m512i r[16], t[16];
             for (int k = 0; k < 16; k++)
                 r[k] = g + k < m ? widen16_avx512(s + (g + k) * s_w + p) : _mm512_setzero_si512();
+            if (q)
+                for (int k = 0; k < 16; k++) vrange_add_avx512(q, r[k]);
             for (int k = 0; k < 16; k += 2) {
                 t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
                 t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
@@ -160,16 +190,58 @@ static O1B_AVX512 int64_t transpose_avx512(uint32_t *d, const bf16 *s, int64_t s
         }
     return p;
 }
+/* One panel transposed (m valid rows of R): how many p it did, and in *r the exponent range of
+ * what it packed when r is given. */
+static O1B_AVX512 int64_t transpose_range_avx512(uint32_t *d, const bf16 *s, int64_t s_w, int64_t kc,
+                                                 int64_t m, int R, erange *r) {
+    if (!r) return transpose_avx512(d, s, s_w, kc, m, R, NULL);
+    vrange512 q = vrange_init_avx512();
+    int64_t p = transpose_avx512(d, s, s_w, kc, m, R, &q);
+    *r = vrange_end_avx512(q);
+    return p;
+}
 
-/* Twelve contiguous bf16 at s widened into d[0..11] (an A panel's row when the source runs
- * across the rows: dy in dW = dy^T x); reads exactly 24 bytes. */
-static inline __attribute__((always_inline)) O1B_AVX512 void widen12_avx512(uint32_t *d, const bf16 *s) {
+/* Twelve contiguous bf16 at s widened into lanes 0..11, zeros above (an A panel's row when the
+ * source runs across the rows: dy in dW = dy^T x); reads exactly 24 bytes. */
+static inline __attribute__((always_inline)) O1B_AVX512 __m512i widen12_avx512(const bf16 *s) {
     __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)s)),
                                         _mm_loadl_epi64((const __m128i *)(s + 8)), 1);
     __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
     __mmask16 normal = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7F800000));
-    v = _mm512_mask_mov_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)0x80000000u)), normal, v);
-    _mm512_mask_storeu_epi32(d, 0x0FFF, v);
+    return _mm512_mask_mov_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)0x80000000u)), normal, v);
+}
+
+/* Whole panels of R = 12 or 32 values across, from a source whose panel rows are contiguous
+ * runs (s_w == 1): d[p * R + r] = widen(s[p * s_d + r]), one panel at a time, its exponent range
+ * into rng[panel] when rng is given. Returns how many values across it packed (whole panels). */
+static inline __attribute__((always_inline)) O1B_AVX512 int64_t contig_avx512(
+        uint32_t *dst, const bf16 *src, int64_t s_d, int64_t nw, int64_t kc, int R, erange *rng) {
+    int64_t w0 = 0;
+    if (R != 12 && R != 32) return 0;
+    for (; w0 + R <= nw; w0 += R) {
+        uint32_t *d = dst + w0 * kc;
+        const bf16 *s = src + w0;
+        vrange512 q = vrange_init_avx512();
+        for (int64_t p = 0; p < kc; p++, s += s_d) {
+            if (R == 12) {
+                __m512i v = widen12_avx512(s);
+                _mm512_mask_storeu_epi32(d + p * 12, 0x0FFF, v);
+                if (rng) vrange_add_avx512(&q, v);
+            } else {
+                __m512i v0 = widen16_avx512(s), v1 = widen16_avx512(s + 16);
+                _mm512_storeu_si512(d + p * 32, v0);
+                _mm512_storeu_si512(d + p * 32 + 16, v1);
+                if (rng) { vrange_add_avx512(&q, v0); vrange_add_avx512(&q, v1); }
+            }
+        }
+        if (rng) rng[w0 / R] = vrange_end_avx512(q);
+    }
+    return w0;
+}
+static O1B_AVX512 int64_t contig_pack_avx512(uint32_t *dst, const bf16 *src, int64_t s_d, int64_t nw,
+                                             int64_t kc, int R, erange *rng) {
+    return R == 12 ? contig_avx512(dst, src, s_d, nw, kc, 12, rng)
+         : R == 32 ? contig_avx512(dst, src, s_d, nw, kc, 32, rng) : 0;
 }
 
 #define O1B_AVX2 __attribute__((target("avx2")))
@@ -239,8 +311,8 @@ static void rows_cols_simple(const fast_args *g, int64_t i0, int64_t i1, int64_t
 #define O1B_NC 512
 #define O1B_BCAST(s) ((vf)_mm512_set1_ps(s))
 #define O1B_FMA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
-#define O1B_TRANSPOSE transpose_avx512
-#define O1B_WIDEN12 widen12_avx512
+#define O1B_TRANSPOSE_RANGE transpose_range_avx512
+#define O1B_CONTIG_RANGE contig_pack_avx512
 #include "gemm_fast.c"
 
 /* FMA3 is its own CPUID flag: the AVX2 level's fused path runs only where the CPU reports it. */
@@ -315,16 +387,16 @@ typedef int32_t FN(vi_t) __attribute__((vector_size(O1B_W * 4)));
 #define vf FN(vf_t)
 #define vi FN(vi_t)
 
-/* One MR x NR tile of C over kc steps of p: a is the packed A panel (kc x MR), b the packed B
- * panel (kc x NR). load_c: start from C (the accumulated input, or the partial sum of the
- * previous depth blocks); flush_c: flush C as it is loaded (the accumulate input); final: store
- * with the NaN canonicalized. */
-static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float *restrict b,
-                               float *restrict c, int64_t ldc, int load_c, int flush_c, int final,
-                               int fused) {
+/* The first `rows` rows (MR, or fewer for the last row panel) of an MR x NR tile of C over kc
+ * steps of p: a is the packed A panel (kc x MR), b the packed B panel (kc x NR). load_c: start
+ * from C (the accumulated input, or the partial sum of the previous depth blocks); flush_c: flush
+ * C as it is loaded (the accumulate input); final: store with the NaN canonicalized. */
+static inline __attribute__((always_inline)) O1B_TGT void FN(tile)(
+        int64_t kc, const float *restrict a, const float *restrict b, float *restrict c, int64_t ldc,
+        int load_c, int flush_c, int final, int fused, const int rows) {
     vf acc[O1B_MR][O1B_NV];
 #pragma GCC unroll 16
-    for (int r = 0; r < O1B_MR; r++)
+    for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < O1B_NV; v++) {
             if (load_c) {
@@ -347,7 +419,7 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
 #pragma GCC unroll 4
             for (int v = 0; v < O1B_NV; v++) memcpy(&bv[v], b + p * NR + v * O1B_W, sizeof(vf));
 #pragma GCC unroll 16
-            for (int r = 0; r < O1B_MR; r++) {
+            for (int r = 0; r < rows; r++) {
                 vf av = O1B_BCAST(a[p * O1B_MR + r]);
 #pragma GCC unroll 4
                 for (int v = 0; v < O1B_NV; v++) acc[r][v] = O1B_FMA(av, bv[v], acc[r][v]);
@@ -360,7 +432,7 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
 #pragma GCC unroll 4
         for (int v = 0; v < O1B_NV; v++) memcpy(&bv[v], b + p * NR + v * O1B_W, sizeof(vf));
 #pragma GCC unroll 16
-        for (int r = 0; r < O1B_MR; r++) {
+        for (int r = 0; r < rows; r++) {
             vf av = O1B_BCAST(a[p * O1B_MR + r]);
 #pragma GCC unroll 4
             for (int v = 0; v < O1B_NV; v++) acc[r][v] = acc[r][v] + av * bv[v];  /* mul, then add */
@@ -368,7 +440,7 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
     }
     (void)fused;
 #pragma GCC unroll 16
-    for (int r = 0; r < O1B_MR; r++)
+    for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < O1B_NV; v++) {
             vf x = acc[r][v];
@@ -378,6 +450,24 @@ static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float 
             }
             memcpy(c + r * ldc + v * O1B_W, &x, sizeof x);
         }
+}
+
+static O1B_TGT void FN(kernel)(int64_t kc, const float *restrict a, const float *restrict b,
+                               float *restrict c, int64_t ldc, int load_c, int flush_c, int final,
+                               int fused) {
+    FN(tile)(kc, a, b, c, ldc, load_c, flush_c, final, fused, O1B_MR);
+}
+/* A last row panel with at most 4 (8) valid rows computes 4 (8) rows, not MR; each row's lanes do
+ * what they do in the full kernel. */
+static O1B_TGT void FN(kernel4)(int64_t kc, const float *restrict a, const float *restrict b,
+                                float *restrict c, int64_t ldc, int load_c, int flush_c, int final,
+                                int fused) {
+    FN(tile)(kc, a, b, c, ldc, load_c, flush_c, final, fused, 4);
+}
+static O1B_TGT void FN(kernel8)(int64_t kc, const float *restrict a, const float *restrict b,
+                                float *restrict c, int64_t ldc, int load_c, int flush_c, int final,
+                                int fused) {
+    FN(tile)(kc, a, b, c, ldc, load_c, flush_c, final, fused, O1B_MR < 8 ? O1B_MR : 8);
 }
 
 /* panel_range at this level's width: the min of the nonzero exponent fields (a zero field
@@ -408,22 +498,23 @@ static O1B_TGT erange FN(range)(const uint32_t *v, int64_t n) {
 }
 
 /* Pack an (nw x kc) block of an operand into panels R values across and kc deep:
- *   dst[(w / R) * kc * R + p * R + w % R] = widen(src[w * s_w + p * s_d]),  zeros for w >= nw.
+ *   dst[(w / R) * kc * R + p * R + w % R] = widen(src[w * s_w + p * s_d]),  zeros for w >= nw,
+ * and, when rng is given, each panel's exponent range (panel_range) into rng[w / R].
  * src points at element (w, p) = (0, 0) of the block. Called with a constant R, so the inner
  * loops are unrolled and vectorized for this level's target. */
 static inline __attribute__((always_inline)) O1B_TGT void FN(pack)(
         uint32_t *restrict dst, const bf16 *restrict src, int64_t s_w, int64_t s_d, int64_t nw,
-        int64_t kc, const int R) {
-    int64_t full = nw / R * R, rn = nw - full;
+        int64_t kc, const int R, erange *rng) {
+    int64_t full = nw / R * R, rn = nw - full, ranged = 0;
     if (s_w == 1) {                     /* each p is a contiguous run across the block */
+        int64_t w1 = 0;                 /* whole panels packed (and ranged) already */
+#ifdef O1B_CONTIG_RANGE
+        w1 = O1B_CONTIG_RANGE(dst, src, s_d, full, kc, R, rng);
+        ranged = w1;
+#endif
         for (int64_t p = 0; p < kc; p++) {
             const bf16 *sp = src + p * s_d;
-#ifdef O1B_WIDEN12
-            if (R == 12) {
-                for (int64_t w0 = 0; w0 < full; w0 += R) O1B_WIDEN12(dst + w0 * kc + p * R, sp + w0);
-            } else
-#endif
-            for (int64_t w0 = 0; w0 < full; w0 += R) {
+            for (int64_t w0 = w1; w0 < full; w0 += R) {
                 uint32_t *dp = dst + w0 * kc + p * R;
                 for (int r = 0; r < R; r++) dp[r] = widen(sp[w0 + r]);
             }
@@ -432,27 +523,40 @@ static inline __attribute__((always_inline)) O1B_TGT void FN(pack)(
                 for (int r = 0; r < R; r++) dp[r] = r < rn ? widen(sp[full + r]) : 0;
             }
         }
+    } else {
+        for (int64_t w0 = 0; w0 < nw; w0 += R) {   /* one panel at a time, source rows along p */
+            int64_t m = nw - w0 < R ? nw - w0 : R;
+            uint32_t *d = dst + w0 * kc;
+            const bf16 *s = src + w0 * s_w;
+            int64_t p0 = 0;
+#if defined(O1B_TRANSPOSE_RANGE)
+            if (s_d == 1) {
+                erange head;
+                p0 = O1B_TRANSPOSE_RANGE(d, s, s_w, kc, m, R, rng ? &head : NULL);
+                for (int64_t p = p0; p < kc; p++)
+                    for (int r = 0; r < R; r++) d[p * R + r] = r < m ? widen(s[r * s_w + p * s_d]) : 0;
+                if (rng) rng[w0 / R] = range_merge(head, FN(range)(d + p0 * R, (kc - p0) * R));
+                continue;
+            }
+#elif defined(O1B_TRANSPOSE)
+            if (s_d == 1) p0 = O1B_TRANSPOSE(d, s, s_w, kc, m, R);
+#endif
+            for (int64_t p = p0; p < kc; p++)
+                for (int r = 0; r < R; r++) d[p * R + r] = r < m ? widen(s[r * s_w + p * s_d]) : 0;
+            if (rng) rng[w0 / R] = FN(range)(d, kc * R);
+        }
         return;
     }
-    for (int64_t w0 = 0; w0 < nw; w0 += R) {   /* one panel at a time, source rows along p */
-        int64_t m = nw - w0 < R ? nw - w0 : R;
-        uint32_t *d = dst + w0 * kc;
-        const bf16 *s = src + w0 * s_w;
-        int64_t p0 = 0;
-#ifdef O1B_TRANSPOSE
-        if (s_d == 1) p0 = O1B_TRANSPOSE(d, s, s_w, kc, m, R);
-#endif
-        for (int64_t p = p0; p < kc; p++)
-            for (int r = 0; r < R; r++) d[p * R + r] = r < m ? widen(s[r * s_w + p * s_d]) : 0;
-    }
+    if (rng)                            /* the panels not ranged while packed */
+        for (int64_t w0 = ranged; w0 < nw; w0 += R) rng[w0 / R] = FN(range)(dst + w0 * kc, kc * R);
 }
 static O1B_TGT void FN(pack_a)(uint32_t *dst, const bf16 *src, int64_t s_w, int64_t s_d,
-                               int64_t nw, int64_t kc) {
-    FN(pack)(dst, src, s_w, s_d, nw, kc, O1B_MR);
+                               int64_t nw, int64_t kc, erange *rng) {
+    FN(pack)(dst, src, s_w, s_d, nw, kc, O1B_MR, rng);
 }
 static O1B_TGT void FN(pack_b)(uint32_t *dst, const bf16 *src, int64_t s_w, int64_t s_d,
-                               int64_t nw, int64_t kc) {
-    FN(pack)(dst, src, s_w, s_d, nw, kc, NR);
+                               int64_t nw, int64_t kc, erange *rng) {
+    FN(pack)(dst, src, s_w, s_d, nw, kc, NR, rng);
 }
 
 /* Rows [i0, i1) x columns [j0, j1) of C, every p. */
@@ -483,15 +587,12 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
             int64_t kc = g->P - pc < O1B_KC ? g->P - pc : O1B_KC;
             int load_c = g->accumulate || pc > 0, flush_c = g->accumulate && pc == 0;
             int final = pc + kc == g->P;
-            FN(pack_b)(pb, g->B + pc * g->sb_p + jc * g->sb_j, g->sb_j, g->sb_p, nc, kc);
-            if (use_fma)
-                for (int64_t jr = 0; jr < nc; jr += NR) rb[jr / NR] = FN(range)(pb + jr * kc, NR * kc);
+            FN(pack_b)(pb, g->B + pc * g->sb_p + jc * g->sb_j, g->sb_j, g->sb_p, nc, kc,
+                       use_fma ? rb : NULL);
             for (int64_t ic = i0; ic < i1; ic += MC) {
                 int64_t mc = i1 - ic < MC ? i1 - ic : MC;
-                FN(pack_a)(pa, g->A + ic * g->sa_i + pc * g->sa_p, g->sa_i, g->sa_p, mc, kc);
-                if (use_fma)
-                    for (int64_t ir = 0; ir < mc; ir += O1B_MR)
-                        ra[ir / O1B_MR] = FN(range)(pa + ir * kc, O1B_MR * kc);
+                FN(pack_a)(pa, g->A + ic * g->sa_i + pc * g->sa_p, g->sa_i, g->sa_p, mc, kc,
+                           use_fma ? ra : NULL);
                 for (int64_t jr = 0; jr < nc; jr += NR) {
                     int64_t nr = nc - jr < NR ? nc - jr : NR;
                     const float *bp = (const float *)(pb + jr * kc);
@@ -507,7 +608,12 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
                             if (load_c)
                                 for (int64_t r = 0; r < mr; r++)
                                     memcpy(tile + r * NR, c + r * g->ldc, (size_t)nr * 4);
-                            FN(kernel)(kc, ap, bp, tile, NR, load_c, flush_c, final, fused);
+                            if (mr <= 4 && O1B_MR > 4)
+                                FN(kernel4)(kc, ap, bp, tile, NR, load_c, flush_c, final, fused);
+                            else if (mr <= 8 && O1B_MR > 8)
+                                FN(kernel8)(kc, ap, bp, tile, NR, load_c, flush_c, final, fused);
+                            else
+                                FN(kernel)(kc, ap, bp, tile, NR, load_c, flush_c, final, fused);
                             for (int64_t r = 0; r < mr; r++)
                                 memcpy(c + r * g->ldc, tile + r * NR, (size_t)nr * 4);
                         }
@@ -533,15 +639,31 @@ static void FN(worker)(void *ctx, int64_t lo, int64_t hi) {
     o1b_fpmode_restore(mode);
 }
 
+/* The work of the busiest thread when the parallel index runs over row panels (split_rows) or
+ * column panels, in multiply-adds per p: its tiles, plus its packing (each thread packs the B
+ * columns and the A rows of its own range, A once per NC columns), a packed value counted as
+ * O1B_W multiply-adds (about the ratio of their costs). *grain: the parallel_for grain. */
+static int64_t FN(split_cost)(const fast_args *g, int split_rows, int64_t nt, int64_t *grain) {
+    int64_t n = split_rows ? (g->I + O1B_MR - 1) / O1B_MR : (g->J + NR - 1) / NR;
+    int64_t per_unit = (split_rows ? O1B_MR * g->J : NR * g->I) * g->P;
+    *grain = 1 + (int64_t)O1B_GEMM_GRAIN / (per_unit > 0 ? per_unit : 1);
+    int64_t threads = n / *grain < nt ? n / *grain : nt;
+    if (threads < 1) threads = 1;
+    int64_t units = (n + threads - 1) / threads;
+    int64_t rows = split_rows ? units * O1B_MR : g->I, cols = split_rows ? g->J : units * NR;
+    if (rows > g->I) rows = g->I;
+    if (cols > g->J) cols = g->J;
+    return rows * cols + O1B_W * (cols + rows * ((cols + NC - 1) / NC));
+}
+
 static void FN(run)(fast_args *g) {
-    int64_t row_panels = (g->I + O1B_MR - 1) / O1B_MR, col_panels = (g->J + NR - 1) / NR;
-    int64_t nt = o1b_get_num_threads();
-    /* Split rows unless there are too few row panels to go round and more column panels. */
-    g->split_rows = row_panels >= 4 * nt || row_panels >= col_panels;
-    int64_t n = g->split_rows ? row_panels : col_panels;
-    int64_t per_unit = (g->split_rows ? O1B_MR * g->J : NR * g->I) * g->P;
-    int64_t grain = 1 + (int64_t)O1B_GEMM_GRAIN / (per_unit > 0 ? per_unit : 1);
-    o1b_parallel_for(n, grain, FN(worker), g);
+    int64_t nt = o1b_get_num_threads(), grain_rows, grain_cols;
+    /* Split the way that leaves the busiest thread the least work; rows on a tie. */
+    int64_t by_rows = FN(split_cost)(g, 1, nt, &grain_rows);
+    int64_t by_cols = FN(split_cost)(g, 0, nt, &grain_cols);
+    g->split_rows = by_rows <= by_cols;
+    int64_t n = g->split_rows ? (g->I + O1B_MR - 1) / O1B_MR : (g->J + NR - 1) / NR;
+    o1b_parallel_for(n, g->split_rows ? grain_rows : grain_cols, FN(worker), g);
 }
 
 #undef vf
@@ -561,5 +683,6 @@ static void FN(run)(fast_args *g) {
 #undef O1B_FMA
 #undef O1B_FMA_OK
 #undef O1B_TRANSPOSE
-#undef O1B_WIDEN12
+#undef O1B_TRANSPOSE_RANGE
+#undef O1B_CONTIG_RANGE
 #endif

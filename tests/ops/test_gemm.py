@@ -54,10 +54,12 @@ def check_all_configs(x, w, dy, what=""):
 
 # Shapes (N, K, M): degenerate, odd, none a multiple of any tile (MR 12/6, NR 32/16/8, KC 512),
 # depth above one KC block, a column-split case (few rows, many columns), and medium ones big
-# enough that two threads really split the work (the last is a training shape, shrunk).
+# enough that two threads really split the work (1024 x 512 x 704 is a training shape, shrunk;
+# 160 x 704 x 256 and 300 x 700 x 40 have last row panels of 4 rows and split dW and dx by
+# columns at two threads, as the small preset's FFN down projection does).
 SHAPES = [(1, 1, 1), (1, 7, 1), (3, 1, 5), (37, 53, 19), (13, 600, 33), (65, 97, 129),
           (130, 1030, 41), (1100, 160, 200), (20, 600, 2000), (300, 520, 260), (512, 384, 320),
-          (1024, 512, 704)]
+          (1024, 512, 704), (160, 704, 256), (300, 700, 40)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -187,3 +187,100 @@ def test_switch_off_takes_no_fused_tile():
         _set_fma(1)
     assert_bits_equal(gemm(A, B), want, "fused path on")
     assert (_fma_tiles(1) > 0) == HAS_FUSED
+
+
+# ---- the exponent ranges behind the guard, through every packing ----
+# An operand reaches the kernel through one of three packings: each p of a panel a contiguous
+# run in memory ("across": dy and x in dW = dy^T x, W in dx = dy W), each row of a panel a
+# contiguous run along p ("along": x and W in y = x W^T, dy in dx), or neither ("strided"). The
+# AVX-512 level takes a panel's exponent range on the lanes while it packs the first two. The
+# number of tiles that take the fused path must be the guard's count over the panels' true
+# ranges, whatever the layout, thread count or split.
+TILES = {2: (12, 32), 1: (6, 16)}              # (MR, NR) of the levels with a fused path
+
+
+def laid_out(M, layout):
+    """The logical operand M (panel index w, p) as a buffer and its strides (s_w, s_p)."""
+    W_, P_ = M.shape
+    if layout == "along":
+        return np.ascontiguousarray(M), P_, 1
+    if layout == "across":
+        return np.ascontiguousarray(M.T), 1, W_
+    buf = np.zeros((P_, 2 * W_ + 3), np.uint16)          # strided: w 2 apart, p 2 W + 3 apart
+    buf[:, 0:2 * W_:2] = M.T
+    return buf, 2, 2 * W_ + 3
+
+
+def panel_ranges(M, R):
+    """{(panel, depth slice): (min, max of the nonzero exponent fields, any inf or NaN)}."""
+    e = (M.astype(np.int64) >> 7) & 0xFF
+    out = {}
+    for q in range(-(-M.shape[0] // R)):
+        for s in range(-(-M.shape[1] // KC)):
+            blk = e[q * R:(q + 1) * R, s * KC:(s + 1) * KC]
+            nz = blk[blk != 0]
+            out[q, s] = (int(nz.min()) if nz.size else 1000, int(nz.max()) if nz.size else 0,
+                         bool((blk == 255).any()))
+    return out
+
+
+def guard_count(A, Bt, mr, nr):
+    ra, rb = panel_ranges(A, mr), panel_ranges(Bt, nr)
+    return sum(not a[2] and not b[2] and a[0] + b[0] >= 128 and a[1] + b[1] <= 380
+               for (qa, sa), a in ra.items() for (qb, sb), b in rb.items() if sa == sb)
+
+
+def with_outliers(rng, rows, R):
+    """bf16 (rows, P) with exponents 120..130, a tenth zeros or subnormals, and in 40% of the
+    (panel, slice) blocks one outlier (exponent 1..8 or 251..254, or inf or NaN) at a lane and
+    a p where a range taken by whole vectors could miss it: the first and last lanes, lanes 15
+    and 16, the first and last p of the slice, p at a multiple of 16 and just before it, and the
+    p past the last whole 16."""
+    e = rng.integers(120, 131, (rows, P))
+    M = ((rng.integers(0, 2, (rows, P)) << 15) | (e << 7) | rng.integers(0, 128, (rows, P))).astype(np.uint16)
+    small = rng.random((rows, P)) < 0.1
+    M[small] = (rng.integers(0, 2, int(small.sum())) << 15) | rng.integers(0, 128, int(small.sum()))
+    for q in range(-(-rows // R)):
+        lanes = sorted({q * R + l for l in (0, R - 1, 15, 16, int(rng.integers(R))) if q * R + l < min(rows, (q + 1) * R)})
+        for s in range(-(-P // KC)):
+            p0, p1 = s * KC, min(P, (s + 1) * KC)
+            ps = [p0, p1 - 1, p0 + 15, p0 + 16, p1 - 1 - int(rng.integers((p1 - p0) % 16 or 1)),
+                  int(rng.integers(p0, p1))]
+            kind = rng.choice(4, p=[0.6, 0.15, 0.15, 0.1])
+            if kind == 0:
+                continue
+            i, p = int(rng.choice(lanes)), int(rng.choice([p for p in ps if p0 <= p < p1]))
+            ex = {1: int(rng.integers(1, 9)), 2: int(rng.integers(251, 255)), 3: 255}[int(kind)]
+            M[i, p] = (int(M[i, p]) & 0x807F) | (ex << 7) | (0x40 if ex == 255 and rng.random() < 0.5 else 0)
+    return M
+
+
+@pytest.mark.parametrize("b_layout", ["across", "along", "strided"])
+@pytest.mark.parametrize("a_layout", ["across", "along", "strided"])
+def test_fused_tiles_follow_the_panel_ranges(a_layout, b_layout):
+    levels = [lv for lv in LEVELS if lv in FUSED_LEVELS]
+    if not levels:
+        pytest.skip("no fused path at this machine's SIMD levels")
+    for seed in range(3):
+        for lv in levels:
+            mr, nr = TILES[lv]
+            I_, J_ = 5 * mr + 4, 5 * nr + 7            # a last row panel of 4 rows, of 7 columns
+            rng = np.random.default_rng(100 * seed + 10 * lv + len(a_layout + b_layout))
+            A, Bt = with_outliers(rng, I_, mr), with_outliers(rng, J_, nr)
+            (a, sa_w, sa_p), (b, sb_w, sb_p) = laid_out(A, a_layout), laid_out(Bt, b_layout)
+            want = guard_count(A, Bt, mr, nr)
+            assert 0 < want < (I_ // mr + 1) * (J_ // nr + 1) * 2, want    # both paths occur
+            ref = None
+            for th in (1, 2, 3):
+                out = np.zeros((I_, J_), np.float32)
+                args = (I_, J_, P, a.ctypes.data, sa_w, sa_p, b.ctypes.data, sb_p, sb_w, out.ctypes.data, J_, 0)
+                with C.settings(simd=lv, threads=th):
+                    _fma_tiles(1)
+                    _gemm(*args)
+                    got = _fma_tiles(1)
+                if ref is None:
+                    ref = np.zeros_like(out)
+                    with C.settings(gemm_fast=False):
+                        _gemm(*args[:-3], ref.ctypes.data, J_, 0)
+                assert got == want, (seed, lv, th, got, want)
+                assert_bits_equal(out, ref, f"seed {seed}, level {lv}, threads {th}")
