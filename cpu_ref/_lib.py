@@ -40,6 +40,31 @@ def declare(name: str, *argtypes, restype=None):
     return fn
 
 
+def _data_reader():
+    """A function reading an ndarray's data pointer from its C struct (numpy's `char *data`, the
+    first field after the object header: numpy's C API, PyArray_DATA), or None where that does not
+    give what a.ctypes.data gives for a few arrays (views at an offset, zero-size, read-only,
+    reversed). a.ctypes.data builds a ctypes object per call (about a microsecond); the kernels
+    take thousands of pointers a step."""
+    field = ctypes.c_void_p.from_address
+    offset = object.__basicsize__
+
+    def data(a: np.ndarray) -> int:
+        return field(id(a) + offset).value or 0
+
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    probes = (base, base[1:], base[2:, 3:], base.reshape(-1)[5:7], np.empty(0, np.uint16), ro, base[::-1],
+              np.zeros((2, 3), np.int8).T)
+    if all(data(a) == (a.ctypes.data or 0) for a in probes):
+        return data
+    return None
+
+
+_data = _data_reader()
+
+
 def p(a: np.ndarray | None):
     """The data pointer of a checked array (None -> NULL)."""
     if a is None:
@@ -47,7 +72,7 @@ def p(a: np.ndarray | None):
     if not isinstance(a, np.ndarray):
         raise ValueError(f"cpu_ref works on numpy arrays, got {type(a).__module__}.{type(a).__name__} "
                          "(move it with mlx_open1b.arrays.to_host)")
-    return a.ctypes.data
+    return _data(a) if _data is not None else a.ctypes.data
 
 
 set_num_threads_c = declare("o1b_set_num_threads", c_int)

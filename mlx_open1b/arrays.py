@@ -14,6 +14,8 @@ the kind allows it.)
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 # mlx and cupy are optional (the metal and cuda backends'): imported where an array of their kind is made
@@ -173,11 +175,20 @@ def copy(a):
 class FlatBuffer:
     """A flat buffer of kind k assembled from pieces written at offsets, every element exactly once
     (checked): written in place for numpy and cupy, joined in offset order for mx.arrays (which
-    cannot be written through views)."""
+    cannot be written through views). `out`: a numpy buffer of n elements of dtype dt to write into
+    instead of a new one (BufferPool's); its old values are never read, as every element is
+    written."""
 
-    def __init__(self, n: int, dt, k: str):
+    def __init__(self, n: int, dt, k: str, out: np.ndarray | None = None):
         self.n, self.dt, self.kind = int(n), np.dtype(dt), k
-        self.buf = module(k).empty(self.n, self.dt) if k in (NUMPY, CUPY, SHAPE) else None
+        if out is not None and not (k == NUMPY and kind(out) == NUMPY and out.dtype == self.dt
+                                    and out.shape == (self.n,) and out.flags.c_contiguous and out.flags.writeable):
+            raise AssertionError(f"FlatBuffer: out must be a writable C-contiguous numpy ({self.n},) {self.dt} "
+                                 f"buffer in a numpy FlatBuffer, got {type(out).__name__} for kind {k}")
+        if out is not None:
+            self.buf = out
+        else:
+            self.buf = module(k).empty(self.n, self.dt) if k in (NUMPY, CUPY, SHAPE) else None
         self.pieces: list = []
 
     def write(self, offset: int, values) -> None:
@@ -202,6 +213,52 @@ class FlatBuffer:
         if not self.pieces:
             return from_host(np.empty(0, self.dt), self.kind)
         return concat([p for _, _, p in self.pieces])
+
+
+def _refs(held: list, i: int) -> int:
+    """The reference count of held[i] as seen from here (BufferPool's test, calibrated through this
+    same function so that the interpreter's own temporary references cancel out)."""
+    return sys.getrefcount(held[i])
+
+
+class BufferPool:
+    """Host (numpy) buffers of n elements of dtype dt, given back by whoever is done with one and
+    handed out again by take() instead of a new allocation: a fresh buffer of the size of a model's
+    gradient costs a page fault per page (and the kernel's zeroing of it) every time it is made.
+
+    A buffer is handed out only when the pool's own reference is the only one left: its reference
+    count says so (every view, memoryview or slice of it holds a reference to it through its base, and
+    so does a thread that still reads it, e.g. the background hashing). So a buffer given back too
+    early is not written while anything can still read it; it waits in the pool until it is free,
+    and take() makes a new buffer meanwhile. At most `keep` buffers wait; what does not fit, or is
+    not a whole owned numpy buffer of the pool's size and dtype, is not kept."""
+
+    def __init__(self, n: int, dt, keep: int = 8):
+        self.n, self.dt, self.keep = int(n), np.dtype(dt), int(keep)
+        self._held: list = []
+        self._alone = _refs([np.empty(0)], 0)      # the count of an array that only a list holds
+        self.made = self.reused = 0                # counters, for tests and benchmarks
+
+    def give(self, a) -> None:
+        """Give back a buffer its holder is done with (it may still be read elsewhere: see above)."""
+        if (kind(a) != NUMPY or a.dtype != self.dt or a.shape != (self.n,) or a.base is not None
+                or not a.flags.owndata or not a.flags.writeable or len(self._held) >= self.keep
+                or any(b is a for b in self._held)):
+            return
+        self._held.append(a)
+
+    def take(self) -> np.ndarray:
+        """A buffer that nothing else references (its old values are garbage), or a new one."""
+        for i in range(len(self._held)):
+            if _refs(self._held, i) == self._alone:
+                self.reused += 1
+                return self._held.pop(i)
+        self.made += 1
+        return np.empty(self.n, self.dt)
+
+    def waiting(self) -> int:
+        """Buffers in the pool (free or still referenced elsewhere)."""
+        return len(self._held)
 
 
 # ------------------------------------------- a backend's update ops, in place where the kind allows

@@ -244,6 +244,9 @@ class Model:
         self.windows = [cfg.layer_window(l) for l in range(cfg.n_layers)]
         self._kind = arrays.NUMPY        # the kind of the params of the current call (_put)
         self._tables = {arrays.NUMPY: (self.rope_cos, self.rope_sin)}
+        # where numpy gradient buffers come from: an arrays.BufferPool that the trainer gives spent
+        # ones back to (its fold's consumed operands), or None: a new buffer per backward
+        self.grad_buffers: arrays.BufferPool | None = None
 
     def _put(self, a: np.ndarray):
         """Host data (token ids, dloss) in the kind of the current call's params."""
@@ -446,7 +449,7 @@ class Model:
         ops, cfg = self.ops, self.cfg
         self._kind = arrays.kind(params)
         w = views(params, self.layout)
-        grads = _Grads(self.layout, self._kind)    # every element is written below, exactly once
+        grads = _Grads(self.layout, self._kind, self.grad_buffers)    # every element is written below, exactly once
         N = c.B * c.T
         dloss = self._put(np.full(N, reciprocal(N), np.float32))       # d(mean)/d(loss row)
         saved, c.xent_saved = c.xent_saved, None    # used once, and released before the blocks' backward
@@ -500,10 +503,12 @@ class Model:
 
 class _Grads(arrays.FlatBuffer):
     """The fp32 gradient buffer in the parameter layout, written tensor by tensor (grads[name] =
-    array of the tensor's shape) or by range (write(offset, array))."""
+    array of the tensor's shape) or by range (write(offset, array)); a numpy one taken from `pool`
+    when one is given."""
 
-    def __init__(self, layout: ParamLayout, k: str):
-        super().__init__(layout.n_params, np.float32, k)
+    def __init__(self, layout: ParamLayout, k: str, pool: arrays.BufferPool | None = None):
+        out = pool.take() if pool is not None and k == arrays.NUMPY else None
+        super().__init__(layout.n_params, np.float32, k, out)
         self.layout = layout
 
     def __setitem__(self, name: str, value) -> None:

@@ -30,15 +30,10 @@ FUNCTIONS = ("exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu", "sq
 # ------------------------------------------------------------------ argument primitives
 def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int | None = None) -> np.ndarray:
     """Validate one array argument; shape entries of None match any size."""
-    if not arrays.is_array(a):
-        raise ValueError(f"{name}: expected an array (numpy, mx.array or cupy), got {type(a).__name__}")
-    got = arrays.dtype(a)
-    if got != dtype:
-        hint = " (bf16 is held as uint16)" if dtype == BF16 else ""
-        raise ValueError(f"{name}: expected dtype {dtype}{hint}, got {got}")
-    if not arrays.c_contiguous(a):
-        mod = "cupy" if arrays.kind(a) == arrays.CUPY else "np"
-        raise ValueError(f"{name}: must be C-contiguous (use {mod}.ascontiguousarray)")
+    # a C-contiguous numpy array of the dtype (nearly every call: thousands a step) passes the
+    # first three checks at once; anything else takes them one by one
+    if not (type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous):
+        _check_kind(name, a, dtype)
     if ndim is None and shape is not None:
         ndim = len(shape)
     if ndim is not None and a.ndim != ndim:
@@ -49,6 +44,19 @@ def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int |
                 raise ValueError(f"{name}: dimension {axis} is {got}, expected {want} "
                                  f"(shape {a.shape}, expected {tuple('*' if s is None else s for s in shape)})")
     return a
+
+
+def _check_kind(name: str, a, dtype: np.dtype) -> None:
+    """check's array kind, dtype and C-contiguity, one by one."""
+    if not arrays.is_array(a):
+        raise ValueError(f"{name}: expected an array (numpy, mx.array or cupy), got {type(a).__name__}")
+    got = arrays.dtype(a)
+    if got != dtype:
+        hint = " (bf16 is held as uint16)" if dtype == BF16 else ""
+        raise ValueError(f"{name}: expected dtype {dtype}{hint}, got {got}")
+    if not arrays.c_contiguous(a):
+        mod = "cupy" if arrays.kind(a) == arrays.CUPY else "np"
+        raise ValueError(f"{name}: must be C-contiguous (use {mod}.ascontiguousarray)")
 
 
 def writable(name: str, a: np.ndarray) -> np.ndarray:

@@ -58,10 +58,13 @@ class TreeFold:
     them that waits is asked back as soon as a push returns, under the next microbatch's compute,
     and while one is added the next is on its way. The last two pushes park nothing (the sum reads
     what they would park at once). Only where an operand waits changes: the adds, their operands
-    and their order, so every bit, are the same."""
+    and their order, so every bit, are the same.
 
-    def __init__(self, add, park=None, unpark=None, *, parking=None, pushes: int | None = None):
-        self.add, self.stack = add, []
+    release (optional): called with each operand an in-place add has consumed (its values now
+    counted in the entry it was added into; the fold holds it no more), e.g. BufferPool.give."""
+
+    def __init__(self, add, park=None, unpark=None, *, parking=None, pushes: int | None = None, release=None):
+        self.add, self.stack, self.release = add, [], release
         self.parking = parking if parking is not None else None if park is None else _Calls(park, unpark)
         self.pushes, self._pushed = pushes, 0
         self._parked: list[bool] = []       # per stack entry: it waits parked
@@ -91,7 +94,11 @@ class TreeFold:
 
     def _sum(self, lower, v):
         r = self.add(lower, v)
-        return lower if r is None else r
+        if r is None or r is lower:         # added in place: v is spent
+            if self.release is not None:
+                self.release(v)
+            return lower
+        return r
 
     def push(self, v: np.ndarray, level: int = 0) -> None:
         """Push the next value in index order; a value at level L stands for an aligned block of
@@ -204,9 +211,9 @@ def tensor_views(shapes, buf, lo: int = 0) -> Iterator[tuple]:
     the buffer (all of it by default): the view is the tensor's elements in `buf`, from its element
     `at` — the whole tensor (at 0) unless an owner's range cuts it (distributed/sharding.py)."""
     hi, offs = lo + buf.shape[0], 0
-    end = sum(int(np.prod(s)) for _, s, _ in shapes)
+    end = sum(math.prod(s) for _, s, _ in shapes)
     for name, shape, decayed in shapes:
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         a, b = max(offs, lo), min(offs + n, hi)
         if a < b or (n == 0 and lo <= offs and (offs < hi or offs == hi == end)):
             yield name, shape, decayed, a - offs, buf[a - lo:b - lo]
@@ -333,6 +340,9 @@ def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
               "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
               "spike": spike, "microbatches": M, "hashes": {"batch": batch_hash}}
     _gnmr_end(tr, partials, st.consumed, record)        # every process: the same inputs, the same decisions
+    pool = _grad_pool(tr)
+    if pool is not None:        # the step is done with its fold's sum; its hash may still read it (the pool waits)
+        pool.give(total)
     return PendingHashes(record, reduce, grads_hashing, state_hashing, counters)
 
 
@@ -343,9 +353,13 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
     # on a device with memory of its own, what waits idle waits on the host: the fold's high levels
     # (TreeFold) and each run's partial while the later runs are computed
     park = _parking(tr) if arrays.own_memory(params) else None
+    # on the host, the gradient buffers the folds consume go back to the model's pool for the next
+    # microbatches' gradients
+    pool = None if park else _grad_pool(tr)
     try:
         for k, (start, n) in enumerate(blocks):
-            fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n)
+            fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n,
+                            release=None if pool is None else pool.give)
             for i in range(start, start + n):
                 loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
                 scalars[i] = (loss, ce, zl)
@@ -362,6 +376,20 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
         raise
     _spent(tr.timing, "compute", t0)
     return parts, scalars
+
+
+def _grad_pool(tr) -> arrays.BufferPool | None:
+    """The pool the model takes its numpy gradient buffers from (arrays.BufferPool), set up on first
+    use; None where the trainer recycles none (Trainer.recycle_grads) or the params are not numpy."""
+    model = tr.model
+    if not getattr(tr, "recycle_grads", False) or arrays.kind(tr.state.params) != arrays.NUMPY:
+        if getattr(model, "grad_buffers", None) is not None:
+            model.grad_buffers = None
+        return None
+    pool = getattr(model, "grad_buffers", None)
+    if pool is None and hasattr(model, "n_params"):
+        pool = model.grad_buffers = arrays.BufferPool(model.n_params, np.float32)
+    return pool
 
 
 def _parking(tr) -> Parking:
@@ -491,7 +519,7 @@ def piece_digests(items) -> dict:
     sharding.ALIGN), in the order of the items. join_digests joins every owner's."""
     whole, out = [], {}
     for name, shape, dn, at, a in items:
-        if at == 0 and a.size == int(np.prod(shape)):
+        if at == 0 and a.size == math.prod(shape):
             whole.append((name, a.reshape(shape), dn))
             out[name] = None
         else:

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import __version__, arrays
+from . import __version__, arrays, host_malloc
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .contract import CONTRACT_VERSION
@@ -161,6 +161,7 @@ class Trainer:
     recompute_blocks = False
 
     def _build_model(self) -> None:
+        host_malloc.tune()          # a step's host arrays reuse the previous step's memory (no bits change)
         self.model = Model(self.model_cfg, self.ops, precision=self.cfg.precision, attention_pv=self.cfg.attention_pv,
                            recompute_blocks=self.recompute_blocks)
         self.layout = ParamLayout(self.model_cfg)
@@ -265,6 +266,9 @@ class Trainer:
     #: False: each step's hashes are waited for at the end of the step (the same records, bytes and
     #: order; for measuring what the overlap saves, and for tests)
     overlap_hashes = True
+    #: False: every microbatch's gradient in a new buffer instead of one the step's folds are done
+    #: with (step._grad_pool; the same bits: every element of a gradient buffer is written)
+    recycle_grads = True
 
     def records(self, steps: int):
         """Take steps until `steps` are completed in total, yielding each step's record in step

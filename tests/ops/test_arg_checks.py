@@ -1,0 +1,66 @@
+"""The per-call argument path of every C reference op: opargs.check's numpy fast path decides and
+words every case as the one-by-one checks do, and cpu_ref's data pointer (read from the ndarray's
+struct) is the pointer numpy gives for views, offsets, zero-size, read-only and reversed arrays."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_open1b import opargs
+from mlx_open1b.cpu_ref import _lib
+
+
+class Sub(np.ndarray):
+    pass
+
+
+def _cases():
+    base = np.arange(48, dtype=np.float32).reshape(6, 8)
+    return [base, base[1:], base[:, ::2], base.T, base.astype(np.float64), base.view(np.uint32),
+            base.astype(np.uint16), np.empty(0, np.float32), base.view(Sub), base[None], base.reshape(-1),
+            [1.0, 2.0], None, 3.0]
+
+
+def _slow(name, a, dtype, shape=None, ndim=None):
+    """check with the fast path left out: every case goes through _check_kind."""
+    opargs._check_kind(name, a, dtype)
+    if ndim is None and shape is not None:
+        ndim = len(shape)
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, a.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name}: dimension {axis} is {got}, expected {want} "
+                                 f"(shape {a.shape}, expected {tuple('*' if s is None else s for s in shape)})")
+    return a
+
+
+def _outcome(fn, *args, **kw):
+    try:
+        return ("ok", fn(*args, **kw) is args[1])
+    except ValueError as e:
+        return ("error", str(e))
+
+
+@pytest.mark.parametrize("i", range(len(_cases())))
+@pytest.mark.parametrize("dtype", [opargs.F32, opargs.BF16])
+@pytest.mark.parametrize("shape,ndim", [(None, None), ((6, 8), None), ((None, 8), None), ((6, None, 1), None),
+                                        (None, 2), ((5, None), None)])
+def test_the_fast_path_accepts_and_rejects_as_the_checks_one_by_one(i, dtype, shape, ndim):
+    a = _cases()[i]
+    assert _outcome(opargs.check, "x", a, dtype, shape=shape, ndim=ndim) == \
+        _outcome(_slow, "x", a, dtype, shape=shape, ndim=ndim)
+
+
+def test_the_data_pointer_is_numpys():
+    assert _lib._data is not None          # the struct read passed its probes on this machine
+    base = np.arange(60, dtype=np.float32).reshape(5, 12)
+    ro = base.copy()
+    ro.flags.writeable = False
+    for a in (base, base[2:], base[1:, 3:], base.reshape(-1)[7:9], base[::-1], base.T, ro, base.view(Sub),
+              np.empty(0, np.int8), np.zeros(3, np.uint16)[1:], np.float32(2.0) * np.ones(1, np.float32)):
+        assert _lib.p(a) == a.ctypes.data
+    assert _lib.p(None) is None
+    with pytest.raises(ValueError, match="numpy arrays"):
+        _lib.p([1.0])
