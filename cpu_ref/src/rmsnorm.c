@@ -15,25 +15,11 @@ typedef struct {
 
 static float inv_count(int64_t C) { return o1b_div(1.0f, o1b_i2f((int32_t)C)); }
 
-/* Rows per step: the rows' sums (sum of squares, the backward's dot) run with rows on SIMD
- * lanes (vmath.c), each in c order. */
-#define ROWS 64
-
+/* Rows on threads; within a range, vmath.c takes them a vector of rows at a time (the sums and
+ * row scalars on SIMD lanes, each row's sum in c order). */
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     const norm_args *a = (const norm_args *)ctx;
-    const float invC = inv_count(a->C);
-    float sums[ROWS];
-    for (int64_t n = lo; n < hi; n++) {
-        const float *x = a->x + n * a->C;
-        if ((n - lo) % ROWS == 0) {
-            int64_t m = hi - n < ROWS ? hi - n : ROWS;
-            o1b_vrow_dots(m, a->C, x, x, NULL, sums);   /* ss = sum_c mul(x_c, x_c) */
-        }
-        float ss = sums[(n - lo) % ROWS];
-        float r = o1b_rsqrt(o1b_add(o1b_mul(ss, invC), a->eps));
-        a->rstd[n] = o1b_store(r);
-        o1b_vrms_scale(a->C, x, r, a->g, a->y + n * a->C);
-    }
+    o1b_vrms_forward(lo, hi, a->C, a->x, a->g, a->eps, inv_count(a->C), a->y, a->rstd);
 }
 O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
                                  const float *x,  /* (N, C) */
@@ -49,18 +35,7 @@ O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
  * b = mul(mul(dot, mul(mul(r, r), r)), 1/C),  dot = sum_c mul(t_c, x_c) (c ascending). */
 static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
     const norm_args *a = (const norm_args *)ctx;
-    const float invC = inv_count(a->C);
-    float dots[ROWS];
-    for (int64_t n = lo; n < hi; n++) {
-        const float *x = a->x + n * a->C, *dy = a->dy + n * a->C;
-        if ((n - lo) % ROWS == 0) {
-            int64_t m = hi - n < ROWS ? hi - n : ROWS;
-            o1b_vrow_dots(m, a->C, dy, x, a->g, dots);
-        }
-        float r = o1b_load(a->rstd[n]), dot = dots[(n - lo) % ROWS];
-        float b = o1b_mul(o1b_mul(dot, o1b_mul(o1b_mul(r, r), r)), invC);
-        o1b_vrms_dx(a->C, dy, x, a->g, r, b, a->dx + n * a->C);
-    }
+    o1b_vrms_backward(lo, hi, a->C, a->dy, a->x, a->g, a->rstd, inv_count(a->C), a->dx);
 }
 /* dg_c = sum over rows n ascending of mul(dy[n,c], mul(x[n,c], r_n)) — a column sum, so threads
  * split the columns and each walks the rows in order, its columns on SIMD lanes (the unstored

@@ -158,16 +158,38 @@ static void scale_inplace_scalar(int64_t lo, int64_t hi, float *a, float s) {
     for (int64_t i = lo; i < hi; i++) a[i] = o1b_store(o1b_mul(o1b_load(a[i]), s));
 }
 
-static void row_dots_scalar(int64_t lo, int64_t hi, int64_t C, const float *a, const float *b,
-                            const bf16 *g, float *out) {
-    for (int64_t k = lo; k < hi; k++) {
-        float acc = 0.0f;
-        for (int64_t c = 0; c < C; c++) {
-            float t = o1b_load(a[k * C + c]);
-            if (g) t = o1b_mul(t, o1b_bf16_to_f32(g[c]));
-            acc = o1b_add(acc, o1b_mul(t, o1b_load(b[k * C + c])));
-        }
-        out[k] = acc;
+/* sum_{c ascending} mul(t, load(b[c])) from +0 (unstored), t = load(a[c]) or mul(load(a[c]), g_c) */
+static float row_dot_scalar(int64_t C, const float *a, const float *b, const bf16 *g) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < C; c++) {
+        float t = o1b_load(a[c]);
+        if (g) t = o1b_mul(t, o1b_bf16_to_f32(g[c]));
+        acc = o1b_add(acc, o1b_mul(t, o1b_load(b[c])));
+    }
+    return acc;
+}
+/* RMSNorm's row scalars: r from the sum of squares, b from the backward's dot */
+static float rms_r_scalar(float ss, float invC, float eps) {
+    return o1b_rsqrt(o1b_add(o1b_mul(ss, invC), eps));
+}
+static float rms_b_scalar(float dot, float r, float invC) {
+    return o1b_mul(o1b_mul(dot, o1b_mul(o1b_mul(r, r), r)), invC);
+}
+static void rms_fwd_rows_scalar(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g,
+                                float eps, float invC, float *y, float *rstd) {
+    for (int64_t n = lo; n < hi; n++) {
+        const float *xr = x + n * C;
+        float r = rms_r_scalar(row_dot_scalar(C, xr, xr, NULL), invC, eps);
+        rstd[n] = o1b_store(r);
+        rms_scale_scalar(0, C, xr, r, g, y + n * C);
+    }
+}
+static void rms_bwd_rows_scalar(int64_t lo, int64_t hi, int64_t C, const float *dy, const float *x,
+                                const bf16 *g, const float *rstd, float invC, float *dx) {
+    for (int64_t n = lo; n < hi; n++) {
+        float r = o1b_load(rstd[n]);
+        float b = rms_b_scalar(row_dot_scalar(C, dy + n * C, x + n * C, g), r, invC);
+        rms_dx_scalar(0, C, dy + n * C, x + n * C, g, r, b, dx + n * C);
     }
 }
 
@@ -219,6 +241,8 @@ static void sumsq_blocks_scalar(int64_t lo, int64_t hi, int64_t n, int64_t B, co
 #define O1B_W 16
 #define O1B_ANY(m) (_mm512_test_epi32_mask((__m512i)(m), (__m512i)(m)) != 0)
 #define O1B_VSQRT(x) ((vf)_mm512_sqrt_ps((__m512)(x)))
+#define O1B_FLUSH(u) ((vi)_mm512_mask_and_epi32((__m512i)(u), _mm512_testn_epi32_mask((__m512i)(u), \
+    _mm512_set1_epi32(0x7F800000)), (__m512i)(u), _mm512_set1_epi32((int)0x80000000)))
 #include "vmath.c"
 
 #define O1B_TGT __attribute__((target("avx2")))
@@ -316,15 +340,17 @@ void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const fl
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
-void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y) {
-    if (!g_vmath) { rms_scale_scalar(0, n, x, r, g, y); return; }
-#define CALL(s) rms_scale_##s(n, x, r, g, y)
+void o1b_vrms_forward(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g, float eps,
+                      float invC, float *y, float *rstd) {
+    if (!g_vmath) { rms_fwd_rows_scalar(lo, hi, C, x, g, eps, invC, y, rstd); return; }
+#define CALL(s) rms_fwd_rows_##s(lo, hi, C, x, g, eps, invC, y, rstd)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
-void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx) {
-    if (!g_vmath) { rms_dx_scalar(0, n, dy, x, g, r, b, dx); return; }
-#define CALL(s) rms_dx_##s(n, dy, x, g, r, b, dx)
+void o1b_vrms_backward(int64_t lo, int64_t hi, int64_t C, const float *dy, const float *x,
+                       const bf16 *g, const float *rstd, float invC, float *dx) {
+    if (!g_vmath) { rms_bwd_rows_scalar(lo, hi, C, dy, x, g, rstd, invC, dx); return; }
+#define CALL(s) rms_bwd_rows_##s(lo, hi, C, dy, x, g, rstd, invC, dx)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -335,12 +361,6 @@ void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float 
 #undef CALL
 }
 
-void o1b_vrow_dots(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g, float *out) {
-    if (!g_vmath) { row_dots_scalar(0, n, C, a, b, g, out); return; }
-#define CALL(s) row_dots_##s(n, C, a, b, g, out)
-    O1B_VM_DISPATCH(CALL);
-#undef CALL
-}
 void o1b_vrope_rows(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, const float *x,
                     const float *cs, const float *sn, float *y, int backward) {
     if (!g_vmath) { rope_rows_scalar(lo, hi, T, R, D, x, cs, sn, y, backward); return; }
@@ -414,7 +434,7 @@ const o1b_vkernels *o1b_vkernels_now(void) {
 #else /* O1B_VMATH_TEMPLATE: one SIMD level's functions.
        * Parameters: O1B_SFX name suffix, O1B_TGT function attribute, O1B_W lanes, O1B_ANY(m)
        * whether any lane of an int mask is set, O1B_VSQRT(x) the lanes' IEEE square roots (both
-       * optional: lane loops otherwise). */
+       * optional: lane loops otherwise), O1B_FLUSH(u) o1b_flush of the lanes' bits (optional). */
 
 #define O1B_CAT2(a, b) a##_##b
 #define O1B_CAT(a, b) O1B_CAT2(a, b)
@@ -458,10 +478,14 @@ AI vf FN(sqrt)(vf x) {
 }
 /* m ? a : b per lane (m all ones or zero) */
 AI vf FN(sel)(vi m, vf a, vf b) { return VF((m & BITS(a)) | (~m & BITS(b))); }
-/* o1b_flush */
+/* o1b_flush (O1B_FLUSH: the same on a level's mask registers, two instructions instead of four) */
 AI vf FN(flush)(vf x) {
+#ifdef O1B_FLUSH
+    return VF(O1B_FLUSH(BITS(x)));
+#else
     vi u = BITS(x), sub = (u & 0x7F800000) == 0;
     return VF(u & (~sub | SIGN));
+#endif
 }
 /* o1b_canon(o1b_flush(x)) */
 AI vf FN(store)(vf x) {
@@ -913,26 +937,81 @@ AI vf FN(widen)(const bf16 *h) {
     return FN(flush)(VF(__builtin_convertvector(x, vi) << 16));
 }
 
-/* Lanes are rows: W rows' values at one c gathered into a vector, each lane's sum over c in
- * order (row_dots_scalar's). A vector of rows with a product at 2^-126 is done again by the
- * scalar loop. */
-static O1B_TGT void FN(row_dots)(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g,
-                                 float *out) {
-    int64_t k = 0;
-    for (; k + O1B_W <= n; k += O1B_W) {
-        vi rare = {0};
-        vf acc = {0};
-        for (int64_t c = 0; c < C; c++) {
-            vf t, x;
-            for (int l = 0; l < O1B_W; l++) { t[l] = a[(k + l) * C + c]; x[l] = b[(k + l) * C + c]; }
-            t = FN(flush)(t);
-            if (g) t = FN(mul)(t, FN(splat)(o1b_bf16_to_f32(g[c])), &rare);
-            acc = FN(add)(acc, FN(mul)(t, FN(flush)(x), &rare));
-        }
-        if (__builtin_expect(FN(any)(rare), 0)) row_dots_scalar(k, k + O1B_W, C, a, b, g, out);
-        else FN(put)(out + k, acc);
+/* The W x W block v[0..W) transposed in place (afterwards lane l of v[j] is lane j of the old
+ * v[l]): log2(W) rounds, each interleaving the vectors of pairs (i, i + s). Moves bits only. */
+#if O1B_W == 16
+#define O1B_ZLO 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
+#define O1B_ZHI 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#elif O1B_W == 8
+#define O1B_ZLO 0, 8, 1, 9, 2, 10, 3, 11
+#define O1B_ZHI 4, 12, 5, 13, 6, 14, 7, 15
+#else
+#define O1B_ZLO 0, 4, 1, 5
+#define O1B_ZHI 2, 6, 3, 7
+#endif
+#if defined(__clang__)
+#define O1B_ZIP(a, b, idx) __builtin_shufflevector(a, b, idx)
+#else
+#define O1B_ZIP(a, b, idx) __builtin_shuffle(a, b, (vi){idx})
+#endif
+AI void FN(zip_round)(vf *v, const int s) {
+#pragma GCC unroll 16
+    for (int i = 0; i < O1B_W; i++) {
+        if (i & s) continue;
+        vf a = v[i], b = v[i + s];
+        v[i] = O1B_ZIP(a, b, O1B_ZLO);
+        v[i + s] = O1B_ZIP(a, b, O1B_ZHI);
     }
-    if (k < n) row_dots_scalar(k, n, C, a, b, g, out);
+}
+AI void FN(transpose)(vf *v) {      /* the rounds written out: v stays in registers */
+#if O1B_W >= 16
+    FN(zip_round)(v, 8);
+#endif
+#if O1B_W >= 8
+    FN(zip_round)(v, 4);
+#endif
+    FN(zip_round)(v, 2);
+    FN(zip_round)(v, 1);
+}
+
+/* Lanes are rows: for the m <= W rows at a and b (C floats each), each lane's
+ *   sum_{c ascending} mul(t_c, load(b[c])) from +0 (unstored),  t_c = load(a[c]) or mul(load(a[c]), g_c)
+ * (row_dot_scalar's). Lanes from m on repeat row m - 1 (their sums unused). Whole blocks of W
+ * columns are loaded as rows (t's products with g on column lanes, the same operations) and
+ * transposed on registers; the last C % W columns are gathered lane by lane. `same`: b is a
+ * (the sum of squares; a constant at each call). */
+AI vf FN(rows_dot)(int m, int64_t C, const float *a, const float *b, const bf16 *g, const int same,
+                   vi *rare) {
+    const float *pa[O1B_W], *pb[O1B_W];
+    for (int l = 0; l < O1B_W; l++) {
+        int64_t r = l < m ? l : m - 1;
+        pa[l] = a + r * C;
+        pb[l] = b + r * C;
+    }
+    vf acc = {0};
+    int64_t c = 0;
+    for (; c + O1B_W <= C; c += O1B_W) {
+        vf t[O1B_W], x[O1B_W];
+        vf gv = g ? FN(widen)(g + c) : FN(splat)(1.0f);
+        for (int l = 0; l < O1B_W; l++) {
+            t[l] = FN(flush)(FN(load)(pa[l] + c));
+            if (g) t[l] = FN(mul)(t[l], gv, rare);
+        }
+        FN(transpose)(t);
+        if (!same) {
+            for (int l = 0; l < O1B_W; l++) x[l] = FN(flush)(FN(load)(pb[l] + c));
+            FN(transpose)(x);
+        }
+        for (int j = 0; j < O1B_W; j++) acc = FN(add)(acc, FN(mul)(t[j], same ? t[j] : x[j], rare));
+    }
+    for (; c < C; c++) {
+        vf t, x;
+        for (int l = 0; l < O1B_W; l++) { t[l] = pa[l][c]; x[l] = pb[l][c]; }
+        t = FN(flush)(t);
+        if (g) t = FN(mul)(t, FN(splat)(o1b_bf16_to_f32(g[c])), rare);
+        acc = FN(add)(acc, FN(mul)(t, FN(flush)(x), rare));
+    }
+    return acc;
 }
 
 /* rope_rows_scalar with i on lanes; a row with a product at 2^-126 goes the scalar way. */
@@ -1072,7 +1151,7 @@ static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, f
     if (i < n) adamw_scalar(i, n, pp, gg, mm, vv, k);
 }
 
-static O1B_TGT void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *y) {
+AI void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *y) {
     vf rv = FN(splat)(r);
     int64_t c = 0;
     for (; c + O1B_W <= n; c += O1B_W) {
@@ -1085,8 +1164,8 @@ static O1B_TGT void FN(rms_scale)(int64_t n, const float *x, float r, const bf16
     if (c < n) rms_scale_scalar(c, n, x, r, g, y);
 }
 
-static O1B_TGT void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, float r,
-                               float b, float *dx) {
+AI void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, float r,
+                   float b, float *dx) {
     vf rv = FN(splat)(r), bv = FN(splat)(b);
     int64_t c = 0;
     for (; c + O1B_W <= n; c += O1B_W) {
@@ -1112,6 +1191,50 @@ static O1B_TGT void FN(rms_dg_row)(int64_t n, const float *dy, const float *x, f
         else FN(put)(acc + c, a);
     }
     if (c < n) rms_dg_row_scalar(c, n, dy, x, r, acc);
+}
+
+/* RMSNorm rows [lo, hi) (rmsnorm.c, rms_fwd_rows_scalar's operations): W rows at a time, their
+ * sums and row scalars on lanes (rows_dot; r, b), then each row's outputs with its columns on
+ * lanes. A vector of rows with a product or quotient at 2^-126 gets its row scalars from the
+ * scalar helpers. */
+static O1B_TGT void FN(rms_fwd_rows)(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g,
+                                     float eps, float invC, float *y, float *rstd) {
+    vf ev = FN(splat)(eps), iv = FN(splat)(invC);
+    for (int64_t n = lo; n < hi; n += O1B_W) {
+        int m = hi - n < O1B_W ? (int)(hi - n) : O1B_W;
+        const float *xb = x + n * C;
+        vi rare = {0};
+        vf ss = FN(rows_dot)(m, C, xb, xb, NULL, 1, &rare);
+        float rs[O1B_W];
+        FN(put)(rs, FN(rsqrt)(FN(add)(FN(mul)(ss, iv, &rare), ev), &rare));
+        if (__builtin_expect(FN(any)(rare), 0))
+            for (int l = 0; l < m; l++)
+                rs[l] = rms_r_scalar(row_dot_scalar(C, xb + l * C, xb + l * C, NULL), invC, eps);
+        for (int l = 0; l < m; l++) {
+            rstd[n + l] = o1b_store(rs[l]);
+            FN(rms_scale)(C, xb + l * C, rs[l], g, y + (n + l) * C);
+        }
+    }
+}
+static O1B_TGT void FN(rms_bwd_rows)(int64_t lo, int64_t hi, int64_t C, const float *dy,
+                                     const float *x, const bf16 *g, const float *rstd, float invC,
+                                     float *dx) {
+    vf iv = FN(splat)(invC);
+    for (int64_t n = lo; n < hi; n += O1B_W) {
+        int m = hi - n < O1B_W ? (int)(hi - n) : O1B_W;
+        const float *dyb = dy + n * C, *xb = x + n * C;
+        vi rare = {0};
+        vf dot = FN(rows_dot)(m, C, dyb, xb, g, 0, &rare);
+        float rs[O1B_W], bs[O1B_W];
+        for (int l = 0; l < O1B_W; l++) rs[l] = o1b_load(rstd[n + (l < m ? l : m - 1)]);
+        vf r = FN(load)(rs);
+        FN(put)(bs, FN(mul)(FN(mul)(dot, FN(mul)(FN(mul)(r, r, &rare), r, &rare), &rare), iv, &rare));
+        if (__builtin_expect(FN(any)(rare), 0))
+            for (int l = 0; l < m; l++)
+                bs[l] = rms_b_scalar(row_dot_scalar(C, dyb + l * C, xb + l * C, g), rs[l], invC);
+        for (int l = 0; l < m; l++)
+            FN(rms_dx)(C, dyb + l * C, xb + l * C, g, rs[l], bs[l], dx + (n + l) * C);
+    }
 }
 
 /* ---- attention rows (attention.c) under the hardware flush mode ----
@@ -1539,4 +1662,8 @@ static O1B_TGT int FN(attn_dkv_row)(int64_t j, int64_t ilast, int64_t T, int64_t
 #undef O1B_W
 #undef O1B_ANY
 #undef O1B_VSQRT
+#undef O1B_FLUSH
+#undef O1B_ZLO
+#undef O1B_ZHI
+#undef O1B_ZIP
 #endif

@@ -46,16 +46,18 @@ void o1b_vdots_t(int64_t n, int64_t D, const float *x, const float *rows_t, int6
 /* The AdamW step of elements [0, n) (adamw.c, CONTRACT.md §6.7); k = {lr, b1, b2, omb1, omb2,
  * eps, decay, bc1, bc2}, loaded by the caller. */
 void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const float *k);
-/* RMSNorm's elementwise loops (rmsnorm.c, CONTRACT.md §6.3), g NULL without a gain:
- *   y[c]  = store(mul(mul(load(x[c]), r), g_c))              (without gain mul(load(x[c]), r))
- *   dx[c] = store(sub(mul(t_c, r), mul(load(x[c]), b))),  t_c = mul(load(dy[c]), g_c) or load(dy[c])
- *   acc[c] = add(acc[c], mul(load(dy[c]), mul(load(x[c]), r)))   one row of the gain's column sums */
-/* out[k] = sum_{c ascending} mul(t, load(b[k C + c])) from +0 (unstored), t = load(a[k C + c]) or
- * mul(load(a[k C + c]), g_c) with a gain, for rows k in [0, n) of C values: RMSNorm's sum of
- * squares (a = b, no gain) and its backward's dot, rows on SIMD lanes. */
-void o1b_vrow_dots(int64_t n, int64_t C, const float *a, const float *b, const bf16 *g, float *out);
-void o1b_vrms_scale(int64_t n, const float *x, float r, const bf16 *g, float *y);
-void o1b_vrms_dx(int64_t n, const float *dy, const float *x, const bf16 *g, float r, float b, float *dx);
+/* RMSNorm (rmsnorm.c, CONTRACT.md §6.3) over rows n in [lo, hi) of C values, g NULL without a
+ * gain; every sum over c ascending from +0, eps and invC = 1/C loaded:
+ *   forward:  ss = sum_c mul(load(x_c), load(x_c)),  r = rsqrt(add(mul(ss, invC), eps)),
+ *             rstd[n] = store(r),  y_c = store(mul(mul(load(x_c), r), g_c))  (without gain mul(load(x_c), r))
+ *   backward: t_c = mul(load(dy_c), g_c) or load(dy_c),  dot = sum_c mul(t_c, load(x_c)),
+ *             r = load(rstd[n]),  b = mul(mul(dot, mul(mul(r, r), r)), invC),
+ *             dx_c = store(sub(mul(t_c, r), mul(load(x_c), b)))
+ * and one row of the gain's column sums: acc[c] = add(acc[c], mul(load(dy[c]), mul(load(x[c]), r))) */
+void o1b_vrms_forward(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g, float eps,
+                      float invC, float *y, float *rstd);
+void o1b_vrms_backward(int64_t lo, int64_t hi, int64_t C, const float *dy, const float *x,
+                       const bf16 *g, const float *rstd, float invC, float *dx);
 void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);
 
 /* RoPE rows [lo, hi) of x (B, T, R, D) (rope.c); i of a row on lanes. */

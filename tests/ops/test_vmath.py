@@ -351,9 +351,11 @@ def SA_dot(x, y):
 
 
 @pytest.mark.parametrize("gain", [True, False])
-@pytest.mark.parametrize("N,Cc", [(17, 64), (33, 130), (4, 7)])
+@pytest.mark.parametrize("N,Cc", [(17, 64), (33, 130), (4, 7), (40, 32), (21, 48)])
 def test_rmsnorm_equals_scalar(N, Cc, gain):
     # Rows with inf, NaN, -FLT_MAX and subnormals (r = 0, b = -0, products of zeros of both signs).
+    # Vectors of rows and a partial last one (a thread's range), columns in whole transposed
+    # blocks of a level and a gathered tail; 1 to 3 threads.
     from helpers import sprinkle
     rng = np.random.default_rng(N + Cc)
     x = sprinkle(rng, (rng.standard_normal((N, Cc)) * 3).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.03)
@@ -365,14 +367,16 @@ def test_rmsnorm_equals_scalar(N, Cc, gain):
         y, r = CL.rmsnorm_forward(x, g, 1e-6)
         dx, dg = CL.rmsnorm_backward(dy, x, g, r)
     for lv in LEVELS:
-        with level(lv):
-            y2, r2 = CL.rmsnorm_forward(x, g, 1e-6)
-            dx2, dg2 = CL.rmsnorm_backward(dy, x, g, r)
-        assert_bits_equal(y2, y, f"rmsnorm y, level {lv}")
-        assert_bits_equal(r2, r, f"rmsnorm rstd, level {lv}")
-        assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
-        if gain:
-            assert_bits_equal(dg2, dg, f"rmsnorm dg, level {lv}")
+        for threads in (1, 2, 3):
+            with level(lv), C.settings(threads=threads):
+                y2, r2 = CL.rmsnorm_forward(x, g, 1e-6)
+                dx2, dg2 = CL.rmsnorm_backward(dy, x, g, r)
+            where = f"level {lv}, {threads} threads"
+            assert_bits_equal(y2, y, f"rmsnorm y, {where}")
+            assert_bits_equal(r2, r, f"rmsnorm rstd, {where}")
+            assert_bits_equal(dx2, dx, f"rmsnorm dx, {where}")
+            if gain:
+                assert_bits_equal(dg2, dg, f"rmsnorm dg, {where}")
 
 
 def test_rmsnorm_rows_on_the_exact_path():
@@ -398,6 +402,58 @@ def test_rmsnorm_rows_on_the_exact_path():
         with level(lv):
             dx2, _ = CL.rmsnorm_backward(dy, x, None, r)
         assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
+
+
+def square_over_count_rounding_up(Cc: int) -> np.float32:
+    """An fp32 x whose mul(mul(x, x), 1/Cc) rounds up to 2^-126 from an exact product below it
+    (the contract flushes it); NaN where none near sqrt(2^-126 Cc) does."""
+    s = np.float32(1) / np.float32(Cc)
+    u0 = int(np.float32(np.sqrt(2.0 ** -126 / float(s))).view(np.uint32))
+    xs = np.arange(u0 - 3000, u0 + 3000, dtype=np.uint32).view(np.float32)
+    e = (xs * xs).astype(np.float64) * float(s)
+    ok = (e >= 2.0 ** -126 - 2.0 ** -150) & (e < 2.0 ** -126)
+    return xs[ok][0] if ok.any() else np.float32(np.nan)
+
+
+def test_rmsnorm_row_scalars_on_the_exact_path():
+    # The row scalars computed on lanes: a forward row whose mul(ss, 1/C) rounds up to 2^-126
+    # (with eps = 0 the flushed r is rsqrt(0) = inf, not 2^63), and a backward row whose
+    # t = mul(dy, g) rounds up to 2^-126 (its dot, b and dx change): each marks its vector of
+    # rows, which gets its row scalars from contract.h.
+    N, Cc = 37, 25
+    x0 = square_over_count_rounding_up(Cc)
+    d = tiny_product_pairs(np.array([0.75], np.float32))[0]
+    assert not np.isnan(x0) and not np.isnan(d)
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((N, Cc)).astype(np.float32)
+    dy = rng.standard_normal((N, Cc)).astype(np.float32)
+    g = A.f32_to_bf16(rng.standard_normal(Cc).astype(np.float32))
+    g[5] = A.f32_to_bf16(np.array([0.75], np.float32))[0]
+    for row in (3, 34):
+        x[row] = 0.0
+        x[row, 5] = x0
+    for row in (7, 20):
+        x[row], dy[row] = 0.0, 0.0
+        x[row, 5], dy[row, 5] = 1.0, d
+    with scalar():
+        y, r = CL.rmsnorm_forward(x, None, 0.0)
+        dx, dg = CL.rmsnorm_backward(dy, x, g, r)
+    sy, sr = SL.rmsnorm_forward(x, None, 0.0)
+    assert_bits_equal(r, sr, "rmsnorm rstd: scalar C vs spec")
+    assert_bits_equal(y, sy, "rmsnorm y: scalar C vs spec")
+    assert np.isinf(r[3]) and np.isinf(r[34])           # the flush really decides r
+    sdx, sdg = SL.rmsnorm_backward(dy, x, g, sr)
+    assert_bits_equal(dx, sdx, "rmsnorm dx: scalar C vs spec")
+    assert_bits_equal(dg, sdg, "rmsnorm dg: scalar C vs spec")
+    assert dx[7, 5] == 0 and dx[20, 5] == 0             # t flushed: no -b x term at the column
+    for lv in LEVELS:
+        with level(lv):
+            y2, r2 = CL.rmsnorm_forward(x, None, 0.0)
+            dx2, dg2 = CL.rmsnorm_backward(dy, x, g, r)
+        assert_bits_equal(r2, r, f"rmsnorm rstd, level {lv}")
+        assert_bits_equal(y2, y, f"rmsnorm y, level {lv}")
+        assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
+        assert_bits_equal(dg2, dg, f"rmsnorm dg, level {lv}")
 
 
 @pytest.mark.parametrize("D", [32, 20, 64])
