@@ -577,3 +577,27 @@ def test_model_keeps_the_logits_from_forward_to_backward(monkeypatch, precision,
     monkeypatch.setattr(cpu_ref, "xent_forward", lambda *a, **k: asked.append(k) or real(*a, **k))
     m.eval_loss(params, win)
     assert asked == [{}]
+
+
+def test_every_backend_takes_keep_and_saved():
+    """keep=True on every backend that loads here: the same three results and a fourth, which
+    that backend's backward takes as saved (None where it keeps nothing) with the same bits."""
+    from mlx_open1b import backend
+    from mlx_open1b.parity import spec_backend
+    mods = [spec_backend]
+    for name in backend.BACKENDS:
+        try:
+            mods.append(backend.load(name))
+        except backend.BackendUnavailable:
+            pass
+    h, w, t = make(5, 8, 1500, seed=8)
+    dloss = mean_dloss(5)
+    want = cpu_ref.xent_forward(h, w, t, ZCOEF)
+    want_b = cpu_ref.xent_backward(h, w, t, ZCOEF, want[1], dloss)
+    for m in mods:
+        out = m.xent_forward(h, w, t, ZCOEF, keep=True)
+        assert len(out) == 4 and (out[3] is None) == (m is not cpu_ref), m.NAME
+        got_b = m.xent_backward(h, w, t, ZCOEF, out[1], dloss, saved=out[3])
+        got = tuple(out[:3]) + tuple(got_b)
+        for name, a, b in zip(("loss", "lse", "ce", "dh", "dw"), got, want + want_b):
+            assert_bits(m.to_host(a), b, f"{m.NAME} {name}")
