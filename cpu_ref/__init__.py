@@ -9,8 +9,8 @@ from mlx_open1b import derived_ops, opargs
 
 from .runtime import (available, contract_version, get_num_threads, set_num_threads, settings,
                       simd_level, simd_name)
-from .mathfn import (FUNCTIONS, add_inplace, bf16_to_f32, cos, div_int, exp, f32_to_bf16, log, rsqrt,
-                     scale_inplace, sigmoid, silu, sin, sqrt, sqrt_int)
+from .mathfn import (FUNCTIONS, add, add_inplace, bf16_to_f32, cos, div_int, exp, f32_to_bf16, log,
+                     rsqrt, scale_inplace, sigmoid, silu, sin, sqrt, sqrt_int)
 from . import mathfn as _mathfn, optim as _optim
 from .linear import linear_backward, linear_forward
 from .layers import (embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward,
@@ -32,7 +32,7 @@ def _scalar(op: int, a: float, b: float = 0.0) -> float:
 
 
 scalar_add, scalar_sub, scalar_mul, scalar_div, scalar_sqrt = opargs.scalar_functions(_scalar)
-add, scale, adamw = derived_ops.functional_ops(add_inplace, scale_inplace, adamw_step)
+_, scale, adamw = derived_ops.functional_ops(add_inplace, scale_inplace, adamw_step)   # add: its own kernel
 global_norm = derived_ops.global_norm_of(sumsq_blocks, treefold, scalar_sqrt)
 
 

@@ -15,6 +15,7 @@ _to_f32 = declare("o1b_bf16_to_f32_array", c_i64, ptr, ptr)
 _div_array = declare("o1b_div_array", c_int, c_i64, ptr, ptr, ptr)
 _i2f_acc = declare("o1b_i2f_acc_array", c_i64, ptr, ptr)
 _add_inplace = declare("o1b_add_inplace", c_i64, ptr, ptr)
+_add_array = declare("o1b_add_array", c_i64, ptr, ptr, ptr)
 _scale_inplace = declare("o1b_scale_inplace", c_i64, ptr, c_f32)
 scalar_add = declare("o1b_scalar_add", c_f32, c_f32, restype=c_f32)
 scalar_sub = declare("o1b_scalar_sub", c_f32, c_f32, restype=c_f32)
@@ -87,6 +88,14 @@ def bf16_to_f32(x: np.ndarray) -> np.ndarray:
 def add_inplace(a: np.ndarray, b: np.ndarray) -> None:
     n = opargs.add_inplace(a, b)
     _add_inplace(n, p(a), p(b))
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b (a on the left) as a new array: add_inplace's arithmetic in one pass."""
+    n = opargs.add_inplace(a, b, inplace=False)
+    out = np.empty(a.shape, F32)
+    _add_array(n, p(a), p(b), p(out))
+    return out
 
 
 def scale_inplace(a: np.ndarray, s: float) -> None:

@@ -53,7 +53,7 @@ O1B_API void o1b_i2f_acc_array(int64_t n, const int32_t *v, float *y) {
  * depends on another), SIMD lanes within a range (vmath.c). */
 #define MAP_GRAIN (1 << 15)
 
-typedef struct { const void *x; void *y; float s; } ew_args;
+typedef struct { const void *x; void *y; float s; const float *a; } ew_args;
 static void to_bf16_range(void *ctx, int64_t lo, int64_t hi) {
     const ew_args *a = (const ew_args *)ctx;
     o1b_vto_bf16(lo, hi, (const float *)a->x, (bf16 *)a->y);
@@ -64,7 +64,7 @@ static void to_f32_range(void *ctx, int64_t lo, int64_t hi) {
 }
 static void add_range(void *ctx, int64_t lo, int64_t hi) {
     const ew_args *a = (const ew_args *)ctx;
-    o1b_vadd_inplace(lo, hi, (float *)a->y, (const float *)a->x);
+    o1b_vadd(lo, hi, a->a, (const float *)a->x, (float *)a->y);
 }
 static void scale_range(void *ctx, int64_t lo, int64_t hi) {
     const ew_args *a = (const ew_args *)ctx;
@@ -72,23 +72,28 @@ static void scale_range(void *ctx, int64_t lo, int64_t hi) {
 }
 
 O1B_API void o1b_f32_to_bf16_array(int64_t n, const float *x, bf16 *y) {
-    ew_args a = {x, y, 0.0f};
+    ew_args a = {x, y, 0.0f, NULL};
     o1b_parallel_for(n, MAP_GRAIN, to_bf16_range, &a);
 }
 O1B_API void o1b_bf16_to_f32_array(int64_t n, const bf16 *x, float *y) {
-    ew_args a = {x, y, 0.0f};
+    ew_args a = {x, y, 0.0f, NULL};
     o1b_parallel_for(n, MAP_GRAIN, to_f32_range, &a);
 }
 
 /* a[i] = a[i] + b[i]: one step of the microbatch gradient fold (the left operand is the lower
  * microbatch index, CONTRACT.md §7). */
 O1B_API void o1b_add_inplace(int64_t n, float *a, const float *b) {
-    ew_args e = {b, a, 0.0f};
+    ew_args e = {b, a, 0.0f, a};
+    o1b_parallel_for(n, MAP_GRAIN, add_range, &e);
+}
+/* out[i] = add(a[i], b[i]) (a on the left) into another array: the functional add in one pass. */
+O1B_API void o1b_add_array(int64_t n, const float *a, const float *b, float *out) {
+    ew_args e = {b, out, 0.0f, a};
     o1b_parallel_for(n, MAP_GRAIN, add_range, &e);
 }
 /* a[i] = a[i] * s: averages (s = 1/M rounded once) and clipping. */
 O1B_API void o1b_scale_inplace(int64_t n, float *a, float s) {
-    ew_args e = {NULL, a, o1b_load(s)};
+    ew_args e = {NULL, a, o1b_load(s), NULL};
     o1b_parallel_for(n, MAP_GRAIN, scale_range, &e);
 }
 /* The scalar ops, for host-side contract arithmetic (schedules, clip coefficients). */

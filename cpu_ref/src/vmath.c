@@ -151,8 +151,8 @@ static void to_bf16_scalar(int64_t lo, int64_t hi, const float *x, bf16 *y) {
 static void to_f32_scalar(int64_t lo, int64_t hi, const bf16 *x, float *y) {
     for (int64_t i = lo; i < hi; i++) y[i] = o1b_store(o1b_bf16_to_f32(x[i]));
 }
-static void add_inplace_scalar(int64_t lo, int64_t hi, float *a, const float *b) {
-    for (int64_t i = lo; i < hi; i++) a[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));
+static void add_scalar(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
+    for (int64_t i = lo; i < hi; i++) out[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));
 }
 static void scale_inplace_scalar(int64_t lo, int64_t hi, float *a, float s) {
     for (int64_t i = lo; i < hi; i++) a[i] = o1b_store(o1b_mul(o1b_load(a[i]), s));
@@ -392,9 +392,9 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y) {
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
-void o1b_vadd_inplace(int64_t lo, int64_t hi, float *a, const float *b) {
-    if (!g_vmath) { add_inplace_scalar(lo, hi, a, b); return; }
-#define CALL(s) add_inplace_arr_##s(lo, hi, a, b)
+void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
+    if (!g_vmath) { add_scalar(lo, hi, a, b, out); return; }
+#define CALL(s) add_arr_##s(lo, hi, a, b, out)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -1019,8 +1019,8 @@ static O1B_TGT void FN(rope_rows)(int64_t lo, int64_t hi, int64_t T, int64_t R, 
                                   const float *x, const float *cs, const float *sn, float *y,
                                   int backward) {
     const int64_t Dh = D / 2;
+    int64_t t = (lo / R) % T, h = lo % R;   /* the row's position and head, counted on (no divisions) */
     for (int64_t row = lo; row < hi; row++) {
-        const int64_t t = (row / R) % T;
         const float *xr = x + row * D, *c = cs + t * Dh, *s = sn + t * Dh;
         float *yr = y + row * D;
         vi rare = {0};
@@ -1035,6 +1035,10 @@ static O1B_TGT void FN(rope_rows)(int64_t lo, int64_t hi, int64_t T, int64_t R, 
         }
         if (i < Dh || __builtin_expect(FN(any)(rare), 0))
             rope_rows_scalar(row, row + 1, T, R, D, x, cs, sn, y, backward);
+        if (++h == R) {
+            h = 0;
+            if (++t == T) t = 0;
+        }
     }
 }
 /* dst[c] = store(sum_{t < n ascending} load(src[pos[t] C + c])) from +0, c on lanes */
@@ -1080,11 +1084,11 @@ static O1B_TGT void FN(to_f32_arr)(int64_t lo, int64_t hi, const bf16 *x, float 
     for (; i + O1B_W <= hi; i += O1B_W) FN(put)(y + i, FN(store)(FN(widen)(x + i)));
     if (i < hi) to_f32_scalar(i, hi, x, y);
 }
-static O1B_TGT void FN(add_inplace_arr)(int64_t lo, int64_t hi, float *a, const float *b) {
+static O1B_TGT void FN(add_arr)(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W)
-        FN(put)(a + i, FN(store)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
-    if (i < hi) add_inplace_scalar(i, hi, a, b);
+        FN(put)(out + i, FN(store)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
+    if (i < hi) add_scalar(i, hi, a, b, out);
 }
 static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, float s) {
     vf sv = FN(splat)(s);

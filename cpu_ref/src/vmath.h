@@ -71,10 +71,11 @@ void o1b_vsum_rows(int64_t n, const int64_t *pos, const float *src, int64_t C, f
 void o1b_vsumsq_blocks(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x, float *out);
 /* Elements [lo, hi) of the small elementwise ops (mathfn.c):
  *   y[i] = f32_to_bf16(x[i]),  y[i] = store(bf16_to_f32(x[i])),
- *   a[i] = store(add(load(a[i]), load(b[i]))),  a[i] = store(mul(load(a[i]), s))  (s loaded) */
+ *   out[i] = store(add(load(a[i]), load(b[i]))) (out may be a),  a[i] = store(mul(load(a[i]), s))
+ *   (s loaded) */
 void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y);
 void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y);
-void o1b_vadd_inplace(int64_t lo, int64_t hi, float *a, const float *b);
+void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out);
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
 
 /* The three kernels above for the SIMD level and switch in force, resolved once: for loops that
