@@ -22,8 +22,11 @@
  * Where the machine has a hardware flush mode, whole rows run in vmath.c's attention rows instead
  * (the same sums in the same order, bare adds under FTZ/DAZ); a row in which a product rounds to
  * exactly 2^-126 comes back and is computed here. The arrays they read are padded for them.
- * The forward runs four query rows of a head at a time there (their sums interleaved), the int8
- * forward (§6.10) too; a row with a non-finite int8 block also comes back.
+ * The forward (and the int8 forward, §6.10) and the dq pass run four query rows of a head at a
+ * time there, the dk/dv pass four key rows of a kv head (their sums interleaved, each in its own
+ * order); a row with a non-finite int8 block also comes back. The exponent ranges of the widened
+ * rows (vmath.h) tell those rows which blocks cannot hold a product of 2^-126; there the products
+ * go unmarked.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -58,21 +61,38 @@ static float block_scores(const o1b_vkernels *vk, const float *q, const float *k
 }
 
 /* ---- layout: (B, T, N, D) token-major input -> (B, N, T, D) head-major fp32 rows ---- */
-typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; } widen_args;
+typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; int32_t *elo, *ehi; } widen_args;
+
+/* o1b_bf16_to_f32 and o1b_load on bits, without branches (loops of them vectorize) */
+static inline uint32_t flush_bits(uint32_t u) { return u & ((u & 0x7F800000u) ? 0xFFFFFFFFu : 0x80000000u); }
 
 static void widen_range(void *ctx, int64_t lo, int64_t hi) {
     const widen_args *a = (const widen_args *)ctx;
+    const int64_t D = a->D;
+    int64_t t = lo % a->T, n = (lo / a->T) % a->N, b = lo / (a->T * a->N);
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*N + n)*T + t, the output row */
-        int64_t t = r % a->T, n = (r / a->T) % a->N, b = r / (a->T * a->N);
-        int64_t src = ((b * a->T + t) * a->N + n) * a->D;
-        float *dst = a->out + r * a->D;
-        if (a->h) for (int64_t d = 0; d < a->D; d++) dst[d] = o1b_bf16_to_f32(a->h[src + d]);
-        else      for (int64_t d = 0; d < a->D; d++) dst[d] = o1b_load(a->f[src + d]);
+        int64_t src = ((b * a->T + t) * a->N + n) * D;
+        uint32_t *dst = (uint32_t *)(void *)(a->out + r * D);
+        if (a->h) for (int64_t d = 0; d < D; d++) dst[d] = flush_bits((uint32_t)a->h[src + d] << 16);
+        else      for (int64_t d = 0; d < D; d++) dst[d] = flush_bits(o1b_bits(a->f[src + d]));
+        if (a->elo) {
+            int32_t elo = 255, ehi = 0;           /* the row's exponent range (vmath.h) */
+            for (int64_t d = 0; d < D; d++) {
+                int32_t e = (int32_t)(dst[d] >> 23 & 0xFF);   /* 0: zero (flushed) */
+                int32_t el = e ? e : 255;
+                elo = el < elo ? el : elo;
+                ehi = e > ehi ? e : ehi;
+            }
+            a->elo[r] = elo;
+            a->ehi[r] = ehi;
+        }
+        if (++t == a->T) { t = 0; if (++n == a->N) { n = 0; b++; } }
     }
 }
+/* elo, ehi: NULL, or (B, N, T) for the rows' exponent ranges */
 static void to_head_major(const bf16 *h, const float *f, int64_t B, int64_t T, int64_t N, int64_t D,
-                          float *out) {
-    widen_args a = {h, f, out, T, N, D};
+                          float *out, int32_t *elo, int32_t *ehi) {
+    widen_args a = {h, f, out, T, N, D, elo, ehi};
     o1b_parallel_for(B * N * T, 1 + 4096 / (D > 0 ? D : 1), widen_range, &a);
 }
 /* head-major rows (b, n, t, d) -> transposed (b, n, d, t), one (b, n) per item */
@@ -97,6 +117,7 @@ typedef struct {
     const float *q, *kt, *v;   /* (B,H,T,D), (B,G,D,T) transposed, (B,G,T,D) head-major, widened (v unused with qv) */
     const float *qv;           /* NULL, or (B,G,T,D) quantized value rows (§6.10), as floats (exact integers) */
     const float *sv;           /* with qv: (B,G,T) their step sizes */
+    const int32_t *vlo, *vhi;  /* without qv: (B,G,T) the value rows' exponent ranges (vmath.h) */
     float *o, *lse;            /* (B,T,H,D), (B,H,T) */
     atomic_int failed;
 } fwd_args;
@@ -190,6 +211,8 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
         for (int k = 0; k < nr; k++) jl[k] = first_key(i + k, W);
         int done = vk->attn_fwd_rows(nr, i, jl, T, D, a->scale, a->q + r * D, a->kt + (b * a->G + g) * T * D,
                                      a->qv ? NULL : a->v + (b * a->G + g) * T * D,
+                                     a->qv ? NULL : a->vlo + (b * a->G + g) * T,
+                                     a->qv ? NULL : a->vhi + (b * a->G + g) * T,
                                      a->qv ? a->qv + (b * a->G + g) * T * D : NULL,
                                      a->qv ? a->sv + (b * a->G + g) * T : NULL,
                                      acc, a->o + ((b * T + i) * H + h) * D, H * D, a->lse + r);
@@ -213,14 +236,17 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
     float *qh = calloc(nq + 3 * nk + O1B_VATTN_PAD, sizeof(float));   /* zero padding past kt */
-    if (!qh) return -1;
+    int32_t *vlo = calloc(2 * (size_t)(B * G * T) + O1B_VATTN_PAD, sizeof(int32_t));
+    if (!qh || !vlo) { free(qh); free(vlo); return -1; }
+    int32_t *vhi = vlo + B * G * T;
     float *kh = qh + nq, *vh = kh + nk, *kt = vh + nk;
-    to_head_major(q, NULL, B, T, H, D, qh);
-    to_head_major(k, NULL, B, T, G, D, kh);
-    to_head_major(v, NULL, B, T, G, D, vh);
+    to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
+    to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
+    to_head_major(v, NULL, B, T, G, D, vh, vlo, vhi);
     to_transposed(kh, B * G, T, D, kt);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, vh, NULL, NULL, o, lse, 0};
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, vh, NULL, NULL, vlo, vhi, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
+    free(vlo);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
 }
@@ -263,12 +289,12 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
     float *qh = calloc(nq + 3 * nk + (size_t)(B * G * T) + O1B_VATTN_PAD, sizeof(float));
     if (!qh) return -1;
     float *kh = qh + nq, *kt = kh + nk, *qv = kt + nk, *sv = qv + nk;
-    to_head_major(q, NULL, B, T, H, D, qh);
-    to_head_major(k, NULL, B, T, G, D, kh);
+    to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
+    to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
     to_transposed(kh, B * G, T, D, kt);
     vquant_args va = {v, qv, sv, T, G, D};
     o1b_parallel_for(B * G * T, 1 + 4096 / (D > 0 ? D : 1), vquant_range, &va);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, NULL, qv, sv, o, lse, 0};
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, NULL, qv, sv, NULL, NULL, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
@@ -283,6 +309,8 @@ typedef struct {
     const float *lse;                /* (B,H,T) as given (loaded with o1b_load) */
     const float *lse_p;              /* (B,H,T) the same loaded, with O1B_VATTN_PAD floats after */
     float *Di;                       /* (B,H,T) sum_d dout*o, with O1B_VATTN_PAD floats after */
+    const int32_t *qlo, *qhi, *glo, *ghi;  /* (B,H,T) exponent ranges of the q and dout rows (vmath.h) */
+    const int32_t *klo, *khi, *vlo, *vhi;  /* (B,G,T) those of the k and v rows */
     float *dq, *dk, *dv;             /* (B,T,H,D), (B,T,G,D), (B,T,G,D) */
     atomic_int failed;
 } bwd_args;
@@ -347,10 +375,11 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
         int nr = (int)imin((int64_t)R, imin(hi - r, T - i));
         int64_t jl[O1B_VATTN_ROWS];
         for (int k = 0; k < nr; k++) jl[k] = first_key(i + k, a->W);
-        int64_t kv = (b * a->G + g) * T * D;
-        int done = vk->attn_dq_rows(nr, i, jl, T, D, a->scale, a->lse_p + r, a->Di + r, a->q + r * D,
-                                    a->dout + r * D, a->kt + kv, a->vt + kv, a->k + kv, acc,
-                                    a->dq + ((b * T + i) * H + h) * D, H * D);
+        int64_t kr = (b * a->G + g) * T, kv = kr * D;
+        o1b_vattn_q qa = {T, D, a->scale, a->q + r * D, a->dout + r * D, a->lse_p + r, a->Di + r,
+                          a->glo + r, a->ghi + r, a->k + kv, a->kt + kv, a->vt + kv,
+                          a->klo + kr, a->khi + kr, a->vlo + kr, a->vhi + kr};
+        int done = vk->attn_dq_rows(nr, i, jl, &qa, acc, a->dq + ((b * T + i) * H + h) * D, H * D);
         for (int k = 0; k < nr; k++)
             if (!(done >> k & 1)) dq_row(a, r + k, vk, acc);
         r += nr;
@@ -359,59 +388,72 @@ static void dq_range(void *ctx, int64_t lo, int64_t hi) {
     free(acc);
 }
 
-/* Pass 2, one key row per item r = (b*G + g)*T + j:
+/* Pass 2, one key row r = (b*G + g)*T + j:
  *   dk_j = scale * sum_{h in group ascending, then visible i ascending} ds_hij q_hi
  *   dv_j =         sum_{the same order}                                p_hij dout_hi */
+static void dkv_row(bwd_args *a, int64_t r, const o1b_vkernels *vk, float *dk_acc, float *dv_acc) {
+    const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G;
+    float s[CHUNK], dp[CHUNK], pb[CHUNK];
+    int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
+    const float *kj = a->k + r * D, *vj = a->v + r * D;
+    for (int64_t d = 0; d < D; d++) { dk_acc[d] = 0.0f; dv_acc[d] = 0.0f; }
+    int64_t ilast = last_query(j, T, a->W);
+    for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
+        int64_t row0 = (b * a->H + h) * T;            /* query row of (b, h, i = 0) */
+        for (int64_t i0 = j; i0 <= ilast; i0 += CHUNK) {
+            int64_t n = imin(CHUNK, ilast + 1 - i0);
+            /* mul(k, q) = mul(q, k): the same scores as pass 1 */
+            vk->dots_t(n, D, kj, a->qt + row0 * D + i0, T, s);
+            vk->dots_t(n, D, vj, a->dout_t + row0 * D + i0, T, dp);
+            /* p = exp(s*scale - lse_i): the exponents, then their exps on lanes (sub(u, +0) = u
+             * for every u, so exp_sub with m = +0 is exp itself) */
+            for (int64_t c = 0; c < n; c++)
+                s[c] = o1b_sub(o1b_mul(s[c], a->scale), o1b_load(a->lse[row0 + i0 + c]));
+            vk->exp_sub(n, s, 0.0f, pb);
+            for (int64_t c = 0; c < n; c++) {         /* i = i0 + c ascending */
+                int64_t qi = row0 + i0 + c;
+                float ds = o1b_mul(pb[c], o1b_sub(dp[c], a->Di[qi]));
+                vk->axpy(D, ds, a->q + qi * D, dk_acc);
+                vk->axpy(D, pb[c], a->dout + qi * D, dv_acc);
+            }
+        }
+    }
+    float *dk = a->dk + ((b * T + j) * G + g) * D, *dv = a->dv + ((b * T + j) * G + g) * D;
+    for (int64_t d = 0; d < D; d++) {
+        dk[d] = o1b_store(o1b_mul(dk_acc[d], a->scale));
+        dv[d] = o1b_store(dv_acc[d]);
+    }
+}
+
 static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
     bwd_args *a = (bwd_args *)ctx;
     const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G;
-    float *dk_acc = malloc(2 * (size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
-    if (!dk_acc) { atomic_store(&a->failed, 1); return; }
-    float *dv_acc = dk_acc + D;
-    float s[CHUNK], dp[CHUNK], pb[CHUNK];
+    const size_t R = O1B_VATTN_ROWS;
+    float *acc = malloc(2 * R * (size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
+    if (!acc) { atomic_store(&a->failed, 1); return; }
     const o1b_vkernels *vk = o1b_vkernels_now();
-    o1b_fpmode mode = vk->attn_dkv_row ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
-    for (int64_t r = lo; r < hi; r++) {
+    o1b_fpmode mode = vk->attn_dkv_rows ? o1b_fpmode_ftz() : (o1b_fpmode){0, 0};
+    for (int64_t r = lo; r < hi;) {               /* r = (b*G + g)*T + j, one key row */
+        if (!vk->attn_dkv_rows) { dkv_row(a, r, vk, acc, acc + D); r++; continue; }
+        /* up to R key rows of one kv head, interleaved; a row they leave goes the contract.h way */
         int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
-        const float *kj = a->k + r * D, *vj = a->v + r * D;
-        if (vk->attn_dkv_row) {
-            int64_t row0 = (b * a->H + g * rep) * T;      /* query row (b, first head of the group, 0) */
-            if (vk->attn_dkv_row(j, last_query(j, T, a->W), T, D, rep, a->scale, kj, vj,
-                                 a->qt + row0 * D, a->dout_t + row0 * D, a->q + row0 * D,
-                                 a->dout + row0 * D, a->lse_p + row0, a->Di + row0, dk_acc,
-                                 a->dk + ((b * T + j) * G + g) * D, a->dv + ((b * T + j) * G + g) * D))
-                continue;
-        }
-        for (int64_t d = 0; d < D; d++) { dk_acc[d] = 0.0f; dv_acc[d] = 0.0f; }
-        int64_t ilast = last_query(j, T, a->W);
-        for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
-            int64_t row0 = (b * a->H + h) * T;            /* query row of (b, h, i = 0) */
-            for (int64_t i0 = j; i0 <= ilast; i0 += CHUNK) {
-                int64_t n = imin(CHUNK, ilast + 1 - i0);
-                /* mul(k, q) = mul(q, k): the same scores as pass 1 */
-                vk->dots_t(n, D, kj, a->qt + row0 * D + i0, T, s);
-                vk->dots_t(n, D, vj, a->dout_t + row0 * D + i0, T, dp);
-                /* p = exp(s*scale - lse_i): the exponents, then their exps on lanes (sub(u, +0) = u
-                 * for every u, so exp_sub with m = +0 is exp itself) */
-                for (int64_t c = 0; c < n; c++)
-                    s[c] = o1b_sub(o1b_mul(s[c], a->scale), o1b_load(a->lse[row0 + i0 + c]));
-                vk->exp_sub(n, s, 0.0f, pb);
-                for (int64_t c = 0; c < n; c++) {         /* i = i0 + c ascending */
-                    int64_t qi = row0 + i0 + c;
-                    float ds = o1b_mul(pb[c], o1b_sub(dp[c], a->Di[qi]));
-                    vk->axpy(D, ds, a->q + qi * D, dk_acc);
-                    vk->axpy(D, pb[c], a->dout + qi * D, dv_acc);
-                }
-            }
-        }
-        float *dk = a->dk + ((b * T + j) * G + g) * D, *dv = a->dv + ((b * T + j) * G + g) * D;
-        for (int64_t d = 0; d < D; d++) {
-            dk[d] = o1b_store(o1b_mul(dk_acc[d], a->scale));
-            dv[d] = o1b_store(dv_acc[d]);
-        }
+        int nr = (int)imin((int64_t)R, imin(hi - r, T - j));
+        int64_t il[O1B_VATTN_ROWS];
+        for (int k = 0; k < nr; k++) il[k] = last_query(j + k, T, a->W);
+        int64_t row0 = (b * a->H + g * rep) * T;  /* query row (b, first head of the group, 0) */
+        o1b_vattn_kv kv = {T, D, rep, a->scale, a->k + r * D, a->v + r * D,
+                           a->klo + r, a->khi + r, a->vlo + r, a->vhi + r,
+                           a->q + row0 * D, a->dout + row0 * D, a->qt + row0 * D, a->dout_t + row0 * D,
+                           a->lse_p + row0, a->Di + row0,
+                           a->qlo + row0, a->qhi + row0, a->glo + row0, a->ghi + row0};
+        int64_t out = ((b * T + j) * G + g) * D;
+        int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D);
+        for (int k = 0; k < nr; k++)
+            if (!(done >> k & 1)) dkv_row(a, r + k, vk, acc, acc + D);
+        r += nr;
     }
     o1b_fpmode_restore(mode);
-    free(dk_acc);
+    free(acc);
 }
 
 /* Returns 0, or -1 when out of memory. */
@@ -435,21 +477,28 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
     float *gh = qh + nq, *kh = gh + nq, *vh = kh + nk, *Di = vh + nk;
     float *lse_p = Di + nr + O1B_VATTN_PAD;
     float *qt = lse_p + nr + O1B_VATTN_PAD, *gt = qt + nq, *kt = gt + nq, *vt = kt + nk;
+    /* exponent ranges: 4 of the query rows, 4 of the key rows, padded */
+    size_t nkr = (size_t)(B * G * T);
+    int32_t *qlo = calloc(4 * nr + 4 * nkr + O1B_VATTN_PAD, sizeof(int32_t));
+    if (!qlo) { free(qh); return -1; }
+    int32_t *qhi = qlo + nr, *glo = qhi + nr, *ghi = glo + nr;
+    int32_t *klo = ghi + nr, *khi = klo + nkr, *vlo = khi + nkr, *vhi = vlo + nkr;
     for (size_t r = 0; r < nr; r++) lse_p[r] = o1b_load(lse[r]);
-    to_head_major(q, NULL, B, T, H, D, qh);
-    to_head_major(NULL, dout, B, T, H, D, gh);
-    to_head_major(k, NULL, B, T, G, D, kh);
-    to_head_major(v, NULL, B, T, G, D, vh);
+    to_head_major(q, NULL, B, T, H, D, qh, qlo, qhi);
+    to_head_major(NULL, dout, B, T, H, D, gh, glo, ghi);
+    to_head_major(k, NULL, B, T, G, D, kh, klo, khi);
+    to_head_major(v, NULL, B, T, G, D, vh, vlo, vhi);
     to_transposed(qh, B * H, T, D, qt);
     to_transposed(gh, B * H, T, D, gt);
     to_transposed(kh, B * G, T, D, kt);
     to_transposed(vh, B * G, T, D, vt);
     bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, qt, kt, vt, gt, o, lse, lse_p, Di,
-                  dq, dk, dv, 0};
+                  qlo, qhi, glo, ghi, klo, khi, vlo, vhi, dq, dk, dv, 0};
     o1b_parallel_for(B * H * T, 1 + 4096 / (1 + D), di_range, &a);
     int64_t grain = 1 + (1 << 16) / (1 + T * D);
     o1b_parallel_for(B * H * T, grain, dq_range, &a);
     o1b_parallel_for(B * G * T, grain, dkv_range, &a);
+    free(qlo);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
 }

@@ -412,7 +412,7 @@ static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, 
 }
 /* The attention rows need the hardware flush mode (x86 and arm64 have it). */
 #if defined(O1B_VM_X86) || defined(__aarch64__)
-#define O1B_ATTN_ROWS(s) attn_fwd_rows_##s, attn_dq_rows_##s, attn_dkv_row_##s
+#define O1B_ATTN_ROWS(s) attn_fwd_rows_##s, attn_dq_rows_##s, attn_dkv_rows_##s
 #else
 #define O1B_ATTN_ROWS(s) NULL, NULL, NULL
 #endif
@@ -1270,61 +1270,6 @@ AI void FN(exp_n)(int n, const vf *x, vf *y, vi *rare) {
     for (; k + O1B_EXP_K <= n; k += O1B_EXP_K) FN(exp_k)(x + k, y + k, rare);
     for (; k < n; k++) y[k] = FN(exp)(x[k], rare);
 }
-/* sv[u] lane l = sum_{d ascending} x[d] rows_t[d * ld + u W + l] from +0, u < nv; `exact`: the
- * products are of bf16 values; otherwise their marks go to rr[u]. */
-AI void FN(dots_block)(int nv, int64_t D, const float *x, const float *rows_t, int64_t ld, vf *sv,
-                       int exact, vi *rr) {
-    for (int u = 0; u < NBV; u++) { sv[u] = (vf){0}; rr[u] = (vi){0}; }
-    for (int64_t d = 0; d < D; d++) {
-        vf xd = FN(splat)(x[d]);
-        const float *row = rows_t + d * ld;
-#pragma GCC unroll 16
-        for (int u = 0; u < NBV; u++)
-            if (u < nv) sv[u] = sv[u] + (exact ? xd * FN(load)(row + u * O1B_W)
-                                               : FN(mulz)(xd, FN(load)(row + u * O1B_W), &rr[u]));
-    }
-}
-/* The max of s[0..n) in the written order (o1b_max from -inf): the lane maxima (-inf in the
- * invalid lanes) combined. A nonzero maximum has the same bits wherever it occurs; a zero one
- * (+0 and -0 compare equal) is taken again in order. */
-AI float FN(block_max)(int nv, int64_t n, const vf *sv, const float *s) {
-    vf mv = FN(splat)(-INFINITY);
-    for (int u = 0; u < nv; u++) {
-        vf x = FN(sel)(FN(below)(n - u * O1B_W), sv[u], FN(splat)(-INFINITY));
-        mv = FN(sel)(x > mv, x, mv);
-    }
-    float mb = -INFINITY;
-    for (int l = 0; l < O1B_W; l++) mb = o1b_max(mb, mv[l]);
-    if (mb == 0.0f) {
-        mb = -INFINITY;
-        for (int64_t j = 0; j < n; j++) mb = o1b_max(mb, s[j]);
-    }
-    return mb;
-}
-/* For d < D, four vectors of d at a time in registers, t[d] = sum_{j < n ascending} c[j] rows[j * ld + d]:
- * without corr, continued from acc[d] (acc = t); with it, from +0 and then acc = add(mul(acc, *corr), t)
- * (the forward's rescaled block). */
-AI void FN(rows_axpy)(int64_t n, int64_t D, const float *c, const float *rows, int64_t ld,
-                      const float *corr, float *acc, vi *rare) {
-    for (int64_t d0 = 0; d0 < D; d0 += 4 * O1B_W) {
-        vf a[4];
-        int nd = (int)((D - d0 + O1B_W - 1) / O1B_W);
-        if (nd > 4) nd = 4;
-        for (int t = 0; t < 4; t++)
-            if (t < nd) a[t] = corr ? (vf){0} : FN(load)(acc + d0 + t * O1B_W);
-        for (int64_t j = 0; j < n; j++) {
-            vf cj = FN(splat)(c[j]);
-            const float *r = rows + j * ld + d0;
-            for (int t = 0; t < 4; t++)
-                if (t < nd) a[t] = a[t] + FN(mulz)(cj, FN(load)(r + t * O1B_W), rare);
-        }
-        for (int t = 0; t < 4; t++)
-            if (t < nd) {
-                if (corr) a[t] = FN(mulz)(FN(load)(acc + d0 + t * O1B_W), FN(splat)(*corr), rare) + a[t];
-                FN(put)(acc + d0 + t * O1B_W, a[t]);
-            }
-    }
-}
 /* out[d] = store(mul(acc[d], s)) for d < D */
 AI void FN(store_scaled)(int64_t D, const float *acc, float s, float *out, vi *rare) {
     vf sv = FN(splat)(s);
@@ -1338,6 +1283,52 @@ AI void FN(store_scaled)(int64_t D, const float *acc, float s, float *out, vi *r
     }
 }
 
+/* Exponent guards. A product of nonzero flushed x and y rounds to exactly 2^-126 only if their
+ * biased exponents sum to 127 (the exact product lies in [2^(ex+ey-254), 2^(ex+ey-252)); with a
+ * smaller sum it stays below 2^-126 and flushes on the hardware as in the contract, with a larger
+ * one it is at least 2^-126 exactly). So a block whose products all miss that sum needs no per-product
+ * mark, and its loops run bare; the others run with mulz as before. A row's exponent range
+ * [lo, hi] covers its nonzero elements (lo > hi for a row of zeros). */
+AI vi FN(expo)(vf x) { return (BITS(x) >> 23) & 0xFF; }
+AI vi FN(iload)(const int32_t *p) { vi x; memcpy(&x, p, sizeof x); return x; }
+/* lanes where x (exponent ex, 0 for zero) times some element of a row in [lo, hi] may hit 127 */
+AI vi FN(may_tiny)(vi ex, vi lo, vi hi) { return (ex != 0) & (ex + lo <= 127) & (ex + hi >= 127); }
+
+/* The forward's block product and rescale, for d < D two vectors at a time: each row r's
+ * t = sum_{j in [lo[r], hi[r]) ascending} pb[r][j] v_j (v at key j = 0 of the block, D floats a row),
+ * times spr[r] with i8, then acc = add(mul(acc, corr[r]), t); `checked`: t's products marked. */
+AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D, const float *v,
+                   float (*pb)[O1B_VATTN_BK], const float *corr, const float *spr, int i8, float *acc,
+                   vi *rare, const int checked) {
+    enum { R = O1B_VATTN_ROWS };
+    const int64_t ld = D + O1B_VATTN_PAD;
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {
+        vf a[R][2];
+        int nd = D - d0 > O1B_W ? 2 : 1;
+        for (int r = 0; r < R; r++) for (int t = 0; t < 2; t++) a[r][t] = (vf){0};
+        for (int64_t j = 0; j < nu; j++) {
+            const float *vr = v + j * D + d0;
+            vf v0 = FN(load)(vr), v1 = nd > 1 ? FN(load)(vr + O1B_W) : (vf){0};
+            for (int r = 0; r < R; r++) {
+                if (r < nr && j >= lo[r] && j < hi[r]) {
+                    vf cj = FN(splat)(pb[r][j]);
+                    a[r][0] = a[r][0] + (checked ? FN(mulz)(cj, v0, &rare[r]) : cj * v0);
+                    if (nd > 1) a[r][1] = a[r][1] + (checked ? FN(mulz)(cj, v1, &rare[r]) : cj * v1);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if (r >= nr || hi[r] == lo[r]) continue;
+            vf cv = FN(splat)(corr[r]);
+            for (int t = 0; t < nd; t++) {
+                float *ap = acc + r * ld + d0 + t * O1B_W;
+                vf pvv = i8 ? FN(mulz)(a[r][t], FN(splat)(spr[r]), &rare[r]) : a[r][t];
+                FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + pvv);
+            }
+        }
+    }
+}
+
 /* attention.c's forward of the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of one
  * head (row r: keys [jlo[r], i + r] in blocks of O1B_VATTN_BK at absolute key indices; q at q + r D,
  * o at o + r od, lse at lse + r). The rows are interleaved so that their independent sums (the dots
@@ -1346,12 +1337,13 @@ AI void FN(store_scaled)(int64_t D, const float *acc, float s, float *out, vi *r
  * floats (integers in [-127, 127]) and svr their step sizes (T); the block's int32 sum of q_p q_v
  * runs in fp32 lanes: every product and partial sum is an integer below 64 * 127^2 < 2^24, so each
  * is exact and the sum is the int32 one, and i2f of it is the float itself. acc: nr (D +
- * O1B_VATTN_PAD) floats. Returns a bit mask of the rows done (a row with a product of exactly
+ * O1B_VATTN_PAD) floats. vlo, vhi: the exponent ranges of the value rows (T; unused with qv, whose
+ * integer products are exact). Returns a bit mask of the rows done (a row with a product of exactly
  * 2^-126, or with a non-finite int8 block, is left to the caller's contract.h path). */
 static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
                                      float scale, const float *q, const float *kt, const float *v,
-                                     const float *qv, const float *svr, float *acc, float *o,
-                                     int64_t od, float *lse) {
+                                     const int32_t *vlo, const int32_t *vhi, const float *qv,
+                                     const float *svr, float *acc, float *o, int64_t od, float *lse) {
     enum { R = O1B_VATTN_ROWS };
     float pb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
     float spr[R];
@@ -1391,9 +1383,10 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 for (int u = 0; u < NBV; u++) if (u < nv) sv[r][u] = sv[r][u] + xd * kv[u];
             }
         }
-        float corr[R];
+        float corr[R], cx[R];                           /* corr = exp(cx), the rows on lanes below */
         for (int r = 0; r < R; r++) {
-            if (r >= nr || hi[r] == lo[r]) { corr[r] = 1.0f; continue; }
+            cx[r] = 0.0f;
+            if (r >= nr || hi[r] == lo[r]) continue;
             vf x[NBV], p[NBV];
             vf mv = FN(splat)(-INFINITY);
             for (int u = 0; u < nv; u++) {
@@ -1411,7 +1404,7 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 for (int64_t j = lo[r]; j < hi[r]; j++) mb = o1b_max(mb, pb[r][j]);
             }
             float m_new = o1b_max(m[r], mb);
-            corr[r] = o1b_exp(o1b_sub(m[r], m_new));
+            cx[r] = o1b_sub(m[r], m_new);
             vf mnv = FN(splat)(m_new);
             for (int u = 0; u < nv; u++) {
                 vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
@@ -1420,6 +1413,14 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
             FN(exp_n)(nv, x, p, &rare[r]);
             for (int u = 0; u < nv; u++) FN(put)(pb[r] + u * O1B_W, p[u]);
             m[r] = m_new;
+        }
+        {
+            vf x = (vf){0};
+            vi cr = {0};
+            for (int r = 0; r < R; r++) x[r] = cx[r];
+            vf y = FN(exp)(x, &cr);
+            for (int r = 0; r < R; r++)
+                corr[r] = r >= nr || hi[r] == lo[r] ? 1.0f : cr[r] ? o1b_exp(cx[r]) : y[r];
         }
         float ps[R];
         for (int r = 0; r < R; r++) ps[r] = 0.0f;
@@ -1458,114 +1459,154 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 FN(put)(pb[r] + u * O1B_W, (t + magic) - magic);
             }
         }
-        const float *vsrc = qv ? qv : v;
-        for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {  /* t[d] = sum_j p_j v_j, then the rescale */
-            vf a[R][2];
-            int nd = D - d0 > O1B_W ? 2 : 1;
-            for (int r = 0; r < R; r++) for (int t = 0; t < 2; t++) a[r][t] = (vf){0};
-            for (int64_t j = 0; j < nu; j++) {
-                const float *vr = vsrc + (j0 + j) * D + d0;
-                vf v0 = FN(load)(vr), v1 = nd > 1 ? FN(load)(vr + O1B_W) : (vf){0};
-                for (int r = 0; r < R; r++) {
-                    if (r < nr && j >= lo[r] && j < hi[r]) {
-                        vf cj = FN(splat)(pb[r][j]);
-                        a[r][0] = a[r][0] + FN(mulz)(cj, v0, &rare[r]);
-                        if (nd > 1) a[r][1] = a[r][1] + FN(mulz)(cj, v1, &rare[r]);
-                    }
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                if (r >= nr || hi[r] == lo[r]) continue;
-                vf cv = FN(splat)(corr[r]);
-                for (int t = 0; t < nd; t++) {
-                    float *ap = acc + r * ld + d0 + t * O1B_W;
-                    vf pvv = qv ? FN(mulz)(a[r][t], FN(splat)(spr[r]), &rare[r]) : a[r][t];
-                    FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + pvv);
-                }
+        vi chk = {0};                                   /* the guard of p_j x v_j (with v) */
+        for (int r = 0; !qv && r < nr; r++) {
+            if (hi[r] == lo[r]) continue;
+            for (int u = 0; u < nv; u++) {
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                chk |= valid & FN(may_tiny)(FN(expo)(FN(load)(pb[r] + u * O1B_W)),
+                                            FN(iload)(vlo + j0 + u * O1B_W), FN(iload)(vhi + j0 + u * O1B_W));
             }
         }
+        if (FN(any)(chk)) FN(fwd_pv)(nr, nu, lo, hi, D, v + j0 * D, pb, corr, spr, 0, acc, rare, 1);
+        else FN(fwd_pv)(nr, nu, lo, hi, D, (qv ? qv : v) + j0 * D, pb, corr, spr, qv != NULL, acc, rare, 0);
     }
+    vf lv = FN(splat)(1.0f), lg;                       /* log(l) of the rows on lanes */
+    vi lr = {0};
+    for (int r = 0; r < nr; r++) lv[r] = l[r];
+    lg = FN(log)(lv, &lr);
     int done = 0;
     for (int r = 0; r < nr; r++) {
         if (FN(any)(rare[r])) continue;
         vi rr = {0};
         FN(store_scaled)(D, acc + r * ld, o1b_div(1.0f, l[r]), o + r * od, &rr);
         if (FN(any)(rr)) continue;
-        lse[r] = o1b_store(o1b_add(m[r], o1b_log(l[r])));
+        lse[r] = o1b_store(o1b_add(m[r], lr[r] ? o1b_log(l[r]) : lg[r]));
         done |= 1 << r;
     }
     return done;
 }
 
-/* p and ds of a block of pairs on lanes, from the scores' dots sv (exact products) and dout v's
- * dp (rare marks rr): p = exp(sub(mul(s, scale), lse)), ds = mul(p, sub(dp, Di)); lse and Di
- * per lane. Stored to pb and dsb; invalid lanes get exp(0) and are never used. */
-AI void FN(p_ds_block)(int nv, int64_t n, const vf *sv, const vf *dp, const vi *rr, vf scv,
-                       const vf *lsev, const vf *Div, float *pb, float *dsb, vi *rare) {
-    vf x[NBV], p[NBV];
+/* The dots of a chunk of attn_dkv_rows (attn_dq_rows): for the R key (query) rows kr, vr (their k and v
+ * rows; q and dout) and the query (key) lanes u < nv of the transposed qt, gt (kt, vt), from d
+ * ascending and +0:  sv = sum_d kr_d qt[d],  dp = sum_d vr_d gt[d];  `checked`: dp's products
+ * marked into rr. A vector of lanes at a time, its 2R sums interleaved. */
+AI void FN(kv_dots)(int nv, int64_t D, int64_t T, const float *const *kr, const float *const *vr,
+                    const float *qt, const float *gt, vf (*sv)[NBV], vf (*dp)[NBV], vi (*rr)[NBV],
+                    const int checked) {
+    enum { R = O1B_VATTN_ROWS };
     for (int u = 0; u < nv; u++) {
-        vi valid = FN(below)(n - u * O1B_W), r = rr[u];
-        x[u] = FN(sel)(valid, FN(sub)(FN(mulz)(sv[u], scv, &r), lsev[u]), (vf){0});
-        rare[0] |= r & valid;
+        vf s[R], p[R];
+        vi m[R];
+        for (int r = 0; r < R; r++) { s[r] = (vf){0}; p[r] = (vf){0}; m[r] = (vi){0}; }
+        const float *qc = qt + u * O1B_W, *gc = gt + u * O1B_W;
+        for (int64_t d = 0; d < D; d++) {
+            vf x = FN(load)(qc + d * T), y = FN(load)(gc + d * T);
+            for (int r = 0; r < R; r++) {
+                s[r] = s[r] + FN(splat)(kr[r][d]) * x;
+                p[r] = p[r] + (checked ? FN(mulz)(FN(splat)(vr[r][d]), y, &m[r]) : FN(splat)(vr[r][d]) * y);
+            }
+        }
+        for (int r = 0; r < R; r++) { sv[r][u] = s[r]; dp[r][u] = p[r]; rr[r][u] = m[r]; }
     }
-    FN(exp_n)(nv, x, p, rare);
-    for (int u = 0; u < nv; u++) {
-        vi r = {0};
-        vf ds = FN(mulz)(p[u], FN(sub)(dp[u], Div[u]), &r);
-        rare[0] |= r & FN(below)(n - u * O1B_W);
-        FN(put)(pb + u * O1B_W, p[u]);
-        FN(put)(dsb + u * O1B_W, ds);
+}
+/* The sums of a chunk, for d < D two vectors at a time: each row r's
+ *   acc_a += ca[r][c] x_c  (and with `two`, acc_b += cb[r][c] y_c)
+ * over its lanes c in [lo[r], hi[r]) ascending (x, y at row c = 0 of the chunk, D floats a row;
+ * acc_a at acc + r ld, or with `two` acc + 2r ld and acc_b at acc + (2r + 1) ld); `checked`:
+ * every product marked into rare[r]. */
+AI void FN(kv_sums)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D, const float *x,
+                    const float *y, float (*ca)[O1B_VATTN_BK], float (*cb)[O1B_VATTN_BK],
+                    float *acc, vi *rare, const int checked, const int two) {
+    enum { R = O1B_VATTN_ROWS };
+    const int64_t ld = D + O1B_VATTN_PAD;
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {
+        vf aa[R][2], ab[R][2];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < 2; t++) {
+                aa[r][t] = r < nr ? FN(load)(acc + (two ? 2 * r : r) * ld + d0 + t * O1B_W) : (vf){0};
+                ab[r][t] = two && r < nr ? FN(load)(acc + (2 * r + 1) * ld + d0 + t * O1B_W) : (vf){0};
+            }
+        for (int64_t c = 0; c < nu; c++) {
+            const float *xc = x + c * D + d0, *yc = two ? y + c * D + d0 : xc;
+            vf x0 = FN(load)(xc), x1 = FN(load)(xc + O1B_W);
+            vf y0 = two ? FN(load)(yc) : x0, y1 = two ? FN(load)(yc + O1B_W) : x1;
+            for (int r = 0; r < R; r++) {
+                if (r >= nr || c < lo[r] || c >= hi[r]) continue;
+                vf sa = FN(splat)(ca[r][c]);
+                if (checked) {
+                    aa[r][0] = aa[r][0] + FN(mulz)(sa, x0, &rare[r]);
+                    aa[r][1] = aa[r][1] + FN(mulz)(sa, x1, &rare[r]);
+                } else {
+                    aa[r][0] = aa[r][0] + sa * x0;
+                    aa[r][1] = aa[r][1] + sa * x1;
+                }
+                if (!two) continue;
+                vf sb = FN(splat)(cb[r][c]);
+                if (checked) {
+                    ab[r][0] = ab[r][0] + FN(mulz)(sb, y0, &rare[r]);
+                    ab[r][1] = ab[r][1] + FN(mulz)(sb, y1, &rare[r]);
+                } else {
+                    ab[r][0] = ab[r][0] + sb * y0;
+                    ab[r][1] = ab[r][1] + sb * y1;
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < 2; t++)
+                if (r < nr) {
+                    FN(put)(acc + (two ? 2 * r : r) * ld + d0 + t * O1B_W, aa[r][t]);
+                    if (two) FN(put)(acc + (2 * r + 1) * ld + d0 + t * O1B_W, ab[r][t]);
+                }
     }
 }
 
 /* attention.c's pass 1 (dq) for the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of
- * one head (row r: keys [jlo[r], i + r] in chunks of O1B_VATTN_BK; q, dout at + r D; lse, Di at
- * [r]; dq at dq + r od), interleaved like attn_fwd_rows; each row's sum over keys is its own, in
- * ascending order (the chunks enter no sum).
- * acc: nr (D + O1B_VATTN_PAD) floats. Returns the bit mask of the rows done. */
-static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
-                                    float scale, const float *lse, const float *Di, const float *q,
-                                    const float *dout, const float *kt, const float *vt, const float *k,
+ * one head (row r: keys [jlo[r], i + r] in chunks of O1B_VATTN_BK from jlo[0]; dq at + r od),
+ * interleaved like attn_dkv_rows, the roles of keys and queries swapped; each row's sum over keys
+ * is its own, in ascending order (the chunks enter no sum). acc: nr (D + O1B_VATTN_PAD) floats.
+ * Returns the bit mask of the rows done. */
+static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const o1b_vattn_q *a,
                                     float *acc, float *dq, int64_t od) {
     enum { R = O1B_VATTN_ROWS };
     float dsb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
+    const int64_t T = a->T, D = a->D, ld = D + O1B_VATTN_PAD, ilast = i + nr - 1;
+    const float *qr[R], *gr[R];
     vi rare[R];
-    vf scv = FN(splat)(scale);
-    const int64_t ld = D + O1B_VATTN_PAD, ilast = i + nr - 1;
+    vf scv = FN(splat)(a->scale);
     for (int r = 0; r < R; r++) {
+        int rc = r < nr ? r : nr - 1;
+        qr[r] = a->q + rc * D;
+        gr[r] = a->dout + rc * D;
         rare[r] = (vi){0};
-        if (r < nr) for (int64_t d = 0; d < D; d += O1B_W) FN(put)(acc + r * ld + d, (vf){0});
+        if (r < nr)                                   /* kv_sums' whole pairs of vectors */
+            for (int64_t d = 0; d < D + O1B_W; d += O1B_W) FN(put)(acc + r * ld + d, (vf){0});
     }
     for (int64_t j0 = jlo[0]; j0 <= ilast; j0 += O1B_VATTN_BK) {
         int64_t nu = ilast + 1 - j0 < O1B_VATTN_BK ? ilast + 1 - j0 : O1B_VATTN_BK;
         int nv = (int)((nu + O1B_W - 1) / O1B_W);
         int64_t lo[R], hi[R];                           /* row r's keys: lanes [lo, hi) of the chunk */
-        vf sv[R][NBV], dp[R][NBV];
-        vi rr[R][NBV];
+        vi chk = {0};
         for (int r = 0; r < R; r++) {
-            int64_t a = jlo[r] > j0 ? jlo[r] - j0 : 0, b = i + r + 1 - j0 < nu ? i + r + 1 - j0 : nu;
-            lo[r] = r < nr ? a : 0;
-            hi[r] = r < nr && b > a ? b : lo[r];
-            for (int u = 0; u < NBV; u++) { sv[r][u] = (vf){0}; dp[r][u] = (vf){0}; rr[r][u] = (vi){0}; }
+            int64_t x = jlo[r] > j0 ? jlo[r] - j0 : 0, y = i + r + 1 - j0 < nu ? i + r + 1 - j0 : nu;
+            lo[r] = r < nr ? x : 0;
+            hi[r] = r < nr && y > x ? y : lo[r];
         }
-        for (int64_t d = 0; d < D; d++) {               /* both dots: rows x key vectors, d ascending */
-            vf kv[NBV], vv[NBV];
-            for (int u = 0; u < NBV; u++)
-                if (u < nv) { kv[u] = FN(load)(kt + d * T + j0 + u * O1B_W); vv[u] = FN(load)(vt + d * T + j0 + u * O1B_W); }
-            for (int r = 0; r < R; r++) {
-                if (r >= nr) break;
-                vf xd = FN(splat)(q[r * D + d]), gd = FN(splat)(dout[r * D + d]);
-#pragma GCC unroll 16
-                for (int u = 0; u < NBV; u++)
-                    if (u < nv) {
-                        sv[r][u] = sv[r][u] + xd * kv[u];
-                        dp[r][u] = dp[r][u] + FN(mulz)(gd, vv[u], &rr[r][u]);
-                    }
+        for (int u = 0; u < nv; u++) {                  /* dp's guard: dout_i x v_j */
+            vi vl = FN(iload)(a->vlo + j0 + u * O1B_W), vh = FN(iload)(a->vhi + j0 + u * O1B_W);
+            for (int r = 0; r < nr; r++) {
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                chk |= valid & (vl + a->glo[r] <= 127) & (vh + a->ghi[r] >= 127);
             }
         }
-        for (int r = 0; r < nr; r++) {                   /* p and ds on lanes (p_ds_block's) */
+        vf sv[R][NBV], dp[R][NBV];
+        vi rr[R][NBV];
+        if (FN(any)(chk)) FN(kv_dots)(nv, D, T, qr, gr, a->kt + j0, a->vt + j0, sv, dp, rr, 1);
+        else FN(kv_dots)(nv, D, T, qr, gr, a->kt + j0, a->vt + j0, sv, dp, rr, 0);
+        chk = (vi){0};
+        for (int r = 0; r < nr; r++) {                   /* p and ds on lanes */
             if (hi[r] == lo[r]) continue;
-            vf x[NBV], p[NBV], lsev = FN(splat)(lse[r]), Div = FN(splat)(Di[r]);
+            vf x[NBV], p[NBV], lsev = FN(splat)(a->lse[r]), Div = FN(splat)(a->Di[r]);
             for (int u = 0; u < nv; u++) {
                 vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = rr[r][u];
                 x[u] = FN(sel)(valid, FN(sub)(FN(mulz)(sv[r][u], scv, &m), lsev), (vf){0});
@@ -1573,82 +1614,116 @@ static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, int64
             }
             FN(exp_n)(nv, x, p, &rare[r]);
             for (int u = 0; u < nv; u++) {
-                vi m = {0};
+                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = {0};
+                int64_t c = j0 + u * O1B_W;
                 vf ds = FN(mulz)(p[u], FN(sub)(dp[r][u], Div), &m);
-                rare[r] |= m & FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                rare[r] |= m & valid;
                 FN(put)(dsb[r] + u * O1B_W, ds);
+                /* the sum's guard: ds_j x k_j */
+                chk |= valid & FN(may_tiny)(FN(expo)(ds), FN(iload)(a->klo + c), FN(iload)(a->khi + c));
             }
         }
-        for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {  /* acc += sum_j ds_j k_j, j ascending */
-            vf a[R][2];
-            int nd = D - d0 > O1B_W ? 2 : 1;
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < 2; t++)
-                    if (r < nr && t < nd) a[r][t] = FN(load)(acc + r * ld + d0 + t * O1B_W);
-            for (int64_t j = 0; j < nu; j++) {
-                const float *kr = k + (j0 + j) * D + d0;
-                vf k0 = FN(load)(kr), k1 = nd > 1 ? FN(load)(kr + O1B_W) : (vf){0};
-                for (int r = 0; r < R; r++) {
-                    if (r < nr && j >= lo[r] && j < hi[r]) {
-                        vf cj = FN(splat)(dsb[r][j]);
-                        a[r][0] = a[r][0] + FN(mulz)(cj, k0, &rare[r]);
-                        if (nd > 1) a[r][1] = a[r][1] + FN(mulz)(cj, k1, &rare[r]);
-                    }
+        if (FN(any)(chk)) FN(kv_sums)(nr, nu, lo, hi, D, a->k + j0 * D, NULL, dsb, dsb, acc, rare, 1, 0);
+        else FN(kv_sums)(nr, nu, lo, hi, D, a->k + j0 * D, NULL, dsb, dsb, acc, rare, 0, 0);
+    }
+    int done = 0;
+    for (int r = 0; r < nr; r++) {
+        if (FN(any)(rare[r])) continue;
+        vi m = {0};
+        FN(store_scaled)(D, acc + r * ld, a->scale, dq + r * od, &m);
+        if (!FN(any)(m)) done |= 1 << r;
+    }
+    return done;
+}
+
+/* attention.c's pass 2 for the nr <= O1B_VATTN_ROWS consecutive key rows j .. j + nr - 1 of one kv
+ * head (row r: queries [j + r, ilast[r]] of each of the group's heads in order, in chunks of
+ * O1B_VATTN_BK queries from j; dk, dv at + r od), interleaved: the chunk's query vectors are loaded
+ * once for all rows, and each row's sums over (head, query) are its own, in the written order
+ * (the chunks enter no sum). The products of dout v (dp) and of the sums run bare where the
+ * exponent guards allow. acc: 2 nr (D + O1B_VATTN_PAD) floats. Returns the bit mask of the rows done. */
+static O1B_TGT int FN(attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, const o1b_vattn_kv *a,
+                                     float *acc, float *dk, float *dv, int64_t od) {
+    enum { R = O1B_VATTN_ROWS };
+    float pb[R][O1B_VATTN_BK] __attribute__((aligned(64))), dsb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
+    const int64_t T = a->T, D = a->D, ld = D + O1B_VATTN_PAD, imax = ilast[nr - 1];
+    const float *kr[R], *vr[R];
+    vi rare[R];
+    vf scv = FN(splat)(a->scale);
+    for (int r = 0; r < R; r++) {
+        int rc = r < nr ? r : nr - 1;
+        kr[r] = a->k + rc * D;
+        vr[r] = a->v + rc * D;
+        rare[r] = (vi){0};
+        if (r < nr)                                   /* kv_sums' whole pairs of vectors */
+            for (int64_t d = 0; d < D + O1B_W; d += O1B_W) {
+                FN(put)(acc + 2 * r * ld + d, (vf){0});
+                FN(put)(acc + (2 * r + 1) * ld + d, (vf){0});
+            }
+    }
+    for (int64_t h = 0; h < a->rep; h++) {
+        const float *qt = a->qt + h * T * D, *gt = a->dout_t + h * T * D;
+        const float *q = a->q + h * T * D, *g = a->dout + h * T * D;
+        const float *lse = a->lse + h * T, *Di = a->Di + h * T;
+        const int32_t *qlo = a->qlo + h * T, *qhi = a->qhi + h * T, *glo = a->glo + h * T, *ghi = a->ghi + h * T;
+        for (int64_t i0 = j; i0 <= imax; i0 += O1B_VATTN_BK) {
+            int64_t nu = imax + 1 - i0 < O1B_VATTN_BK ? imax + 1 - i0 : O1B_VATTN_BK;
+            int nv = (int)((nu + O1B_W - 1) / O1B_W);
+            int64_t lo[R], hi[R];                       /* row r's queries: lanes [lo, hi) of the chunk */
+            vi chk = {0};
+            for (int r = 0; r < R; r++) {
+                int64_t x = j + r > i0 ? j + r - i0 : 0, y = ilast[r] + 1 - i0 < nu ? ilast[r] + 1 - i0 : nu;
+                lo[r] = r < nr ? x : 0;
+                hi[r] = r < nr && y > x ? y : lo[r];
+            }
+            for (int u = 0; u < nv; u++) {              /* dp's guard: dout_i x v_j */
+                vi gl = FN(iload)(glo + i0 + u * O1B_W), gh = FN(iload)(ghi + i0 + u * O1B_W);
+                for (int r = 0; r < nr; r++) {
+                    vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
+                    chk |= valid & (gl + a->vlo[r] <= 127) & (gh + a->vhi[r] >= 127);
                 }
             }
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < 2; t++)
-                    if (r < nr && t < nd) FN(put)(acc + r * ld + d0 + t * O1B_W, a[r][t]);
+            vf sv[R][NBV], dp[R][NBV];
+            vi rr[R][NBV];
+            /* mul(k, q) = mul(q, k): the same scores as pass 1 */
+            if (FN(any)(chk)) FN(kv_dots)(nv, D, T, kr, vr, qt + i0, gt + i0, sv, dp, rr, 1);
+            else FN(kv_dots)(nv, D, T, kr, vr, qt + i0, gt + i0, sv, dp, rr, 0);
+            chk = (vi){0};
+            for (int r = 0; r < nr; r++) {               /* p and ds on lanes */
+                if (hi[r] == lo[r]) continue;
+                vf x[NBV], p[NBV];
+                for (int u = 0; u < nv; u++) {
+                    vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = rr[r][u];
+                    vf lsev = FN(flush)(FN(load)(lse + i0 + u * O1B_W));
+                    x[u] = FN(sel)(valid, FN(sub)(FN(mulz)(sv[r][u], scv, &m), lsev), (vf){0});
+                    rare[r] |= m & valid;
+                }
+                FN(exp_n)(nv, x, p, &rare[r]);
+                for (int u = 0; u < nv; u++) {
+                    vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = {0};
+                    int64_t c = i0 + u * O1B_W;
+                    vf ds = FN(mulz)(p[u], FN(sub)(dp[r][u], FN(load)(Di + c)), &m);
+                    rare[r] |= m & valid;
+                    FN(put)(pb[r] + u * O1B_W, p[u]);
+                    FN(put)(dsb[r] + u * O1B_W, ds);
+                    /* the sums' guards: ds_i x q_i and p_i x dout_i */
+                    chk |= valid & (FN(may_tiny)(FN(expo)(ds), FN(iload)(qlo + c), FN(iload)(qhi + c)) |
+                                    FN(may_tiny)(FN(expo)(p[u]), FN(iload)(glo + c), FN(iload)(ghi + c)));
+                }
+            }
+            if (FN(any)(chk)) FN(kv_sums)(nr, nu, lo, hi, D, q + i0 * D, g + i0 * D, dsb, pb, acc, rare, 1, 1);
+            else FN(kv_sums)(nr, nu, lo, hi, D, q + i0 * D, g + i0 * D, dsb, pb, acc, rare, 0, 1);
         }
     }
     int done = 0;
     for (int r = 0; r < nr; r++) {
         if (FN(any)(rare[r])) continue;
         vi m = {0};
-        FN(store_scaled)(D, acc + r * ld, scale, dq + r * od, &m);
+        FN(store_scaled)(D, acc + 2 * r * ld, a->scale, dk + r * od, &m);
+        FN(store_scaled)(D, acc + (2 * r + 1) * ld, 1.0f, dv + r * od, &m);
         if (!FN(any)(m)) done |= 1 << r;
     }
     return done;
-}
-
-/* attention.c's pass 2 for key row j of a kv head: the rep query heads h of its group in order,
- * queries [j, ilast] of each in chunks; qt, dout_t (D, T) transposed, q, dout (T, D) head-major,
- * lse, Di (T) at head h0, the next heads T D (T) floats on. acc: 2 (D + O1B_VATTN_PAD) floats. */
-static O1B_TGT int FN(attn_dkv_row)(int64_t j, int64_t ilast, int64_t T, int64_t D, int64_t rep,
-                                    float scale, const float *kj, const float *vj, const float *qt,
-                                    const float *dout_t, const float *q, const float *dout,
-                                    const float *lse, const float *Di, float *acc, float *dk,
-                                    float *dv) {
-    float pb[O1B_VATTN_BK] __attribute__((aligned(64))), dsb[O1B_VATTN_BK] __attribute__((aligned(64)));
-    float *dk_acc = acc, *dv_acc = acc + D + O1B_VATTN_PAD;
-    vi rare = {0};
-    vf scv = FN(splat)(scale);
-    for (int64_t d = 0; d < D; d += O1B_W) { FN(put)(dk_acc + d, (vf){0}); FN(put)(dv_acc + d, (vf){0}); }
-    for (int64_t h = 0; h < rep; h++) {
-        const float *qt_h = qt + h * T * D, *gt_h = dout_t + h * T * D;
-        const float *q_h = q + h * T * D, *g_h = dout + h * T * D;
-        const float *lse_h = lse + h * T, *Di_h = Di + h * T;
-        for (int64_t i0 = j; i0 <= ilast; i0 += O1B_VATTN_BK) {
-            int64_t n = ilast + 1 - i0 < O1B_VATTN_BK ? ilast + 1 - i0 : O1B_VATTN_BK;
-            int nv = (int)((n + O1B_W - 1) / O1B_W);
-            vf sv[NBV], dp[NBV], lsev[NBV], Div[NBV];
-            vi rs[NBV], rr[NBV];
-            /* mul(k, q) = mul(q, k): the same scores as pass 1 */
-            FN(dots_block)(nv, D, kj, qt_h + i0, T, sv, 1, rs);
-            FN(dots_block)(nv, D, vj, gt_h + i0, T, dp, 0, rr);
-            for (int u = 0; u < nv; u++) {
-                lsev[u] = FN(flush)(FN(load)(lse_h + i0 + u * O1B_W));
-                Div[u] = FN(load)(Di_h + i0 + u * O1B_W);
-            }
-            FN(p_ds_block)(nv, n, sv, dp, rr, scv, lsev, Div, pb, dsb, &rare);
-            FN(rows_axpy)(n, D, dsb, q_h + i0 * D, D, NULL, dk_acc, &rare);
-            FN(rows_axpy)(n, D, pb, g_h + i0 * D, D, NULL, dv_acc, &rare);
-        }
-    }
-    if (FN(any)(rare)) return 0;
-    FN(store_scaled)(D, dk_acc, scale, dk, &rare);
-    FN(store_scaled)(D, dv_acc, 1.0f, dv, &rare);
-    return !FN(any)(rare);
 }
 
 #undef O1B_VM_MAP_LOOP

@@ -78,6 +78,32 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y);
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out);
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
 
+/* The arrays of attn_dkv_rows (below) for key rows from j of one kv head: their k and v rows
+ * (head-major, + r D) and the exponent ranges of those rows; the query rows of the group's rep
+ * heads, from (first head, i = 0), the next head T D (or T) floats on: q, dout head-major (T, D),
+ * qt, dout_t transposed (D, T), lse (loaded) and Di (T), and the exponent ranges of the q and dout
+ * rows (T). An exponent range [lo, hi] holds the biased exponents of a row's nonzero elements
+ * (lo = 255, hi = 0 for a row of zeros). */
+typedef struct {
+    int64_t T, D, rep;
+    float scale;
+    const float *k, *v;
+    const int32_t *klo, *khi, *vlo, *vhi;
+    const float *q, *dout, *qt, *dout_t, *lse, *Di;
+    const int32_t *qlo, *qhi, *glo, *ghi;
+} o1b_vattn_kv;
+/* The arrays of attn_dq_rows for query rows from i of one head: their q and dout rows (+ r D), lse
+ * (loaded) and Di ([r]) and the exponent ranges of the dout rows ([r]); the key rows of its kv
+ * head: k head-major (T, D), kt, vt transposed (D, T), the exponent ranges of the k and v rows (T). */
+typedef struct {
+    int64_t T, D;
+    float scale;
+    const float *q, *dout, *lse, *Di;
+    const int32_t *glo, *ghi;
+    const float *k, *kt, *vt;
+    const int32_t *klo, *khi, *vlo, *vhi;
+} o1b_vattn_q;
+
 /* The three kernels above for the SIMD level and switch in force, resolved once: for loops that
  * call them many times on short rows (attention), where choosing per call would cost more than
  * the work. */
@@ -92,18 +118,17 @@ typedef struct {
      * attn_fwd_rows: the forward of nr <= O1B_VATTN_ROWS consecutive query rows of one head,
      * interleaved, with §6.6's block product (v) or §6.10's (qv, sv); a bit mask of the rows done. */
     int (*attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
-                         const float *q, const float *kt, const float *v, const float *qv,
-                         const float *sv, float *acc, float *o, int64_t od, float *lse);
+                         const float *q, const float *kt, const float *v, const int32_t *vlo,
+                         const int32_t *vhi, const float *qv, const float *sv, float *acc, float *o,
+                         int64_t od, float *lse);
     /* attn_dq_rows: pass 1 (dq) of nr <= O1B_VATTN_ROWS consecutive query rows of one head,
      * interleaved; a bit mask of the rows done */
-    int (*attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
-                        const float *lse, const float *Di, const float *q, const float *dout,
-                        const float *kt, const float *vt, const float *k, float *acc, float *dq,
-                        int64_t od);
-    int (*attn_dkv_row)(int64_t j, int64_t ilast, int64_t T, int64_t D, int64_t rep, float scale,
-                        const float *kj, const float *vj, const float *qt, const float *dout_t,
-                        const float *q, const float *dout, const float *lse, const float *Di,
-                        float *acc, float *dk, float *dv);
+    int (*attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const o1b_vattn_q *a, float *acc,
+                        float *dq, int64_t od);
+    /* attn_dkv_rows: pass 2 (dk, dv) of nr <= O1B_VATTN_ROWS consecutive key rows of one kv head,
+     * interleaved; a bit mask of the rows done */
+    int (*attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, const o1b_vattn_kv *a, float *acc,
+                         float *dk, float *dv, int64_t od);
 } o1b_vkernels;
 #define O1B_VATTN_BK 64     /* attention.c's key block (a contract constant) */
 #define O1B_VATTN_PAD 64

@@ -1,0 +1,159 @@
+"""The exponent guards of the C reference's SIMD attention rows (cpu_ref/src/vmath.c): a block whose
+products cannot round to exactly 2^-126 (no pair of exponents sums to 127) runs its inner loops with
+bare products; any other block runs them marked, and a row with such a product goes the contract.h way.
+Each case below builds one product whose exact value lies just below 2^-126 (IEEE rounds it up to
+2^-126, the contract flushes it), in each guarded loop: the forward's p v, both passes' dout v (dp),
+dk's ds q and dq's ds k (dv's p dout: test_vmath.test_attention_lanes_on_the_exact_path). Every SIMD
+level and thread count must give the scalar loops' bits, which equal the numpy spec's."""
+import numpy as np
+import pytest
+
+import mlx_open1b.cpu_ref as C
+from mlx_open1b.cpu_ref import attention as CA
+from mlx_open1b.cpu_ref.mathfn import vector_math
+from mlx_open1b.spec import arith as A, attention as SA, mathfn as S
+
+from helpers import assert_bits_equal
+
+LEVELS = list(range(C.simd_level() + 1))
+MIN = np.float32(2.0 ** -126)
+BF = A.f32_to_bf16
+
+
+LO, HI = 2.0 ** -126 - 2.0 ** -151, 2.0 ** -126
+
+
+def rounds_up(x, y) -> bool:
+    """The exact x y lies in [2^-126 - 2^-151, 2^-126): rounded to 24 bits it is 2^-126, which
+    x86 keeps even with FTZ set (tininess after rounding); the contract flushes it to 0."""
+    return LO <= float(x) * float(y) < HI
+
+
+def partner(x, bf16: bool):
+    """A normal y (a bf16 value with bf16) whose product with x rounds up (rounds_up), or None."""
+    y0 = np.float32(2.0 ** -126 / float(x))
+    if bf16:
+        y0 = A.bf16_to_f32(BF(np.array([y0], np.float32)))[0]
+        cands = (np.uint16(y0.view(np.uint32) >> 16) + np.arange(-3, 4)).astype(np.uint16)
+        cands = A.bf16_to_f32(cands)
+    else:
+        cands = (y0.view(np.uint32) + np.arange(-3, 4)).astype(np.uint32).view(np.float32)
+    for y in cands:
+        if rounds_up(x, y):
+            return np.float32(y)
+    return None
+
+
+def check_all(q, k, v, dout, W, scale):
+    """Scalar C equals the spec; every SIMD level and thread count equals scalar C."""
+    with vector_math(False):
+        o, lse = CA.attention_forward(q, k, v, W, scale)
+        grads = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+    so, slse = SA.attention_forward(q, k, v, W, scale)
+    assert_bits_equal(o, so, "o: scalar C vs spec")
+    assert_bits_equal(lse, slse, "lse: scalar C vs spec")
+    for a, b, what in zip(grads, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
+        assert_bits_equal(a, b, f"d{what}: scalar C vs spec")
+    for lv in LEVELS:
+        for threads in (1, 2):
+            with C.settings(simd=lv, threads=threads), vector_math(True):
+                got = CA.attention_forward(q, k, v, W, scale)
+                got_g = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
+            for a, b, what in zip(got + got_g, (o, lse) + tuple(grads), ("o", "lse", "dq", "dk", "dv")):
+                assert_bits_equal(a, b, f"{what}, level {lv}, {threads} threads")
+    return o, lse, grads
+
+
+def test_forward_block_product():
+    # Query 1 sees keys 0 and 1 with scores 0 and `scale` (q1 . k0 = 0, q1 . k1 = 1), so
+    # p0 = exp(-scale), p1 = 1; scale is chosen so that a bf16 v0[0] makes p0 v0[0] round up.
+    # v1[0] = 2^-120 keeps the difference visible in o (2^-126 + 2^-120 vs 2^-120).
+    scales = np.arange(np.float32(0.3).view(np.uint32), np.float32(0.3).view(np.uint32) + (1 << 20),
+                       dtype=np.uint32).view(np.float32)
+    p0 = S.exp(A.sub(np.float32(0.0), scales)).astype(np.float64)
+    top = (np.float32(2.0 ** -126 / p0).view(np.uint32) >> 16).astype(np.int64)
+    for off in range(-2, 3):                          # the bf16 values next to 2^-126 / p0
+        cand = ((top + off) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+        hit = np.flatnonzero((cand * p0 >= LO) & (cand * p0 < HI))
+        if hit.size:
+            break
+    assert hit.size
+    scale, v0 = scales[hit[0]], np.float32(cand[hit[0]])
+    assert rounds_up(S.exp(A.sub(np.float32(0.0), scale)), v0)
+    B, T, H, G, D = 1, 2, 1, 1, 20
+    q, k, v = (np.zeros((B, T, n, D), np.float32) for n in (H, G, G))
+    q[0, 1, 0, 1] = 1.0
+    k[0, 1, 0, 1] = 1.0
+    v[0, 0, 0, 0], v[0, 1, 0, 0] = v0, 2.0 ** -120
+    v[0, 1, 0, 2:] = 0.5                              # v0's row: v0[0] alone (its exponent range a point)
+    dout = np.zeros((B, T, H, D), np.float32)
+    o, _, _ = check_all(BF(q), BF(k), BF(v), dout, 0, float(scale))
+    assert o[0, 1, 0, 0] != 0                        # the flushed product, then 2^-120 on it
+
+
+def two_keys(x, r=None):
+    """B = 1, T = 2, H = 2, G = 1, D = 6, scale 1. Query 1 of each head sees keys 0 and 1 with equal
+    scores (dim 1); dout_1 = x at d = 2 of head 0 and 64 x of head 1, with v0[2] = 1, v1[2] = 0, so
+    dp = (x, 0) and ds = (t, -t), t = mul(p, x/2) (about 64 t for head 1); query 0 adds nothing
+    (ds = 0). Dims 0 and 3 carry the bf16 QV without changing a score (k[., 0] = 0, q[., 3] = 0):
+    q1[0] = QV in both heads for dk's ds q, k0[3] = QV and k1[3] = 64 QV for dq's ds k, so dk0[0],
+    dk1[0] and dq1[3] (head 0) each hold one product t QV next to normal ones near 2^-120. k0[4] = 1
+    (q[., 4] = 0) puts ds_10 alone in dq1[4]. With r, dout_1[5] of head 0 is r and v0[5] = VR:
+    one more product of dp."""
+    B, T, H, G, D = 1, 2, 2, 1, 6
+    q, k, v = (np.zeros((B, T, n, D), np.float32) for n in (H, G, G))
+    q[0, :, :, 1] = 1.0
+    k[0, :, 0, 1] = 1.0
+    v[0, 0, 0, 2] = 1.0
+    v[0, 0, 0, 5] = VR
+    q[0, 1, :, 0] = QV
+    k[0, 0, 0, 3] = QV
+    k[0, 1, 0, 3] = 64 * QV
+    k[0, 0, 0, 4] = 1.0
+    dout = np.zeros((B, T, H, D), np.float32)
+    dout[0, 1, 0, 2] = x
+    dout[0, 1, 1, 2] = 64 * x
+    if r is not None:
+        dout[0, 1, 0, 5] = r
+    return BF(q), BF(k), BF(v), dout
+
+
+QV = np.float32(1.0078125 * 2.0 ** -60)     # bf16 values with a partner (rounds_up)
+VR = np.float32(0.50390625)
+
+
+def test_ds_q_and_ds_k_products():
+    # x is chosen so that t QV rounds up (the contract flushes it; bare, it would stay 2^-126).
+    q, k, v, _ = two_keys(np.float32(1.0))
+    _, lse = SA.attention_forward(q, k, v, 0, 1.0)
+    p = S.exp(A.sub(np.float32(1.0), lse[0, 0, 1]))       # p of (1, j), j = 0, 1, head 0
+    t = partner(QV, bf16=False)
+    assert t is not None
+    x0 = np.float32(2 * float(t) / float(p))
+    xs = (x0.view(np.uint32) + np.arange(-16, 17)).astype(np.uint32).view(np.float32)
+    x = next((x for x in xs if A.mul(p, A.mul(np.float32(0.5), x)) == t), None)
+    assert x is not None
+    _, _, (dq, dk, dv) = check_all(*two_keys(x), 0, 1.0)
+    assert dk[0, 0, 0, 0] != 0 and dq[0, 1, 0, 3] != 0
+
+
+def test_dout_v_products_of_both_passes():
+    # dp_10 = x + r VR (d ascending), x = 2^-110: the contract flushes r VR, a bare product
+    # would add 2^-126 to x (visible: x's ulp is 2^-133), changing ds_10 in dk0[1] (pass 2's dp) and
+    # dq1[4] (pass 1's). Di = x/2 either way (o1[5] = VR/2 and r VR/2 flushes).
+    r = partner(VR, bf16=False)
+    assert r is not None
+    _, _, (dq, dk, dv) = check_all(*two_keys(np.float32(2.0 ** -110), r), 0, 1.0)
+    assert dk[0, 0, 0, 1] != 0 and dq[0, 1, 0, 4] != 0
+
+
+@pytest.mark.parametrize("B,T,H,G,D,W", [(1, 67, 8, 2, 32, 5), (2, 130, 4, 1, 17, 64), (1, 61, 6, 3, 8, 0)])
+def test_rows_and_groups(B, T, H, G, D, W):
+    # Query and key rows in groups of four (T not a multiple of 4), windows shorter and longer than
+    # a block, GQA ratios 4 and 2; ordinary values: every block on the guards' bare path.
+    rng = np.random.default_rng(T)
+    q = BF((rng.standard_normal((B, T, H, D)) * 2).astype(np.float32))
+    k = BF((rng.standard_normal((B, T, G, D)) * 2).astype(np.float32))
+    v = BF(rng.standard_normal((B, T, G, D)).astype(np.float32))
+    dout = (rng.standard_normal((B, T, H, D)) * 1e-2).astype(np.float32)
+    check_all(q, k, v, dout, W, float(np.float32(1 / np.sqrt(D))))
