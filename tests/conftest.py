@@ -15,3 +15,13 @@ def default_corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("default_corpus")
     prepare(default_sources(), out, Tokenizer.load(None))
     return out
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The two-source micro corpus (data_helpers.MICRO_MIX) the training tests read, built once per
+    session; tests only read it (a module may define its own `corpus`)."""
+    from data_helpers import MICRO_MIX, make_corpus
+    d = tmp_path_factory.mktemp("micro") / "corpus"
+    make_corpus(d, MICRO_MIX)
+    return d

@@ -39,13 +39,6 @@ def dist_cfg(**train):
     return RunConfig(model, TrainConfig(**t), "micro")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dist") / "corpus"
-    make_corpus(d, MICRO_MIX)
-    return d
-
-
 _WORKER = """
 import dataclasses, json, os, sys
 from mlx_open1b.config import RunConfig

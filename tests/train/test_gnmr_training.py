@@ -10,19 +10,11 @@ import numpy as np
 import pytest
 
 from mlx_open1b.audit import audit, run_hash
-from mlx_open1b.config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from mlx_open1b.config import ConfigError, RunConfig
 from mlx_open1b.gnmr import GNMRConfig
 from mlx_open1b.train import TrainError, Trainer
 
-from data_helpers import MICRO_MIX, make_corpus
 from runs import MICRO, SENSITIVE, forge_records, gnmr_cfg
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gnmr") / "corpus"
-    make_corpus(d, MICRO_MIX)
-    return d
-
 
 def records(run):
     return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]

@@ -5,20 +5,17 @@ before a record is appended loses no record the ledger holds, and the resumed ru
 uninterrupted run's ledger; on a device the hashes read reused pinned host buffers filled by
 asynchronous copies."""
 import json
-import os
 import signal
 import subprocess
 import sys
 from concurrent.futures import Future
 
-import numpy as np
 import pytest
 
-from mlx_open1b import arrays, state_hashes, step as step_mod
+from mlx_open1b import arrays, step as step_mod
 from mlx_open1b.checkpoint import list_checkpoints
-from mlx_open1b.train import TrainError, Trainer
+from mlx_open1b.train import Trainer
 
-from data_helpers import MICRO_MIX, make_corpus
 from fake_cupy import fake_gpu  # noqa: F401 (a fixture)
 from runs import micro_cfg
 
@@ -29,13 +26,6 @@ def cfg():
     # six steps: updates clipped (0, 1, 3, 5) and not (4), a spike (1) and the skipped step after it,
     # held-out CE (3), a batch phase change (4), a checkpoint every other step
     return micro_cfg(spike_threshold=4.5, clip_norm=4.0, spike_skip=1)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("state_hashes") / "corpus"
-    make_corpus(d, MICRO_MIX)
-    return d
 
 
 def run_files(run) -> dict:

@@ -13,17 +13,9 @@ from mlx_open1b.report import ReportError, load_run_data, summarize
 from mlx_open1b.steptimes import TIMING_FILE, StepTimes, read_step_times
 from mlx_open1b.train import Trainer
 
-from data_helpers import MICRO_MIX, make_corpus
 from runs import micro_cfg
 
 QUIET = dict(log=lambda m: None)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("steptimes") / "corpus"
-    make_corpus(d, MICRO_MIX)
-    return d
 
 
 def lines(run):
