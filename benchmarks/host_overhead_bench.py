@@ -9,7 +9,8 @@ hash (the paths change no bit).
     python benchmarks/host_overhead_bench.py --preset small --steps 3 --rounds 2
 
 Per variant: median over rounds of the step (ms, wall clock over the steps, no final checkpoint),
-of the ops' time and of the rest. Measure on an idle machine.
+of the ops' time and of the rest; the process's CPU time (every thread) and page faults per step,
+which machine load moves less. Measure on an idle machine.
 """
 from __future__ import annotations
 
@@ -45,14 +46,21 @@ def child(a) -> None:
         tr.step()                                       # warm-up step (allocations, thread start)
         tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
         totals.clear()
-        t0 = time.perf_counter()
+        f0, c0, t0 = _faults(), time.process_time(), time.perf_counter()
         for _ in tr.records(1 + a.steps):
             pass
         wall = (time.perf_counter() - t0) / a.steps
+        cpu, faults = (time.process_time() - c0) / a.steps, (_faults() - f0) / a.steps
         ops = sum(s for s, _ in totals.values()) / a.steps
         hashing = tr.timing["hash"] / a.steps
         print(json.dumps({"step": wall, "ops": ops, "hash": hashing, "rest": wall - ops - hashing,
-                          "ledger": tr.ledger.last_hash}))
+                          "cpu": cpu, "faults": faults, "ledger": tr.ledger.last_hash}))
+
+
+def _faults() -> int:
+    """Page faults of this process so far (minor: memory the kernel had to map and zero)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -79,11 +87,13 @@ def main() -> None:
     ledgers = {r["ledger"] for rs in got.values() for r in rs}
     print(f"preset {a.preset}, {a.threads} threads, {a.steps} steps x {a.rounds} rounds; "
           f"ledger hashes {'all equal' if len(ledgers) == 1 else 'DIFFER: ' + ', '.join(sorted(ledgers))}")
-    print(f"  {'variant':8s} {'step ms':>9s} {'ops ms':>9s} {'hash ms':>8s} {'rest ms':>8s}   rest per round")
+    print(f"  {'variant':8s} {'step ms':>9s} {'ops ms':>9s} {'hash ms':>8s} {'rest ms':>8s} {'cpu ms':>8s} "
+          f"{'faults':>8s}   rest per round")
     for v in names:
-        med = {k: sorted(r[k] for r in got[v])[len(got[v]) // 2] for k in ("step", "ops", "hash", "rest")}
+        med = {k: sorted(r[k] for r in got[v])[len(got[v]) // 2] for k in ("step", "ops", "hash", "rest", "cpu", "faults")}
         print(f"  {v:8s} {1e3 * med['step']:9.1f} {1e3 * med['ops']:9.1f} {1e3 * med['hash']:8.1f} "
-              f"{1e3 * med['rest']:8.1f}   " + ", ".join(f"{1e3 * r['rest']:.1f}" for r in got[v]))
+              f"{1e3 * med['rest']:8.1f} {1e3 * med['cpu']:8.1f} {med['faults']:8.0f}   "
+              + ", ".join(f"{1e3 * r['rest']:.1f}" for r in got[v]))
     if len(ledgers) != 1:
         sys.exit(1)
 
