@@ -38,16 +38,11 @@ static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
     o1b_vrms_backward(lo, hi, a->C, a->dy, a->x, a->g, a->rstd, inv_count(a->C), a->dx);
 }
 /* dg_c = sum over rows n ascending of mul(dy[n,c], mul(x[n,c], r_n)) — a column sum, so threads
- * split the columns and each walks the rows in order, its columns on SIMD lanes (the unstored
- * accumulators live in dg until the last row). */
+ * split the columns and each walks the rows in order, its columns on SIMD lanes (the accumulators
+ * of a block of columns stay in registers over every row). */
 static void dg_range(void *ctx, int64_t lo, int64_t hi) {
     const norm_args *a = (const norm_args *)ctx;
-    float *dg = a->y;   /* reused slot: the dg output */
-    for (int64_t c = lo; c < hi; c++) dg[c] = 0.0f;
-    for (int64_t n = 0; n < a->N; n++)
-        o1b_vrms_dg_row(hi - lo, a->dy + n * a->C + lo, a->x + n * a->C + lo, o1b_load(a->rstd[n]),
-                        dg + lo);
-    for (int64_t c = lo; c < hi; c++) dg[c] = o1b_store(dg[c]);
+    o1b_vrms_dg(lo, hi, a->N, a->C, a->dy, a->x, a->rstd, a->y /* reused slot: the dg output */);
 }
 O1B_API void o1b_rmsnorm_backward(int64_t N, int64_t C,
                                   const float *dy,   /* (N, C) */

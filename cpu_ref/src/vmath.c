@@ -139,10 +139,15 @@ static void rms_dx_scalar(int64_t lo, int64_t hi, const float *dy, const float *
         dx[c] = o1b_store(o1b_sub(o1b_mul(t, r), o1b_mul(o1b_load(x[c]), b)));
     }
 }
-static void rms_dg_row_scalar(int64_t lo, int64_t hi, const float *dy, const float *x, float r,
-                              float *acc) {
-    for (int64_t c = lo; c < hi; c++)
-        acc[c] = o1b_add(acc[c], o1b_mul(o1b_load(dy[c]), o1b_mul(o1b_load(x[c]), r)));
+static void rms_dg_scalar(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy,
+                          const float *x, const float *rstd, float *dg) {
+    for (int64_t c = lo; c < hi; c++) {
+        float acc = 0.0f;
+        for (int64_t n = 0; n < N; n++)
+            acc = o1b_add(acc, o1b_mul(o1b_load(dy[n * C + c]),
+                                       o1b_mul(o1b_load(x[n * C + c]), o1b_load(rstd[n]))));
+        dg[c] = o1b_store(acc);
+    }
 }
 
 static void to_bf16_scalar(int64_t lo, int64_t hi, const float *x, bf16 *y) {
@@ -354,9 +359,10 @@ void o1b_vrms_backward(int64_t lo, int64_t hi, int64_t C, const float *dy, const
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
-void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc) {
-    if (!g_vmath) { rms_dg_row_scalar(0, n, dy, x, r, acc); return; }
-#define CALL(s) rms_dg_row_##s(n, dy, x, r, acc)
+void o1b_vrms_dg(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy, const float *x,
+                 const float *rstd, float *dg) {
+    if (!g_vmath) { rms_dg_scalar(lo, hi, N, C, dy, x, rstd, dg); return; }
+#define CALL(s) rms_dg_##s(lo, hi, N, C, dy, x, rstd, dg)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -491,6 +497,12 @@ AI vf FN(flush)(vf x) {
 AI vf FN(store)(vf x) {
     vi nan = x != x;
     return VF((BITS(FN(flush)(x)) & ~nan) | (nan & (int32_t)O1B_NAN_BITS));
+}
+/* o1b_store of a value already flushed (a result of flush, add, sub, mul, div or widen): the
+ * canonical NaN alone */
+AI vf FN(canon)(vf x) {
+    vi nan = x != x;
+    return VF((BITS(x) & ~nan) | (nan & (int32_t)O1B_NAN_BITS));
 }
 AI vf FN(add)(vf a, vf b) { return FN(flush)(a + b); }
 AI vf FN(sub)(vf a, vf b) { return FN(flush)(a - b); }
@@ -832,13 +844,13 @@ static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, fl
         for (int j = 0; j < K; j++)
             y[j] = FN(mul)(FN(mul)(gv[j], s[j], &rare), FN(flush)(FN(load)(u + i + j * O1B_W)), &rare);
         if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + K * O1B_W, g, u, out);
-        else for (int j = 0; j < K; j++) FN(put)(out + i + j * O1B_W, FN(store)(y[j]));
+        else for (int j = 0; j < K; j++) FN(put)(out + i + j * O1B_W, FN(canon)(y[j]));
     }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
         vf y = FN(mul)(FN(silu)(FN(flush)(FN(load)(g + i)), &rare), FN(flush)(FN(load)(u + i)), &rare);
         if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + O1B_W, g, u, out);
-        else FN(put)(out + i, FN(store)(y));
+        else FN(put)(out + i, FN(canon)(y));
     }
     if (i < n) swiglu_fwd_scalar(i, n, g, u, out);
 }
@@ -864,8 +876,8 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
             swiglu_bwd_scalar(i, i + K * O1B_W, dout, gate, up, dgate, dup);
         } else {
             for (int j = 0; j < K; j++) {
-                FN(put)(dup + i + j * O1B_W, FN(store)(a[j]));
-                FN(put)(dgate + i + j * O1B_W, FN(store)(b[j]));
+                FN(put)(dup + i + j * O1B_W, FN(canon)(a[j]));
+                FN(put)(dgate + i + j * O1B_W, FN(canon)(b[j]));
             }
         }
     }
@@ -880,8 +892,8 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
         if (__builtin_expect(FN(any)(rare), 0)) {
             swiglu_bwd_scalar(i, i + O1B_W, dout, gate, up, dgate, dup);
         } else {
-            FN(put)(dup + i, FN(store)(a));
-            FN(put)(dgate + i, FN(store)(b));
+            FN(put)(dup + i, FN(canon)(a));
+            FN(put)(dgate + i, FN(canon)(b));
         }
     }
     if (i < n) swiglu_bwd_scalar(i, n, dout, gate, up, dgate, dup);
@@ -1030,8 +1042,8 @@ static O1B_TGT void FN(rope_rows)(int64_t lo, int64_t hi, int64_t T, int64_t R, 
             vf ci = FN(flush)(FN(load)(c + i)), si = FN(flush)(FN(load)(s + i));
             vf a = FN(mul)(x1, ci, &rare), b = FN(mul)(x2, si, &rare);
             vf e = FN(mul)(x2, ci, &rare), f = FN(mul)(x1, si, &rare);
-            FN(put)(yr + i, FN(store)(backward ? FN(add)(a, b) : FN(sub)(a, b)));
-            FN(put)(yr + i + Dh, FN(store)(backward ? FN(sub)(e, f) : FN(add)(e, f)));
+            FN(put)(yr + i, FN(canon)(backward ? FN(add)(a, b) : FN(sub)(a, b)));
+            FN(put)(yr + i + Dh, FN(canon)(backward ? FN(sub)(e, f) : FN(add)(e, f)));
         }
         if (i < Dh || __builtin_expect(FN(any)(rare), 0))
             rope_rows_scalar(row, row + 1, T, R, D, x, cs, sn, y, backward);
@@ -1081,13 +1093,13 @@ static O1B_TGT void FN(to_bf16_arr)(int64_t lo, int64_t hi, const float *x, bf16
 }
 static O1B_TGT void FN(to_f32_arr)(int64_t lo, int64_t hi, const bf16 *x, float *y) {
     int64_t i = lo;
-    for (; i + O1B_W <= hi; i += O1B_W) FN(put)(y + i, FN(store)(FN(widen)(x + i)));
+    for (; i + O1B_W <= hi; i += O1B_W) FN(put)(y + i, FN(canon)(FN(widen)(x + i)));
     if (i < hi) to_f32_scalar(i, hi, x, y);
 }
 static O1B_TGT void FN(add_arr)(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W)
-        FN(put)(out + i, FN(store)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
+        FN(put)(out + i, FN(canon)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
     if (i < hi) add_scalar(i, hi, a, b, out);
 }
 static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, float s) {
@@ -1097,7 +1109,7 @@ static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, floa
         vi rare = {0};
         vf y = FN(mul)(FN(flush)(FN(load)(a + i)), sv, &rare);
         if (__builtin_expect(FN(any)(rare), 0)) scale_inplace_scalar(i, i + O1B_W, a, s);
-        else FN(put)(a + i, FN(store)(y));
+        else FN(put)(a + i, FN(canon)(y));
     }
     if (i < hi) scale_inplace_scalar(i, hi, a, s);
 }
@@ -1163,7 +1175,7 @@ AI void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *
         vf v = FN(mul)(FN(flush)(FN(load)(x + c)), rv, &rare);
         if (g) v = FN(mul)(v, FN(widen)(g + c), &rare);
         if (__builtin_expect(FN(any)(rare), 0)) rms_scale_scalar(c, c + O1B_W, x, r, g, y);
-        else FN(put)(y + c, FN(store)(v));
+        else FN(put)(y + c, FN(canon)(v));
     }
     if (c < n) rms_scale_scalar(c, n, x, r, g, y);
 }
@@ -1178,23 +1190,34 @@ AI void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, fl
         if (g) t = FN(mul)(t, FN(widen)(g + c), &rare);
         vf d = FN(sub)(FN(mul)(t, rv, &rare), FN(mul)(FN(flush)(FN(load)(x + c)), bv, &rare));
         if (__builtin_expect(FN(any)(rare), 0)) rms_dx_scalar(c, c + O1B_W, dy, x, g, r, b, dx);
-        else FN(put)(dx + c, FN(store)(d));
+        else FN(put)(dx + c, FN(canon)(d));
     }
     if (c < n) rms_dx_scalar(c, n, dy, x, g, r, b, dx);
 }
 
-static O1B_TGT void FN(rms_dg_row)(int64_t n, const float *dy, const float *x, float r, float *acc) {
-    vf rv = FN(splat)(r);
-    int64_t c = 0;
-    for (; c + O1B_W <= n; c += O1B_W) {
-        vi rare = {0};
-        vf a = FN(add)(FN(load)(acc + c),
-                       FN(mul)(FN(flush)(FN(load)(dy + c)),
-                               FN(mul)(FN(flush)(FN(load)(x + c)), rv, &rare), &rare));
-        if (__builtin_expect(FN(any)(rare), 0)) rms_dg_row_scalar(c, c + O1B_W, dy, x, r, acc);
-        else FN(put)(acc + c, a);
+/* The gain's column sums of K vectors of columns from c, the accumulators in registers over
+ * every row; a block with a product at 2^-126 is summed again by the scalar loop. */
+AI void FN(rms_dg_cols)(const int K, int64_t c, int64_t N, int64_t C, const float *dy,
+                        const float *x, const float *rstd, float *dg) {
+    vf acc[8] = {{0}};
+    vi rare = {0};
+    for (int64_t n = 0; n < N; n++) {
+        vf rv = FN(splat)(o1b_load(rstd[n]));
+        const float *dyr = dy + n * C + c, *xr = x + n * C + c;
+        for (int j = 0; j < K; j++)
+            acc[j] = FN(add)(acc[j], FN(mul)(FN(flush)(FN(load)(dyr + j * O1B_W)),
+                                             FN(mul)(FN(flush)(FN(load)(xr + j * O1B_W)), rv, &rare),
+                                             &rare));
     }
-    if (c < n) rms_dg_row_scalar(c, n, dy, x, r, acc);
+    if (__builtin_expect(FN(any)(rare), 0)) rms_dg_scalar(c, c + K * O1B_W, N, C, dy, x, rstd, dg);
+    else for (int j = 0; j < K; j++) FN(put)(dg + c + j * O1B_W, FN(store)(acc[j]));
+}
+static O1B_TGT void FN(rms_dg)(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy,
+                               const float *x, const float *rstd, float *dg) {
+    int64_t c = lo;
+    for (; c + 8 * O1B_W <= hi; c += 8 * O1B_W) FN(rms_dg_cols)(8, c, N, C, dy, x, rstd, dg);
+    for (; c + O1B_W <= hi; c += O1B_W) FN(rms_dg_cols)(1, c, N, C, dy, x, rstd, dg);
+    if (c < hi) rms_dg_scalar(c, hi, N, C, dy, x, rstd, dg);
 }
 
 /* RMSNorm rows [lo, hi) (rmsnorm.c, rms_fwd_rows_scalar's operations): W rows at a time, their

@@ -53,12 +53,14 @@ void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const fl
  *   backward: t_c = mul(load(dy_c), g_c) or load(dy_c),  dot = sum_c mul(t_c, load(x_c)),
  *             r = load(rstd[n]),  b = mul(mul(dot, mul(mul(r, r), r)), invC),
  *             dx_c = store(sub(mul(t_c, r), mul(load(x_c), b)))
- * and one row of the gain's column sums: acc[c] = add(acc[c], mul(load(dy[c]), mul(load(x[c]), r))) */
+ * and the gain's column sums for c in [lo, hi) over every row n ascending:
+ *   dg[c] = store(sum_n mul(load(dy[n C + c]), mul(load(x[n C + c]), load(rstd[n])))) */
 void o1b_vrms_forward(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g, float eps,
                       float invC, float *y, float *rstd);
 void o1b_vrms_backward(int64_t lo, int64_t hi, int64_t C, const float *dy, const float *x,
                        const bf16 *g, const float *rstd, float invC, float *dx);
-void o1b_vrms_dg_row(int64_t n, const float *dy, const float *x, float r, float *acc);
+void o1b_vrms_dg(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy, const float *x,
+                 const float *rstd, float *dg);
 
 /* RoPE rows [lo, hi) of x (B, T, R, D) (rope.c); i of a row on lanes. */
 void o1b_vrope_rows(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, const float *x,

@@ -425,7 +425,8 @@ def test_rmsnorm_row_scalars_on_the_exact_path():
     # The row scalars computed on lanes: a forward row whose mul(ss, 1/C) rounds up to 2^-126
     # (with eps = 0 the flushed r is rsqrt(0) = inf, not 2^63), and a backward row whose
     # t = mul(dy, g) rounds up to 2^-126 (its dot, b and dx change): each marks its vector of
-    # rows, which gets its row scalars from contract.h.
+    # rows, which gets its row scalars from contract.h. The gain's column sums: a product that
+    # rounds up marks its block of columns, summed again by contract.h.
     N, Cc = 37, 25
     x0 = square_over_count_rounding_up(Cc)
     d = tiny_product_pairs(np.array([0.75], np.float32))[0]
@@ -441,21 +442,38 @@ def test_rmsnorm_row_scalars_on_the_exact_path():
     for row in (7, 20):
         x[row], dy[row] = 0.0, 0.0
         x[row, 5], dy[row, 5] = 1.0, d
+    # the gain's column sum of one column: zero but for a row whose mul(dy, mul(x, r)) rounds up
+    col = 9
+    x[13] = 1.0
+    for v in np.arange(0.70, 0.80, 0.01, dtype=np.float32):    # a mul(x, r) that has such a dy
+        x[13, col] = v
+        with scalar():
+            r0 = CL.rmsnorm_forward(x, None, 0.0)[1]
+        dy13 = tiny_product_pairs(x[13, col:col + 1] * r0[13])[0]
+        if not np.isnan(dy13):
+            break
+    assert not np.isnan(dy13)
+    dy[:, col] = 0.0
+    dy[13, col] = dy13
     with scalar():
         y, r = CL.rmsnorm_forward(x, None, 0.0)
-        dx, dg = CL.rmsnorm_backward(dy, x, g, r)
+    rb = r.copy()
+    rb[[3, 34]] = 1.0                                   # the backward's r: no inf rows (0 inf = NaN)
+    with scalar():
+        dx, dg = CL.rmsnorm_backward(dy, x, g, rb)
+    assert dg[col] == 0                                 # the product flushed: dg's sum is +0
     sy, sr = SL.rmsnorm_forward(x, None, 0.0)
     assert_bits_equal(r, sr, "rmsnorm rstd: scalar C vs spec")
     assert_bits_equal(y, sy, "rmsnorm y: scalar C vs spec")
     assert np.isinf(r[3]) and np.isinf(r[34])           # the flush really decides r
-    sdx, sdg = SL.rmsnorm_backward(dy, x, g, sr)
+    sdx, sdg = SL.rmsnorm_backward(dy, x, g, rb)
     assert_bits_equal(dx, sdx, "rmsnorm dx: scalar C vs spec")
     assert_bits_equal(dg, sdg, "rmsnorm dg: scalar C vs spec")
     assert dx[7, 5] == 0 and dx[20, 5] == 0             # t flushed: no -b x term at the column
     for lv in LEVELS:
         with level(lv):
             y2, r2 = CL.rmsnorm_forward(x, None, 0.0)
-            dx2, dg2 = CL.rmsnorm_backward(dy, x, g, r)
+            dx2, dg2 = CL.rmsnorm_backward(dy, x, g, rb)
         assert_bits_equal(r2, r, f"rmsnorm rstd, level {lv}")
         assert_bits_equal(y2, y, f"rmsnorm y, level {lv}")
         assert_bits_equal(dx2, dx, f"rmsnorm dx, level {lv}")
