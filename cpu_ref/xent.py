@@ -69,11 +69,13 @@ def _key(a: np.ndarray) -> tuple:
 class XentSaved:
     """What xent_forward(keep=True) keeps for the backward of the same h and w: the logits,
     z[n, v] at zk[v, n] (rows of o1b_xent_ldz(N) floats, as the forward computes them). One
-    backward consumes it."""
-    __slots__ = ("zk", "chunk", "_h", "_w")
+    backward consumes it. It holds the forward's h and w until then, so that no other array can
+    take their memory meanwhile and pass as them; values written into h or w in between are the
+    caller's to avoid (the logits would be those of the old values)."""
+    __slots__ = ("zk", "chunk", "_h", "_w", "_held")
 
     def __init__(self, zk: np.ndarray, chunk: int, h: np.ndarray, w: np.ndarray):
-        self.zk, self.chunk, self._h, self._w = zk, chunk, _key(h), _key(w)
+        self.zk, self.chunk, self._h, self._w, self._held = zk, chunk, _key(h), _key(w), (h, w)
 
     def check(self, h: np.ndarray, w: np.ndarray, chunk: int) -> None:
         """The backward's h and w are the buffers the forward read (the logits are theirs)."""
@@ -117,7 +119,7 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, saved=None):
     _call(_backward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(lse), p(dloss),
           p(saved.zk) if saved else None, p(dh), p(dw))
     if saved is not None:
-        zk, saved.zk = saved.zk, None
+        zk, saved.zk, saved._held = saved.zk, None, None
         _give_buffer(zk)
     return dh, dw
 

@@ -539,6 +539,29 @@ def test_saved_of_other_arrays_is_refused():
         cpu_ref.xent_backward(h, w, t, ZCOEF, lse, dloss, saved=saved)
 
 
+def test_a_handle_is_not_taken_for_an_array_made_where_its_h_was():
+    """The handle holds the forward's h: an h made after the caller let go of the forward's own
+    cannot take its memory and pass the handle's check with logits that are not its own (h of 512
+    bytes: numpy hands the last freed block of a small size out first). Refused, or the right bits."""
+    N, C, V = 16, 16, 1500
+    h, w, t = make(N, C, V, seed=11)
+    h2 = make(N, C, V, seed=12)[0]
+    dloss = mean_dloss(N)
+    saved = cpu_ref.xent_forward(h, w, t, ZCOEF, keep=True)[3]
+    del h
+    h_new = np.empty((N, C), np.uint16)         # where the forward's h was, if the handle let it go
+    h_new[:] = h2
+    lse = cpu_ref.xent_forward(h_new, w, t, ZCOEF)[1]
+    want = cpu_ref.xent_backward(h_new, w, t, ZCOEF, lse, dloss)
+    try:
+        got = cpu_ref.xent_backward(h_new, w, t, ZCOEF, lse, dloss, saved=saved)
+    except ValueError as e:
+        assert "of another h, w or chunk" in str(e)
+    else:
+        for name, a, b in zip(("dh", "dw"), got, want):
+            assert_bits(a, b, f"{name}: a handle of another h accepted")
+
+
 def test_a_reused_buffer_keeps_nothing_of_before():
     """The buffer a backward consumed serves the next forward of that shape: the logits of other
     inputs in it never reach a result."""
