@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import pathlib
+import sys
 
 import numpy as np
 
@@ -45,7 +46,10 @@ def _data_reader():
     first field after the object header: numpy's C API, PyArray_DATA), or None where that does not
     give what a.ctypes.data gives for a few arrays (views at an offset, zero-size, read-only,
     reversed). a.ctypes.data builds a ctypes object per call (about a microsecond); the kernels
-    take thousands of pointers a step."""
+    take thousands of pointers a step. CPython only: there id(a) is the object's address (another
+    interpreter's id may be no address at all, and reading there could crash the probes)."""
+    if sys.implementation.name != "cpython":
+        return None
     field = ctypes.c_void_p.from_address
     offset = object.__basicsize__
 

@@ -64,3 +64,10 @@ def test_the_data_pointer_is_numpys():
     assert _lib.p(None) is None
     with pytest.raises(ValueError, match="numpy arrays"):
         _lib.p([1.0])
+
+
+def test_the_struct_read_is_cpythons_only(monkeypatch):
+    """Elsewhere id() need not be an address: the ctypes pointer is used, nothing read at id(a)."""
+    import types
+    monkeypatch.setattr(_lib, "sys", types.SimpleNamespace(implementation=types.SimpleNamespace(name="pypy")))
+    assert _lib._data_reader() is None
