@@ -37,6 +37,13 @@
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #endif
+/* 1: the memory-bound kernels (RMSNorm, add, RoPE, scale) run under the hardware flush mode (the
+ * FN(*h) operations of the template section); 0: with the flushing operations. */
+#if defined(O1B_VM_X86) || defined(__aarch64__)
+#define O1B_VM_HWFTZ 1
+#else
+#define O1B_VM_HWFTZ 0
+#endif
 
 static int g_vmath = 1;
 O1B_API void o1b_set_vmath(int on) { g_vmath = on; }
@@ -279,6 +286,33 @@ static void sumsq_blocks_scalar(int64_t lo, int64_t hi, int64_t n, int64_t B, co
 #else
 #define O1B_VM_DISPATCH(call) do { call(portable); } while (0)
 #endif
+/* O1B_VM_DISPATCH for the kernels written with the FN(*h) operations: under the hardware flush
+ * mode where they assume it, the caller's mode restored after. */
+static inline o1b_fpmode vm_ftz(void) {
+#if O1B_VM_HWFTZ
+    return o1b_fpmode_ftz();
+#else
+    return (o1b_fpmode){0, 0};
+#endif
+}
+#if defined(O1B_VM_X86)
+#define O1B_VM_DISPATCH_FTZ(call)                                                                \
+    do {                                                                                         \
+        int level_ = o1b_simd_level();                                                           \
+        o1b_fpmode mode_ = vm_ftz();                                                             \
+        if (level_ >= 2) call(avx512);                                                           \
+        else if (level_ >= 1) call(avx2);                                                        \
+        else call(portable);                                                                     \
+        o1b_fpmode_restore(mode_);                                                               \
+    } while (0)
+#else
+#define O1B_VM_DISPATCH_FTZ(call)                                                                \
+    do {                                                                                         \
+        o1b_fpmode mode_ = vm_ftz();                                                             \
+        call(portable);                                                                          \
+        o1b_fpmode_restore(mode_);                                                               \
+    } while (0)
+#endif
 
 typedef struct { int fn; const float *x; float *y; } vmap_args;
 static void vmap_range(void *ctx, int64_t lo, int64_t hi) {
@@ -349,21 +383,21 @@ void o1b_vrms_forward(int64_t lo, int64_t hi, int64_t C, const float *x, const b
                       float invC, float *y, float *rstd) {
     if (!g_vmath) { rms_fwd_rows_scalar(lo, hi, C, x, g, eps, invC, y, rstd); return; }
 #define CALL(s) rms_fwd_rows_##s(lo, hi, C, x, g, eps, invC, y, rstd)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vrms_backward(int64_t lo, int64_t hi, int64_t C, const float *dy, const float *x,
                        const bf16 *g, const float *rstd, float invC, float *dx) {
     if (!g_vmath) { rms_bwd_rows_scalar(lo, hi, C, dy, x, g, rstd, invC, dx); return; }
 #define CALL(s) rms_bwd_rows_##s(lo, hi, C, dy, x, g, rstd, invC, dx)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vrms_dg(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy, const float *x,
                  const float *rstd, float *dg) {
     if (!g_vmath) { rms_dg_scalar(lo, hi, N, C, dy, x, rstd, dg); return; }
 #define CALL(s) rms_dg_##s(lo, hi, N, C, dy, x, rstd, dg)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 
@@ -371,7 +405,7 @@ void o1b_vrope_rows(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, con
                     const float *cs, const float *sn, float *y, int backward) {
     if (!g_vmath) { rope_rows_scalar(lo, hi, T, R, D, x, cs, sn, y, backward); return; }
 #define CALL(s) rope_rows_##s(lo, hi, T, R, D, x, cs, sn, y, backward)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vsum_rows(int64_t n, const int64_t *pos, const float *src, int64_t C, float *dst) {
@@ -401,13 +435,13 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y) {
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
     if (!g_vmath) { add_scalar(lo, hi, a, b, out); return; }
 #define CALL(s) add_arr_##s(lo, hi, a, b, out)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s) {
     if (!g_vmath) { scale_inplace_scalar(lo, hi, a, s); return; }
 #define CALL(sfx) scale_inplace_arr_##sfx(lo, hi, a, s)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 
@@ -516,6 +550,29 @@ AI vf FN(tiny)(vf r, vi *rare) {
 AI vf FN(mul)(vf a, vf b, vi *rare) { return FN(tiny)(a * b, rare); }
 AI vf FN(div)(vf a, vf b, vi *rare) { return FN(tiny)(a / b, rare); }
 AI vf FN(i2f)(vi i) { return FN(flush)(__builtin_convertvector(i, vf)); }
+/* The operations of the kernels dispatched with O1B_VM_DISPATCH_FTZ. Under the hardware flush
+ * mode (FTZ/DAZ on x86, FZ on arm64) an operand's subnormal is read as the zero of its sign, a
+ * bare IEEE add or subtract is o1b_add / o1b_sub (a subnormal sum is exact, and the hardware
+ * flushes it to the zero of its sign), and a bare product is o1b_mul unless its magnitude is
+ * exactly 2^-126 (x86 detects tininess after rounding; the exact product may lie below): such a
+ * lane is marked for the exact path. So ldh needs no flush of its own, provided every value it
+ * loads enters an operation before it is stored. Results come out flushed: canon stores them.
+ * Without a hardware flush mode they are the flushing operations above. */
+#if O1B_VM_HWFTZ
+AI vf FN(ldh)(const float *p) { return FN(load)(p); }
+AI vf FN(addh)(vf a, vf b) { return a + b; }
+AI vf FN(subh)(vf a, vf b) { return a - b; }
+AI vf FN(mulh)(vf a, vf b, vi *rare) {
+    vf r = a * b;
+    *rare |= (BITS(r) & 0x7FFFFFFF) == 0x00800000;
+    return r;
+}
+#else
+AI vf FN(ldh)(const float *p) { return FN(flush)(FN(load)(p)); }
+AI vf FN(addh)(vf a, vf b) { return FN(add)(a, b); }
+AI vf FN(subh)(vf a, vf b) { return FN(sub)(a, b); }
+AI vf FN(mulh)(vf a, vf b, vi *rare) { return FN(mul)(a, b, rare); }
+#endif
 
 /* o1b_exp. Only the last multiply needs the flush rule; every other operation of the main path
  * gets o1b_exp's bits with the bare IEEE operation (xs flushed, |xs| <= 103), because its result
@@ -1006,15 +1063,15 @@ AI vf FN(rows_dot)(int m, int64_t C, const float *a, const float *b, const bf16 
         vf t[O1B_W], x[O1B_W];
         vf gv = g ? FN(widen)(g + c) : FN(splat)(1.0f);
         for (int l = 0; l < O1B_W; l++) {
-            t[l] = FN(flush)(FN(load)(pa[l] + c));
-            if (g) t[l] = FN(mul)(t[l], gv, rare);
+            t[l] = FN(ldh)(pa[l] + c);
+            if (g) t[l] = FN(mulh)(t[l], gv, rare);
         }
         FN(transpose)(t);
         if (!same) {
-            for (int l = 0; l < O1B_W; l++) x[l] = FN(flush)(FN(load)(pb[l] + c));
+            for (int l = 0; l < O1B_W; l++) x[l] = FN(ldh)(pb[l] + c);
             FN(transpose)(x);
         }
-        for (int j = 0; j < O1B_W; j++) acc = FN(add)(acc, FN(mul)(t[j], same ? t[j] : x[j], rare));
+        for (int j = 0; j < O1B_W; j++) acc = FN(addh)(acc, FN(mulh)(t[j], same ? t[j] : x[j], rare));
     }
     for (; c < C; c++) {
         vf t, x;
@@ -1038,12 +1095,12 @@ static O1B_TGT void FN(rope_rows)(int64_t lo, int64_t hi, int64_t T, int64_t R, 
         vi rare = {0};
         int64_t i = 0;
         for (; i + O1B_W <= Dh; i += O1B_W) {
-            vf x1 = FN(flush)(FN(load)(xr + i)), x2 = FN(flush)(FN(load)(xr + i + Dh));
-            vf ci = FN(flush)(FN(load)(c + i)), si = FN(flush)(FN(load)(s + i));
-            vf a = FN(mul)(x1, ci, &rare), b = FN(mul)(x2, si, &rare);
-            vf e = FN(mul)(x2, ci, &rare), f = FN(mul)(x1, si, &rare);
-            FN(put)(yr + i, FN(canon)(backward ? FN(add)(a, b) : FN(sub)(a, b)));
-            FN(put)(yr + i + Dh, FN(canon)(backward ? FN(sub)(e, f) : FN(add)(e, f)));
+            vf x1 = FN(ldh)(xr + i), x2 = FN(ldh)(xr + i + Dh);
+            vf ci = FN(ldh)(c + i), si = FN(ldh)(s + i);
+            vf a = FN(mulh)(x1, ci, &rare), b = FN(mulh)(x2, si, &rare);
+            vf e = FN(mulh)(x2, ci, &rare), f = FN(mulh)(x1, si, &rare);
+            FN(put)(yr + i, FN(canon)(backward ? FN(addh)(a, b) : FN(subh)(a, b)));
+            FN(put)(yr + i + Dh, FN(canon)(backward ? FN(subh)(e, f) : FN(addh)(e, f)));
         }
         if (i < Dh || __builtin_expect(FN(any)(rare), 0))
             rope_rows_scalar(row, row + 1, T, R, D, x, cs, sn, y, backward);
@@ -1099,7 +1156,7 @@ static O1B_TGT void FN(to_f32_arr)(int64_t lo, int64_t hi, const bf16 *x, float 
 static O1B_TGT void FN(add_arr)(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W)
-        FN(put)(out + i, FN(canon)(FN(add)(FN(flush)(FN(load)(a + i)), FN(flush)(FN(load)(b + i)))));
+        FN(put)(out + i, FN(canon)(FN(addh)(FN(ldh)(a + i), FN(ldh)(b + i))));
     if (i < hi) add_scalar(i, hi, a, b, out);
 }
 static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, float s) {
@@ -1107,7 +1164,7 @@ static O1B_TGT void FN(scale_inplace_arr)(int64_t lo, int64_t hi, float *a, floa
     int64_t i = lo;
     for (; i + O1B_W <= hi; i += O1B_W) {
         vi rare = {0};
-        vf y = FN(mul)(FN(flush)(FN(load)(a + i)), sv, &rare);
+        vf y = FN(mulh)(FN(ldh)(a + i), sv, &rare);
         if (__builtin_expect(FN(any)(rare), 0)) scale_inplace_scalar(i, i + O1B_W, a, s);
         else FN(put)(a + i, FN(canon)(y));
     }
@@ -1172,8 +1229,8 @@ AI void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *
     int64_t c = 0;
     for (; c + O1B_W <= n; c += O1B_W) {
         vi rare = {0};
-        vf v = FN(mul)(FN(flush)(FN(load)(x + c)), rv, &rare);
-        if (g) v = FN(mul)(v, FN(widen)(g + c), &rare);
+        vf v = FN(mulh)(FN(ldh)(x + c), rv, &rare);
+        if (g) v = FN(mulh)(v, FN(widen)(g + c), &rare);
         if (__builtin_expect(FN(any)(rare), 0)) rms_scale_scalar(c, c + O1B_W, x, r, g, y);
         else FN(put)(y + c, FN(canon)(v));
     }
@@ -1186,9 +1243,9 @@ AI void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, fl
     int64_t c = 0;
     for (; c + O1B_W <= n; c += O1B_W) {
         vi rare = {0};
-        vf t = FN(flush)(FN(load)(dy + c));
-        if (g) t = FN(mul)(t, FN(widen)(g + c), &rare);
-        vf d = FN(sub)(FN(mul)(t, rv, &rare), FN(mul)(FN(flush)(FN(load)(x + c)), bv, &rare));
+        vf t = FN(ldh)(dy + c);
+        if (g) t = FN(mulh)(t, FN(widen)(g + c), &rare);
+        vf d = FN(subh)(FN(mulh)(t, rv, &rare), FN(mulh)(FN(ldh)(x + c), bv, &rare));
         if (__builtin_expect(FN(any)(rare), 0)) rms_dx_scalar(c, c + O1B_W, dy, x, g, r, b, dx);
         else FN(put)(dx + c, FN(canon)(d));
     }
@@ -1205,9 +1262,8 @@ AI void FN(rms_dg_cols)(const int K, int64_t c, int64_t N, int64_t C, const floa
         vf rv = FN(splat)(o1b_load(rstd[n]));
         const float *dyr = dy + n * C + c, *xr = x + n * C + c;
         for (int j = 0; j < K; j++)
-            acc[j] = FN(add)(acc[j], FN(mul)(FN(flush)(FN(load)(dyr + j * O1B_W)),
-                                             FN(mul)(FN(flush)(FN(load)(xr + j * O1B_W)), rv, &rare),
-                                             &rare));
+            acc[j] = FN(addh)(acc[j], FN(mulh)(FN(ldh)(dyr + j * O1B_W),
+                                               FN(mulh)(FN(ldh)(xr + j * O1B_W), rv, &rare), &rare));
     }
     if (__builtin_expect(FN(any)(rare), 0)) rms_dg_scalar(c, c + K * O1B_W, N, C, dy, x, rstd, dg);
     else for (int j = 0; j < K; j++) FN(put)(dg + c + j * O1B_W, FN(store)(acc[j]));
