@@ -8,7 +8,8 @@ With --lib (repeatable), each path is a build of the C library (cpu_ref/src/*.c 
 setup.py does, e.g. from another commit) loaded side by side and run in turn, round after round,
 so that every build sees the same machine load; their outputs must agree bit for bit (checked).
 Without it, the installed library. Prints the median and minimum over --rounds rounds, in ms per
-microbatch; on a busy machine say so with the figures.
+microbatch; on a busy machine say so with the figures. Process memory is set up as in training
+(host_malloc.tune: the kernels' scratch comes from the heap, not fresh zeroed mappings).
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--lib", action="append", default=[], help="a build of the C library (repeatable)")
     args = ap.parse_args()
+    from mlx_open1b import host_malloc
     from mlx_open1b.config import preset
+    host_malloc.tune()
     cfg = preset(args.preset)
     if args.lib:
         libs = [(path, load(path)) for path in args.lib]

@@ -30,6 +30,7 @@
  */
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "contract.h"
 #include "runtime.h"
@@ -60,11 +61,22 @@ static float block_scores(const o1b_vkernels *vk, const float *q, const float *k
     return mb;
 }
 
+/* n floats (int32s) and O1B_VATTN_PAD zeros after them; the n are all written by the caller (a
+ * scratch from the heap, not cleared: only the padding the SIMD rows may read past is) */
+static void *alloc_padded(size_t n, size_t size) {
+    char *p = malloc((n + O1B_VATTN_PAD) * size);
+    if (p) memset(p + n * size, 0, O1B_VATTN_PAD * size);
+    return p;
+}
+
 /* ---- layout: (B, T, N, D) token-major input -> (B, N, T, D) head-major fp32 rows ---- */
 typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; int32_t *elo, *ehi; } widen_args;
 
 /* o1b_bf16_to_f32 and o1b_load on bits, without branches (loops of them vectorize) */
-static inline uint32_t flush_bits(uint32_t u) { return u & ((u & 0x7F800000u) ? 0xFFFFFFFFu : 0x80000000u); }
+static inline uint32_t flush_bits(uint32_t u) {
+    uint32_t normal = 0u - (uint32_t)((u & 0x7F800000u) != 0);     /* all ones unless zero/subnormal */
+    return u & (normal | 0x80000000u);
+}
 
 static void widen_range(void *ctx, int64_t lo, int64_t hi) {
     const widen_args *a = (const widen_args *)ctx;
@@ -72,9 +84,14 @@ static void widen_range(void *ctx, int64_t lo, int64_t hi) {
     int64_t t = lo % a->T, n = (lo / a->T) % a->N, b = lo / (a->T * a->N);
     for (int64_t r = lo; r < hi; r++) {           /* r = (b*N + n)*T + t, the output row */
         int64_t src = ((b * a->T + t) * a->N + n) * D;
-        uint32_t *dst = (uint32_t *)(void *)(a->out + r * D);
-        if (a->h) for (int64_t d = 0; d < D; d++) dst[d] = flush_bits((uint32_t)a->h[src + d] << 16);
-        else      for (int64_t d = 0; d < D; d++) dst[d] = flush_bits(o1b_bits(a->f[src + d]));
+        uint32_t *restrict dst = (uint32_t *)(void *)(a->out + r * D);
+        if (a->h) {
+            const bf16 *restrict x = a->h + src;
+            for (int64_t d = 0; d < D; d++) dst[d] = flush_bits((uint32_t)x[d] << 16);
+        } else {
+            const float *restrict x = a->f + src;
+            for (int64_t d = 0; d < D; d++) dst[d] = flush_bits(o1b_bits(x[d]));
+        }
         if (a->elo) {
             int32_t elo = 255, ehi = 0;           /* the row's exponent range (vmath.h) */
             for (int64_t d = 0; d < D; d++) {
@@ -99,12 +116,7 @@ static void to_head_major(const bf16 *h, const float *f, int64_t B, int64_t T, i
 typedef struct { const float *in; float *out; int64_t T, D; } transpose_args;
 static void transpose_range(void *ctx, int64_t lo, int64_t hi) {
     const transpose_args *a = (const transpose_args *)ctx;
-    for (int64_t r = lo; r < hi; r++) {
-        const float *in = a->in + r * a->T * a->D;
-        float *out = a->out + r * a->T * a->D;
-        for (int64_t t = 0; t < a->T; t++)
-            for (int64_t d = 0; d < a->D; d++) out[d * a->T + t] = in[t * a->D + d];
-    }
+    for (int64_t r = lo; r < hi; r++) o1b_vtranspose(a->T, a->D, a->in + r * a->T * a->D, a->out + r * a->T * a->D);
 }
 static void to_transposed(const float *hm, int64_t BN, int64_t T, int64_t D, float *out) {
     transpose_args a = {hm, out, T, D};
@@ -235,8 +247,8 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
                                   float *lse) {   /* (B, H, T) m + log(l), for the backward */
     if (B * T == 0) return 0;
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
-    float *qh = calloc(nq + 3 * nk + O1B_VATTN_PAD, sizeof(float));   /* zero padding past kt */
-    int32_t *vlo = calloc(2 * (size_t)(B * G * T) + O1B_VATTN_PAD, sizeof(int32_t));
+    float *qh = alloc_padded(nq + 3 * nk, sizeof(float));             /* zero padding past kt */
+    int32_t *vlo = alloc_padded(2 * (size_t)(B * G * T), sizeof(int32_t));
     if (!qh || !vlo) { free(qh); free(vlo); return -1; }
     int32_t *vhi = vlo + B * G * T;
     float *kh = qh + nq, *vh = kh + nk, *kt = vh + nk;
@@ -286,7 +298,7 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D);
     /* the SIMD rows read up to O1B_VATTN_PAD floats past kt, qv and sv: each is followed by
      * another or by zero padding */
-    float *qh = calloc(nq + 3 * nk + (size_t)(B * G * T) + O1B_VATTN_PAD, sizeof(float));
+    float *qh = alloc_padded(nq + 3 * nk + (size_t)(B * G * T), sizeof(float));
     if (!qh) return -1;
     float *kh = qh + nq, *kt = kh + nk, *qv = kt + nk, *sv = qv + nk;
     to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
@@ -472,14 +484,16 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
     size_t nq = (size_t)(B * H * T * D), nk = (size_t)(B * G * T * D), nr = (size_t)(B * H * T);
     /* the SIMD rows read up to O1B_VATTN_PAD floats past an array: each one here is followed by
      * another or by zero padding */
-    float *qh = calloc(4 * nq + 4 * nk + 2 * nr + 3 * O1B_VATTN_PAD, sizeof(float));
+    float *qh = alloc_padded(4 * nq + 4 * nk + 2 * nr + 2 * O1B_VATTN_PAD, sizeof(float));
     if (!qh) return -1;
     float *gh = qh + nq, *kh = gh + nq, *vh = kh + nk, *Di = vh + nk;
     float *lse_p = Di + nr + O1B_VATTN_PAD;
     float *qt = lse_p + nr + O1B_VATTN_PAD, *gt = qt + nq, *kt = gt + nq, *vt = kt + nk;
+    memset(Di + nr, 0, O1B_VATTN_PAD * sizeof(float));
+    memset(lse_p + nr, 0, O1B_VATTN_PAD * sizeof(float));
     /* exponent ranges: 4 of the query rows, 4 of the key rows, padded */
     size_t nkr = (size_t)(B * G * T);
-    int32_t *qlo = calloc(4 * nr + 4 * nkr + O1B_VATTN_PAD, sizeof(int32_t));
+    int32_t *qlo = alloc_padded(4 * nr + 4 * nkr, sizeof(int32_t));
     if (!qlo) { free(qh); return -1; }
     int32_t *qhi = qlo + nr, *glo = qhi + nr, *ghi = glo + nr;
     int32_t *klo = ghi + nr, *khi = klo + nkr, *vlo = khi + nkr, *vhi = vlo + nkr;

@@ -445,6 +445,12 @@ void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s) {
 #undef CALL
 }
 
+void o1b_vtranspose(int64_t T, int64_t D, const float *in, float *out) {
+#define CALL(s) transpose_rows_##s(T, D, in, out)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+
 static void exp_sub_s(int64_t n, const float *z, float m, float *e) { exp_sub_scalar(0, n, z, m, e); }
 static void axpy_s(int64_t n, float a, const float *x, float *y) { axpy_scalar(0, n, a, x, y); }
 static void dots_t_s(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out) {
@@ -1318,6 +1324,25 @@ static O1B_TGT void FN(rms_bwd_rows)(int64_t lo, int64_t hi, int64_t C, const fl
         for (int l = 0; l < m; l++)
             FN(rms_dx)(C, dyb + l * C, xb + l * C, g, rs[l], bs[l], dx + (n + l) * C);
     }
+}
+
+/* out (D, T) = in (T, D) transposed (o1b_vtranspose): W x W blocks on registers, the edges element
+ * by element. Moves bits only. */
+static O1B_TGT void FN(transpose_rows)(int64_t T, int64_t D, const float *in, float *out) {
+    int64_t t0 = 0;
+    for (; t0 + O1B_W <= T; t0 += O1B_W) {
+        int64_t d0 = 0;
+        for (; d0 + O1B_W <= D; d0 += O1B_W) {
+            vf v[O1B_W];
+            for (int l = 0; l < O1B_W; l++) v[l] = FN(load)(in + (t0 + l) * D + d0);
+            FN(transpose)(v);
+            for (int l = 0; l < O1B_W; l++) FN(put)(out + (d0 + l) * T + t0, v[l]);
+        }
+        for (; d0 < D; d0++)
+            for (int l = 0; l < O1B_W; l++) out[d0 * T + t0 + l] = in[(t0 + l) * D + d0];
+    }
+    for (; t0 < T; t0++)
+        for (int64_t d = 0; d < D; d++) out[d * T + t0] = in[t0 * D + d];
 }
 
 /* ---- attention rows (attention.c) under the hardware flush mode ----

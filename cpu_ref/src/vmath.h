@@ -80,6 +80,9 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y);
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out);
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
 
+/* out[d T + t] = in[t D + d] for t < T, d < D: a (T, D) block of rows transposed (bits moved). */
+void o1b_vtranspose(int64_t T, int64_t D, const float *in, float *out);
+
 /* The arrays of attn_dkv_rows (below) for key rows from j of one kv head: their k and v rows
  * (head-major, + r D) and the exponent ranges of those rows; the query rows of the group's rep
  * heads, from (first head, i = 0), the next head T D (or T) floats on: q, dout head-major (T, D),
