@@ -3,6 +3,8 @@ words every case as the one-by-one checks do, and cpu_ref's data pointer (read f
 struct) is the pointer numpy gives for views, offsets, zero-size, read-only and reversed arrays."""
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 
@@ -54,7 +56,10 @@ def test_the_fast_path_accepts_and_rejects_as_the_checks_one_by_one(i, dtype, sh
 
 
 def test_the_data_pointer_is_numpys():
-    assert _lib._data is not None          # the struct read passed its probes on this machine
+    # on CPython with numpy's usual struct the read passes its probes; elsewhere p() falls back to
+    # ctypes, and the pointers below must be the same either way
+    if platform.python_implementation() == "CPython" and np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        assert _lib._data is not None
     base = np.arange(60, dtype=np.float32).reshape(5, 12)
     ro = base.copy()
     ro.flags.writeable = False
