@@ -13,18 +13,11 @@ typedef struct { int64_t F; const float *h, *dout; float *out, *dh; } swiglu_arg
 
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     const swiglu_args *a = (const swiglu_args *)ctx;
-    for (int64_t n = lo; n < hi; n++) {
-        const float *gate = a->h + n * 2 * a->F, *up = gate + a->F;
-        o1b_vswiglu_fwd(a->F, gate, up, a->out + n * a->F);
-    }
+    o1b_vswiglu_fwd_rows(lo, hi, a->F, a->h, a->out);
 }
 static void bwd_range(void *ctx, int64_t lo, int64_t hi) {
     const swiglu_args *a = (const swiglu_args *)ctx;
-    for (int64_t n = lo; n < hi; n++) {
-        const float *gate = a->h + n * 2 * a->F, *up = gate + a->F, *dout = a->dout + n * a->F;
-        float *dgate = a->dh + n * 2 * a->F, *dup = dgate + a->F;
-        o1b_vswiglu_bwd(a->F, dout, gate, up, dgate, dup);
-    }
+    o1b_vswiglu_bwd_rows(lo, hi, a->F, a->dout, a->h, a->dh);
 }
 O1B_API void o1b_swiglu_forward(int64_t N, int64_t F, const float *h /* (N, 2F) */, float *out /* (N, F) */) {
     swiglu_args a = {F, h, NULL, out, NULL};

@@ -347,17 +347,25 @@ void o1b_vxent_grad_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, con
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
-void o1b_vswiglu_fwd(int64_t n, const float *g, const float *u, float *out) {
-    if (!g_vmath) { swiglu_fwd_scalar(0, n, g, u, out); return; }
-#define CALL(s) swiglu_fwd_##s(n, g, u, out)
-    O1B_VM_DISPATCH(CALL);
+void o1b_vswiglu_fwd_rows(int64_t lo, int64_t hi, int64_t F, const float *h, float *out) {
+    if (!g_vmath) {
+        for (int64_t r = lo; r < hi; r++) swiglu_fwd_scalar(0, F, h + r * 2 * F, h + r * 2 * F + F, out + r * F);
+        return;
+    }
+#define CALL(s) swiglu_fwd_rows_##s(lo, hi, F, h, out)
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
-void o1b_vswiglu_bwd(int64_t n, const float *dout, const float *g, const float *u, float *dgate,
-                     float *dup) {
-    if (!g_vmath) { swiglu_bwd_scalar(0, n, dout, g, u, dgate, dup); return; }
-#define CALL(s) swiglu_bwd_##s(n, dout, g, u, dgate, dup)
-    O1B_VM_DISPATCH(CALL);
+void o1b_vswiglu_bwd_rows(int64_t lo, int64_t hi, int64_t F, const float *dout, const float *h,
+                          float *dh) {
+    if (!g_vmath) {
+        for (int64_t r = lo; r < hi; r++)
+            swiglu_bwd_scalar(0, F, dout + r * F, h + r * 2 * F, h + r * 2 * F + F, dh + r * 2 * F,
+                              dh + r * 2 * F + F);
+        return;
+    }
+#define CALL(s) swiglu_bwd_rows_##s(lo, hi, F, dout, h, dh)
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 
@@ -905,13 +913,13 @@ static O1B_TGT void FN(swiglu_fwd)(int64_t n, const float *g, const float *u, fl
         for (int j = 0; j < K; j++) gv[j] = FN(flush)(FN(load)(g + i + j * O1B_W));
         FN(sigmoid_k)(gv, s, &rare);
         for (int j = 0; j < K; j++)
-            y[j] = FN(mul)(FN(mul)(gv[j], s[j], &rare), FN(flush)(FN(load)(u + i + j * O1B_W)), &rare);
+            y[j] = FN(mulh)(FN(mulh)(gv[j], s[j], &rare), FN(ldh)(u + i + j * O1B_W), &rare);
         if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + K * O1B_W, g, u, out);
         else for (int j = 0; j < K; j++) FN(put)(out + i + j * O1B_W, FN(canon)(y[j]));
     }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
-        vf y = FN(mul)(FN(silu)(FN(flush)(FN(load)(g + i)), &rare), FN(flush)(FN(load)(u + i)), &rare);
+        vf y = FN(mulh)(FN(silu)(FN(flush)(FN(load)(g + i)), &rare), FN(ldh)(u + i), &rare);
         if (__builtin_expect(FN(any)(rare), 0)) swiglu_fwd_scalar(i, i + O1B_W, g, u, out);
         else FN(put)(out + i, FN(canon)(y));
     }
@@ -929,11 +937,11 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
         for (int j = 0; j < K; j++) g[j] = FN(flush)(FN(load)(gate + i + j * O1B_W));
         FN(sigmoid_k)(g, s, &rare);
         for (int j = 0; j < K; j++) {
-            vf u = FN(flush)(FN(load)(up + i + j * O1B_W)), d = FN(flush)(FN(load)(dout + i + j * O1B_W));
-            vf silu = FN(mul)(g[j], s[j], &rare);
-            vf dsilu = FN(mul)(s[j], FN(add)(one, FN(mul)(g[j], FN(sub)(one, s[j]), &rare)), &rare);
-            a[j] = FN(mul)(d, silu, &rare);
-            b[j] = FN(mul)(FN(mul)(d, u, &rare), dsilu, &rare);
+            vf u = FN(ldh)(up + i + j * O1B_W), d = FN(ldh)(dout + i + j * O1B_W);
+            vf silu = FN(mulh)(g[j], s[j], &rare);
+            vf dsilu = FN(mulh)(s[j], FN(addh)(one, FN(mulh)(g[j], FN(subh)(one, s[j]), &rare)), &rare);
+            a[j] = FN(mulh)(d, silu, &rare);
+            b[j] = FN(mulh)(FN(mulh)(d, u, &rare), dsilu, &rare);
         }
         if (__builtin_expect(FN(any)(rare), 0)) {
             swiglu_bwd_scalar(i, i + K * O1B_W, dout, gate, up, dgate, dup);
@@ -946,12 +954,12 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
     }
     for (; i + O1B_W <= n; i += O1B_W) {
         vi rare = {0};
-        vf g = FN(flush)(FN(load)(gate + i)), u = FN(flush)(FN(load)(up + i));
-        vf d = FN(flush)(FN(load)(dout + i));
-        vf s = FN(sigmoid)(g, &rare), silu = FN(mul)(g, s, &rare);
-        vf dsilu = FN(mul)(s, FN(add)(one, FN(mul)(g, FN(sub)(one, s), &rare)), &rare);
-        vf a = FN(mul)(d, silu, &rare);
-        vf b = FN(mul)(FN(mul)(d, u, &rare), dsilu, &rare);
+        vf g = FN(flush)(FN(load)(gate + i)), u = FN(ldh)(up + i);
+        vf d = FN(ldh)(dout + i);
+        vf s = FN(sigmoid)(g, &rare), silu = FN(mulh)(g, s, &rare);
+        vf dsilu = FN(mulh)(s, FN(addh)(one, FN(mulh)(g, FN(subh)(one, s), &rare)), &rare);
+        vf a = FN(mulh)(d, silu, &rare);
+        vf b = FN(mulh)(FN(mulh)(d, u, &rare), dsilu, &rare);
         if (__builtin_expect(FN(any)(rare), 0)) {
             swiglu_bwd_scalar(i, i + O1B_W, dout, gate, up, dgate, dup);
         } else {
@@ -960,6 +968,15 @@ static O1B_TGT void FN(swiglu_bwd)(int64_t n, const float *dout, const float *ga
         }
     }
     if (i < n) swiglu_bwd_scalar(i, n, dout, gate, up, dgate, dup);
+}
+/* rows [lo, hi) of h = [gate | up] (2F per row) */
+static O1B_TGT void FN(swiglu_fwd_rows)(int64_t lo, int64_t hi, int64_t F, const float *h, float *out) {
+    for (int64_t r = lo; r < hi; r++) FN(swiglu_fwd)(F, h + r * 2 * F, h + r * 2 * F + F, out + r * F);
+}
+static O1B_TGT void FN(swiglu_bwd_rows)(int64_t lo, int64_t hi, int64_t F, const float *dout,
+                                        const float *h, float *dh) {
+    for (int64_t r = lo; r < hi; r++)
+        FN(swiglu_bwd)(F, dout + r * F, h + r * 2 * F, h + r * 2 * F + F, dh + r * 2 * F, dh + r * 2 * F + F);
 }
 
 static O1B_TGT void FN(axpy)(int64_t n, float a, const float *x, float *y) {

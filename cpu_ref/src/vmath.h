@@ -32,12 +32,14 @@ void o1b_vexpsum_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const 
  *   dzt[v * ldd + k] = f32_to_bf16(mul(mul(exp(sub(load(zt[v * ldz + k]), lse[k])), coef[k]), dl[k])) */
 void o1b_vxent_grad_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *lse,
                          const float *coef, const float *dl, bf16 *dzt, int64_t ldd);
-/* out[i] = store(mul(silu(load(g[i])), load(u[i]))) */
-void o1b_vswiglu_fwd(int64_t n, const float *g, const float *u, float *out);
-/* s = sigmoid(g): dup[i] = store(mul(d, mul(g, s))),
- * dgate[i] = store(mul(mul(d, u), mul(s, add(1, mul(g, sub(1, s)))))) (loads of d, g, u) */
-void o1b_vswiglu_bwd(int64_t n, const float *dout, const float *g, const float *u, float *dgate,
-                     float *dup);
+/* SwiGLU (swiglu.c) on rows [lo, hi) of h = [gate | up] (2F floats a row), each row's i in [0, F):
+ *   forward:  out[i] = store(mul(silu(load(g[i])), load(u[i])))  (out: F a row)
+ *   backward: s = sigmoid(g): dup[i] = store(mul(d, mul(g, s))),
+ *             dgate[i] = store(mul(mul(d, u), mul(s, add(1, mul(g, sub(1, s))))))  (loads of d, g, u;
+ *             dout: F a row, dh = [dgate | dup]: 2F a row) */
+void o1b_vswiglu_fwd_rows(int64_t lo, int64_t hi, int64_t F, const float *h, float *out);
+void o1b_vswiglu_bwd_rows(int64_t lo, int64_t hi, int64_t F, const float *dout, const float *h,
+                          float *dh);
 /* y[i] = add(y[i], mul(a, x[i])) for i in [0, n) (operands already flushed, unstored). */
 void o1b_vaxpy(int64_t n, float a, const float *x, float *y);
 /* out[r] = sum_{d = 0..D-1 ascending} mul(x[d], rows_t[d * ld + r]), each sum from +0, for

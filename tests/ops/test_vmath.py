@@ -182,17 +182,22 @@ def test_swiglu_lanes_on_the_exact_path():
 
 @pytest.mark.parametrize("F", [1, 7, 16, 37, 128])
 def test_swiglu_equals_scalar(F):
+    # Rows of gate | up with special values (subnormals among them) in both halves and in dout;
+    # 21 rows: threads' ranges of rows.
     rng = np.random.default_rng(F)
-    N = 5
+    N = 21
     h = (rng.standard_normal((N, 2 * F)) * 4).astype(np.float32)
     h.ravel()[:: 7] = np.resize(SPECIAL_F32.astype(np.float32), h.ravel()[::7].shape)
     d = rng.standard_normal((N, F)).astype(np.float32)
+    d.ravel()[3:: 5] = np.resize(SPECIAL_F32.astype(np.float32), d.ravel()[3::5].shape)
     with scalar():
         want_f, want_b = CL.swiglu_forward(h), CL.swiglu_backward(d, h)
     for lv in LEVELS:
-        with level(lv):
-            assert_bits_equal(CL.swiglu_forward(h), want_f, f"forward F={F} level {lv}")
-            assert_bits_equal(CL.swiglu_backward(d, h), want_b, f"backward F={F} level {lv}")
+        for threads in (1, 2):
+            with level(lv), C.settings(threads=threads):
+                where = f"F={F} level {lv}, {threads} threads"
+                assert_bits_equal(CL.swiglu_forward(h), want_f, f"forward {where}")
+                assert_bits_equal(CL.swiglu_backward(d, h), want_b, f"backward {where}")
 
 
 @pytest.mark.parametrize("N,C_,V,chunk,spread", [(9, 16, 3000, 1024, 3), (5, 8, 37, 16, 3),
