@@ -7,8 +7,9 @@ bandwidth: RMSNorm (with gain and the QK-norm rows), f32 -> bf16, SwiGLU, add, a
 For each op at one microbatch's shape: the time per call (median of --reps calls, the median of
 --rounds rounds), the bytes it must move (its inputs read once, its outputs written once) per
 second, and next to it a numpy copy of the same number of bytes in the same process (np.copyto into
-a buffer allocated once: the bandwidth the op could reach), and the per-call overhead (the op on
-16 elements). Process memory is set up as in training (host_malloc.tune). Ops and copies
+a buffer allocated once: the bandwidth the op could reach), the per-call overhead (the op on
+16 elements) and the threads' hand-off (a two-thread-sized add_inplace at the given thread count
+next to one thread). Process memory is set up as in training (host_malloc.tune). Ops and copies
 alternate within each round, so both see the same machine load; on a busy machine say so
 with the figures.
 """
@@ -93,6 +94,13 @@ def main() -> None:
                 "add_inplace": lambda: C.add_inplace(tiny, tiny)}
         print("  per-call overhead (16 elements): " + ", ".join(
             f"{k} {1e6 * median_time(f, 201):.1f} us" for k, f in over.items()))
+        # the threads' hand-off: add_inplace of 2 x 32768 elements (two threads' worth of the
+        # elementwise ops' grain, a few us of work) at this thread count and at one
+        h1, h2 = np.ones(1 << 16, np.float32), np.ones(1 << 16, np.float32)
+        t_n = median_time(lambda: C.add_inplace(h1, h2), 201)
+        with C.settings(threads=1):
+            t_1 = median_time(lambda: C.add_inplace(h1, h2), 201)
+        print(f"  add_inplace of 65536 elements: {1e6 * t_n:.1f} us at {threads} threads, {1e6 * t_1:.1f} us at 1")
 
 
 if __name__ == "__main__":
