@@ -11,6 +11,9 @@
  * Backward: recomputes p and ds from the saved log-sum-exp; it has no block size. It is two
  * passes without atomics — one over queries (dq), one over keys (dk, dv) — and every output
  * element is summed by one thread in the written order, so the thread count changes no bit.
+ * With vmath.c's rows and at least as many kv heads (B G) as threads, the two passes run as one
+ * over each kv head's keys (fused_range), which computes each p and ds once: dq's terms reach each
+ * query row in ascending key order, the order pass 1 adds them in, so the bits are the same.
  *
  * Inputs are first copied into head-major fp32 rows (b, head, t, d): widening bf16 and
  * flushing fp32 loads are exact, so this only moves data, and the inner loops then read
@@ -459,12 +462,62 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
                            a->lse_p + row0, a->Di + row0,
                            a->qlo + row0, a->qhi + row0, a->glo + row0, a->ghi + row0};
         int64_t out = ((b * T + j) * G + g) * D;
-        int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D);
+        int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D, NULL, 0, NULL);
         for (int k = 0; k < nr; k++)
             if (!(done >> k & 1)) dkv_row(a, r + k, vk, acc, acc + D);
         r += nr;
     }
     o1b_fpmode_restore(mode);
+    free(acc);
+}
+
+/* Both passes at once, one kv head per item (b*G + g), with vmath.c's rows: its key rows in groups
+ * of R, ascending (pass 2), and with them dq's sums, each group's terms ds_ij k_j added to the
+ * accumulators of the query rows of the kv head's rep heads, so that every query's terms arrive in
+ * ascending key order, as pass 1 sums them: each p and ds is computed once. A query row the rows
+ * mark goes the contract.h way (dq_row). */
+static void fused_range(void *ctx, int64_t lo, int64_t hi) {
+    bwd_args *a = (bwd_args *)ctx;
+    const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G, R = O1B_VATTN_ROWS;
+    const int64_t qld = (D + 31) / 32 * 32;       /* whole pairs of vectors of any level */
+    float *acc = malloc((2 * (size_t)R * (size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) + (size_t)(rep * T * qld))
+                        * sizeof(float));
+    int32_t *qrare = malloc((size_t)(rep * T) * sizeof(int32_t));
+    if (!acc || !qrare) { free(acc); free(qrare); atomic_store(&a->failed, 1); return; }
+    float *qacc = acc + 2 * R * ((D > 0 ? D : 1) + O1B_VATTN_PAD);
+    const o1b_vkernels *vk = o1b_vkernels_now();
+    o1b_fpmode mode = o1b_fpmode_ftz();
+    for (int64_t item = lo; item < hi; item++) {
+        int64_t g = item % G, b = item / G;
+        int64_t row0 = (b * a->H + g * rep) * T;  /* query row (b, first head of the group, 0) */
+        memset(qacc, 0, (size_t)(rep * T * qld) * sizeof(float));
+        memset(qrare, 0, (size_t)(rep * T) * sizeof(int32_t));
+        for (int64_t j = 0; j < T;) {
+            int64_t r = item * T + j;             /* key row (b*G + g)*T + j */
+            int nr = (int)imin(R, T - j);
+            int64_t il[O1B_VATTN_ROWS];
+            for (int k = 0; k < nr; k++) il[k] = last_query(j + k, T, a->W);
+            o1b_vattn_kv kv = {T, D, rep, a->scale, a->k + r * D, a->v + r * D,
+                               a->klo + r, a->khi + r, a->vlo + r, a->vhi + r,
+                               a->q + row0 * D, a->dout + row0 * D, a->qt + row0 * D, a->dout_t + row0 * D,
+                               a->lse_p + row0, a->Di + row0,
+                               a->qlo + row0, a->qhi + row0, a->glo + row0, a->ghi + row0};
+            int64_t out = ((b * T + j) * G + g) * D;
+            int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D, qacc, qld, qrare);
+            for (int k = 0; k < nr; k++)
+                if (!(done >> k & 1)) dkv_row(a, r + k, vk, acc, acc + D);
+            j += nr;
+        }
+        o1b_vscale_inplace(0, rep * T * qld, qacc, a->scale);   /* dq = store(mul(sum, scale)) */
+        for (int64_t hh = 0; hh < rep; hh++)
+            for (int64_t i = 0; i < T; i++) {
+                int64_t h = g * rep + hh;
+                if (qrare[hh * T + i]) { dq_row(a, (b * a->H + h) * T + i, vk, acc); continue; }
+                memcpy(a->dq + ((b * T + i) * a->H + h) * D, qacc + (hh * T + i) * qld, (size_t)D * sizeof(float));
+            }
+    }
+    o1b_fpmode_restore(mode);
+    free(qrare);
     free(acc);
 }
 
@@ -510,8 +563,12 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
                   qlo, qhi, glo, ghi, klo, khi, vlo, vhi, dq, dk, dv, 0};
     o1b_parallel_for(B * H * T, 1 + 4096 / (1 + D), di_range, &a);
     int64_t grain = 1 + (1 << 16) / (1 + T * D);
-    o1b_parallel_for(B * H * T, grain, dq_range, &a);
-    o1b_parallel_for(B * G * T, grain, dkv_range, &a);
+    if (o1b_vkernels_now()->attn_dkv_rows && B * G >= o1b_get_num_threads()) {
+        o1b_parallel_for(B * G, 1, fused_range, &a);      /* enough kv heads for the threads */
+    } else {
+        o1b_parallel_for(B * H * T, grain, dq_range, &a);
+        o1b_parallel_for(B * G * T, grain, dkv_range, &a);
+    }
     free(qlo);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;

@@ -1757,6 +1757,40 @@ static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const
     return done;
 }
 
+/* dq's sums of a chunk of attn_dkv_rows, for each query lane c < nu: qacc_c += ds[r][c] k_r over the
+ * key rows r (ascending) whose lanes [lo[r], hi[r]) hold c; qacc row c at qacc + c qld (qld a
+ * multiple of 2W); `checked`: every product marked, a marked query's qrare[c] set. */
+AI void FN(q_sums)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D,
+                   const float *const *kr, float (*dsb)[O1B_VATTN_BK], float *qacc, int64_t qld,
+                   int32_t *qrare, const int checked) {
+    enum { R = O1B_VATTN_ROWS };
+    for (int64_t c = 0; c < nu; c++) {
+        int r0 = 0, r1 = 0;                             /* the rows holding c: [r0, r1) */
+        while (r0 < nr && c >= hi[r0]) r0++;
+        r1 = r0;
+        while (r1 < nr && c >= lo[r1]) r1++;
+        if (r0 == r1) continue;
+        vi m = {0};
+        for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {
+            float *ac = qacc + c * qld + d0;
+            vf a0 = FN(load)(ac), a1 = FN(load)(ac + O1B_W);
+            for (int r = r0; r < r1; r++) {
+                vf sr = FN(splat)(dsb[r][c]), k0 = FN(load)(kr[r] + d0), k1 = FN(load)(kr[r] + d0 + O1B_W);
+                if (checked) {
+                    a0 = a0 + FN(mulz)(sr, k0, &m);
+                    a1 = a1 + FN(mulz)(sr, k1, &m);
+                } else {
+                    a0 = a0 + sr * k0;
+                    a1 = a1 + sr * k1;
+                }
+            }
+            FN(put)(ac, a0);
+            FN(put)(ac + O1B_W, a1);
+        }
+        if (checked && FN(any)(m)) qrare[c] = 1;
+    }
+}
+
 /* attention.c's pass 2 for the nr <= O1B_VATTN_ROWS consecutive key rows j .. j + nr - 1 of one kv
  * head (row r: queries [j + r, ilast[r]] of each of the group's heads in order, in chunks of
  * O1B_VATTN_BK queries from j; dk, dv at + r od), interleaved: the chunk's query vectors are loaded
@@ -1764,7 +1798,8 @@ static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const
  * (the chunks enter no sum). The products of dout v (dp) and of the sums run bare where the
  * exponent guards allow. acc: 2 nr (D + O1B_VATTN_PAD) floats. Returns the bit mask of the rows done. */
 static O1B_TGT int FN(attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, const o1b_vattn_kv *a,
-                                     float *acc, float *dk, float *dv, int64_t od) {
+                                     float *acc, float *dk, float *dv, int64_t od, float *qacc,
+                                     int64_t qld, int32_t *qrare) {
     enum { R = O1B_VATTN_ROWS };
     float pb[R][O1B_VATTN_BK] __attribute__((aligned(64))), dsb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
     const int64_t T = a->T, D = a->D, ld = D + O1B_VATTN_PAD, imax = ilast[nr - 1];
@@ -1787,6 +1822,8 @@ static O1B_TGT int FN(attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, co
         const float *q = a->q + h * T * D, *g = a->dout + h * T * D;
         const float *lse = a->lse + h * T, *Di = a->Di + h * T;
         const int32_t *qlo = a->qlo + h * T, *qhi = a->qhi + h * T, *glo = a->glo + h * T, *ghi = a->ghi + h * T;
+        float *qa = qacc ? qacc + h * T * qld : NULL;
+        int32_t *qr = qacc ? qrare + h * T : NULL;
         for (int64_t i0 = j; i0 <= imax; i0 += O1B_VATTN_BK) {
             int64_t nu = imax + 1 - i0 < O1B_VATTN_BK ? imax + 1 - i0 : O1B_VATTN_BK;
             int nv = (int)((nu + O1B_W - 1) / O1B_W);
@@ -1810,30 +1847,39 @@ static O1B_TGT int FN(attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, co
             if (FN(any)(chk)) FN(kv_dots)(nv, D, T, kr, vr, qt + i0, gt + i0, sv, dp, rr, 1);
             else FN(kv_dots)(nv, D, T, kr, vr, qt + i0, gt + i0, sv, dp, rr, 0);
             chk = (vi){0};
+            vi chq = {0};
             for (int r = 0; r < nr; r++) {               /* p and ds on lanes */
                 if (hi[r] == lo[r]) continue;
                 vf x[NBV], p[NBV];
+                vi pr = {0};                            /* marks of this row's p and ds */
                 for (int u = 0; u < nv; u++) {
                     vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = rr[r][u];
                     vf lsev = FN(flush)(FN(load)(lse + i0 + u * O1B_W));
                     x[u] = FN(sel)(valid, FN(sub)(FN(mulz)(sv[r][u], scv, &m), lsev), (vf){0});
-                    rare[r] |= m & valid;
+                    pr |= m & valid;
                 }
-                FN(exp_n)(nv, x, p, &rare[r]);
+                FN(exp_n)(nv, x, p, &pr);
                 for (int u = 0; u < nv; u++) {
                     vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), m = {0};
                     int64_t c = i0 + u * O1B_W;
                     vf ds = FN(mulz)(p[u], FN(sub)(dp[r][u], FN(load)(Di + c)), &m);
-                    rare[r] |= m & valid;
+                    pr |= m & valid;
                     FN(put)(pb[r] + u * O1B_W, p[u]);
                     FN(put)(dsb[r] + u * O1B_W, ds);
-                    /* the sums' guards: ds_i x q_i and p_i x dout_i */
+                    /* the sums' guards: ds_i x q_i and p_i x dout_i (and dq's ds_i x k_j) */
                     chk |= valid & (FN(may_tiny)(FN(expo)(ds), FN(iload)(qlo + c), FN(iload)(qhi + c)) |
                                     FN(may_tiny)(FN(expo)(p[u]), FN(iload)(glo + c), FN(iload)(ghi + c)));
+                    if (qa) chq |= valid & FN(may_tiny)(FN(expo)(ds), FN(isplat)(a->klo[r]), FN(isplat)(a->khi[r]));
                 }
+                rare[r] |= pr;
+                if (qa && FN(any)(pr))                  /* the queries whose ds may be off: dq the exact way */
+                    for (int64_t c = lo[r]; c < hi[r]; c++) qr[i0 + c] = 1;
             }
             if (FN(any)(chk)) FN(kv_sums)(nr, nu, lo, hi, D, q + i0 * D, g + i0 * D, dsb, pb, acc, rare, 1, 1);
             else FN(kv_sums)(nr, nu, lo, hi, D, q + i0 * D, g + i0 * D, dsb, pb, acc, rare, 0, 1);
+            if (!qa) continue;
+            if (FN(any)(chq)) FN(q_sums)(nr, nu, lo, hi, D, kr, dsb, qa + i0 * qld, qld, qr + i0, 1);
+            else FN(q_sums)(nr, nu, lo, hi, D, kr, dsb, qa + i0 * qld, qld, qr + i0, 0);
         }
     }
     int done = 0;

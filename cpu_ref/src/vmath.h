@@ -133,9 +133,12 @@ typedef struct {
     int (*attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const o1b_vattn_q *a, float *acc,
                         float *dq, int64_t od);
     /* attn_dkv_rows: pass 2 (dk, dv) of nr <= O1B_VATTN_ROWS consecutive key rows of one kv head,
-     * interleaved; a bit mask of the rows done */
+     * interleaved; a bit mask of the rows done. With qacc, dq's sums too: the rows' terms
+     * ds_ij k_j added to query row i's accumulator (head h: qacc + (h T + i) qld, qld a multiple
+     * of 32), each query's terms in ascending key order, and qrare[h T + i] set for a query row
+     * whose sum may be off (it goes the contract.h way) */
     int (*attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, const o1b_vattn_kv *a, float *acc,
-                         float *dk, float *dv, int64_t od);
+                         float *dk, float *dv, int64_t od, float *qacc, int64_t qld, int32_t *qrare);
 } o1b_vkernels;
 #define O1B_VATTN_BK 64     /* attention.c's key block (a contract constant) */
 #define O1B_VATTN_PAD 64

@@ -3,8 +3,9 @@ products cannot round to exactly 2^-126 (no pair of exponents sums to 127) runs 
 bare products; any other block runs them marked, and a row with such a product goes the contract.h way.
 Each case below builds one product whose exact value lies just below 2^-126 (IEEE rounds it up to
 2^-126, the contract flushes it), in each guarded loop: the forward's p v, both passes' dout v (dp),
-dk's ds q and dq's ds k (dv's p dout: test_vmath.test_attention_lanes_on_the_exact_path). Every SIMD
-level and thread count must give the scalar loops' bits, which equal the numpy spec's."""
+dk's ds q, dv's p dout and dq's ds k. Every SIMD level and thread count must give the scalar loops'
+bits, which equal the numpy spec's. The cases have one kv head: with one thread the backward runs
+its two passes as one (attention.c fused_range), with two threads apart, so check_all sees both."""
 import numpy as np
 import pytest
 
@@ -145,6 +146,32 @@ def test_dout_v_products_of_both_passes():
     assert r is not None
     _, _, (dq, dk, dv) = check_all(*two_keys(np.float32(2.0 ** -110), r), 0, 1.0)
     assert dk[0, 0, 0, 1] != 0 and dq[0, 1, 0, 4] != 0
+
+
+def test_p_dout_products():
+    # Query 1 sees keys 0 and 1 with scores 0 and `scale`: pass 2's p_10 = exp(-lse_1); dout_1[0] is
+    # its partner, so p_10 dout_1[0] rounds up; query 0 (p = 1) adds dout_0[0] = 2^-120 first, so
+    # dv0[0] shows the product (2^-120 + 2^-126 if it stayed). dout_0[0] sits in the row's
+    # exponent range's top; dout_1's row holds only the partner (a range of one exponent).
+    B, T, H, G, D = 1, 2, 1, 1, 8
+    q, k, v = (np.zeros((B, T, n, D), np.float32) for n in (H, G, G))
+    q[0, 1, 0, 1] = 1.0
+    k[0, 1, 0, 1] = 1.0
+    v[0, :, 0, 2:] = 0.5
+    q, k, v = BF(q), BF(k), BF(v)
+    for bits in range(np.float32(0.3).view(np.uint32), np.float32(0.3).view(np.uint32) + 256):
+        scale = np.uint32(bits).view(np.float32)
+        _, lse = SA.attention_forward(q, k, v, 0, float(scale))
+        p10 = S.exp(A.sub(np.float32(0.0), lse[0, 0, 1]))
+        d = partner(p10, bf16=False)
+        if d is not None:
+            break
+    assert d is not None
+    dout = np.zeros((B, T, H, D), np.float32)
+    dout[0, 0, 0, 0] = 2.0 ** -120
+    dout[0, 1, 0, 0] = d
+    _, _, (dq, dk, dv) = check_all(q, k, v, dout, 0, float(scale))
+    assert dv[0, 0, 0, 0] == np.float32(2.0 ** -120)                       # the product flushed
 
 
 @pytest.mark.parametrize("B,T,H,G,D,W", [(1, 67, 8, 2, 32, 5), (2, 130, 4, 1, 17, 64), (1, 61, 6, 3, 8, 0)])
