@@ -1247,32 +1247,43 @@ static O1B_TGT void FN(adamw)(int64_t n, bf16 *pp, const float *gg, float *mm, f
     if (i < n) adamw_scalar(i, n, pp, gg, mm, vv, k);
 }
 
-AI void FN(rms_scale)(int64_t n, const float *x, float r, const bf16 *g, float *y) {
-    vf rv = FN(splat)(r);
+/* The outputs of rows l < m of a block (row l at + l C), columns on lanes: a vector of columns
+ * at a time for every row (its gain widened once for the block); a vector with a product at
+ * 2^-126 is done by the scalar loop. */
+AI void FN(rms_scale_rows)(int m, int64_t C, const float *x, const float *rs, const bf16 *g,
+                           float *y) {
     int64_t c = 0;
-    for (; c + O1B_W <= n; c += O1B_W) {
-        vi rare = {0};
-        vf v = FN(mulh)(FN(ldh)(x + c), rv, &rare);
-        if (g) v = FN(mulh)(v, FN(widen)(g + c), &rare);
-        if (__builtin_expect(FN(any)(rare), 0)) rms_scale_scalar(c, c + O1B_W, x, r, g, y);
-        else FN(put)(y + c, FN(canon)(v));
+    for (; c + O1B_W <= C; c += O1B_W) {
+        vf gv = g ? FN(widen)(g + c) : FN(splat)(1.0f);
+        for (int l = 0; l < m; l++) {
+            vi rare = {0};
+            vf v = FN(mulh)(FN(ldh)(x + l * C + c), FN(splat)(rs[l]), &rare);
+            if (g) v = FN(mulh)(v, gv, &rare);
+            if (__builtin_expect(FN(any)(rare), 0)) rms_scale_scalar(c, c + O1B_W, x + l * C, rs[l], g, y + l * C);
+            else FN(put)(y + l * C + c, FN(canon)(v));
+        }
     }
-    if (c < n) rms_scale_scalar(c, n, x, r, g, y);
+    if (c < C)
+        for (int l = 0; l < m; l++) rms_scale_scalar(c, C, x + l * C, rs[l], g, y + l * C);
 }
-
-AI void FN(rms_dx)(int64_t n, const float *dy, const float *x, const bf16 *g, float r,
-                   float b, float *dx) {
-    vf rv = FN(splat)(r), bv = FN(splat)(b);
+AI void FN(rms_dx_rows)(int m, int64_t C, const float *dy, const float *x, const bf16 *g,
+                        const float *rs, const float *bs, float *dx) {
     int64_t c = 0;
-    for (; c + O1B_W <= n; c += O1B_W) {
-        vi rare = {0};
-        vf t = FN(ldh)(dy + c);
-        if (g) t = FN(mulh)(t, FN(widen)(g + c), &rare);
-        vf d = FN(subh)(FN(mulh)(t, rv, &rare), FN(mulh)(FN(ldh)(x + c), bv, &rare));
-        if (__builtin_expect(FN(any)(rare), 0)) rms_dx_scalar(c, c + O1B_W, dy, x, g, r, b, dx);
-        else FN(put)(dx + c, FN(canon)(d));
+    for (; c + O1B_W <= C; c += O1B_W) {
+        vf gv = g ? FN(widen)(g + c) : FN(splat)(1.0f);
+        for (int l = 0; l < m; l++) {
+            vi rare = {0};
+            vf t = FN(ldh)(dy + l * C + c);
+            if (g) t = FN(mulh)(t, gv, &rare);
+            vf d = FN(subh)(FN(mulh)(t, FN(splat)(rs[l]), &rare),
+                            FN(mulh)(FN(ldh)(x + l * C + c), FN(splat)(bs[l]), &rare));
+            if (__builtin_expect(FN(any)(rare), 0))
+                rms_dx_scalar(c, c + O1B_W, dy + l * C, x + l * C, g, rs[l], bs[l], dx + l * C);
+            else FN(put)(dx + l * C + c, FN(canon)(d));
+        }
     }
-    if (c < n) rms_dx_scalar(c, n, dy, x, g, r, b, dx);
+    if (c < C)
+        for (int l = 0; l < m; l++) rms_dx_scalar(c, C, dy + l * C, x + l * C, g, rs[l], bs[l], dx + l * C);
 }
 
 /* The gain's column sums of K vectors of columns from c, the accumulators in registers over
@@ -1300,8 +1311,8 @@ static O1B_TGT void FN(rms_dg)(int64_t lo, int64_t hi, int64_t N, int64_t C, con
 }
 
 /* RMSNorm rows [lo, hi) (rmsnorm.c, rms_fwd_rows_scalar's operations): W rows at a time, their
- * sums and row scalars on lanes (rows_dot; r, b), then each row's outputs with its columns on
- * lanes. A vector of rows with a product or quotient at 2^-126 gets its row scalars from the
+ * sums and row scalars on lanes (rows_dot; r, b), then their outputs with columns on lanes
+ * (rms_scale_rows, rms_dx_rows). A vector of rows with a product or quotient at 2^-126 gets its row scalars from the
  * scalar helpers. */
 static O1B_TGT void FN(rms_fwd_rows)(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g,
                                      float eps, float invC, float *y, float *rstd) {
@@ -1316,10 +1327,8 @@ static O1B_TGT void FN(rms_fwd_rows)(int64_t lo, int64_t hi, int64_t C, const fl
         if (__builtin_expect(FN(any)(rare), 0))
             for (int l = 0; l < m; l++)
                 rs[l] = rms_r_scalar(row_dot_scalar(C, xb + l * C, xb + l * C, NULL), invC, eps);
-        for (int l = 0; l < m; l++) {
-            rstd[n + l] = o1b_store(rs[l]);
-            FN(rms_scale)(C, xb + l * C, rs[l], g, y + (n + l) * C);
-        }
+        for (int l = 0; l < m; l++) rstd[n + l] = o1b_store(rs[l]);
+        FN(rms_scale_rows)(m, C, xb, rs, g, y + n * C);
     }
 }
 static O1B_TGT void FN(rms_bwd_rows)(int64_t lo, int64_t hi, int64_t C, const float *dy,
@@ -1338,8 +1347,7 @@ static O1B_TGT void FN(rms_bwd_rows)(int64_t lo, int64_t hi, int64_t C, const fl
         if (__builtin_expect(FN(any)(rare), 0))
             for (int l = 0; l < m; l++)
                 bs[l] = rms_b_scalar(row_dot_scalar(C, dyb + l * C, xb + l * C, g), rs[l], invC);
-        for (int l = 0; l < m; l++)
-            FN(rms_dx)(C, dyb + l * C, xb + l * C, g, rs[l], bs[l], dx + (n + l) * C);
+        FN(rms_dx_rows)(m, C, dyb, xb, g, rs, bs, dx + n * C);
     }
 }
 

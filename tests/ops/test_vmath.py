@@ -109,10 +109,9 @@ def test_elementwise_ops_equal_scalar(n):
     if n >= 16:      # subnormal left operands of small normals: an unflushed one changes the sum
         x[8:12] = np.array([2.0 ** -127, -2.0 ** -127, 2.0 ** -140, -2.0 ** -149], np.float32)
         y[8:12] = np.array([2.0 ** -126, 2.0 ** -125, -2.0 ** -126, 2.0 ** -124], np.float32)
-    if n > 1000:
-        x[:64] = np.float32(0.75)
-        s_tiny = tiny_product_pairs(np.array([0.75], np.float32))[0]
-        assert not np.isnan(s_tiny)
+    if n > 1000:         # products in the upper half below 2^-126: the hardware flush mode keeps
+        v, s_tiny = upper_pair_near(0.75)     # them at 2^-126 too, so they take the exact way there
+        x[:64] = v
     else:
         s_tiny = np.float32(1e-20)
     def run():
@@ -153,6 +152,29 @@ def tiny_product_pairs(s: np.ndarray) -> np.ndarray:
     return out
 
 
+def upper_tiny_pair(s: np.ndarray) -> np.float32:
+    """For an fp32 s in (0.5, 1): a normal d whose exact product d*s lies in [2^-126 - 2^-151,
+    2^-126): it rounds up to 2^-126 under gradual underflow and under x86's flush-to-zero alike
+    (tininess after rounding), so the hardware flush mode leaves it for the exact path too; NaN
+    where no d near 2^-126 / s does."""
+    sv = float(np.float32(s))
+    d0 = int(np.float32(2.0 ** -126 / sv).view(np.uint32))
+    for d in np.arange(d0 - 8, d0 + 9, dtype=np.uint32).view(np.float32):
+        if 2.0 ** -126 - 2.0 ** -151 <= float(d) * sv < 2.0 ** -126:
+            return d
+    return np.float32(np.nan)
+
+
+def upper_pair_near(v0: float) -> tuple[np.float32, np.float32]:
+    """(v, d): the first fp32 v from v0 up whose upper_tiny_pair d exists."""
+    u0 = int(np.float32(v0).view(np.uint32))
+    for v in np.arange(u0, u0 + 4096, dtype=np.uint32).view(np.float32):
+        d = upper_tiny_pair(v)
+        if not np.isnan(d):
+            return v, d
+    raise AssertionError(f"no pair near {v0}")
+
+
 def test_swiglu_lanes_on_the_exact_path():
     # mul(dout, silu(g)) with an exact value just below 2^-126: the vector marks the lane and the
     # whole vector is recomputed by the scalar helpers. Mixed with ordinary lanes in every vector.
@@ -167,17 +189,22 @@ def test_swiglu_lanes_on_the_exact_path():
     d = np.where(ok & (rng.random((N, F)) < 0.5), d, rng.standard_normal((N, F))).astype(np.float32)
     u = rng.standard_normal((N, F)).astype(np.float32)
     h = np.ascontiguousarray(np.concatenate([g, u], axis=1))
+    hf = np.ascontiguousarray(np.concatenate([g, d], axis=1))   # the forward's mul(silu(g), up)
     with scalar():
-        want_f, want_b = CL.swiglu_forward(h), CL.swiglu_backward(d, h)
+        want_f, want_b = CL.swiglu_forward(hf), CL.swiglu_backward(d, h)
     assert_bits_equal(want_b, SL.swiglu_backward(d, h), "swiglu backward: scalar C vs spec")
-    assert_bits_equal(want_f, SL.swiglu_forward(h), "swiglu forward: scalar C vs spec")
+    assert_bits_equal(want_f, SL.swiglu_forward(hf), "swiglu forward: scalar C vs spec")
     dup = want_b[:, F:]
     flushed = (ok & (np.abs(d) < 1e-37)).ravel()
     assert (dup.ravel()[flushed] == 0).all() and flushed.any()   # the case is really exercised
+    assert (want_f.ravel()[flushed] == 0).all()
+    # lanes whose product lies in the upper half below 2^-126 (kept at 2^-126 by the hardware
+    # flush mode too, so they take the exact way there)
+    assert (np.abs(sv.astype(np.float64) * d.ravel())[flushed] >= 2.0 ** -126 - 2.0 ** -151).any()
     for lv in LEVELS:
         with level(lv):
             assert_bits_equal(CL.swiglu_backward(d, h), want_b, f"swiglu backward, level {lv}")
-            assert_bits_equal(CL.swiglu_forward(h), want_f, f"swiglu forward, level {lv}")
+            assert_bits_equal(CL.swiglu_forward(hf), want_f, f"swiglu forward, level {lv}")
 
 
 @pytest.mark.parametrize("F", [1, 7, 16, 37, 128])
@@ -434,13 +461,15 @@ def test_rmsnorm_row_scalars_on_the_exact_path():
     # rounds up marks its block of columns, summed again by contract.h.
     N, Cc = 37, 25
     x0 = square_over_count_rounding_up(Cc)
-    d = tiny_product_pairs(np.array([0.75], np.float32))[0]
+    gs = next(b for b in range(0x3F01, 0x3F80)          # a bf16 gain with such a dy
+              if not np.isnan(upper_tiny_pair(A.bf16_to_f32(np.array([b], np.uint16))[0])))
+    d = upper_tiny_pair(A.bf16_to_f32(np.array([gs], np.uint16))[0])
     assert not np.isnan(x0) and not np.isnan(d)
     rng = np.random.default_rng(23)
     x = rng.standard_normal((N, Cc)).astype(np.float32)
     dy = rng.standard_normal((N, Cc)).astype(np.float32)
     g = A.f32_to_bf16(rng.standard_normal(Cc).astype(np.float32))
-    g[5] = A.f32_to_bf16(np.array([0.75], np.float32))[0]
+    g[5] = gs
     for row in (3, 34):
         x[row] = 0.0
         x[row, 5] = x0
@@ -450,11 +479,11 @@ def test_rmsnorm_row_scalars_on_the_exact_path():
     # the gain's column sum of one column: zero but for a row whose mul(dy, mul(x, r)) rounds up
     col = 9
     x[13] = 1.0
-    for v in np.arange(0.70, 0.80, 0.01, dtype=np.float32):    # a mul(x, r) that has such a dy
+    for v in np.arange(0.70, 0.80, 0.001, dtype=np.float32):   # a mul(x, r) that has such a dy
         x[13, col] = v
         with scalar():
             r0 = CL.rmsnorm_forward(x, None, 0.0)[1]
-        dy13 = tiny_product_pairs(x[13, col:col + 1] * r0[13])[0]
+        dy13 = upper_tiny_pair(x[13, col] * r0[13])
         if not np.isnan(dy13):
             break
     assert not np.isnan(dy13)
@@ -499,10 +528,10 @@ def test_rope_embedding_sumsq_equal_scalar(D):
     B, T, R = 2, 9, 3
     x = sprinkle(rng, (rng.standard_normal((B, T, R, D)) * 3).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.03)
     cos, sin = CL.rope_tables(T, D, 10000.0)
-    d = tiny_product_pairs(np.array([0.75], np.float32))[0]
+    v, d = upper_pair_near(0.75)
     cos, sin = cos.copy(), sin.copy()
-    cos[4], sin[4] = 0.75, 0.75
-    x[1, 4, 2, :] = d                               # every product of that row is tiny
+    cos[4], sin[4] = v, v
+    x[1, 4, 2, :] = d                               # every product of that row rounds up to 2^-126
     V, N = 11, 40
     tok = rng.integers(0, V - 3, N).astype(np.int32)
     dout = sprinkle(rng, rng.standard_normal((N, D + 5)).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.05)
