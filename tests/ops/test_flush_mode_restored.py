@@ -1,9 +1,10 @@
-"""The C reference's kernels that run under the hardware flush mode (x86 FTZ/DAZ, arm64 FZ: vmath.c's
-O1B_VM_DISPATCH_FTZ kernels and attention.c's SIMD rows) set it for the call only: afterwards the
-calling thread again makes and reads subnormals, so numpy (the spec, host-side math) in the same
-thread keeps IEEE gradual underflow. The caller's thread runs a share of every call (with one
-thread all of it), so a mode left set on any of its paths shows here. Worker threads only ever run
-these kernels, which set the mode themselves or give the same bits either way."""
+"""The C reference's kernels that run under the hardware flush mode (x86 FTZ/DAZ, arm64 FZ): vmath.c's
+O1B_VM_DISPATCH_FTZ kernels (RMSNorm, SwiGLU, RoPE, add, scale_inplace; the global norm's block sums
+are checked with them) and attention.c's SIMD rows set it for the call only: afterwards the calling
+thread again makes and reads subnormals, so numpy (the spec, host-side math) in the same thread keeps
+IEEE gradual underflow. The caller's thread runs a share of every call (with one thread all of it),
+so a mode left set on any of its paths shows here. Worker threads only ever run these kernels, which
+set the mode themselves or give the same bits either way."""
 import numpy as np
 import pytest
 
@@ -50,6 +51,7 @@ def _ops():
         "add": lambda: M.add(x, y),
         "add_inplace": lambda: M.add_inplace(x.copy(), y),
         "scale_inplace": lambda: M.scale_inplace(x.copy(), 0.75),
+        "sumsq_blocks": lambda: C.sumsq_blocks(np.resize(x, 40 * C.optim.NORM_BLOCK + 7)),
         "attention_forward": lambda: CA.attention_forward(q, k, v, 0, 0.25),
         "attention_forward_i8": lambda: CA.attention_forward_i8(q, k, v, 0, 0.25),
         # one kv head: one thread runs the fused backward, two threads its two passes
@@ -58,7 +60,7 @@ def _ops():
 
 
 NAMES = ["rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward", "rope_forward",
-         "rope_backward", "add", "add_inplace", "scale_inplace", "attention_forward",
+         "rope_backward", "add", "add_inplace", "scale_inplace", "sumsq_blocks", "attention_forward",
          "attention_forward_i8", "attention_backward"]
 
 
