@@ -12,8 +12,8 @@ typedef struct { const int32_t *tok; const bf16 *wte; float *out; int64_t C; } f
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
     const fwd_args *a = (const fwd_args *)ctx;
     for (int64_t n = lo; n < hi; n++) {
-        const bf16 *row = a->wte + (int64_t)a->tok[n] * a->C;
-        for (int64_t c = 0; c < a->C; c++) a->out[n * a->C + c] = o1b_store(o1b_bf16_to_f32(row[c]));
+        /* the row widened exactly, stored by the store rule: vmath's f32 widen on lanes */
+        o1b_vto_f32(0, a->C, a->wte + (int64_t)a->tok[n] * a->C, a->out + n * a->C);
     }
 }
 O1B_API void o1b_embedding_forward(int64_t N, int64_t C,
