@@ -186,6 +186,8 @@ o1b_fpmode o1b_fpmode_ftz(void) {
     __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
     m.saved = fpcr; m.active = 1;
     fpcr |= (1ull << 24);                              /* FZ: flush, tininess before rounding */
+    fpcr &= ~(1ull << 1);     /* AH = 0: with FEAT_AFP and AH = 1, FZ would not flush inputs (FIZ
+                                 would); RES0 without the feature, so clearing it is harmless */
     __asm__ volatile("msr fpcr, %0" : : "r"(fpcr));
 #endif
     return m;
