@@ -423,9 +423,9 @@ void o1b_vsum_rows(int64_t n, const int64_t *pos, const float *src, int64_t C, f
 #undef CALL
 }
 void o1b_vsumsq_blocks(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x, float *out) {
-    if (!g_vmath) { sumsq_blocks_scalar(lo, hi, n, B, x, out); return; }
+    if (!g_vmath || hi - lo < 2) { sumsq_blocks_scalar(lo, hi, n, B, x, out); return; }
 #define CALL(s) sumsq_blocks_##s(lo, hi, n, B, x, out)
-    O1B_VM_DISPATCH(CALL);
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y) {
@@ -1143,24 +1143,55 @@ static O1B_TGT void FN(sum_rows)(int64_t n, const int64_t *pos, const float *src
     }
     if (c < C) sum_rows_scalar(c, C, n, pos, src, C, dst);
 }
-/* Blocks [lo, hi) of B elements on lanes, W whole blocks at a time (each lane's sum in order). */
+/* p[0..k) on the first lanes, +0 on the others (k may be <= 0 or >= W). */
+AI vf FN(load_part)(const float *p, int64_t k) {
+    if (k >= O1B_W) return FN(load)(p);
+    vf x = {0};
+    if (k > 0) memcpy(&x, p, (size_t)k * sizeof(float));
+    return x;
+}
+/* o1b_mul(v, v) of a loaded v, under the hardware flush mode where the kernel has it: a square
+ * needs no exact path, because no fp32 square rounds up to 2^-126 from below (the exact square of
+ * the largest fp32 below 2^-63 is 2^-126 - 2^-149 + 2^-174, below both rounding points; tested by
+ * test_no_square_rounds_up_to_2_126), so an IEEE square of 2^-126 is exact and o1b_mul's. */
+AI vf FN(squareh)(vf v) {
+    vi exact = {0};                   /* the marks mulh sets are never read (and not computed) */
+    return FN(mulh)(v, v, &exact);
+}
+/* Blocks [lo, hi) of B elements (the array's last block may be short), W blocks on lanes:
+ * W consecutive elements of each block are loaded and transposed on registers, so each lane adds
+ * its block's squares in ascending element order from +0, as sumsq_blocks_scalar does. Lanes past
+ * the group's m blocks repeat its last block over the columns all m blocks have and are +0 over
+ * the rest (their sums are never stored); past a short block's end its lane is +0, and adding the
+ * square +0 leaves a sum of squares from +0 unchanged (it is never -0). A lone block gains nothing
+ * from lanes (its sum is one chain of adds) and goes the scalar way. */
 static O1B_TGT void FN(sumsq_blocks)(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x,
                                      float *out) {
-    int64_t b = lo;
-    for (; b + O1B_W <= hi && (b + O1B_W) * B <= n; b += O1B_W) {
-        vi rare = {0};
+    for (int64_t b = lo; b < hi; b += O1B_W) {
+        const int m = hi - b < O1B_W ? (int)(hi - b) : O1B_W;
+        if (m == 1) { sumsq_blocks_scalar(b, b + 1, n, B, x, out); break; }
+        int64_t last = n - (b + m - 1) * B;          /* the group's last block's length */
+        if (last > B) last = B;
+        const float *pl[O1B_W];
+        for (int l = 0; l < O1B_W; l++) pl[l] = x + (b + (l < m ? l : m - 1)) * B;
         vf acc = {0};
-        const float *base = x + b * B;
-        for (int64_t i = 0; i < B; i++) {
-            vf v;
-            for (int l = 0; l < O1B_W; l++) v[l] = base[l * B + i];
-            v = FN(flush)(v);
-            acc = FN(add)(acc, FN(mul)(v, v, &rare));
+        int64_t c = 0;
+        for (; c + O1B_W <= last; c += O1B_W) {
+            vf v[O1B_W];
+            for (int l = 0; l < O1B_W; l++) v[l] = FN(ldh)(pl[l] + c);
+            FN(transpose)(v);
+            for (int j = 0; j < O1B_W; j++) acc = FN(addh)(acc, FN(squareh)(v[j]));
         }
-        if (__builtin_expect(FN(any)(rare), 0)) sumsq_blocks_scalar(b, b + O1B_W, n, B, x, out);
-        else FN(put)(out + b, FN(store)(acc));
+        for (; c < B; c += O1B_W) {                   /* m > 1: the first block is whole */
+            vf v[O1B_W];
+            for (int l = 0; l < O1B_W; l++)
+                v[l] = FN(flush)(FN(load_part)(pl[l] + c, (l < m - 1 ? B : l == m - 1 ? last : 0) - c));
+            FN(transpose)(v);
+            for (int j = 0; j < O1B_W; j++) acc = FN(addh)(acc, FN(squareh)(v[j]));
+        }
+        vf s = FN(canon)(acc);
+        memcpy(out + b, &s, (size_t)m * sizeof(float));
     }
-    if (b < hi) sumsq_blocks_scalar(b, hi, n, B, x, out);
 }
 
 static O1B_TGT void FN(to_bf16_arr)(int64_t lo, int64_t hi, const float *x, bf16 *y) {

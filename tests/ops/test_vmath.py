@@ -536,8 +536,8 @@ def test_rope_embedding_sumsq_equal_scalar(D):
     tok = rng.integers(0, V - 3, N).astype(np.int32)
     dout = sprinkle(rng, rng.standard_normal((N, D + 5)).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.05)
     xs = sprinkle(rng, rng.standard_normal(CO.NORM_BLOCK * 17 + 37).astype(np.float32), SPECIAL_F32.astype(np.float32), 0.001)
-    xs[5 * CO.NORM_BLOCK + 3] = np.float32(2.0 ** -63)   # a square of exactly 2^-126 marks its vector
-    # (the exact way gives the same bits: no fp32 square rounds up to 2^-126 from below)
+    xs[5 * CO.NORM_BLOCK + 3] = np.float32(2.0 ** -63)   # a square of exactly 2^-126, kept
+    # (no fp32 square rounds up to 2^-126 from below: test_no_square_rounds_up_to_2_126)
 
     def run():
         return [CL.rope_forward(x, cos, sin), CL.rope_backward(x, cos, sin),
@@ -555,6 +555,56 @@ def test_rope_embedding_sumsq_equal_scalar(D):
                 got = run()
             for k, (a, b) in enumerate(zip(got, want)):
                 assert_bits_equal(a, b, f"op {k}, level {lv}, {threads} threads")
+
+
+SUMSQ_SIZES = [1, 7, 100, 4096, 4097, 3 * 4096 + 100, 5 * 4096 + 16, 16 * 4096, 17 * 4096 + 37,
+               33 * 4096 - 5, 50 * 4096 + 1234]
+
+
+def sumsq_inputs(n: int) -> list[np.ndarray]:
+    """Arrays of n floats: varied magnitudes (a sum in another order differs); sparse special
+    values; squares below 2^-126 (flushed: summed without the flush they would show) among zeros,
+    with exact 2^-126 squares (x = +-2^-63) and subnormals."""
+    from helpers import sprinkle
+    rng = np.random.default_rng(n)
+    plain = (rng.standard_normal(n) * np.exp2(rng.integers(-8, 8, n))).astype(np.float32)
+    special = sprinkle(rng, plain, SPECIAL_F32.astype(np.float32), 0.0003)
+    tiny = np.zeros(n, np.float32)
+    k = rng.choice(n, max(1, n // 5), replace=False)
+    tiny[k] = (rng.choice([-1.0, 1.0], k.size) * np.exp2(rng.uniform(-80.0, -62.0, k.size))).astype(np.float32)
+    tiny[rng.choice(n, max(1, n // 50))] = rng.choice(np.array([2.0 ** -63, -(2.0 ** -63), 1e-40, -1e-45], np.float32))
+    return [plain, special, tiny]
+
+
+@pytest.mark.parametrize("n", SUMSQ_SIZES)
+def test_sumsq_blocks_equal_scalar_and_spec(n):
+    # Whole groups of W blocks, groups of fewer blocks than lanes, one block, short last blocks
+    # (a partial vector of elements, and exactly one), threads' ranges starting inside a group;
+    # at every level and 1-3 threads against the scalar C and the spec.
+    from mlx_open1b.cpu_ref import optim as CO
+    from mlx_open1b.spec import optim as SO
+    for k, x in enumerate(sumsq_inputs(n)):
+        with scalar():
+            want = CO.sumsq_blocks(x)
+        assert_bits_equal(want, SO.sumsq_blocks(x, CO.NORM_BLOCK), f"sumsq n={n} input {k}: scalar C vs spec")
+        for lv in LEVELS:
+            for threads in (1, 2, 3):
+                with level(lv), C.settings(threads=threads):
+                    got = CO.sumsq_blocks(x)
+                assert_bits_equal(got, want, f"sumsq n={n} input {k}, level {lv}, {threads} threads")
+
+
+def test_no_square_rounds_up_to_2_126():
+    # Why sumsq's vectors can square under the hardware flush mode: an IEEE square of 2^-126 is
+    # exact (x = 2^-63), never a tiny square rounded up, so it is o1b_mul's result: the exact
+    # square of every fp32 below 2^-63 lies below 2^-126 - 2^-151, the point from which it would
+    # round up to 2^-126 with an unbounded exponent (x86's tininess after rounding), and below
+    # 2^-126 - 2^-150 (gradual underflow's).
+    with np.errstate(under="ignore"):
+        x = patterns(2.0 ** -64, 2.0 ** -63)[:-1]
+        assert (x.astype(np.float64) ** 2 < 2.0 ** -126 - 2.0 ** -151).all()
+        assert (x * x < np.float32(2.0 ** -126)).all()
+        assert np.float32(2.0 ** -63) * np.float32(2.0 ** -63) == np.float32(2.0 ** -126)
 
 
 def test_rope_ranges_start_mid_position():
