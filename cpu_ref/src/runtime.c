@@ -40,13 +40,15 @@ static void *o1b_run_task(void *p) {
  * next call. Creating and joining threads on every call costs 20-150 us here (more than many
  * kernels' work at training shapes); a waiting thread starts in about a microsecond while it
  * spins and in tens of microseconds once asleep (a virtual CPU must be woken), so each side
- * spins for a short while (O1B_POOL_SPIN pauses, about 20 us here) before it sleeps. Only
+ * spins for a while (O1B_POOL_SPIN pauses, about 80 us here) before it sleeps: long enough to
+ * span the host's work between two calls of a training step (Python, often more than 20 us),
+ * which with 20 us of spinning cost 4-8% of a step at the tiny and small presets. Only
  * the split of [0, n) into ranges enters the results, and it is the same either way. One call
  * uses the pool at a time: a call made while it is busy (from another thread, or from inside a
  * range) starts its own threads as before, and so does a call whose workers cannot start. */
 #define O1B_POOL_MAX 256
 #ifndef O1B_POOL_SPIN
-#define O1B_POOL_SPIN 1000
+#define O1B_POOL_SPIN 4000
 #endif
 /* One step of a spin-wait. (Giving the CPU away with sched_yield every so often was tried: in
  * this virtual machine it slowed the common case, two threads on two CPUs, by a third.) */
