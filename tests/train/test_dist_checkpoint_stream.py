@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from test_distributed import corpus, dist_cfg, ledger, torchrun, tree  # noqa: E402,F401  (corpus: a fixture)
+from test_distributed import dist_cfg, ledger, torchrun, tree  # noqa: E402
 
 from mlx_open1b.train import Trainer  # noqa: E402
 

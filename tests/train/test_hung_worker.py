@@ -15,7 +15,6 @@ from mlx_open1b.train import Trainer
 
 pytest.importorskip("torch.distributed")
 import test_distributed as dist  # noqa: E402  (same area: its config, corpus and launch helpers)
-from test_distributed import corpus  # noqa: E402,F401 - corpus is a fixture
 
 _WORKER = """
 import json, os, signal, sys

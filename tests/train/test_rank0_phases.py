@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from test_distributed import _env, corpus, dist_cfg, free_port, ledger, tree  # noqa: E402,F401  (corpus: a fixture)
+from test_distributed import _env, dist_cfg, free_port, ledger, tree  # noqa: E402
 
 # The workers import torch and the package before a file barrier, so that the rendezvous, which
 # runs under the short timeout these tests use, never waits for a slow import on a busy machine.
