@@ -34,6 +34,10 @@ def check(name: str, a, dtype: np.dtype, shape: tuple | None = None, ndim: int |
     # first three checks at once; anything else takes them one by one
     if not (type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous):
         _check_kind(name, a, dtype)
+    return _check_shape(name, a, shape, ndim)
+
+
+def _check_shape(name: str, a, shape: tuple | None, ndim: int | None) -> np.ndarray:
     if ndim is None and shape is not None:
         ndim = len(shape)
     if ndim is not None and a.ndim != ndim:

@@ -440,9 +440,29 @@ static void dkv_row(bwd_args *a, int64_t r, const o1b_vkernels *vk, float *dk_ac
     }
 }
 
+/* Key rows j .. j+nr-1 of kv head (b, g) interleaved by vmath.c's rows (with dq's accumulators
+ * where qacc is given: the fused pass); a row they leave goes the contract.h way. */
+static void dkv_group(bwd_args *a, const o1b_vkernels *vk, int64_t b, int64_t g, int64_t j, int nr,
+                      float *acc, float *qacc, int64_t qld, int32_t *qrare) {
+    const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G;
+    int64_t r = (b * G + g) * T + j;              /* the first key row */
+    int64_t row0 = (b * a->H + g * rep) * T;      /* query row (b, first head of the group, 0) */
+    int64_t il[O1B_VATTN_ROWS];
+    for (int k = 0; k < nr; k++) il[k] = last_query(j + k, T, a->W);
+    o1b_vattn_kv kv = {T, D, rep, a->scale, a->k + r * D, a->v + r * D,
+                       a->klo + r, a->khi + r, a->vlo + r, a->vhi + r,
+                       a->q + row0 * D, a->dout + row0 * D, a->qt + row0 * D, a->dout_t + row0 * D,
+                       a->lse_p + row0, a->Di + row0,
+                       a->qlo + row0, a->qhi + row0, a->glo + row0, a->ghi + row0};
+    int64_t out = ((b * T + j) * G + g) * D;
+    int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D, qacc, qld, qrare);
+    for (int k = 0; k < nr; k++)
+        if (!(done >> k & 1)) dkv_row(a, r + k, vk, acc, acc + D);
+}
+
 static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
     bwd_args *a = (bwd_args *)ctx;
-    const int64_t T = a->T, G = a->G, D = a->D, rep = a->H / a->G;
+    const int64_t T = a->T, G = a->G, D = a->D;
     const size_t R = O1B_VATTN_ROWS;
     float *acc = malloc(2 * R * (size_t)((D > 0 ? D : 1) + O1B_VATTN_PAD) * sizeof(float));
     if (!acc) { atomic_store(&a->failed, 1); return; }
@@ -453,18 +473,7 @@ static void dkv_range(void *ctx, int64_t lo, int64_t hi) {
         /* up to R key rows of one kv head, interleaved; a row they leave goes the contract.h way */
         int64_t j = r % T, g = (r / T) % G, b = r / (T * G);
         int nr = (int)imin((int64_t)R, imin(hi - r, T - j));
-        int64_t il[O1B_VATTN_ROWS];
-        for (int k = 0; k < nr; k++) il[k] = last_query(j + k, T, a->W);
-        int64_t row0 = (b * a->H + g * rep) * T;  /* query row (b, first head of the group, 0) */
-        o1b_vattn_kv kv = {T, D, rep, a->scale, a->k + r * D, a->v + r * D,
-                           a->klo + r, a->khi + r, a->vlo + r, a->vhi + r,
-                           a->q + row0 * D, a->dout + row0 * D, a->qt + row0 * D, a->dout_t + row0 * D,
-                           a->lse_p + row0, a->Di + row0,
-                           a->qlo + row0, a->qhi + row0, a->glo + row0, a->ghi + row0};
-        int64_t out = ((b * T + j) * G + g) * D;
-        int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D, NULL, 0, NULL);
-        for (int k = 0; k < nr; k++)
-            if (!(done >> k & 1)) dkv_row(a, r + k, vk, acc, acc + D);
+        dkv_group(a, vk, b, g, j, nr, acc, NULL, 0, NULL);
         r += nr;
     }
     o1b_fpmode_restore(mode);
@@ -489,23 +498,11 @@ static void fused_range(void *ctx, int64_t lo, int64_t hi) {
     o1b_fpmode mode = o1b_fpmode_ftz();
     for (int64_t item = lo; item < hi; item++) {
         int64_t g = item % G, b = item / G;
-        int64_t row0 = (b * a->H + g * rep) * T;  /* query row (b, first head of the group, 0) */
         memset(qacc, 0, (size_t)(rep * T * qld) * sizeof(float));
         memset(qrare, 0, (size_t)(rep * T) * sizeof(int32_t));
         for (int64_t j = 0; j < T;) {
-            int64_t r = item * T + j;             /* key row (b*G + g)*T + j */
             int nr = (int)imin(R, T - j);
-            int64_t il[O1B_VATTN_ROWS];
-            for (int k = 0; k < nr; k++) il[k] = last_query(j + k, T, a->W);
-            o1b_vattn_kv kv = {T, D, rep, a->scale, a->k + r * D, a->v + r * D,
-                               a->klo + r, a->khi + r, a->vlo + r, a->vhi + r,
-                               a->q + row0 * D, a->dout + row0 * D, a->qt + row0 * D, a->dout_t + row0 * D,
-                               a->lse_p + row0, a->Di + row0,
-                               a->qlo + row0, a->qhi + row0, a->glo + row0, a->ghi + row0};
-            int64_t out = ((b * T + j) * G + g) * D;
-            int done = vk->attn_dkv_rows(nr, j, il, &kv, acc, a->dk + out, a->dv + out, G * D, qacc, qld, qrare);
-            for (int k = 0; k < nr; k++)
-                if (!(done >> k & 1)) dkv_row(a, r + k, vk, acc, acc + D);
+            dkv_group(a, vk, b, g, j, nr, acc, qacc, qld, qrare);
             j += nr;
         }
         o1b_vscale_inplace(0, rep * T * qld, qacc, a->scale);   /* dq = store(mul(sum, scale)) */

@@ -26,16 +26,7 @@ def _cases():
 def _slow(name, a, dtype, shape=None, ndim=None):
     """check with the fast path left out: every case goes through _check_kind."""
     opargs._check_kind(name, a, dtype)
-    if ndim is None and shape is not None:
-        ndim = len(shape)
-    if ndim is not None and a.ndim != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-    if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, a.shape)):
-            if want is not None and want != got:
-                raise ValueError(f"{name}: dimension {axis} is {got}, expected {want} "
-                                 f"(shape {a.shape}, expected {tuple('*' if s is None else s for s in shape)})")
-    return a
+    return opargs._check_shape(name, a, shape, ndim)
 
 
 def _outcome(fn, *args, **kw):
