@@ -190,3 +190,14 @@ def near_min_normal_pairs(rng, n):
     b_div = (b_div.view(np.int32) + steps).view(np.float32)
     sign = rng.choice(np.array([1, -1], np.float32), n)
     return a * sign, b_mul, b_div
+
+
+def assert_attention_is_spec(q, k, v, dout, o, lse, grads, W, scale, prefix: str = "") -> None:
+    """An attention forward (o, lse) and backward (dq, dk, dv) on these inputs equal the numpy
+    spec's, bit for bit (messages name each output, after `prefix`)."""
+    from mlx_open1b.spec import attention as SA
+    so, slse = SA.attention_forward(q, k, v, W, scale)
+    assert_bits_equal(o, so, f"{prefix}o: scalar C vs spec")
+    assert_bits_equal(lse, slse, f"{prefix}lse: scalar C vs spec")
+    for a, b, what in zip(grads, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
+        assert_bits_equal(a, b, f"{prefix}d{what}: scalar C vs spec")

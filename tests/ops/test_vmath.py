@@ -11,7 +11,7 @@ from mlx_open1b.cpu_ref import layers as CL, xent as CX
 from mlx_open1b.cpu_ref.mathfn import vector_math
 from mlx_open1b.spec import arith as A, layers as SL, mathfn as S, xent as SX
 
-from helpers import SPECIAL_F32, assert_bits_equal
+from helpers import SPECIAL_F32, assert_attention_is_spec, assert_bits_equal
 
 NAMES = ["exp", "log", "sin", "cos", "sqrt", "rsqrt", "sigmoid", "silu"]
 LEVELS = list(range(C.simd_level() + 1))     # 0 portable (SSE2/NEON), 1 AVX2, 2 AVX-512
@@ -263,7 +263,6 @@ def test_xent_equals_scalar(N, C_, V, chunk, spread):
 def test_attention_equals_scalar(B, T, H, G, D, W):
     # Blocks of 64 keys and their tails, lanes of rows (2W, W and the scalar tail), windows, GQA.
     from mlx_open1b.cpu_ref import attention as CA
-    from mlx_open1b.spec import attention as SA
     rng = np.random.default_rng(T)
     q = A.f32_to_bf16((rng.standard_normal((B, T, H, D)) * 2).astype(np.float32))
     k = A.f32_to_bf16((rng.standard_normal((B, T, G, D)) * 2).astype(np.float32))
@@ -274,11 +273,7 @@ def test_attention_equals_scalar(B, T, H, G, D, W):
         o, lse = CA.attention_forward(q, k, v, W, scale)
         grads = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
         o8, lse8 = CA.attention_forward_i8(q, k, v, W, scale)
-    so, slse = SA.attention_forward(q, k, v, W, scale)
-    assert_bits_equal(o, so, "attention o: scalar C vs spec")
-    assert_bits_equal(lse, slse, "attention lse: scalar C vs spec")
-    for a, b, what in zip(grads, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
-        assert_bits_equal(a, b, f"attention d{what}: scalar C vs spec")
+    assert_attention_is_spec(q, k, v, dout, o, lse, grads, W, scale, "attention ")
     for lv in LEVELS:
         with level(lv):
             got = CA.attention_forward(q, k, v, W, scale)
