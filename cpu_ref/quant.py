@@ -13,6 +13,8 @@ _qt = declare("o1b_quant_tensor", c_i64, ptr, ptr, ptr, restype=ctypes.c_int)
 _qtf = declare("o1b_quant_tensor_f32", c_i64, ptr, ptr, ptr, restype=ctypes.c_int)
 _gemm = declare("o1b_gemm_i8", c_i64, c_i64, c_i64, ptr, ptr, ptr)
 _vnni = declare("o1b_gemm_i8_has_vnni", restype=ctypes.c_int)
+_amx = declare("o1b_q_amx_present", restype=ctypes.c_int)
+_amx_runs = declare("o1b_q_amx_runs", restype=ctypes.c_int64)
 _had = declare("o1b_hadamard_rows", c_i64, c_i64, ptr)
 _fwd = declare("o1b_qlinear_forward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ctypes.c_int, restype=ctypes.c_int)
 _bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
@@ -53,6 +55,18 @@ def gemm_i8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def gemm_i8_has_vnni() -> bool:
     """Whether the AVX-512 VNNI kernel is in use (at the current SIMD cap)."""
     return bool(_vnni())
+
+
+def gemm_i8_has_amx() -> bool:
+    """Whether this CPU and kernel give the VNNI path AMX int8 tiles for its GEMM blocks (used
+    unless switched off with runtime.settings(amx=False); the same bits either way)."""
+    return bool(_amx()) and gemm_i8_has_vnni()
+
+
+def gemm_i8_amx_runs() -> int:
+    """How many runs of GEMM blocks have gone to the AMX tiles in this process (a test's proof
+    that the tile path ran)."""
+    return int(_amx_runs())
 
 
 def hadamard_rows(f: np.ndarray) -> np.ndarray:

@@ -60,4 +60,12 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
                               const bf16 *w, float *dx, float *dw);
 int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C);
 
+/* The VNNI path's GEMM block on AMX tiles (quant_amx.c): the same integer sums. on() says
+ * whether to use it (CPU, kernel permission, not switched off); begin/end load and release the
+ * tile configuration around a run of blocks in one thread. */
+int o1b_q_amx_on(void);
+void o1b_q_amx_begin(void);
+void o1b_q_amx_end(void);
+void o1b_q_amx_block(const uint8_t *a, int64_t lda, int64_t np, const int8_t *bp, int rows, int32_t *out);
+
 #endif

@@ -351,16 +351,16 @@ typedef struct {
     float *Y; int32_t *C;                     /* the output (I, J) */
 } gemm_job;
 
-/* The MR x 32 tile at rows a (stride P4) and panel bp, stored to out[MR][32] (int32, without
- * the colsum correction). Kept out of line with named accumulators so that they stay in
+/* The MR x 32 tile at rows a (stride lda) and panel bp, over p < np: out[MR][32] (int32,
+ * without the colsum correction). Kept out of line with named accumulators so that they stay in
  * registers whatever the caller does with the result. */
 #define KACC(r) __m512i c##r##0 = _mm512_setzero_si512(), c##r##1 = _mm512_setzero_si512();
-#define KSTEP(r) { int32_t a4_; memcpy(&a4_, a + r * P4 + p, 4); __m512i av_ = _mm512_set1_epi32(a4_); \
+#define KSTEP(r) { int32_t a4_; memcpy(&a4_, a + r * lda + p, 4); __m512i av_ = _mm512_set1_epi32(a4_); \
     c##r##0 = _mm512_dpbusd_epi32(c##r##0, av_, b0); c##r##1 = _mm512_dpbusd_epi32(c##r##1, av_, b1); }
 #define KOUT(r) _mm512_storeu_si512(out + r * 32, c##r##0); _mm512_storeu_si512(out + r * 32 + 16, c##r##1);
-static __attribute__((noinline)) TGT void kernel(const uint8_t *a, int64_t P4, const int8_t *bp, int32_t *out) {
+static __attribute__((noinline)) TGT void kernel(const uint8_t *a, int64_t lda, int64_t np, const int8_t *bp, int32_t *out) {
     KACC(0) KACC(1) KACC(2) KACC(3) KACC(4) KACC(5) KACC(6) KACC(7)
-    for (int64_t p = 0; p < P4; p += 4) {
+    for (int64_t p = 0; p < np; p += 4) {
         __m512i b0 = _mm512_loadu_si512(bp + p * 32), b1 = _mm512_loadu_si512(bp + p * 32 + 64);
         KSTEP(0) KSTEP(1) KSTEP(2) KSTEP(3) KSTEP(4) KSTEP(5) KSTEP(6) KSTEP(7)
     }
@@ -392,24 +392,43 @@ INL void epilogue16(const gemm_job *g, const int ep, int64_t i, int64_t j, __m51
     }
     st_ps(g->Y + i * g->J + j, k, v);
 }
-/* Rows [i0, i1) (i0 a multiple of MR; Au holds rows up to i1 rounded up to MR), all columns. */
+/* Rows [i0, i1) (i0 a multiple of MR; Au holds rows up to i1 rounded up to MR), all columns.
+ * With AMX (rows in whole tiles of 16): blocks of 32 (or 16) rows on tiles over the first
+ * P4 - P4 % 64 of p, the VNNI kernel adding the rest; both are exact integer sums. */
 INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
-    int64_t P4 = g->P4, np = (g->J + NR - 1) / NR;
+    int64_t P4 = g->P4, np = (g->J + NR - 1) / NR, P64 = P4 / 64 * 64;
+    int amx = P64 > 0 && i0 % 16 == 0 && i1 % 16 == 0 && o1b_q_amx_on();
+    if (amx) o1b_q_amx_begin();
     for (int64_t jp = 0; jp < np; jp++) {
         const int8_t *bp = g->Bp + jp * NR * P4;
         int64_t j0 = jp * NR;
         __m512i cs0 = _mm512_slli_epi32(_mm512_loadu_si512(g->cs + j0), 7);
         __m512i cs1 = _mm512_slli_epi32(_mm512_loadu_si512(g->cs + j0 + 16), 7);
         __mmask16 k0 = lanes16(g->J - j0), k1 = g->J - j0 > 16 ? lanes16(g->J - j0 - 16) : 0;
-        for (int64_t i = i0; i < i1; i += MR) {
-            int32_t c[MR * 32];
-            kernel(g->Au + i * P4, P4, bp, c);
-            for (int r = 0; r < MR && i + r < i1 && i + r < g->I; r++) {
+        for (int64_t i = i0; i < i1;) {
+            int32_t c[32 * 32];
+            int rows = MR;
+            if (amx) {
+                rows = i1 - i >= 32 ? 32 : 16;
+                o1b_q_amx_block(g->Au + i * P4, P4, P64, bp, rows, c);
+                for (int r8 = 0; r8 < rows && P64 < P4; r8 += MR) {
+                    int32_t t[MR * 32];
+                    kernel(g->Au + (i + r8) * P4 + P64, P4, P4 - P64, bp + P64 * 32, t);
+                    for (int e = 0; e < MR * 32; e += 16)
+                        _mm512_storeu_si512(c + r8 * 32 + e, _mm512_add_epi32(_mm512_loadu_si512(c + r8 * 32 + e),
+                                                                             _mm512_loadu_si512(t + e)));
+                }
+            } else {
+                kernel(g->Au + i * P4, P4, P4, bp, c);
+            }
+            for (int r = 0; r < rows && i + r < i1 && i + r < g->I; r++) {
                 epilogue16(g, ep, i + r, j0, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32), cs0), k0);
                 if (k1) epilogue16(g, ep, i + r, j0 + 16, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32 + 16), cs1), k1);
             }
+            i += rows;
         }
     }
+    if (amx) o1b_q_amx_end();
 }
 static TGT void gemm_rows_raw(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_RAW); }
 static TGT void gemm_rows_fwd(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_FWD); }
