@@ -369,7 +369,10 @@ static __attribute__((noinline)) TGT void kernel(const uint8_t *a, int64_t lda, 
 #undef KACC
 #undef KSTEP
 #undef KOUT
-INL void epilogue16(const gemm_job *g, const int ep, int64_t i, int64_t j, __m512i acc, __mmask16 k) {
+/* The output rows are written once and read much later by another op: past STREAM_BYTES
+ * (about a core's L2) whole aligned vectors go around the cache, saving the read for ownership. */
+#define STREAM_BYTES (2 << 20)
+INL void epilogue16(const gemm_job *g, const int ep, int64_t i, int64_t j, __m512i acc, __mmask16 k, int stream) {
     if (ep == EP_RAW) { st_i32(g->C + i * g->J + j, k, acc); return; }
     /* i2f(acc) is 0 or at least 1 in magnitude and c0 is a per-tensor scale (+0, NaN, or at
      * least 2^-126), so the exact first product is never below 2^-126 unless it is 0: the
@@ -390,7 +393,9 @@ INL void epilogue16(const gemm_job *g, const int ep, int64_t i, int64_t j, __m51
         v = _mm512_mask_mov_ps(v, z, _mm512_setzero_ps());
         v = _mm512_mask_mov_ps(v, nn, _mm512_castsi512_ps(_mm512_set1_epi32((int)O1B_NAN_BITS)));
     }
-    st_ps(g->Y + i * g->J + j, k, v);
+    float *y = g->Y + i * g->J + j;
+    if (stream && k == 0xFFFF && ((uintptr_t)y & 63) == 0) _mm512_stream_ps(y, v);
+    else st_ps(y, k, v);
 }
 /* Rows [i0, i1) (i0 a multiple of MR; Au holds rows up to i1 rounded up to MR), all columns.
  * With AMX (rows in whole tiles of 16): blocks of 32 (or 16) rows on tiles over the first
@@ -399,6 +404,7 @@ INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
     int64_t P4 = g->P4, np = (g->J + NR - 1) / NR, P64 = P4 / 64 * 64;
     int amx = P64 > 0 && i0 % 16 == 0 && i1 % 16 == 0 && o1b_q_amx_on();
     if (amx) o1b_q_amx_begin();
+    int stream = ep != EP_RAW && g->I * g->J * (int64_t)sizeof(float) > STREAM_BYTES;
     for (int64_t jp = 0; jp < np; jp++) {
         const int8_t *bp = g->Bp + jp * NR * P4;
         int64_t j0 = jp * NR;
@@ -422,14 +428,15 @@ INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
                 kernel(g->Au + i * P4, P4, P4, bp, c);
             }
             for (int r = 0; r < rows && i + r < i1 && i + r < g->I; r++) {
-                epilogue16(g, ep, i + r, j0, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32), cs0), k0);
-                if (k1) epilogue16(g, ep, i + r, j0 + 16, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32 + 16), cs1), k1);
+                epilogue16(g, ep, i + r, j0, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32), cs0), k0, stream);
+                if (k1) epilogue16(g, ep, i + r, j0 + 16, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32 + 16), cs1), k1, stream);
             }
             i += rows;
         }
     }
     if (amx) o1b_q_amx_end();
 }
+    if (stream) _mm_sfence();       /* the streamed rows are visible before the task is done */
 static TGT void gemm_rows_raw(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_RAW); }
 static TGT void gemm_rows_fwd(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_FWD); }
 static TGT void gemm_rows_dx(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_DX); }
