@@ -32,14 +32,15 @@
  *                 absmax of x.
  *             F2: per chunk of rows: x quantized straight into the packed A, then the GEMM over
  *                 all of B with the dequantization in its epilogue (no int32 matrix in memory).
- *   backward  B1: s_w, q_w, clip marks; absmax of x; absmax of D = rot_n(dy) (rotated, not
- *                 stored: 128 x 16 blocks in L1).
- *             B2: absmax of G = rot_m(dy · s_w) (rows rotated in registers, not stored);
- *                 R = rot_m(q_w) and X = rot_n(q_x) in int16, stored, with their absmax.
- *             B3: R and X quantized and packed as B operands with their column sums.
+ *   backward  B1: s_w, q_w, clip marks; absmax of x.
+ *             B2: per block of 128 rows of dy: absmax of G = rot_m(dy · s_w) (rows rotated in
+ *                 registers, not stored), then of D = rot_n(dy) (128 x 16 strips in L1, the
+ *                 block's rows still in L2); R = rot_m(q_w) and X = rot_n(q_x) in int16,
+ *                 stored, with their absmax.
+ *             B3: R and X quantized and packed as B operands with their column sums; D
+ *                 recomputed block by block, quantized and transposed into the dW GEMM's A.
  *             B4: dx tasks (G recomputed and quantized into A, GEMM, epilogue) and dW tasks
- *                 (D recomputed, transposed and quantized into A, GEMM, epilogue with the
- *                 clip marks), side by side.
+ *                 (GEMM, epilogue with the clip marks), side by side.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -604,10 +605,10 @@ typedef struct {
     const bf16 *dy, *x, *w;
     float *dx, *dw;
     /* B1 */
-    int64_t nwp, nxc, xper, ndb, nds;          /* weight panels, x chunks, D blocks x 64-column chunks */
+    int64_t nwp, nxc, xper;                    /* weight panels, x chunks */
     float *sw; int8_t *qw; uint8_t *clip; uint32_t *xmax, *dmax;
     /* B2 */
-    int64_t ngt, grows, nrw, nrx, nks;         /* G tasks (grows rows each), R_w / X blocks, k strips */
+    int64_t ngt, nrw, nrx, nks;                /* G/D tasks (blocks of 128 rows of dy), R_w / X blocks, k strips */
     uint32_t *gmax, *rwmax, *rxmax;
     int16_t *Rw, *Rx;
     float inv_x; int kind_x;
@@ -615,7 +616,7 @@ typedef struct {
     int8_t *Bw, *Bx; int32_t *csw, *csx;
     float inv_rw, inv_rx; int kind_rw, kind_rx;
     /* B4 */
-    int64_t ndx, dxrows, ndw;                  /* dx tasks (dxrows rows each), dW tasks (DW_ROWS rows) */
+    int64_t ndx, dxrows, ndw, ndf;             /* dx tasks (dxrows rows each), dW tasks (DW_ROWS rows), dW fills */
     uint8_t *Adx, *Adw;
     float inv_g, inv_d; int kind_g, kind_d;
     gemm_job gdx, gdw;
@@ -651,21 +652,25 @@ static TGT void bwd_wpanel(bwd_ctx *a, int64_t jp) {
         }
     }
 }
-/* absmax bits of D's block b, strip s (16 columns). */
-/* absmax bits of D's block b, columns 64c .. 64c+63 (a whole number of cache lines per row). */
-static TGT uint32_t d_absmax(const bwd_ctx *a, int64_t b, int64_t c) {
+/* absmax bits of D's block b (rows 128b ..), all columns: 64 columns at a time (a whole number of
+ * cache lines per row), the next 64 columns' lines fetched meanwhile (a strided walk of 128
+ * rows is latency-bound otherwise). */
+static TGT uint32_t d_absmax(const bwd_ctx *a, int64_t b) {
     __m512 v[QB];
     uint32_t m = 0;
-    /* the rows' lines all at once: a strided walk of 128 rows is latency-bound otherwise */
-    for (int64_t n = b * QB; n < b * QB + QB && n < a->N; n++) {
-        const char *r = (const char *)(a->dy + n * a->M + 64 * c);
-        _mm_prefetch(r, _MM_HINT_T0);
-        _mm_prefetch(r + 64, _MM_HINT_T0);
-    }
-    for (int64_t m0 = 64 * c; m0 < 64 * c + 64 && m0 < a->M; m0 += 16) {
-        uint32_t x;
-        d_block(a->dy, a->N, a->M, b, m0, v, &x);
-        m = x > m ? x : m;
+    int64_t n1 = b * QB + QB < a->N ? b * QB + QB : a->N;
+    for (int64_t c0 = 0; c0 < a->M; c0 += 64) {
+        if (c0 + 64 < a->M)
+            for (int64_t n = b * QB; n < n1; n++) {
+                const char *r = (const char *)(a->dy + n * a->M + c0 + 64);
+                _mm_prefetch(r, _MM_HINT_T0);
+                _mm_prefetch(r + 64, _MM_HINT_T0);
+            }
+        for (int64_t m0 = c0; m0 < c0 + 64 && m0 < a->M; m0 += 16) {
+            uint32_t x;
+            d_block(a->dy, a->N, a->M, b, m0, v, &x);
+            m = x > m ? x : m;
+        }
     }
     return m;
 }
@@ -676,10 +681,7 @@ static void bwd_b1(void *ctx, int64_t t) {
     if (t < a->nxc) {
         int64_t i0 = t * a->xper, i1 = i0 + a->xper < a->N * a->K ? i0 + a->xper : a->N * a->K;
         a->xmax[t] = absmax_bf16(a->x, i0, i1);
-        return;
     }
-    t -= a->nxc;
-    a->dmax[t] = d_absmax(a, t / a->nds, t % a->nds);
 }
 
 /* absmax bits of G's rows [r0, r1). */
@@ -727,7 +729,11 @@ static TGT uint32_t r_block(const bwd_ctx *a, int from_x, int64_t b, int64_t s) 
 }
 static void bwd_b2(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
-    if (t < a->ngt) { a->gmax[t] = g_absmax(a, t * a->grows, (t + 1) * a->grows); return; }
+    if (t < a->ngt) {              /* one block of 128 rows: G's rows, then D's columns from cache */
+        if (a->dx) a->gmax[t] = g_absmax(a, t * QB, t * QB + QB);
+        if (a->dw) a->dmax[t] = d_absmax(a, t);
+        return;
+    }
     t -= a->ngt;
     if (t < a->nrw) { a->rwmax[t] = r_block(a, 0, t / a->nks, t % a->nks); return; }
     t -= a->nrw;
@@ -769,9 +775,65 @@ static TGT void pack_r_panel(const int16_t *R, int64_t P, int64_t K, float inv, 
     _mm512_storeu_si512(cs + j0, c0);
     _mm512_storeu_si512(cs + j0 + 16, c1);
 }
+/* Sixteen rows n of D (v[0..15], lane = column m) quantized (u8 = level + 128, 1 .. 255) and
+ * stored transposed: row m at A + m * lda, 16 bytes. The levels are narrowed with saturating
+ * packs (exact on 1 .. 255), which leave b[j] byte 16t + 4r + i = (n = 4j + r, m = 4t + i);
+ * then bytes and dwords are moved into place. */
+INL void q_tr16(const __m512 *v, __m512 iv, uint8_t *A, int64_t lda) {
+    __m512i w[8], b[4];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_packs_epi32(vlevel_off(vmul(v[2 * k], iv), 128), vlevel_off(vmul(v[2 * k + 1], iv), 128));
+    /* within each 16-byte lane t: (r, i) -> (i, r) */
+    const __m512i sh = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);
+    for (int j = 0; j < 4; j++) b[j] = _mm512_shuffle_epi8(_mm512_packus_epi16(w[2 * j], w[2 * j + 1]), sh);
+    /* c[t] lane j = b[j] lane t */
+    __m512i t0 = _mm512_shuffle_i32x4(b[0], b[1], 0x44), t1 = _mm512_shuffle_i32x4(b[0], b[1], 0xEE);
+    __m512i t2 = _mm512_shuffle_i32x4(b[2], b[3], 0x44), t3 = _mm512_shuffle_i32x4(b[2], b[3], 0xEE);
+    __m512i c[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xDD),
+                    _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xDD)};
+    /* c[t] dword 4j + i holds rows n = 4j .. 4j+3 of column m = 4t + i; row m wants dwords j = 0..3 */
+    const __m512i pd = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int t = 0; t < 4; t++) {
+        __m512i o = _mm512_permutexvar_epi32(pd, c[t]);
+        _mm_storeu_si128((__m128i *)(A + (4 * t + 0) * lda), _mm512_castsi512_si128(o));
+        _mm_storeu_si128((__m128i *)(A + (4 * t + 1) * lda), _mm512_extracti32x4_epi32(o, 1));
+        _mm_storeu_si128((__m128i *)(A + (4 * t + 2) * lda), _mm512_extracti32x4_epi32(o, 2));
+        _mm_storeu_si128((__m128i *)(A + (4 * t + 3) * lda), _mm512_extracti32x4_epi32(o, 3));
+    }
+}
+#define DW_ROWS 32
+/* A of the dW GEMM, columns 128b .. 128b+127 (D's block b, rows n) of rows m < Mr: D recomputed
+ * 16 columns at a time from dy's rows of the block, quantized and transposed; the next 64
+ * columns' lines are fetched meanwhile. */
+static TGT void dw_fill(bwd_ctx *a, int64_t b) {
+    int64_t Np = a->Np, M = a->M, Mr = a->ndw * DW_ROWS;
+    uint8_t *A = a->Adw + b * QB;
+    if (a->kind_d != 1) {
+        for (int64_t m = 0; m < Mr; m++) memset(A + m * Np, 128, QB);
+        return;
+    }
+    __m512 iv = _mm512_set1_ps(a->inv_d);
+    int64_t n1 = b * QB + QB < a->N ? b * QB + QB : a->N;
+    for (int64_t c0 = 0; c0 < M; c0 += 64) {
+        if (c0 + 64 < M)
+            for (int64_t n = b * QB; n < n1; n++) {
+                const char *r = (const char *)(a->dy + n * M + c0 + 64);
+                _mm_prefetch(r, _MM_HINT_T0);
+                _mm_prefetch(r + 64, _MM_HINT_T0);
+            }
+        for (int64_t m0 = c0; m0 < c0 + 64 && m0 < M; m0 += 16) {
+            __m512 v[QB];
+            d_block(a->dy, a->N, M, b, m0, v, NULL);
+            for (int g = 0; g < QB; g += 16) q_tr16(v + g, iv, A + m0 * Np + g, Np);
+        }
+    }
+    for (int64_t m = (M + 15) / 16 * 16; m < Mr; m++) memset(A + m * Np, 128, QB);   /* rows past M */
+}
 static void bwd_b3(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
     int64_t npk = a->Kp / NR;
+    if (t < a->ndf) { dw_fill(a, t); return; }  /* the larger tasks first */
+    t -= a->ndf;
     if (a->dx && t < npk) { pack_r_panel(a->Rw, a->Mp, a->K, a->inv_rw, a->kind_rw, a->Bw, a->csw, t); return; }
     if (a->dx) t -= npk;
     pack_r_panel(a->Rx, a->Np, a->K, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
@@ -792,34 +854,8 @@ static TGT void dx_task(bwd_ctx *a, int64_t t) {
     }
     gemm_rows(&a->gdx, r0, r1);
 }
-/* dW task: rows m0 .. m0+DW_ROWS-1 of D^T (D recomputed block by block, transposed,
- * quantized), then the GEMM. DW_ROWS bf16 of dy are one cache line. */
-#define DW_ROWS 32
-static TGT void dw_task(bwd_ctx *a, int64_t t) {
-    int64_t m0 = t * DW_ROWS, Np = a->Np;
-    uint8_t *A = a->Adw + m0 * Np;
-    if (a->kind_d != 1) memset(A, 128, (size_t)(DW_ROWS * Np));
-    else {
-        __m512 iv = _mm512_set1_ps(a->inv_d);
-        for (int64_t b = 0; b < Np / QB; b++)
-            for (int64_t ms = 0; ms < DW_ROWS; ms += 16) {
-                __m512 v[QB];
-                uint8_t *As = A + ms * Np;
-                if (m0 + ms >= a->M) {                       /* rows past M: zeros */
-                    for (int m = 0; m < 16; m++) memset(As + m * Np + b * QB, 128, QB);
-                    continue;
-                }
-                d_block(a->dy, a->N, a->M, b, m0 + ms, v, NULL);
-                for (int g = 0; g < QB; g += 16) {
-                    __m512i out[16];
-                    tr16((const __m512i *)(v + g), out);
-                    for (int m = 0; m < 16; m++)
-                        _mm_storeu_si128((__m128i *)(As + m * Np + b * QB + g), vq_u8(_mm512_castsi512_ps(out[m]), iv));
-                }
-            }
-    }
-    gemm_rows(&a->gdw, m0, m0 + DW_ROWS);
-}
+/* dW task: rows m0 .. m0+DW_ROWS-1 (A filled in B3), the GEMM. */
+static void dw_task(bwd_ctx *a, int64_t t) { gemm_rows(&a->gdw, t * DW_ROWS, t * DW_ROWS + DW_ROWS); }
 static void bwd_b4(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
     if (t < a->ndw) { dw_task(a, t); return; }   /* the dW tasks first: fewer, larger */
@@ -837,16 +873,14 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     a.nwp = (M + NR - 1) / NR;
     a.xper = 1 << 15;
     a.nxc = dw ? (N * K + a.xper - 1) / a.xper : 0;
-    a.nds = (M + 63) / 64;
-    a.ndb = dw ? Np / QB : 0;
-    a.grows = 16;
-    a.ngt = dx ? (N + a.grows - 1) / a.grows : 0;
+    a.ngt = dx || dw ? Np / QB : 0;
     a.nks = (K + 31) / 32;
     a.nrw = dx ? Mp / QB * a.nks : 0;
     a.nrx = dw ? Np / QB * a.nks : 0;
     a.dxrows = pick_rowchunk(N);
     a.ndx = dx ? (N + a.dxrows - 1) / a.dxrows : 0;
     a.ndw = dw ? (M + DW_ROWS - 1) / DW_ROWS : 0;
+    a.ndf = dw ? Np / QB : 0;
     int64_t Nr = a.ndx * a.dxrows, Mr = a.ndw * DW_ROWS;
     /* the work buffers, in one block: pass 0 sizes it, pass 1 hands out the pieces */
     arena ar = {0};
@@ -859,7 +893,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         if (dw) {
             QALLOC(a.clip, uint8_t, M * K);
             QALLOC(a.xmax, uint32_t, a.nxc);
-            QALLOC(a.dmax, uint32_t, a.ndb * a.nds);
+            QALLOC(a.dmax, uint32_t, a.ngt);
             QALLOC(a.rxmax, uint32_t, a.nrx);
             QALLOC(a.Rx, int16_t, Np * K);
             QALLOC(a.Bx, int8_t, Kp * Np);
@@ -878,21 +912,17 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     }
 #undef QALLOC
     if (ok) {
-        /* B1: weights, absmax of x, absmax of D */
-        run_tasks(a.nwp + a.nxc + a.ndb * a.nds, M * K * 4 + (dw ? N * K / 4 + Np * M * 2 : 0), bwd_b1, &a);
+        /* B1: weights, absmax of x */
+        run_tasks(a.nwp + a.nxc, M * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a);
         float sx = 0.0f, sd = 0.0f;
         if (dw) {
             uint32_t m = 0;
             for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
             sx = scale_from_bf16bits(m);
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
-            m = 0;
-            for (int64_t c = 0; c < a.ndb * a.nds; c++) m = a.dmax[c] > m ? a.dmax[c] : m;
-            sd = scale_from_bits(m);
-            a.kind_d = scale_kind(sd); a.inv_d = inv_of(sd);
         }
-        /* B2: absmax of G; R = rot(q_w), X = rot(q_x) */
-        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + Mp * K : 0) + (dw ? Np * K * 2 : 0), bwd_b2, &a);
+        /* B2: absmax of G and of D; R = rot(q_w), X = rot(q_x) */
+        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + Mp * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
         float sg = 0.0f, srw = 0.0f, srx = 0.0f;
         if (dx) {
             uint32_t m = 0;
@@ -906,12 +936,16 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         }
         if (dw) {
             uint32_t m = 0;
+            for (int64_t c = 0; c < a.ngt; c++) m = a.dmax[c] > m ? a.dmax[c] : m;
+            sd = scale_from_bits(m);
+            a.kind_d = scale_kind(sd); a.inv_d = inv_of(sd);
+            m = 0;
             for (int64_t c = 0; c < a.nrx; c++) m = a.rxmax[c] > m ? a.rxmax[c] : m;
             srx = tensor_scale(o1b_i2f((int32_t)m));
             a.kind_rx = scale_kind(srx); a.inv_rx = inv_of(srx);
         }
         /* B3: R and X packed as B */
-        run_tasks((dx ? Kp / NR : 0) + (dw ? Kp / NR : 0), (dx ? Mp * K * 2 : 0) + (dw ? Np * K * 2 : 0), bwd_b3, &a);
+        run_tasks(a.ndf + (dx ? Kp / NR : 0) + (dw ? Kp / NR : 0), (dx ? Mp * K * 2 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
         /* B4: the two GEMMs */
         gemm_job gdx = {N, K, Mp, a.Adx, a.Bw, a.csw, EP_DX, sg, srw, 0.0f, NULL, NULL, dx, NULL};
         gemm_job gdw = {M, K, Np, a.Adw, a.Bx, a.csx, EP_DW, sd, srx, sx, NULL, a.clip, dw, NULL};
