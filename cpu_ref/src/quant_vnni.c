@@ -20,7 +20,9 @@
  *         (in-register for h < 16 along a row; across rows, stages 1-8 on sixteen consecutive
  *         rows and then 16-64 on rows sixteen apart, or three radix-8 passes in int16) changes
  *         nothing. add(u, v) is taken as u + v or v + u, which IEEE gives identically except
- *         for NaN payloads; a NaN anywhere makes the tensor's scale NaN and every q zero.
+ *         for NaN payloads; a NaN anywhere makes the tensor's scale NaN and every q zero. The
+ *         in-register butterflies take u + v and u - v as fma(u, +1, v) and fma(v, -1, u):
+ *         the product by ±1 is exact, so the one rounding (and flush) is the sum's.
  *       * i2f of an accumulator is vcvtdq2ps (round to nearest even); level() is the clamp and
  *         the 1.5·2^23 rounding of quant.c's qrne; stores flush and canonicalize NaN.
  *   - Every reduction that fixes an order (the weight row sums, k ascending) runs in that
@@ -63,6 +65,7 @@
 
 #define MR 8            /* GEMM tile: MR rows x 32 columns (two zmm accumulators per row) */
 #define NR 32
+#define UNROLL _Pragma("GCC unroll 16")   /* small fixed loops over register arrays: unrolled, so that the arrays stay in registers */
 #define RUN_GRAIN 40000 /* rough element-operations worth waking a thread for */
 
 int o1b_q_vnni_available(void) {
@@ -180,6 +183,24 @@ INL __m512 vmul(__m512 a, __m512 b) {
     if (__builtin_expect(bad != 0, 0)) r = vmul_slow(a, b, r, bad);
     return r;
 }
+/* Whether any lane of r[0..n) is exactly ±2^-126: (|r| bits) ^ 0x00800000 is zero just there. For
+ * a batch of products that are then checked at once (vmul's test, in fewer instructions). */
+INL int any_edge(const __m512 *r, int n) {
+    const __m512i ab = _mm512_set1_epi32(0x7FFFFFFF), e = _mm512_set1_epi32(0x00800000);
+    __m512i m = _mm512_ternarylogic_epi32(_mm512_castps_si512(r[0]), ab, e, 0x6A);   /* (r & ab) ^ e */
+    UNROLL
+    for (int i = 1; i < n; i++) m = _mm512_min_epu32(m, _mm512_ternarylogic_epi32(_mm512_castps_si512(r[i]), ab, e, 0x6A));
+    return _mm512_testn_epi32_mask(m, m) != 0;
+}
+/* r[i] = vmul(a[i], b) for i < n (n a constant): the products, then one test for the batch. */
+INL void vmul_n(__m512 *r, const __m512 *a, __m512 b, int n) {
+    UNROLL
+    for (int i = 0; i < n; i++) r[i] = _mm512_mul_ps(a[i], b);
+    if (__builtin_expect(any_edge(r, n), 0)) {
+        UNROLL
+        for (int i = 0; i < n; i++) r[i] = vmul(a[i], b);
+    }
+}
 INL __m512 vstore(__m512 r) {                 /* o1b_store of a flushed value: canonical NaN */
     __mmask16 nan = _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q);
     return _mm512_mask_mov_ps(r, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)O1B_NAN_BITS)));
@@ -201,16 +222,19 @@ static float inv_of(float s) { return scale_kind(s) == 1 ? o1b_div(1.0f, s) : 0.
 /* 16 x 16 dword transpose: out[j] lane i = in[i] lane j. */
 INL void tr16(const __m512i in[16], __m512i out[16]) {
     __m512i r[16], t[16];
+    UNROLL
     for (int k = 0; k < 16; k += 2) {
         t[k] = _mm512_unpacklo_epi32(in[k], in[k + 1]);
         t[k + 1] = _mm512_unpackhi_epi32(in[k], in[k + 1]);
     }
+    UNROLL
     for (int k = 0; k < 16; k += 4) {
         r[k + 0] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
         r[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
         r[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
         r[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
     }
+    UNROLL
     for (int c = 0; c < 4; c++) {
         __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
         __m512i v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
@@ -226,7 +250,9 @@ INL void tr16(const __m512i in[16], __m512i out[16]) {
 /* ------------------------------------------------------------------ Walsh-Hadamard pieces */
 /* Stages h = 1, 2, 4 on eight vectors x[0..7] (element i of the block is x[i]). FTZ is set. */
 INL void bfly8_f(__m512 *x) {
+    UNROLL
     for (int h = 1; h < 8; h <<= 1)
+        UNROLL
         for (int i = 0; i < 8; i++) {
             if (i & h) continue;
             __m512 u = x[i], v = x[i + h];
@@ -235,7 +261,9 @@ INL void bfly8_f(__m512 *x) {
         }
 }
 INL void bfly8_i16(__m512i *x) {
+    UNROLL
     for (int h = 1; h < 8; h <<= 1)
+        UNROLL
         for (int i = 0; i < 8; i++) {
             if (i & h) continue;
             __m512i u = x[i], v = x[i + h];
@@ -247,12 +275,16 @@ INL void bfly8_i16(__m512i *x) {
  * stages 1, 2, 4 in groups of eight consecutive rows, 8, 16, 32 in groups of eight rows eight
  * apart, then 64. Every element sees the stages in the contract's order. */
 INL void rot128_i16(__m512i *v) {
+    UNROLL
     for (int g = 0; g < 128; g += 8) bfly8_i16(v + g);
     for (int base = 0; base < 128; base += 64)
+        UNROLL
         for (int j0 = 0; j0 < 8; j0++) {
             __m512i y[8];
+            UNROLL
             for (int j = 0; j < 8; j++) y[j] = v[base + j0 + 8 * j];
             bfly8_i16(y);
+            UNROLL
             for (int j = 0; j < 8; j++) v[base + j0 + 8 * j] = y[j];
         }
     for (int i = 0; i < 64; i++) {
@@ -262,11 +294,12 @@ INL void rot128_i16(__m512i *v) {
     }
 }
 /* One in-register stage h < 16 along the 16 lanes: lanes i with (i & h) = 0 get u + v, lanes
- * i + h get u - v (u lane i, v lane i + h). */
-#define BFLY_IN(x, perm, mask) do { __m512 p_ = (perm); __m512 s_ = _mm512_add_ps((x), p_); \
-    (x) = _mm512_mask_sub_ps(s_, (mask), p_, (x)); } while (0)
+ * i + h get u - v (u lane i, v lane i + h), as x·(±1) + partner in one fma (see the header). */
+#define BFLY_IN(x, perm, mask) ((x) = _mm512_fmadd_ps((x), _mm512_mask_blend_ps((mask), _mm512_set1_ps(1.0f), \
+                                                                          _mm512_set1_ps(-1.0f)), (perm)))
 /* A row's QB-chunk held as x[0..7] (element 16r + l in x[r] lane l): all seven stages. */
 INL void rot_row_chunk(__m512 *x) {
+    UNROLL
     for (int r = 0; r < 8; r++) {
         BFLY_IN(x[r], _mm512_permute_ps(x[r], 0xB1), (__mmask16)0xAAAA);             /* h = 1 */
         BFLY_IN(x[r], _mm512_permute_ps(x[r], 0x4E), (__mmask16)0xCCCC);             /* h = 2 */
@@ -280,11 +313,17 @@ INL void rot_row_chunk(__m512 *x) {
 INL void g_chunk(const bf16 *dyrow, const float *sw, int64_t M, int64_t c, __m512 *x) {
     int64_t m0 = c * QB;
     if (m0 + QB <= M) {
-        for (int r = 0; r < 8; r++)
-            x[r] = vmul(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                            _mm256_loadu_si256((const __m256i *)(dyrow + m0 + 16 * r))), 16)),
-                        _mm512_loadu_ps(sw + m0 + 16 * r));
+#define G_DY(r) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32( \
+            _mm256_loadu_si256((const __m256i *)(dyrow + m0 + 16 * (r)))), 16))
+        UNROLL
+        for (int r = 0; r < 8; r++) x[r] = _mm512_mul_ps(G_DY(r), _mm512_loadu_ps(sw + m0 + 16 * r));
+        if (__builtin_expect(any_edge(x, 8), 0)) {
+            UNROLL
+            for (int r = 0; r < 8; r++) x[r] = vmul(G_DY(r), _mm512_loadu_ps(sw + m0 + 16 * r));
+        }
+#undef G_DY
     } else {
+        UNROLL
         for (int r = 0; r < 8; r++) {
             int64_t m = m0 + 16 * r;
             __mmask16 k = m < M ? lanes16(M - m) : 0;
@@ -295,7 +334,9 @@ INL void g_chunk(const bf16 *dyrow, const float *sw, int64_t M, int64_t c, __m51
 }
 /* Stages h = 1, 2, 4, 8 on sixteen vectors x[0..15]. */
 INL void bfly16_f(__m512 *x) {
+    UNROLL
     for (int h = 1; h < 16; h <<= 1)
+        UNROLL
         for (int i = 0; i < 16; i++) {
             if (i & h) continue;
             __m512 u = x[i], v = x[i + h];
@@ -314,24 +355,31 @@ INL void d_block(const bf16 *dy, int64_t N, int64_t M, int64_t b, int64_t m0, __
         const bf16 *p = dy + (b * QB + g) * M + m0;
         int64_t nv = N - (b * QB + g);                     /* rows of this group inside dy */
         if (nv >= 16 && k == 0xFFFF) {
+            UNROLL
             for (int j = 0; j < 16; j++)
                 y[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                            _mm256_loadu_si256((const __m256i *)(p + j * M))), 16));
         } else {
+            UNROLL
             for (int j = 0; j < 16; j++) y[j] = j < nv ? ld_bf16(p + j * M, k) : _mm512_setzero_ps();
         }
         bfly16_f(y);
+        UNROLL
         for (int j = 0; j < 16; j++) v[g + j] = y[j];
     }
     __m512i m = _mm512_setzero_si512();
+    UNROLL
     for (int j0 = 0; j0 < 16; j0++) {
         __m512 y[8];
+        UNROLL
         for (int j = 0; j < 8; j++) y[j] = v[j0 + 16 * j];
         bfly8_f(y);
         if (mx)
+            UNROLL
             for (int j = 0; j < 8; j++)
                 m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(y[j]), _mm512_set1_epi32(0x7FFFFFFF)));
         else
+            UNROLL
             for (int j = 0; j < 8; j++) v[j0 + 16 * j] = y[j];
     }
     if (mx) *mx = _mm512_reduce_max_epu32(m);
@@ -781,10 +829,13 @@ static TGT void pack_r_panel(const int16_t *R, int64_t P, int64_t K, float inv, 
  * then bytes and dwords are moved into place. */
 INL void q_tr16(const __m512 *v, __m512 iv, uint8_t *A, int64_t lda) {
     __m512i w[8], b[4];
-    for (int k = 0; k < 8; k++)
-        w[k] = _mm512_packs_epi32(vlevel_off(vmul(v[2 * k], iv), 128), vlevel_off(vmul(v[2 * k + 1], iv), 128));
+    __m512 t[16];
+    vmul_n(t, v, iv, 16);
+    UNROLL
+    for (int k = 0; k < 8; k++) w[k] = _mm512_packs_epi32(vlevel_off(t[2 * k], 128), vlevel_off(t[2 * k + 1], 128));
     /* within each 16-byte lane t: (r, i) -> (i, r) */
     const __m512i sh = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);
+    UNROLL
     for (int j = 0; j < 4; j++) b[j] = _mm512_shuffle_epi8(_mm512_packus_epi16(w[2 * j], w[2 * j + 1]), sh);
     /* c[t] lane j = b[j] lane t */
     __m512i t0 = _mm512_shuffle_i32x4(b[0], b[1], 0x44), t1 = _mm512_shuffle_i32x4(b[0], b[1], 0xEE);
@@ -793,6 +844,7 @@ INL void q_tr16(const __m512 *v, __m512 iv, uint8_t *A, int64_t lda) {
                     _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xDD)};
     /* c[t] dword 4j + i holds rows n = 4j .. 4j+3 of column m = 4t + i; row m wants dwords j = 0..3 */
     const __m512i pd = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    UNROLL
     for (int t = 0; t < 4; t++) {
         __m512i o = _mm512_permutexvar_epi32(pd, c[t]);
         _mm_storeu_si128((__m128i *)(A + (4 * t + 0) * lda), _mm512_castsi512_si128(o));
@@ -849,7 +901,10 @@ static TGT void dx_task(bwd_ctx *a, int64_t t) {
         for (int64_t c = 0; c < Mp / QB; c++) {
             __m512 x[8];
             g_chunk(a->dy + n * a->M, a->sw, a->M, c, x);
-            for (int r = 0; r < 8; r++) _mm_storeu_si128((__m128i *)(d + c * QB + 16 * r), vq_u8(x[r], iv));
+            vmul_n(x, x, iv, 8);
+            UNROLL
+            for (int r = 0; r < 8; r++)
+                _mm_storeu_si128((__m128i *)(d + c * QB + 16 * r), _mm512_cvtepi32_epi8(vlevel_off(x[r], 128)));
         }
     }
     gemm_rows(&a->gdx, r0, r1);
@@ -1020,7 +1075,8 @@ int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int
 /* The lane-wise helpers against the scalar contract, under the runner's FTZ|DAZ, on random and
  * crafted operands: products whose exact value lies within a few ulps of 2^-126 on either side
  * (where the hardware's product and o1b_mul can differ and vmul must take its scalar path),
- * subnormal operands, and level() on ties and out-of-range values. Returns the number of
+ * subnormal operands, and level() on ties and out-of-range values; vmul_n on the same products
+ * in a batch. Returns the number of
  * mismatches; *boundary counts the products that came out at exactly ±2^-126 in hardware. */
 typedef struct { uint64_t seed; int64_t n, bad, boundary; } st_ctx;
 static uint64_t st_next(uint64_t *s) { *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17; return *s; }
@@ -1049,11 +1105,17 @@ static TGT void selftest_task(void *ctx, int64_t t) {
         c->boundary += __builtin_popcount(_mm512_cmpeq_epi32_mask(
             _mm512_and_si512(_mm512_castps_si512(raw), _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x00800000)));
         _mm512_storeu_ps(fr, vstore(vmul(a, b)));
+        float fn[16];                            /* the batched test: a among seven ordinary products */
+        __m512 in8[8], out8[8];
+        for (int i = 0; i < 8; i++) in8[i] = i == (int)(it & 7) ? a : _mm512_set1_ps(1.0f);
+        vmul_n(out8, in8, b, 8);
+        _mm512_storeu_ps(fn, vstore(out8[it & 7]));
         int32_t q[16];
         _mm512_storeu_si512(q, vlevel_off(_mm512_loadu_ps(tt), 128));
         for (int l = 0; l < 16; l++) {
             float want = o1b_store(o1b_mul(o1b_flush(fa[l]), o1b_flush(fb[l])));
             c->bad += qbits(fr[l]) != qbits(want);
+            c->bad += qbits(fn[l]) != qbits(want);
             c->bad += q[l] != (int32_t)o1b_level(tt[l]) + 128;
         }
     }
