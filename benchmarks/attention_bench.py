@@ -1,5 +1,6 @@
 """The C reference's attention, forward and backward, per microbatch of a preset: every layer's call
-at its window (global layers causal only), summed, as the training step makes them.
+at its window (global layers causal only), summed, as the training step makes them; and the int8
+precision's forward (CONTRACT.md §6.10, o1b_attention_forward_i8) on the same inputs.
 
     python benchmarks/attention_bench.py --preset small --threads 2
     python benchmarks/attention_bench.py --preset small --lib /tmp/before.so --lib /tmp/after.so
@@ -27,6 +28,8 @@ def load(path: str):
     lib = ctypes.CDLL(os.path.abspath(path))
     lib.o1b_attention_forward.argtypes = [I64] * 6 + [F32] + [PTR] * 5
     lib.o1b_attention_forward.restype = ctypes.c_int
+    lib.o1b_attention_forward_i8.argtypes = [I64] * 6 + [F32] + [PTR] * 5
+    lib.o1b_attention_forward_i8.restype = ctypes.c_int
     lib.o1b_attention_backward.argtypes = [I64] * 6 + [F32] + [PTR] * 9
     lib.o1b_attention_backward.restype = ctypes.c_int
     lib.o1b_set_num_threads.argtypes = [ctypes.c_int]
@@ -47,8 +50,8 @@ def layers(cfg, rng):
 
 
 def run(lib, data, scale):
-    """Forward and backward seconds over the layers, and every output."""
-    tf = tb = 0.0
+    """Forward, backward and int8 forward (§6.10) seconds over the layers, and every output."""
+    tf = tb = ti = 0.0
     outs = []
     p = lambda a: a.ctypes.data
     for W, q, k, v, dout in data:
@@ -56,17 +59,20 @@ def run(lib, data, scale):
         G = k.shape[2]
         o, lse = np.empty((B, T, H, D), np.float32), np.empty((B, H, T), np.float32)
         dq, dk, dv = np.empty_like(o), np.empty((B, T, G, D), np.float32), np.empty((B, T, G, D), np.float32)
+        o8, lse8 = np.empty_like(o), np.empty_like(lse)
         t0 = time.perf_counter()
         rc = lib.o1b_attention_forward(B, T, H, G, D, W, scale, p(q), p(k), p(v), p(o), p(lse))
         t1 = time.perf_counter()
         rc |= lib.o1b_attention_backward(B, T, H, G, D, W, scale, p(dout), p(q), p(k), p(v), p(o), p(lse),
                                          p(dq), p(dk), p(dv))
         t2 = time.perf_counter()
+        rc |= lib.o1b_attention_forward_i8(B, T, H, G, D, W, scale, p(q), p(k), p(v), p(o8), p(lse8))
+        t3 = time.perf_counter()
         if rc:
             raise SystemExit("attention_bench: out of memory")
-        tf, tb = tf + t1 - t0, tb + t2 - t1
-        outs += [o, lse, dq, dk, dv]
-    return tf, tb, outs
+        tf, tb, ti = tf + t1 - t0, tb + t2 - t1, ti + t3 - t2
+        outs += [o, lse, dq, dk, dv, o8, lse8]
+    return tf, tb, ti, outs
 
 
 def main() -> None:
@@ -93,18 +99,19 @@ def main() -> None:
     ref = None
     for rnd in range(args.rounds + 1):                 # round 0 warms up
         for name, lib in libs:
-            tf, tb, outs = run(lib, data, scale)
+            tf, tb, ti, outs = run(lib, data, scale)
             if ref is None:
                 ref = outs
             elif not all((a.view(np.uint32) == b.view(np.uint32)).all() for a, b in zip(outs, ref)):
                 raise SystemExit(f"attention_bench: {name} gives other bits than {libs[0][0]}")
             if rnd:
-                times[name].append((tf * 1e3, tb * 1e3))
+                times[name].append((tf * 1e3, tb * 1e3, ti * 1e3))
     print(f"attention per microbatch, preset {args.preset}, {args.threads} threads, {args.rounds} rounds (ms):")
     for name, ts in times.items():
         a = np.array(ts)
         print(f"  {name}: forward median {np.median(a[:, 0]):.1f} min {a[:, 0].min():.1f}   "
-              f"backward median {np.median(a[:, 1]):.1f} min {a[:, 1].min():.1f}")
+              f"backward median {np.median(a[:, 1]):.1f} min {a[:, 1].min():.1f}   "
+              f"int8 forward median {np.median(a[:, 2]):.1f} min {a[:, 2].min():.1f}")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,8 @@ typedef struct {
     const float *q, *kt, *v;   /* (B,H,T,D), (B,G,D,T) transposed, (B,G,T,D) head-major, widened (v unused with qv) */
     const float *qv;           /* NULL, or (B,G,T,D) quantized value rows (§6.10), as floats (exact integers) */
     const float *sv;           /* with qv: (B,G,T) their step sizes */
+    const int8_t *qv8;         /* NULL, or the same levels packed for vmath.c's VNNI rows: (B,G) blocks of
+                                  T4 Dp bytes (vmath.h; T4, Dp: T, D rounded up to 4, 16) */
     const int32_t *vlo, *vhi;  /* without qv: (B,G,T) the value rows' exponent ranges (vmath.h) */
     float *o, *lse;            /* (B,T,H,D), (B,H,T) */
     atomic_int failed;
@@ -230,6 +232,7 @@ static void fwd_range(void *ctx, int64_t lo, int64_t hi) {
                                      a->qv ? NULL : a->vhi + (b * a->G + g) * T,
                                      a->qv ? a->qv + (b * a->G + g) * T * D : NULL,
                                      a->qv ? a->sv + (b * a->G + g) * T : NULL,
+                                     a->qv8 ? a->qv8 + (b * a->G + g) * ((T + 3) / 4 * 4) * ((D + 15) / 16 * 16) : NULL,
                                      acc, a->o + ((b * T + i) * H + h) * D, H * D, a->lse + r);
         for (int k = 0; k < nr; k++)
             if (!(done >> k & 1)) fwd_row(a, r + k, vk, acc, pv, iacc);
@@ -259,7 +262,7 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
     to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
     to_head_major(v, NULL, B, T, G, D, vh, vlo, vhi);
     to_transposed(kh, B * G, T, D, kt);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, vh, NULL, NULL, vlo, vhi, o, lse, 0};
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, vh, NULL, NULL, NULL, vlo, vhi, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(vlo);
     free(qh);
@@ -267,29 +270,48 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
 }
 
 /* ---- forward with the int8 P·V product (CONTRACT.md §6.10) ---- */
-typedef struct { const bf16 *v; float *qv; float *sv; int64_t T, G, D; } vquant_args;
+typedef struct { const bf16 *v; float *qv; float *sv; int8_t *qv8; int64_t T, G, D; } vquant_args;
 
 /* Value row (b, g, j) -> q_v (B,G,T,D) head-major, its int8 levels held as floats (exact; the SIMD
- * rows sum their products in fp32 lanes, see vmath.c), and s_v (B,G,T): §6.9's per-tensor rule. */
+ * rows without VNNI sum their products in fp32 lanes, see vmath.c), and s_v (B,G,T): §6.9's
+ * per-tensor rule; with qv8, the levels also as bytes in its packed layout (fwd_args; the rest of
+ * it is zeros).
+ * Branch-free, so the loops vectorize: the max of |x| is taken on the bits (for finite x, |x|'s bits
+ * order as its value, and a max is exact in any order); the product x inv is bare, since where it
+ * differs from mul (a result below 2^-126, or exactly 2^-126 from an exact product below it) the
+ * level is 0 either way, and clamping before rounding gives the level (CONTRACT.md §6.9). */
 static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
     const vquant_args *a = (const vquant_args *)ctx;
     const int64_t D = a->D;
+    int64_t j = lo % a->T, g = (lo / a->T) % a->G, b = lo / (a->T * a->G);
     for (int64_t r = lo; r < hi; r++) {            /* r = (b*G + g)*T + j */
-        int64_t j = r % a->T, g = (r / a->T) % a->G, b = r / (a->T * a->G);
-        const bf16 *src = a->v + ((b * a->T + j) * a->G + g) * D;
-        float *q = a->qv + r * D;
-        float amax = 0.0f;
-        int finite = 1;
+        const bf16 *restrict src = a->v + ((b * a->T + j) * a->G + g) * D;
+        float *restrict q = a->qv + r * D;
+        uint32_t amax = 0;                          /* bits of max |x|; from 0x7F800000 on: inf, NaN */
         for (int64_t d = 0; d < D; d++) {
-            float x = o1b_bf16_to_f32(src[d]);
-            if (!(x - x == 0.0f)) finite = 0;         /* inf or NaN */
-            else amax = o1b_max(amax, x < 0.0f ? -x : x);
+            uint32_t u = flush_bits((uint32_t)src[d] << 16) & 0x7FFFFFFFu;
+            amax = u > amax ? u : amax;
         }
-        float s = finite ? o1b_div(amax, 127.0f) : o1b_nan();
+        int finite = amax < 0x7F800000u;
+        float s = finite ? o1b_div(o1b_from_bits(amax), 127.0f) : o1b_nan();
         a->sv[r] = s;
-        if (!finite || s == 0.0f) { for (int64_t d = 0; d < D; d++) q[d] = 0.0f; continue; }
-        float inv = o1b_div(1.0f, s);
-        for (int64_t d = 0; d < D; d++) q[d] = (float)o1b_level(o1b_mul(o1b_bf16_to_f32(src[d]), inv));
+        if (finite && s != 0.0f) {
+            float inv = o1b_div(1.0f, s);
+            for (int64_t d = 0; d < D; d++) {
+                uint32_t t = o1b_bits(o1b_from_bits(flush_bits((uint32_t)src[d] << 16)) * inv);
+                uint32_t big = 0u - (uint32_t)((t & 0x7FFFFFFFu) > 0x42FE0000u);     /* |t| > 127.0f */
+                t = (t & ~big) | (big & ((t & 0x80000000u) | 0x42FE0000u));
+                q[d] = (o1b_from_bits(t) + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC;  /* level 0: +0, as (float)level */
+            }
+            if (a->qv8) {
+                const int64_t Dp = (D + 15) / 16 * 16;
+                int8_t *p = a->qv8 + ((b * a->G + g) * ((a->T + 3) / 4) + j / 4) * Dp * 4 + (j & 3);
+                for (int64_t d = 0; d < D; d++) p[d * 4] = (int8_t)(int32_t)q[d];
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++) q[d] = 0.0f;
+        }
+        if (++j == a->T) { j = 0; if (++g == a->G) { g = 0; b++; } }
     }
 }
 
@@ -302,15 +324,18 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
     /* the SIMD rows read up to O1B_VATTN_PAD floats past kt, qv and sv: each is followed by
      * another or by zero padding */
     float *qh = alloc_padded(nq + 3 * nk + (size_t)(B * G * T), sizeof(float));
-    if (!qh) return -1;
+    size_t n8 = o1b_attn_vnni_now() ? (size_t)(B * G * ((T + 3) / 4 * 4) * ((D + 15) / 16 * 16)) : 0;
+    int8_t *qv8 = n8 ? calloc(n8, 1) : NULL;        /* the packed levels, padding zero */
+    if (!qh || (n8 && !qv8)) { free(qh); free(qv8); return -1; }
     float *kh = qh + nq, *kt = kh + nk, *qv = kt + nk, *sv = qv + nk;
     to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
     to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
     to_transposed(kh, B * G, T, D, kt);
-    vquant_args va = {v, qv, sv, T, G, D};
+    vquant_args va = {v, qv, sv, qv8, T, G, D};
     o1b_parallel_for(B * G * T, 1 + 4096 / (D > 0 ? D : 1), vquant_range, &va);
-    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, NULL, qv, sv, NULL, NULL, o, lse, 0};
+    fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, NULL, qv, sv, qv8, NULL, NULL, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
+    free(qv8);
     free(qh);
     return atomic_load(&a.failed) ? -1 : 0;
 }

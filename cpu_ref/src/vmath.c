@@ -245,6 +245,48 @@ static void sumsq_blocks_scalar(int64_t lo, int64_t hi, int64_t n, int64_t B, co
     }
 }
 
+/* ---- §6.10's int8 block product on AVX-512 VNNI (attn_fwd_rows with packed value levels) ---- */
+#if defined(O1B_VM_X86)
+static int g_attn_vnni = -1;        /* -1: as the CPU allows; 0: off (tests run the fp32 lanes) */
+O1B_API void o1b_set_attn_vnni(int on) { g_attn_vnni = on ? -1 : 0; }
+O1B_API int o1b_attn_vnni_now(void) {
+    if (!g_vmath || o1b_simd_level() < 2 || g_attn_vnni == 0) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+}
+/* out[r * 32 + d - d0] = sum over the ng groups of 4 keys of qp[r * qld + k] q_v[k][d] for the
+ * O1B_VATTN_ROWS rows r and d in [d0, d0 + 32) (d0 + 16 when Dp - d0 = 16). qp: the rows' q_p
+ * bytes (0 .. 127) from the first group's first key; v8: the packed levels from that group (per
+ * group Dp values of 4 bytes, one a key). vpdpbusd adds 4 products of an unsigned and a signed byte
+ * into each int32 lane: every partial sum is exact (|sum| <= 64 127^2), the int32 sum of any order. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void pv_i8_vnni(int64_t ng, int64_t Dp, int64_t d0, const int8_t *v8, const uint8_t *qp, int64_t qld,
+                       int32_t *out) {
+    enum { R = O1B_VATTN_ROWS };
+    const int two = Dp - d0 > 16;
+    __m512i a[R][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < ng; g++) {
+        const int8_t *vg = v8 + (g * Dp + d0) * 4;
+        __m512i v0 = _mm512_loadu_si512(vg), v1 = two ? _mm512_loadu_si512(vg + 64) : _mm512_setzero_si512();
+        for (int r = 0; r < R; r++) {
+            int32_t w;
+            memcpy(&w, qp + r * qld + 4 * g, 4);
+            __m512i wv = _mm512_set1_epi32(w);
+            a[r][0] = _mm512_dpbusd_epi32(a[r][0], wv, v0);
+            if (two) a[r][1] = _mm512_dpbusd_epi32(a[r][1], wv, v1);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_si512(out + r * 32, a[r][0]);
+        _mm512_storeu_si512(out + r * 32 + 16, a[r][1]);
+    }
+}
+#else
+O1B_API void o1b_set_attn_vnni(int on) { (void)on; }
+O1B_API int o1b_attn_vnni_now(void) { return 0; }
+#endif
+
 /* ---- instantiations: this file again, from its template section ---- */
 #define O1B_VMATH_TEMPLATE 1
 #if defined(O1B_VM_X86)
@@ -1041,10 +1083,26 @@ AI vf FN(widen)(const bf16 *h) {
 #define O1B_ZLO 0, 4, 1, 5
 #define O1B_ZHI 2, 6, 3, 7
 #endif
+/* the lane swaps of FN(hmax): lane l takes lane l XOR h */
+#if O1B_W == 16
+#define O1B_X8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define O1B_X4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
+#define O1B_X2 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13
+#define O1B_X1 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14
+#elif O1B_W == 8
+#define O1B_X4 4, 5, 6, 7, 0, 1, 2, 3
+#define O1B_X2 2, 3, 0, 1, 6, 7, 4, 5
+#define O1B_X1 1, 0, 3, 2, 5, 4, 7, 6
+#else
+#define O1B_X2 2, 3, 0, 1
+#define O1B_X1 1, 0, 3, 2
+#endif
 #if defined(__clang__)
 #define O1B_ZIP(a, b, idx) __builtin_shufflevector(a, b, idx)
+#define O1B_SWAP(a, idx) __builtin_shufflevector(a, a, idx)
 #else
 #define O1B_ZIP(a, b, idx) __builtin_shuffle(a, b, (vi){idx})
+#define O1B_SWAP(a, idx) __builtin_shuffle(a, (vi){idx})
 #endif
 AI void FN(zip_round)(vf *v, const int s) {
 #pragma GCC unroll 16
@@ -1489,6 +1547,109 @@ AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int
     }
 }
 
+/* The largest lane of x, whose lanes are >= +0 and not NaN (so any order gives it): a tree of
+ * lane swaps. */
+AI float FN(hmax)(vf x) {
+#if O1B_W == 16
+    x = FN(sel)(O1B_SWAP(x, O1B_X8) > x, O1B_SWAP(x, O1B_X8), x);
+#endif
+#if O1B_W >= 8
+    x = FN(sel)(O1B_SWAP(x, O1B_X4) > x, O1B_SWAP(x, O1B_X4), x);
+#endif
+    x = FN(sel)(O1B_SWAP(x, O1B_X2) > x, O1B_SWAP(x, O1B_X2), x);
+    x = FN(sel)(O1B_SWAP(x, O1B_X1) > x, O1B_SWAP(x, O1B_X1), x);
+    return x[0];
+}
+
+/* §6.10's steps 1-3 for the rows' blocks: pb[r] (p on the lanes [lo, hi) of the key union, nv
+ * vectors) becomes q_p (levels as floats, +0 on the other lanes), spr[r] s_p. A row without keys
+ * keeps pb and has s_p = +0; a zero block has s_p = +0 and q_p all +0; a non-finite block marks its
+ * row (the caller's way) and is taken as zero here. t = mul(p, s_v) is marked where it may be exactly
+ * 2^-126 (its value decides q_p there); t inv is bare, since a product near 2^-126 has level 0 with
+ * or without the flush. The rows' two divisions run on lanes; a quotient at or below 2^-126 is taken
+ * again with o1b_div (inv = 1 / s_p is never that small: s_p <= FLT_MAX / 127). */
+AI void FN(fwd_qp)(int nr, int nv, const int64_t *lo, const int64_t *hi, const float *svr,
+                   float (*pb)[O1B_VATTN_BK], float *spr, vi *rare) {
+    enum { R = O1B_VATTN_ROWS };
+    vf tm = (vf){0};
+    for (int r = 0; r < nr; r++) {
+        if (hi[r] == lo[r]) continue;
+        vf tmv = (vf){0};
+        vi nan = {0};
+        for (int u = 0; u < nv; u++) {
+            vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), rr = {0};
+            vf x = FN(mulz)(FN(load)(pb[r] + u * O1B_W), FN(load)(svr + u * O1B_W), &rr);
+            rare[r] |= rr & valid;
+            nan |= valid & (x != x);
+            vf t = FN(sel)(valid, x, (vf){0});
+            tmv = FN(sel)(t > tmv, t, tmv);
+            FN(put)(pb[r] + u * O1B_W, t);
+        }
+        if (FN(any)(nan)) {                            /* non-finite block: the caller's way */
+            rare[r] = FN(isplat)(-1);
+            tmv = (vf){0};
+        }
+        tm[r] = FN(hmax)(tmv);
+    }
+    vf sp = tm / FN(splat)(127.0f);
+    vf iv = FN(splat)(1.0f) / FN(sel)(sp > (vf){0}, sp, FN(splat)(1.0f));
+    for (int r = 0; r < R; r++) {
+        spr[r] = 0.0f;
+        if (r >= nr || hi[r] == lo[r]) continue;
+        float s = sp[r], inv = iv[r];
+        if (s <= O1B_MIN_NORMAL) {
+            s = o1b_div(tm[r], 127.0f);
+            inv = s == 0.0f ? 0.0f : o1b_div(1.0f, s);
+        }
+        spr[r] = s;
+        vf invv = FN(splat)(inv), magic = FN(splat)(O1B_ROUND_MAGIC), qmax = FN(splat)(127.0f);
+        for (int u = 0; u < nv; u++) {                  /* s_p = +0: every q_p +0 */
+            vf t = FN(load)(pb[r] + u * O1B_W) * invv;
+            t = FN(sel)(t >= qmax, qmax, t);
+            FN(put)(pb[r] + u * O1B_W, (t + magic) - magic);
+        }
+    }
+}
+
+#if defined(O1B_VM_X86) && O1B_W == 16
+/* The block product and rescale of fwd_pv with i8 from the packed levels qv8 (per group of 4 keys
+ * from key 0, D rounded up to 16 values of 4 bytes, a byte a key; zeros past T and D) on VNNI:
+ * q_p (pb, +0 outside each row's lanes) to bytes, then each 32 values of d the int32 sums
+ * (pv_i8_vnni), exact as floats (|sum| < 2^24), times spr, and acc = add(mul(acc, corr), pv). */
+AI void FN(fwd_pv_vnni)(int nr, int64_t nu, int nv, const int64_t *lo, const int64_t *hi, int64_t j0,
+                        int64_t D, const int8_t *qv8, float (*pb)[O1B_VATTN_BK], const float *corr,
+                        const float *spr, float *acc, vi *rare) {
+    enum { R = O1B_VATTN_ROWS, QB = O1B_VATTN_BK + 16 };
+    const int64_t Dp = (D + 15) / 16 * 16, off = j0 & 3, ld = D + O1B_VATTN_PAD;
+    const int64_t ng = (off + nu + 3) / 4;
+    uint8_t qp[R][QB] __attribute__((aligned(64)));
+    int32_t ia[R * 32] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) {
+        memset(qp[r], 0, QB);
+        if (r >= nr || hi[r] == lo[r]) continue;
+        for (int u = 0; u < nv; u++)
+            _mm_storeu_si128((__m128i *)(void *)(qp[r] + off + u * O1B_W),
+                             _mm512_cvtepi32_epi8(_mm512_cvttps_epi32((__m512)FN(load)(pb[r] + u * O1B_W))));
+    }
+    const int8_t *v8 = qv8 + (j0 - off) * Dp;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        pv_i8_vnni(ng, Dp, d0, v8, &qp[0][0], QB, ia);
+        int nd = D - d0 > 16 ? 2 : 1;
+        for (int r = 0; r < nr; r++) {
+            if (hi[r] == lo[r]) continue;
+            vf cv = FN(splat)(corr[r]), sv = FN(splat)(spr[r]);
+            for (int t = 0; t < nd; t++) {
+                float *ap = acc + r * ld + d0 + t * O1B_W;
+                vi n;
+                memcpy(&n, ia + r * 32 + t * 16, sizeof n);
+                vf pvv = FN(mulz)(__builtin_convertvector(n, vf), sv, &rare[r]);
+                FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + pvv);
+            }
+        }
+    }
+}
+#endif
+
 /* attention.c's forward of the nr <= O1B_VATTN_ROWS consecutive query rows i .. i + nr - 1 of one
  * head (row r: keys [jlo[r], i + r] in blocks of O1B_VATTN_BK at absolute key indices; q at q + r D,
  * o at o + r od, lse at lse + r). The rows are interleaved so that their independent sums (the dots
@@ -1496,14 +1657,17 @@ AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int
  * written order. With qv set (§6.10; v unused): qv the keys' quantized value rows (T, D) held as
  * floats (integers in [-127, 127]) and svr their step sizes (T); the block's int32 sum of q_p q_v
  * runs in fp32 lanes: every product and partial sum is an integer below 64 * 127^2 < 2^24, so each
- * is exact and the sum is the int32 one, and i2f of it is the float itself. acc: nr (D +
+ * is exact and the sum is the int32 one, and i2f of it is the float itself. With qv8 also set
+ * (only where o1b_attn_vnni_now(); the AVX-512 rows use it, the others ignore it): the same levels
+ * packed for VNNI (fwd_pv_vnni), whose int32 sums are the same integers. acc: nr (D +
  * O1B_VATTN_PAD) floats. vlo, vhi: the exponent ranges of the value rows (T; unused with qv, whose
  * integer products are exact). Returns a bit mask of the rows done (a row with a product of exactly
  * 2^-126, or with a non-finite int8 block, is left to the caller's contract.h path). */
 static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D,
                                      float scale, const float *q, const float *kt, const float *v,
                                      const int32_t *vlo, const int32_t *vhi, const float *qv,
-                                     const float *svr, float *acc, float *o, int64_t od, float *lse) {
+                                     const float *svr, const int8_t *qv8, float *acc, float *o, int64_t od,
+                                     float *lse) {
     enum { R = O1B_VATTN_ROWS };
     float pb[R][O1B_VATTN_BK] __attribute__((aligned(64)));
     float spr[R];
@@ -1589,36 +1753,7 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
         for (int r = 0; r < R; r++)
             if (r < nr && hi[r] > lo[r]) l[r] = o1b_add(o1b_mul(l[r], corr[r]), ps[r]);
-        for (int r = 0; qv && r < nr; r++) {            /* §6.10: pb becomes q_p (floats), spr s_p */
-            if (hi[r] == lo[r]) continue;
-            vf x[NBV], tmv = (vf){0};
-            vi nan = {0};
-            for (int u = 0; u < nv; u++) {
-                vi valid = FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W), rr = {0};
-                x[u] = FN(mulz)(FN(load)(pb[r] + u * O1B_W), FN(load)(svr + j0 + u * O1B_W), &rr);
-                rare[r] |= rr & valid;
-                nan |= valid & (x[u] != x[u]);
-                vf t = FN(sel)(valid, x[u], (vf){0});
-                tmv = FN(sel)(t > tmv, t, tmv);
-            }
-            if (FN(any)(nan)) rare[r] = FN(isplat)(-1);  /* non-finite block: the caller's way */
-            float tmax = 0.0f;
-            for (int k = 0; k < O1B_W; k++) tmax = tmv[k] > tmax ? tmv[k] : tmax;
-            spr[r] = FN(any)(nan) ? 0.0f : o1b_div(tmax, 127.0f);
-            if (spr[r] == 0.0f) {                        /* pv = +0: every q_p 0 (and s_p = +0) */
-                for (int u = 0; u < nv; u++) FN(put)(pb[r] + u * O1B_W, (vf){0});
-                continue;
-            }
-            vf invv = FN(splat)(o1b_div(1.0f, spr[r])), magic = FN(splat)(O1B_ROUND_MAGIC);
-            vf qmax = FN(splat)(127.0f);
-            for (int u = 0; u < nv; u++) {
-                vi rr = {0};
-                vf t = FN(mulz)(x[u], invv, &rr);
-                rare[r] |= rr & FN(below)(hi[r] - u * O1B_W) & ~FN(below)(lo[r] - u * O1B_W);
-                t = FN(sel)(t >= qmax, qmax, t);
-                FN(put)(pb[r] + u * O1B_W, (t + magic) - magic);
-            }
-        }
+        if (qv) FN(fwd_qp)(nr, nv, lo, hi, svr + j0, pb, spr, rare);   /* §6.10: pb becomes q_p */
         vi chk = {0};                                   /* the guard of p_j x v_j (with v) */
         for (int r = 0; !qv && r < nr; r++) {
             if (hi[r] == lo[r]) continue;
@@ -1628,6 +1763,10 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                                             FN(iload)(vlo + j0 + u * O1B_W), FN(iload)(vhi + j0 + u * O1B_W));
             }
         }
+#if defined(O1B_VM_X86) && O1B_W == 16
+        if (qv8) FN(fwd_pv_vnni)(nr, nu, nv, lo, hi, j0, D, qv8, pb, corr, spr, acc, rare);
+        else
+#endif
         if (FN(any)(chk)) FN(fwd_pv)(nr, nu, lo, hi, D, v + j0 * D, pb, corr, spr, 0, acc, rare, 1);
         else FN(fwd_pv)(nr, nu, lo, hi, D, (qv ? qv : v) + j0 * D, pb, corr, spr, qv != NULL, acc, rare, 0);
     }
@@ -1951,4 +2090,9 @@ static O1B_TGT int FN(attn_dkv_rows)(int nr, int64_t j, const int64_t *ilast, co
 #undef O1B_ZLO
 #undef O1B_ZHI
 #undef O1B_ZIP
+#undef O1B_SWAP
+#undef O1B_X8
+#undef O1B_X4
+#undef O1B_X2
+#undef O1B_X1
 #endif

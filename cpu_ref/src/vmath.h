@@ -123,11 +123,13 @@ typedef struct {
      * past the last one it uses (allocate them so), and leaves a row to be computed with
      * contract.h (returns 0, or its bit unset) on a product of exactly 2^-126 (see vmath.c).
      * attn_fwd_rows: the forward of nr <= O1B_VATTN_ROWS consecutive query rows of one head,
-     * interleaved, with §6.6's block product (v) or §6.10's (qv, sv); a bit mask of the rows done. */
+     * interleaved, with §6.6's block product (v) or §6.10's (qv, sv; and qv8, NULL unless
+     * o1b_attn_vnni_now(): the levels packed per group of 4 keys, D rounded up to 16 values of 4
+     * bytes, a byte a key, zeros past T and D); a bit mask of the rows done. */
     int (*attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int64_t T, int64_t D, float scale,
                          const float *q, const float *kt, const float *v, const int32_t *vlo,
-                         const int32_t *vhi, const float *qv, const float *sv, float *acc, float *o,
-                         int64_t od, float *lse);
+                         const int32_t *vhi, const float *qv, const float *sv, const int8_t *qv8,
+                         float *acc, float *o, int64_t od, float *lse);
     /* attn_dq_rows: pass 1 (dq) of nr <= O1B_VATTN_ROWS consecutive query rows of one head,
      * interleaved; a bit mask of the rows done */
     int (*attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const o1b_vattn_q *a, float *acc,
@@ -144,5 +146,8 @@ typedef struct {
 #define O1B_VATTN_PAD 64
 #define O1B_VATTN_ROWS 4   /* query rows interleaved by attn_fwd_rows */
 const o1b_vkernels *o1b_vkernels_now(void);
+/* 1 when o1b_vkernels_now()'s attn_fwd_rows take §6.10's product from packed levels (qv8) on
+ * AVX-512 VNNI (o1b_set_attn_vnni(0) turns that off, for tests of the fp32 lanes). */
+int o1b_attn_vnni_now(void);
 
 #endif
