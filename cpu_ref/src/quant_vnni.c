@@ -656,7 +656,7 @@ typedef struct {
     int64_t nwp, nxc, xper;                    /* weight panels, x chunks */
     float *sw; int8_t *qw; uint8_t *clip; uint32_t *xmax, *dmax;
     /* B2 */
-    int64_t ngt, nrw, nrx, nks;                /* G/D tasks (blocks of 128 rows of dy), R_w / X blocks, k strips */
+    int64_t ngt, nrw, nrx, nks;                /* G/D tasks (blocks of 128 rows of dy), R_w / X blocks, 32-column strips */
     uint32_t *gmax, *rwmax, *rxmax;
     int16_t *Rw, *Rx;
     float inv_x; int kind_x;
@@ -745,28 +745,49 @@ static TGT uint32_t g_absmax(const bwd_ctx *a, int64_t r0, int64_t r1) {
     return _mm512_reduce_max_epu32(m);
 }
 /* R's block b (rows 128b ..), columns 32s ..: the int8 rows (q_w, or x quantized with inv_x)
- * widened to int16, rotated (exact), stored; returns max |R| of the block. */
-static TGT uint32_t r_block(const bwd_ctx *a, int from_x, int64_t b, int64_t s) {
+ * widened to int16, rotated (exact), stored; returns max |R| of the strip. The rows' next 32
+ * columns are fetched meanwhile (pf). */
+INL uint32_t r_strip(const bwd_ctx *a, int from_x, int64_t b, int64_t s, int pf) {
     int64_t R = from_x ? a->N : a->M, C = a->K, c0 = s * 32;
     int16_t *dst = from_x ? a->Rx : a->Rw;
     __mmask32 km = lanes32(C - c0);
     __m512i v[QB];
     __m512 iv = _mm512_set1_ps(a->inv_x);
+    /* packs leave columns 4l..4l+3 and 16+4l.. in 64-bit word 2l and 2l+1; this puts them back */
+    const __m512i unpk = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
     int zero = from_x && a->kind_x != 1;
-    for (int i = 0; i < QB; i++) {
+    for (int i = 0; i < QB; i += 8) {
         int64_t r = b * QB + i;
-        if (r >= R || zero) { v[i] = _mm512_setzero_si512(); continue; }
+        if (r >= R || zero) {
+            for (int k = 0; k < 8; k++) v[i + k] = _mm512_setzero_si512();
+            continue;
+        }
         if (from_x) {
-            const bf16 *row = a->x + r * C + c0;
-            __m512i q0 = vlevel(vmul(ld_bf16(row, (__mmask16)km), iv));
-            __m512i q1 = vlevel(vmul(ld_bf16(row + 16, (__mmask16)(km >> 16)), iv));
-            v[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)), _mm512_cvtepi32_epi16(q1), 1);
+            __m512 t[16];
+            UNROLL
+            for (int k = 0; k < 8; k++) {
+                const bf16 *row = a->x + (r + k < R ? r + k : r) * C + c0;
+                if (pf) _mm_prefetch((const char *)(row + 32), _MM_HINT_T0);
+                t[2 * k] = ld_bf16(row, (__mmask16)km);
+                t[2 * k + 1] = ld_bf16(row + 16, (__mmask16)(km >> 16));
+            }
+            vmul_n(t, t, iv, 16);
+            UNROLL
+            for (int k = 0; k < 8; k++)
+                v[i + k] = r + k < R ? _mm512_permutexvar_epi64(unpk, _mm512_packs_epi32(vlevel(t[2 * k]), vlevel(t[2 * k + 1])))
+                                     : _mm512_setzero_si512();
         } else {
-            v[i] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(km, a->qw + r * C + c0));
+            UNROLL
+            for (int k = 0; k < 8; k++) {
+                const int8_t *row = a->qw + (r + k < R ? r + k : r) * C + c0;
+                if (pf) _mm_prefetch((const char *)(row + 32), _MM_HINT_T0);
+                v[i + k] = r + k < R ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(km, row)) : _mm512_setzero_si512();
+            }
         }
     }
     rot128_i16(v);
     __m512i m = _mm512_setzero_si512();
+    UNROLL
     for (int i = 0; i < QB; i++) {
         m = _mm512_max_epu16(m, _mm512_abs_epi16(v[i]));
         st_i16x32(dst + (b * QB + i) * C + c0, km, v[i]);
@@ -774,6 +795,15 @@ static TGT uint32_t r_block(const bwd_ctx *a, int from_x, int64_t b, int64_t s) 
     __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(m));
     __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1));
     return _mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi));
+}
+/* R's block b, all columns: max |R| of the block. */
+static TGT uint32_t r_block(const bwd_ctx *a, int from_x, int64_t b) {
+    uint32_t m = 0;
+    for (int64_t s = 0; s < a->nks; s++) {
+        uint32_t x = r_strip(a, from_x, b, s, s + 1 < a->nks);
+        m = x > m ? x : m;
+    }
+    return m;
 }
 static void bwd_b2(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
@@ -783,9 +813,9 @@ static void bwd_b2(void *ctx, int64_t t) {
         return;
     }
     t -= a->ngt;
-    if (t < a->nrw) { a->rwmax[t] = r_block(a, 0, t / a->nks, t % a->nks); return; }
+    if (t < a->nrw) { a->rwmax[t] = r_block(a, 0, t); return; }
     t -= a->nrw;
-    a->rxmax[t] = r_block(a, 1, t / a->nks, t % a->nks);
+    a->rxmax[t] = r_block(a, 1, t);
 }
 
 /* 4 rows of 16 bytes -> 64 bytes [k][row] (k = 0..15). */
@@ -930,8 +960,8 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     a.nxc = dw ? (N * K + a.xper - 1) / a.xper : 0;
     a.ngt = dx || dw ? Np / QB : 0;
     a.nks = (K + 31) / 32;
-    a.nrw = dx ? Mp / QB * a.nks : 0;
-    a.nrx = dw ? Np / QB * a.nks : 0;
+    a.nrw = dx ? Mp / QB : 0;
+    a.nrx = dw ? Np / QB : 0;
     a.dxrows = pick_rowchunk(N);
     a.ndx = dx ? (N + a.dxrows - 1) / a.dxrows : 0;
     a.ndw = dw ? (M + DW_ROWS - 1) / DW_ROWS : 0;
@@ -1076,8 +1106,8 @@ int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int
  * crafted operands: products whose exact value lies within a few ulps of 2^-126 on either side
  * (where the hardware's product and o1b_mul can differ and vmul must take its scalar path),
  * subnormal operands, and level() on ties and out-of-range values; vmul_n on the same products
- * in a batch. Returns the number of
- * mismatches; *boundary counts the products that came out at exactly ±2^-126 in hardware. */
+ * in a batch. Returns the number of mismatches; *boundary counts the products that came out at
+ * exactly ±2^-126 in hardware. */
 typedef struct { uint64_t seed; int64_t n, bad, boundary; } st_ctx;
 static uint64_t st_next(uint64_t *s) { *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17; return *s; }
 static TGT void selftest_task(void *ctx, int64_t t) {
