@@ -551,32 +551,59 @@ static float scale_from_bf16bits(uint32_t m) {
     return tensor_scale(m < 0x80u ? 0.0f : qfrom(m << 16));
 }
 
-/* Weight panel jp (rows 32jp ..): s_w, and q_w packed as B with column sums. */
+/* Weight panel jp (rows 32jp ..): s_w, and q_w packed as B with column sums. Sixteen rows x 16 k
+ * at a time: the levels narrowed with saturating packs (exact on -127 .. 127) leave, in 16-byte
+ * lane l, rows 4i .. 4i+3 x 4 bytes of k = k0 + 4l .. (the layout of B's group k0/4 + l), and
+ * vpdpbusd by ones adds each row's 4 bytes into its column sum. Rows without a finite nonzero
+ * scale (and rows past M) are zeros. */
 static TGT void fwd_wpanel(fwd_ctx *a, int64_t jp) {
     int64_t K = a->K, P4 = a->P4, j0 = jp * NR, nr = a->M - j0 < NR ? a->M - j0 : NR, ng = P4 / 4;
     int8_t *dst = a->Bp + jp * NR * P4;
-    float S[NR];
-    memset(dst, 0, (size_t)(NR * P4));
+    float S[NR], inv[NR];
     wsums32(a->w + j0 * K, K, nr, S);
     for (int64_t jl = 0; jl < NR; jl++) {
-        int64_t j = j0 + jl;
-        a->cs[j] = 0;
-        if (jl >= nr) { a->sw[j] = 0.0f; continue; }
+        inv[jl] = 0.0f;
+        if (jl >= nr) { a->sw[j0 + jl] = 0.0f; continue; }
         float s = weight_scale(S[jl], K);
-        a->sw[j] = o1b_store(s);
-        if (scale_kind(s) != 1) continue;
-        __m512 inv = _mm512_set1_ps(o1b_div(1.0f, s));
-        __m512i csum = _mm512_setzero_si512();
-        const bf16 *row = a->w + j * K;
+        a->sw[j0 + jl] = o1b_store(s);
+        if (scale_kind(s) == 1) inv[jl] = o1b_div(1.0f, s);
+    }
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int h = 0; h < NR; h += 16) {
+        __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int64_t k0 = 0; k0 < K; k0 += 16) {
-            __m512i q = vlevel(vmul(ld_bf16(row + k0, lanes16(K - k0)), inv));
-            csum = _mm512_add_epi32(csum, q);
-            uint32_t d[4];
-            _mm_storeu_si128((__m128i *)d, _mm512_cvtepi32_epi8(q));
-            for (int64_t gq = 0; gq < 4 && k0 / 4 + gq < ng; gq++)
-                memcpy(dst + (k0 / 4 + gq) * 128 + jl * 4, &d[gq], 4);
+            __mmask16 km = lanes16(K - k0);
+            __m512 x[16], p[16];
+            UNROLL
+            for (int r = 0; r < 16; r++) {
+                x[r] = inv[h + r] != 0.0f ? ld_bf16(a->w + (j0 + h + r) * K + k0, km) : _mm512_setzero_ps();
+                p[r] = _mm512_mul_ps(x[r], _mm512_set1_ps(inv[h + r]));
+            }
+            if (__builtin_expect(any_edge(p, 16), 0)) {
+                UNROLL
+                for (int r = 0; r < 16; r++) p[r] = vmul(x[r], _mm512_set1_ps(inv[h + r]));
+            }
+            __m512i w2[8];
+            UNROLL
+            for (int k = 0; k < 8; k++) w2[k] = _mm512_packs_epi32(vlevel(p[2 * k]), vlevel(p[2 * k + 1]));
+            UNROLL
+            for (int i = 0; i < 4; i++) {
+                __m512i b = _mm512_packs_epi16(w2[2 * i], w2[2 * i + 1]);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], ones, b);
+                int8_t *d = dst + (k0 / 4) * 128 + (h + 4 * i) * 4;
+                int64_t nl = ng - k0 / 4;                        /* groups of this k0 inside P4 */
+                _mm_storeu_si128((__m128i *)d, _mm512_castsi512_si128(b));
+                if (nl > 1) _mm_storeu_si128((__m128i *)(d + 128), _mm512_extracti32x4_epi32(b, 1));
+                if (nl > 2) _mm_storeu_si128((__m128i *)(d + 256), _mm512_extracti32x4_epi32(b, 2));
+                if (nl > 3) _mm_storeu_si128((__m128i *)(d + 384), _mm512_extracti32x4_epi32(b, 3));
+            }
         }
-        a->cs[j] = _mm512_reduce_add_epi32(csum);
+        UNROLL
+        for (int i = 0; i < 4; i++) {                /* dword 4l + r of acc[i]: row h + 4i + r */
+            __m512i t = _mm512_add_epi32(acc[i], _mm512_shuffle_i32x4(acc[i], acc[i], 0x4E));
+            t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, 0xB1));
+            _mm_storeu_si128((__m128i *)(a->cs + j0 + h + 4 * i), _mm512_castsi512_si128(t));
+        }
     }
 }
 /* Rows [r0, r1) of x quantized into Au (u8 = q + 128). */
