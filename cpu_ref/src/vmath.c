@@ -1547,8 +1547,8 @@ AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int
     }
 }
 
-/* The largest lane of x, whose lanes are >= +0 and not NaN (so any order gives it): a tree of
- * lane swaps. */
+/* The largest lane of x, whose lanes are not NaN: a tree of lane swaps. Any order gives the same
+ * bits unless the largest is a zero (+0 and -0 compare equal; lanes >= +0 have no -0). */
 AI float FN(hmax)(vf x) {
 #if O1B_W == 16
     x = FN(sel)(O1B_SWAP(x, O1B_X8) > x, O1B_SWAP(x, O1B_X8), x);
@@ -1566,12 +1566,15 @@ AI float FN(hmax)(vf x) {
  * keeps pb and has s_p = +0; a zero block has s_p = +0 and q_p all +0; a non-finite block marks its
  * row (the caller's way) and is taken as zero here. t = mul(p, s_v) is marked where it may be exactly
  * 2^-126 (its value decides q_p there); t inv is bare, since a product near 2^-126 has level 0 with
- * or without the flush. The rows' two divisions run on lanes; a quotient at or below 2^-126 is taken
- * again with o1b_div (inv = 1 / s_p is never that small: s_p <= FLT_MAX / 127). */
+ * or without the flush. The rows' two divisions run on the lanes of one short vector; a quotient at
+ * or below 2^-126 is taken again with o1b_div (inv = 1 / s_p is never that small: s_p <= FLT_MAX /
+ * 127). */
 AI void FN(fwd_qp)(int nr, int nv, const int64_t *lo, const int64_t *hi, const float *svr,
                    float (*pb)[O1B_VATTN_BK], float *spr, vi *rare) {
     enum { R = O1B_VATTN_ROWS };
-    vf tm = (vf){0};
+    typedef float rows_v __attribute__((vector_size(R * sizeof(float))));
+    typedef int32_t rows_i __attribute__((vector_size(R * sizeof(int32_t))));
+    rows_v tm = {0};
     for (int r = 0; r < nr; r++) {
         if (hi[r] == lo[r]) continue;
         vf tmv = (vf){0};
@@ -1591,8 +1594,9 @@ AI void FN(fwd_qp)(int nr, int nv, const int64_t *lo, const int64_t *hi, const f
         }
         tm[r] = FN(hmax)(tmv);
     }
-    vf sp = tm / FN(splat)(127.0f);
-    vf iv = FN(splat)(1.0f) / FN(sel)(sp > (vf){0}, sp, FN(splat)(1.0f));
+    rows_v sp = tm / 127.0f, one = (rows_v){0} + 1.0f;
+    rows_i zero = sp == 0.0f;
+    rows_v iv = one / (rows_v)(((rows_i)sp & ~zero) | ((rows_i)one & zero));   /* no division by 0 */
     for (int r = 0; r < R; r++) {
         spr[r] = 0.0f;
         if (r >= nr || hi[r] == lo[r]) continue;
@@ -1721,8 +1725,7 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 mv = FN(sel)(y > mv, y, mv);
                 FN(put)(pb[r] + u * O1B_W, sv[r][u]);
             }
-            float mb = -INFINITY;
-            for (int k = 0; k < O1B_W; k++) mb = o1b_max(mb, mv[k]);
+            float mb = FN(hmax)(mv);                    /* no NaN lane (passed over above) */
             if (mb == 0.0f) {                           /* a zero maximum: taken again in order */
                 mb = -INFINITY;
                 for (int64_t j = lo[r]; j < hi[r]; j++) mb = o1b_max(mb, pb[r][j]);
