@@ -34,6 +34,16 @@ c_i64, c_int, c_f32, c_u64, c_u32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ptr = ctypes.c_void_p
 
 
+def empty_lines(shape, dtype=np.float32) -> np.ndarray:
+    """np.empty whose data starts on a 64-byte line (glibc's blocks start 16 bytes past one): a
+    kernel that writes a large output once may then stream whole lines around the cache."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    buf = np.empty(n * dtype.itemsize + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    return buf[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def declare(name: str, *argtypes, restype=None):
     fn = getattr(lib, name)
     fn.argtypes = list(argtypes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mlx_open1b import opargs
-from ._lib import c_i64, declare, p, ptr
+from ._lib import c_i64, declare, empty_lines, p, ptr
 import ctypes
 
 _qw = declare("o1b_quant_weight_rows", c_i64, c_i64, ptr, ptr, ptr)
@@ -79,7 +79,7 @@ def hadamard_rows(f: np.ndarray) -> np.ndarray:
 def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarray:
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
-    y = np.empty((N, M), np.float32)
+    y = empty_lines((N, M))
     _ok(_fwd(N, K, M, p(x), p(w), p(y), qmax))
     return y
 
@@ -88,7 +88,7 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
                      need_dw: bool = True, qmax: int = QMAX):
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
-    dx = np.empty((N, K), np.float32) if need_dx else None
-    dw = np.empty((M, K), np.float32) if need_dw else None
+    dx = empty_lines((N, K)) if need_dx else None
+    dw = empty_lines((M, K)) if need_dw else None
     _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax))
     return dx, dw
