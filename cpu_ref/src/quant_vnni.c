@@ -845,16 +845,10 @@ static void bwd_b2(void *ctx, int64_t t) {
     a->rxmax[t] = r_block(a, 1, t);
 }
 
-/* 4 rows of 16 bytes -> 64 bytes [k][row] (k = 0..15). */
-INL void interleave4(__m128i r0, __m128i r1, __m128i r2, __m128i r3, int8_t *dst) {
-    __m128i a = _mm_unpacklo_epi8(r0, r1), b = _mm_unpackhi_epi8(r0, r1);
-    __m128i c = _mm_unpacklo_epi8(r2, r3), d = _mm_unpackhi_epi8(r2, r3);
-    _mm_storeu_si128((__m128i *)(dst + 0), _mm_unpacklo_epi16(a, c));
-    _mm_storeu_si128((__m128i *)(dst + 16), _mm_unpackhi_epi16(a, c));
-    _mm_storeu_si128((__m128i *)(dst + 32), _mm_unpacklo_epi16(b, d));
-    _mm_storeu_si128((__m128i *)(dst + 48), _mm_unpackhi_epi16(b, d));
-}
-/* Panel jp of the B operand from R (P rows, K columns, int16): q = level(mul(i2f(R), inv)). */
+/* Panel jp of the B operand from R (P rows, K columns, int16): q = level(mul(i2f(R), inv)).
+ * Per four rows: the levels narrowed with saturating packs (exact on -127 .. 127), which leave
+ * lane l with rows 0-3 x 4 bytes of columns 4l .. 4l+3; a byte shuffle turns that into columns
+ * x rows, B's layout; vpdpbusd by ones adds each column's 4 bytes into its sum. */
 static TGT void pack_r_panel(const int16_t *R, int64_t P, int64_t K, float inv, int kind,
                              int8_t *Bp, int32_t *cs, int64_t jp) {
     int64_t j0 = jp * NR;
@@ -862,20 +856,27 @@ static TGT void pack_r_panel(const int16_t *R, int64_t P, int64_t K, float inv, 
     if (kind != 1) { memset(dst, 0, (size_t)(NR * P)); memset(cs + j0, 0, NR * sizeof(int32_t)); return; }
     __mmask32 km = lanes32(K - j0);
     __m512 iv = _mm512_set1_ps(inv);
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i sh = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);   /* (r, i) -> (i, r) */
     __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
     for (int64_t p = 0; p < P; p += 4) {
-        __m128i lo[4], hi[4];
+        __m512 x[8];                          /* x[2r]: row p + r, columns 0-15; x[2r + 1]: 16-31 */
+        UNROLL
         for (int r = 0; r < 4; r++) {
             __m512i v = _mm512_maskz_loadu_epi16(km, R + (p + r) * K + j0);
-            __m512i q0 = vlevel(vmul(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))), iv));
-            __m512i q1 = vlevel(vmul(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))), iv));
-            c0 = _mm512_add_epi32(c0, q0);
-            c1 = _mm512_add_epi32(c1, q1);
-            lo[r] = _mm512_cvtepi32_epi8(q0);
-            hi[r] = _mm512_cvtepi32_epi8(q1);
+            if (p + 32 < P) _mm_prefetch((const char *)(R + (p + 32 + r) * K + j0), _MM_HINT_T0);
+            x[2 * r] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+            x[2 * r + 1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
         }
-        interleave4(lo[0], lo[1], lo[2], lo[3], dst + p * 32);
-        interleave4(hi[0], hi[1], hi[2], hi[3], dst + p * 32 + 64);
+        vmul_n(x, x, iv, 8);
+        __m512i lo = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(vlevel(x[0]), vlevel(x[2])),
+                                                            _mm512_packs_epi32(vlevel(x[4]), vlevel(x[6]))), sh);
+        __m512i hi = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(vlevel(x[1]), vlevel(x[3])),
+                                                            _mm512_packs_epi32(vlevel(x[5]), vlevel(x[7]))), sh);
+        c0 = _mm512_dpbusd_epi32(c0, ones, lo);
+        c1 = _mm512_dpbusd_epi32(c1, ones, hi);
+        _mm512_storeu_si512(dst + p * 32, lo);
+        _mm512_storeu_si512(dst + p * 32 + 64, hi);
     }
     _mm512_storeu_si512(cs + j0, c0);
     _mm512_storeu_si512(cs + j0 + 16, c1);
@@ -948,10 +949,12 @@ static void bwd_b3(void *ctx, int64_t t) {
     pack_r_panel(a->Rx, a->Np, a->K, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
 }
 
-/* dx task: rows [r0, r1) of G recomputed and quantized into A, then the GEMM. */
-static TGT void dx_task(bwd_ctx *a, int64_t t) {
-    int64_t r0 = t * a->dxrows, r1 = r0 + a->dxrows, Mp = a->Mp;
+/* dx task: rows [r0, r1) of G recomputed and quantized into A (levels narrowed with saturating
+ * packs, exact on -127 .. 127, put back in order, offset by 128), then the GEMM. */
+static TGT void dx_fill(bwd_ctx *a, int64_t r0, int64_t r1) {
+    int64_t Mp = a->Mp;
     __m512 iv = _mm512_set1_ps(a->inv_g);
+    const __m512i pd = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (int64_t n = r0; n < r1; n++) {
         uint8_t *d = a->Adx + n * Mp;
         if (n >= a->N || a->kind_g != 1) { memset(d, 128, (size_t)Mp); continue; }
@@ -960,10 +963,18 @@ static TGT void dx_task(bwd_ctx *a, int64_t t) {
             g_chunk(a->dy + n * a->M, a->sw, a->M, c, x);
             vmul_n(x, x, iv, 8);
             UNROLL
-            for (int r = 0; r < 8; r++)
-                _mm_storeu_si128((__m128i *)(d + c * QB + 16 * r), _mm512_cvtepi32_epi8(vlevel_off(x[r], 128)));
+            for (int h = 0; h < 2; h++) {    /* packs leave x[4h + a] elements 4l .. 4l+3 in dword 4l + a */
+                __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(vlevel(x[4 * h]), vlevel(x[4 * h + 1])),
+                                               _mm512_packs_epi32(vlevel(x[4 * h + 2]), vlevel(x[4 * h + 3])));
+                b = _mm512_xor_si512(_mm512_permutexvar_epi32(pd, b), _mm512_set1_epi8((char)0x80));   /* q + 128 */
+                _mm512_storeu_si512(d + c * QB + 64 * h, b);
+            }
         }
     }
+}
+static void dx_task(bwd_ctx *a, int64_t t) {
+    int64_t r0 = t * a->dxrows, r1 = r0 + a->dxrows;
+    dx_fill(a, r0, r1);
     gemm_rows(&a->gdx, r0, r1);
 }
 /* dW task: rows m0 .. m0+DW_ROWS-1 (A filled in B3), the GEMM. */
