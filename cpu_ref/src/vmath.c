@@ -1547,6 +1547,33 @@ AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int
     }
 }
 
+/* The forward's dots with the key vectors u0 .. u0 + nc - 1 (nc <= 4, a constant at each call) of
+ * a block (kt: its first key in the transposed keys, rows of T floats): sv[r][u] = sum over d
+ * ascending of q[r D + d] k_d, from the caller's +0, each lane one (row, key) sum in the written
+ * order. All O1B_VATTN_ROWS rows run, those from nr on as a copy of row nr - 1 (unused sums), so
+ * that the 4 nc accumulators stay in registers with no test in the loop. */
+AI void FN(fwd_dots)(const int nc, int u0, int nr, int64_t D, int64_t T, const float *q, const float *kt,
+                     vf (*sv)[NBV]) {
+    enum { R = O1B_VATTN_ROWS };
+    vf s[R][4];
+    const float *qr[R];
+    for (int r = 0; r < R; r++) {
+        qr[r] = q + (r < nr ? r : nr - 1) * D;
+        for (int c = 0; c < nc; c++) s[r][c] = sv[r][u0 + c];
+    }
+    for (int64_t d = 0; d < D; d++) {
+        const float *row = kt + d * T + u0 * O1B_W;
+        vf kv[4];
+        for (int c = 0; c < nc; c++) kv[c] = FN(load)(row + c * O1B_W);
+        for (int r = 0; r < R; r++) {
+            vf xd = FN(splat)(qr[r][d]);
+            for (int c = 0; c < nc; c++) s[r][c] = s[r][c] + xd * kv[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) sv[r][u0 + c] = s[r][c];
+}
+
 /* The largest lane of x, whose lanes are not NaN: a tree of lane swaps. Any order gives the same
  * bits unless the largest is a zero (+0 and -0 compare equal; lanes >= +0 have no -0). */
 AI float FN(hmax)(vf x) {
@@ -1700,15 +1727,12 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
             hi[r] = r < nr && b >= a ? b + 1 - j0 : lo[r];
             for (int u = 0; u < NBV; u++) sv[r][u] = (vf){0};
         }
-        for (int64_t d = 0; d < D; d++) {               /* dots: rows x key vectors, d ascending */
-            const float *row = kt + d * T + j0;
-            vf kv[NBV];
-            for (int u = 0; u < NBV; u++) if (u < nv) kv[u] = FN(load)(row + u * O1B_W);
-            for (int r = 0; r < R; r++) {
-                if (r >= nr) break;
-                vf xd = FN(splat)(q[r * D + d]);
-#pragma GCC unroll 16
-                for (int u = 0; u < NBV; u++) if (u < nv) sv[r][u] = sv[r][u] + xd * kv[u];
+        for (int u0 = 0; u0 < nv; u0 += 4) {           /* dots: rows x key vectors, d ascending */
+            switch (nv - u0) {
+            case 1: FN(fwd_dots)(1, u0, nr, D, T, q, kt + j0, sv); break;
+            case 2: FN(fwd_dots)(2, u0, nr, D, T, q, kt + j0, sv); break;
+            case 3: FN(fwd_dots)(3, u0, nr, D, T, q, kt + j0, sv); break;
+            default: FN(fwd_dots)(4, u0, nr, D, T, q, kt + j0, sv); break;
             }
         }
         float corr[R], cx[R];                           /* corr = exp(cx), the rows on lanes below */
