@@ -606,16 +606,30 @@ static TGT void fwd_wpanel(fwd_ctx *a, int64_t jp) {
         }
     }
 }
-/* Rows [r0, r1) of x quantized into Au (u8 = q + 128). */
+/* Rows [r0, r1) of x quantized into Au (u8 = q + 128), 64 at a time: the levels narrowed with
+ * saturating packs (exact on -127 .. 127), put back in order, offset by 128. */
 static TGT void quant_rows_bf16(const bf16 *x, int64_t N, int64_t K, int64_t P4, float inv, int kind,
                                 uint8_t *Au, int64_t r0, int64_t r1) {
     __m512 iv = _mm512_set1_ps(inv);
+    const __m512i pd = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (int64_t i = r0; i < r1; i++) {
         uint8_t *d = Au + i * P4;
         if (i >= N || kind != 1) { memset(d, 128, (size_t)P4); continue; }
         const bf16 *row = x + i * K;
-        for (int64_t k0 = 0; k0 < P4; k0 += 16)
-            st_b16(d + k0, lanes16(P4 - k0), vq_u8(ld_bf16(row + k0, k0 < K ? lanes16(K - k0) : 0), iv));
+        for (int64_t k0 = 0; k0 < P4; k0 += 64) {
+            __m512 v[4];
+            UNROLL
+            for (int j = 0; j < 4; j++) {
+                int64_t k = k0 + 16 * j;
+                v[j] = ld_bf16(row + k, k < K ? lanes16(K - k) : 0);
+            }
+            vmul_n(v, v, iv, 4);
+            __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(vlevel(v[0]), vlevel(v[1])),
+                                           _mm512_packs_epi32(vlevel(v[2]), vlevel(v[3])));
+            b = _mm512_xor_si512(_mm512_permutexvar_epi32(pd, b), _mm512_set1_epi8((char)0x80));
+            if (P4 - k0 >= 64) _mm512_storeu_si512(d + k0, b);
+            else _mm512_mask_storeu_epi8(d + k0, (__mmask64)((1ull << (P4 - k0)) - 1), b);
+        }
     }
 }
 static void fwd_f1(void *ctx, int64_t t) {
