@@ -7,6 +7,7 @@ weight left (s_p = +0), rows whose s_p is near 2^-126, and non-finite value rows
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import pathlib
 
 import numpy as np
@@ -82,7 +83,7 @@ def test_i8_rows_equal_scalar_and_spec(B, T, H, G, D, W):
 def test_vnni_switch():
     """The packed product is what level 2 runs where the CPU has VNNI, and the switch turns it off
     (so the test above really compares both products)."""
-    lib.o1b_attn_vnni_now.restype = int
+    lib.o1b_attn_vnni_now.restype = ctypes.c_int
     with C.settings(simd=0), vector_math(True):
         assert lib.o1b_attn_vnni_now() == 0
     with vnni(False):
