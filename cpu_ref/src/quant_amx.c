@@ -27,7 +27,9 @@
 #include "quant.h"
 #include "runtime.h"
 
-#if defined(O1B_Q_X86) && defined(__linux__)
+/* The tile intrinsics came with GCC 11 and clang 12; older compilers build the stub below. */
+#if defined(O1B_Q_X86) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : (defined(__GNUC__) && __GNUC__ >= 11))
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
