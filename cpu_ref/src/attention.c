@@ -270,12 +270,11 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
 }
 
 /* ---- forward with the int8 P·V product (CONTRACT.md §6.10) ---- */
-typedef struct { const bf16 *v; float *qv; float *sv; int8_t *qv8; int64_t T, G, D; } vquant_args;
+typedef struct { const bf16 *v; float *qv; float *sv; int64_t T, G, D; } vquant_args;
 
 /* Value row (b, g, j) -> q_v (B,G,T,D) head-major, its int8 levels held as floats (exact; the SIMD
  * rows without VNNI sum their products in fp32 lanes, see vmath.c), and s_v (B,G,T): §6.9's
- * per-tensor rule; with qv8, the levels also as bytes in its packed layout (fwd_args; the rest of
- * it is zeros).
+ * per-tensor rule.
  * Branch-free, so the loops vectorize: the max of |x| is taken on the bits (for finite x, |x|'s bits
  * order as its value, and a max is exact in any order); the product x inv is bare, since where it
  * differs from mul (a result below 2^-126, or exactly 2^-126 from an exact product below it) the
@@ -303,15 +302,28 @@ static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
                 t = (t & ~big) | (big & ((t & 0x80000000u) | 0x42FE0000u));
                 q[d] = (o1b_from_bits(t) + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC;  /* level 0: +0, as (float)level */
             }
-            if (a->qv8) {
-                const int64_t Dp = (D + 15) / 16 * 16;
-                int8_t *p = a->qv8 + ((b * a->G + g) * ((a->T + 3) / 4) + j / 4) * Dp * 4 + (j & 3);
-                for (int64_t d = 0; d < D; d++) p[d * 4] = (int8_t)(int32_t)q[d];
-            }
         } else {
             for (int64_t d = 0; d < D; d++) q[d] = 0.0f;
         }
         if (++j == a->T) { j = 0; if (++g == a->G) { g = 0; b++; } }
+    }
+}
+
+/* The levels q_v (B,G,T,D) as bytes in the packed layout of the VNNI rows (fwd_args' qv8), one
+ * group of 4 keys of a kv head per item: Dp 32-bit words, word d holding key 4 jg + k's level at
+ * d in byte k (little-endian; keys past T and d past D give 0). */
+typedef struct { const float *qv; uint32_t *qv8; int64_t T, D; } vpack_args;
+static void vpack_range(void *ctx, int64_t lo, int64_t hi) {
+    const vpack_args *a = (const vpack_args *)ctx;
+    const int64_t T = a->T, D = a->D, Dp = (D + 15) / 16 * 16, ng = (T + 3) / 4;
+    for (int64_t it = lo; it < hi; it++) {         /* it = (b*G + g)*ng + jg */
+        int64_t bg = it / ng, j = it % ng * 4;
+        const float *q = a->qv + (bg * T + j) * D;
+        uint32_t *restrict w = a->qv8 + it * Dp;
+        int nk = (int)(T - j < 4 ? T - j : 4);
+        for (int64_t d = 0; d < Dp; d++) w[d] = 0;
+        for (int k = 0; k < nk; k++)
+            for (int64_t d = 0; d < D; d++) w[d] |= (uint32_t)(uint8_t)(int32_t)q[k * D + d] << (8 * k);
     }
 }
 
@@ -325,14 +337,18 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
      * another or by zero padding */
     float *qh = alloc_padded(nq + 3 * nk + (size_t)(B * G * T), sizeof(float));
     size_t n8 = o1b_attn_vnni_now() ? (size_t)(B * G * ((T + 3) / 4 * 4) * ((D + 15) / 16 * 16)) : 0;
-    int8_t *qv8 = n8 ? calloc(n8, 1) : NULL;        /* the packed levels, padding zero */
+    int8_t *qv8 = n8 ? malloc(n8) : NULL;           /* the packed levels (vpack_range) */
     if (!qh || (n8 && !qv8)) { free(qh); free(qv8); return -1; }
     float *kh = qh + nq, *kt = kh + nk, *qv = kt + nk, *sv = qv + nk;
     to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
     to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
     to_transposed(kh, B * G, T, D, kt);
-    vquant_args va = {v, qv, sv, qv8, T, G, D};
+    vquant_args va = {v, qv, sv, T, G, D};
     o1b_parallel_for(B * G * T, 1 + 4096 / (D > 0 ? D : 1), vquant_range, &va);
+    if (qv8) {
+        vpack_args vp = {qv, (uint32_t *)(void *)qv8, T, D};
+        o1b_parallel_for(B * G * ((T + 3) / 4), 1 + 1024 / (D > 0 ? D : 1), vpack_range, &vp);
+    }
     fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, NULL, qv, sv, qv8, NULL, NULL, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(qv8);
