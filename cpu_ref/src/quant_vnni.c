@@ -39,10 +39,12 @@
  *                 registers, not stored), then of D = rot_n(dy) (128 x 16 strips in L1, the
  *                 block's rows still in L2); R = rot_m(q_w) and X = rot_n(q_x) in int16,
  *                 stored, with their absmax.
- *             B3: R and X quantized and packed as B operands with their column sums; D
- *                 recomputed block by block, quantized and transposed into the dW GEMM's A.
- *             B4: dx tasks (G recomputed and quantized into A, GEMM, epilogue) and dW tasks
- *                 (GEMM, epilogue with the clip marks), side by side.
+ *             B3: R and X quantized and packed as B operands with their column sums; per
+ *                 block of 128 rows of dy: G recomputed and quantized into the dx GEMM's A,
+ *                 then D recomputed (the rows still in L2), quantized and transposed into the
+ *                 dW GEMM's A.
+ *             B4: the dx and dW GEMMs (epilogues with the dequantization, dW's with the clip
+ *                 marks), side by side.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -705,7 +707,7 @@ typedef struct {
     int8_t *Bw, *Bx; int32_t *csw, *csx;
     float inv_rw, inv_rx; int kind_rw, kind_rx;
     /* B4 */
-    int64_t ndx, dxrows, ndw, ndf;             /* dx tasks (dxrows rows each), dW tasks (DW_ROWS rows), dW fills */
+    int64_t ndx, dxrows, ndw, ndf;             /* dx tasks (dxrows rows each), dW tasks (DW_ROWS rows), A fills */
     uint8_t *Adx, *Adw;
     float inv_g, inv_d; int kind_g, kind_d;
     gemm_job gdx, gdw;
@@ -953,17 +955,7 @@ static TGT void dw_fill(bwd_ctx *a, int64_t b) {
     }
     for (int64_t m = (M + 15) / 16 * 16; m < Mr; m++) memset(A + m * Np, 128, QB);   /* rows past M */
 }
-static void bwd_b3(void *ctx, int64_t t) {
-    bwd_ctx *a = (bwd_ctx *)ctx;
-    int64_t npk = a->Kp / NR;
-    if (t < a->ndf) { dw_fill(a, t); return; }  /* the larger tasks first */
-    t -= a->ndf;
-    if (a->dx && t < npk) { pack_r_panel(a->Rw, a->Mp, a->K, a->inv_rw, a->kind_rw, a->Bw, a->csw, t); return; }
-    if (a->dx) t -= npk;
-    pack_r_panel(a->Rx, a->Np, a->K, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
-}
-
-/* dx task: rows [r0, r1) of G recomputed and quantized into A (levels narrowed with saturating
+/* Rows [r0, r1) of dx's A: G recomputed and quantized (levels narrowed with saturating
  * packs, exact on -127 .. 127, put back in order, offset by 128), then the GEMM. */
 static TGT void dx_fill(bwd_ctx *a, int64_t r0, int64_t r1) {
     int64_t Mp = a->Mp;
@@ -986,12 +978,24 @@ static TGT void dx_fill(bwd_ctx *a, int64_t r0, int64_t r1) {
         }
     }
 }
-static void dx_task(bwd_ctx *a, int64_t t) {
-    int64_t r0 = t * a->dxrows, r1 = r0 + a->dxrows;
-    dx_fill(a, r0, r1);
-    gemm_rows(&a->gdx, r0, r1);
+static void bwd_b3(void *ctx, int64_t t) {
+    bwd_ctx *a = (bwd_ctx *)ctx;
+    int64_t npk = a->Kp / NR;
+    if (t < a->ndf) {     /* the larger tasks first: a block of 128 rows of dy, read in order for
+                             dx's A rows, then from cache by columns for dW's A */
+        int64_t r0 = t * QB, r1 = r0 + QB < a->ndx * a->dxrows ? r0 + QB : a->ndx * a->dxrows;
+        if (a->dx && r0 < r1) dx_fill(a, r0, r1);
+        if (a->dw) dw_fill(a, t);
+        return;
+    }
+    t -= a->ndf;
+    if (a->dx && t < npk) { pack_r_panel(a->Rw, a->Mp, a->K, a->inv_rw, a->kind_rw, a->Bw, a->csw, t); return; }
+    if (a->dx) t -= npk;
+    pack_r_panel(a->Rx, a->Np, a->K, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
 }
-/* dW task: rows m0 .. m0+DW_ROWS-1 (A filled in B3), the GEMM. */
+
+/* dx and dW tasks: rows of the GEMMs (A filled in B3). */
+static void dx_task(bwd_ctx *a, int64_t t) { gemm_rows(&a->gdx, t * a->dxrows, t * a->dxrows + a->dxrows); }
 static void dw_task(bwd_ctx *a, int64_t t) { gemm_rows(&a->gdw, t * DW_ROWS, t * DW_ROWS + DW_ROWS); }
 static void bwd_b4(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
@@ -1017,7 +1021,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     a.dxrows = pick_rowchunk(N);
     a.ndx = dx ? (N + a.dxrows - 1) / a.dxrows : 0;
     a.ndw = dw ? (M + DW_ROWS - 1) / DW_ROWS : 0;
-    a.ndf = dw ? Np / QB : 0;
+    a.ndf = dx || dw ? Np / QB : 0;
     int64_t Nr = a.ndx * a.dxrows, Mr = a.ndw * DW_ROWS;
     /* the work buffers, in one block: pass 0 sizes it, pass 1 hands out the pieces */
     arena ar = {0};
@@ -1082,12 +1086,12 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             a.kind_rx = scale_kind(srx); a.inv_rx = inv_of(srx);
         }
         /* B3: R and X packed as B */
-        run_tasks(a.ndf + (dx ? Kp / NR : 0) + (dw ? Kp / NR : 0), (dx ? Mp * K * 2 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
+        run_tasks(a.ndf + (dx ? Kp / NR : 0) + (dw ? Kp / NR : 0), (dx ? Mp * K * 2 + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
         /* B4: the two GEMMs */
         gemm_job gdx = {N, K, Mp, a.Adx, a.Bw, a.csw, EP_DX, sg, srw, 0.0f, NULL, NULL, dx, NULL};
         gemm_job gdw = {M, K, Np, a.Adw, a.Bx, a.csx, EP_DW, sd, srx, sx, NULL, a.clip, dw, NULL};
         a.gdx = gdx; a.gdw = gdw;
-        run_tasks(a.ndw + a.ndx, (dx ? N * K * Mp / 64 + N * Mp * 3 : 0) + (dw ? M * K * Np / 64 + Np * M * 3 : 0), bwd_b4, &a);
+        run_tasks(a.ndw + a.ndx, (dx ? N * K * Mp / 64 : 0) + (dw ? M * K * Np / 64 : 0), bwd_b4, &a);
         arena_close(&ar);
     }
     return ok;
