@@ -454,8 +454,8 @@ INL void epilogue16(const gemm_job *g, const int ep, int64_t i, int64_t j, __m51
 INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
     int64_t P4 = g->P4, np = (g->J + NR - 1) / NR, P64 = P4 / 64 * 64;
     int amx = P64 > 0 && i0 % 16 == 0 && i1 % 16 == 0 && o1b_q_amx_on();
-    if (amx) o1b_q_amx_begin();
     int stream = ep != EP_RAW && g->I * g->J * (int64_t)sizeof(float) > STREAM_BYTES;
+    if (amx) o1b_q_amx_begin();
     for (int64_t jp = 0; jp < np; jp++) {
         const int8_t *bp = g->Bp + jp * NR * P4;
         int64_t j0 = jp * NR;
@@ -486,8 +486,8 @@ INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
         }
     }
     if (amx) o1b_q_amx_end();
-}
     if (stream) _mm_sfence();       /* the streamed rows are visible before the task is done */
+}
 static TGT void gemm_rows_raw(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_RAW); }
 static TGT void gemm_rows_fwd(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_FWD); }
 static TGT void gemm_rows_dx(const gemm_job *g, int64_t i0, int64_t i1) { gemm_rows_ep(g, i0, i1, EP_DX); }
