@@ -18,6 +18,7 @@
  * ARCH_REQ_XCOMP_PERM for XTILEDATA), once, for every thread. Each caller loads the tile
  * configuration before a run of blocks and releases the tiles after, so an idle thread carries
  * no tile state across context switches. */
+#define _GNU_SOURCE                  /* syscall() under -std=c11 */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
