@@ -15,7 +15,8 @@
  *         o1b_add/o1b_sub flush, to the same signed zero. Products are `vmul`: the product
  *         under FTZ, which can differ from o1b_mul only when it is exactly ±2^-126 (the exact
  *         product may lie just below, where the contract flushes); such lanes are recomputed
- *         by the scalar o1b_mul. The rotation stages run in the contract's order
+ *         by the scalar o1b_mul (vmul_n tests a batch of products at once and then redoes the
+ *         batch with vmul). The rotation stages run in the contract's order
  *         h = 1, 2, ..., 64; within a stage the butterflies are independent, so grouping them
  *         (in-register for h < 16 along a row; across rows, stages 1-8 on sixteen consecutive
  *         rows and then 16-64 on rows sixteen apart, or three radix-8 passes in int16) changes
@@ -38,7 +39,7 @@
  *             B2: per block of 128 rows of dy: absmax of G = rot_m(dy · s_w) (rows rotated in
  *                 registers, not stored), then of D = rot_n(dy) (128 x 16 strips in L1, the
  *                 block's rows still in L2); R = rot_m(q_w) and X = rot_n(q_x) in int16,
- *                 stored, with their absmax.
+ *                 stored by 32-column strips (B's panels), with their absmax.
  *             B3: R and X quantized and packed as B operands with their column sums; per
  *                 block of 128 rows of dy: G recomputed and quantized into the dx GEMM's A,
  *                 then D recomputed (the rows still in L2), quantized and transposed into the
@@ -789,10 +790,12 @@ static TGT uint32_t g_absmax(const bwd_ctx *a, int64_t r0, int64_t r1) {
 }
 /* R's block b (rows 128b ..), columns 32s ..: the int8 rows (q_w, or x quantized with inv_x)
  * widened to int16, rotated (exact), stored; returns max |R| of the strip. The rows' next 32
- * columns are fetched meanwhile (pf). */
+ * columns are fetched meanwhile (pf). R is kept by strips of 32 columns (B's panels): row p of
+ * strip s at R + (s * P + p) * 32, columns past K zero, so that this store and the packing
+ * read whole lines in order. */
 INL uint32_t r_strip(const bwd_ctx *a, int from_x, int64_t b, int64_t s, int pf) {
-    int64_t R = from_x ? a->N : a->M, C = a->K, c0 = s * 32;
-    int16_t *dst = from_x ? a->Rx : a->Rw;
+    int64_t R = from_x ? a->N : a->M, C = a->K, c0 = s * 32, P = from_x ? a->Np : a->Mp;
+    int16_t *dst = (from_x ? a->Rx : a->Rw) + s * P * 32;
     __mmask32 km = lanes32(C - c0);
     __m512i v[QB];
     __m512 iv = _mm512_set1_ps(a->inv_x);
@@ -833,7 +836,7 @@ INL uint32_t r_strip(const bwd_ctx *a, int from_x, int64_t b, int64_t s, int pf)
     UNROLL
     for (int i = 0; i < QB; i++) {
         m = _mm512_max_epu16(m, _mm512_abs_epi16(v[i]));
-        st_i16x32(dst + (b * QB + i) * C + c0, km, v[i]);
+        _mm512_storeu_si512(dst + (b * QB + i) * 32, v[i]);
     }
     __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(m));
     __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1));
@@ -861,16 +864,17 @@ static void bwd_b2(void *ctx, int64_t t) {
     a->rxmax[t] = r_block(a, 1, t);
 }
 
-/* Panel jp of the B operand from R (P rows, K columns, int16): q = level(mul(i2f(R), inv)).
+/* Panel jp of the B operand from R (P rows; strip jp at R + jp * P * 32, see r_strip):
+ * q = level(mul(i2f(R), inv)).
  * Per four rows: the levels narrowed with saturating packs (exact on -127 .. 127), which leave
  * lane l with rows 0-3 x 4 bytes of columns 4l .. 4l+3; a byte shuffle turns that into columns
  * x rows, B's layout; vpdpbusd by ones adds each column's 4 bytes into its sum. */
-static TGT void pack_r_panel(const int16_t *R, int64_t P, int64_t K, float inv, int kind,
+static TGT void pack_r_panel(const int16_t *R, int64_t P, float inv, int kind,
                              int8_t *Bp, int32_t *cs, int64_t jp) {
     int64_t j0 = jp * NR;
     int8_t *dst = Bp + jp * NR * P;
     if (kind != 1) { memset(dst, 0, (size_t)(NR * P)); memset(cs + j0, 0, NR * sizeof(int32_t)); return; }
-    __mmask32 km = lanes32(K - j0);
+    const int16_t *Rs = R + jp * P * 32;
     __m512 iv = _mm512_set1_ps(inv);
     const __m512i ones = _mm512_set1_epi8(1);
     const __m512i sh = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);   /* (r, i) -> (i, r) */
@@ -879,8 +883,7 @@ static TGT void pack_r_panel(const int16_t *R, int64_t P, int64_t K, float inv, 
         __m512 x[8];                          /* x[2r]: row p + r, columns 0-15; x[2r + 1]: 16-31 */
         UNROLL
         for (int r = 0; r < 4; r++) {
-            __m512i v = _mm512_maskz_loadu_epi16(km, R + (p + r) * K + j0);
-            if (p + 32 < P) _mm_prefetch((const char *)(R + (p + 32 + r) * K + j0), _MM_HINT_T0);
+            __m512i v = _mm512_loadu_si512(Rs + (p + r) * 32);
             x[2 * r] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
             x[2 * r + 1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
         }
@@ -989,9 +992,9 @@ static void bwd_b3(void *ctx, int64_t t) {
         return;
     }
     t -= a->ndf;
-    if (a->dx && t < npk) { pack_r_panel(a->Rw, a->Mp, a->K, a->inv_rw, a->kind_rw, a->Bw, a->csw, t); return; }
+    if (a->dx && t < npk) { pack_r_panel(a->Rw, a->Mp, a->inv_rw, a->kind_rw, a->Bw, a->csw, t); return; }
     if (a->dx) t -= npk;
-    pack_r_panel(a->Rx, a->Np, a->K, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
+    pack_r_panel(a->Rx, a->Np, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
 }
 
 /* dx and dW tasks: rows of the GEMMs (A filled in B3). */
@@ -1036,7 +1039,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             QALLOC(a.xmax, uint32_t, a.nxc);
             QALLOC(a.dmax, uint32_t, a.ngt);
             QALLOC(a.rxmax, uint32_t, a.nrx);
-            QALLOC(a.Rx, int16_t, Np * K);
+            QALLOC(a.Rx, int16_t, Np * Kp);
             QALLOC(a.Bx, int8_t, Kp * Np);
             QALLOC(a.csx, int32_t, Kp);
             QALLOC(a.Adw, uint8_t, Mr * Np);
@@ -1044,7 +1047,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         if (dx) {
             QALLOC(a.gmax, uint32_t, a.ngt);
             QALLOC(a.rwmax, uint32_t, a.nrw);
-            QALLOC(a.Rw, int16_t, Mp * K);
+            QALLOC(a.Rw, int16_t, Mp * Kp);
             QALLOC(a.Bw, int8_t, Kp * Mp);
             QALLOC(a.csw, int32_t, Kp);
             QALLOC(a.Adx, uint8_t, Nr * Mp);
