@@ -158,7 +158,6 @@ static inline __mmask32 lanes32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFF
 INL void st_ps(float *p, __mmask16 k, __m512 v) { if (k == 0xFFFF) _mm512_storeu_ps(p, v); else _mm512_mask_storeu_ps(p, k, v); }
 INL void st_i32(int32_t *p, __mmask16 k, __m512i v) { if (k == 0xFFFF) _mm512_storeu_si512(p, v); else _mm512_mask_storeu_epi32(p, k, v); }
 INL void st_b16(void *p, __mmask16 k, __m128i v) { if (k == 0xFFFF) _mm_storeu_si128((__m128i *)p, v); else _mm_mask_storeu_epi8(p, k, v); }
-INL void st_i16x32(int16_t *p, __mmask32 k, __m512i v) { if (k == 0xFFFFFFFFu) _mm512_storeu_si512(p, v); else _mm512_mask_storeu_epi16(p, k, v); }
 
 /* All vector arithmetic below runs inside run_worker, with FTZ|DAZ set: a subnormal operand
  * counts as a zero of its sign (as the contract's flushed load does) and a subnormal result is
@@ -216,8 +215,6 @@ INL __m512i vlevel_off(__m512 t, int off) {
                             _mm512_set1_epi32(0x4B400000 - off));
 }
 INL __m512i vlevel(__m512 t) { return vlevel_off(t, 0); }
-/* level(mul(v, inv)) + 128 as 16 bytes (the GEMM's u8 A operand). */
-INL __m128i vq_u8(__m512 v, __m512 inv) { return _mm512_cvtepi32_epi8(vlevel_off(vmul(v, inv), 128)); }
 /* the per-tensor scale from the max of |v| bits (fp32 tensors: >= inf means not finite) */
 static float scale_from_bits(uint32_t m) { return m >= 0x7F800000u ? o1b_nan() : tensor_scale(qfrom(m)); }
 static float inv_of(float s) { return scale_kind(s) == 1 ? o1b_div(1.0f, s) : 0.0f; }
