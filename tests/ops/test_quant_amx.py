@@ -54,17 +54,18 @@ def test_layer_tiles_equal_vnni(shape, threads):
         assert np.array_equal(g, wnt), f"{name} differs with AMX at {shape}"
 
 
-@pytest.mark.parametrize("shape", [(16, 64, 16), (48, 100, 70), (33, 188, 65), (64, 256, 96)],
+@pytest.mark.parametrize("shape", [(16, 64, 16), (48, 100, 70), (33, 188, 65), (64, 256, 96), (256, 130, 70)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gemm_i8_tiles_exact(shape):
     """The plain int8 GEMM on tiles: extreme operands (all ±127, so the u8 offset sums reach
-    255·127 per product) and random ones, against int64 arithmetic."""
+    255·127 per product) and random ones, against int64 arithmetic. One thread, so that 256 rows
+    go in tasks of 64 and so in 32-row tile blocks (the smaller shapes give tasks of 16 rows)."""
     I, P, J = shape
     rng = np.random.default_rng(I + P + J)
     for A, B in ((rng.integers(-127, 128, (I, P), dtype=np.int8), rng.integers(-127, 128, (J, P), dtype=np.int8)),
                  (np.full((I, P), 127, np.int8), np.full((J, P), -127, np.int8))):
         runs = C.quant.gemm_i8_amx_runs()
-        with C.runtime.settings(amx=True):
+        with C.runtime.settings(amx=True, threads=1):
             got = C.gemm_i8(A, B)
         assert C.quant.gemm_i8_amx_runs() > runs
         assert np.array_equal(got, A.astype(np.int64) @ B.astype(np.int64).T)
