@@ -80,8 +80,9 @@ ATGT void o1b_q_amx_end(void) { _tile_release(); }
 /* out[r·32 + c] = sum over p < np of a[r·lda + p] · B[c, p] (int32 with wraparound) for
  * r < rows (16 or 32) and the panel's 32 columns; np a multiple of 64. */
 ATGT void o1b_q_amx_block(const uint8_t *a, int64_t lda, int64_t np, const int8_t *bp, int rows, int32_t *out) {
-    /* The tile intrinsics' asm names no memory operands: this barrier keeps the caller's packing
-     * stores before the tile loads even if this function is ever inlined (LTO). */
+    /* The tile intrinsics' asm names no memory operands: these barriers keep the caller's packing
+     * stores before the tile loads, and its reads of out after the tile stores, even if this
+     * function is ever inlined (LTO). */
     __asm__ volatile("" ::: "memory");
     _tile_zero(0);
     _tile_zero(1);
@@ -111,6 +112,7 @@ ATGT void o1b_q_amx_block(const uint8_t *a, int64_t lda, int64_t np, const int8_
     }
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
+    __asm__ volatile("" ::: "memory");
 }
 
 #else  /* no AMX here: quant_vnni.c keeps its VNNI kernel */
