@@ -215,6 +215,14 @@ INL __m512i vlevel_off(__m512 t, int off) {
                             _mm512_set1_epi32(0x4B400000 - off));
 }
 INL __m512i vlevel(__m512 t) { return vlevel_off(t, 0); }
+/* vlevel_off where t = mul(v, 1/s) with s the tensor's own scale amax/127 and |v| <= amax (x, G,
+ * D, R, X: never the weights): |t| <= 127·(1 + 2^-24)^3 < 127.5 after the three roundings
+ * (s, 1/s, the product; a flush only shrinks), so the clamp changes nothing and is left out. */
+INL __m512i vround_off(__m512 t, int off) {
+    return _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(O1B_ROUND_MAGIC))),
+                            _mm512_set1_epi32(0x4B400000 - off));
+}
+INL __m512i vround(__m512 t) { return vround_off(t, 0); }
 /* the per-tensor scale from the max of |v| bits (fp32 tensors: >= inf means not finite) */
 static float scale_from_bits(uint32_t m) { return m >= 0x7F800000u ? o1b_nan() : tensor_scale(qfrom(m)); }
 static float inv_of(float s) { return scale_kind(s) == 1 ? o1b_div(1.0f, s) : 0.0f; }
@@ -624,8 +632,8 @@ static TGT void quant_rows_bf16(const bf16 *x, int64_t N, int64_t K, int64_t P4,
                 v[j] = ld_bf16(row + k, k < K ? lanes16(K - k) : 0);
             }
             vmul_n(v, v, iv, 4);
-            __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(vlevel(v[0]), vlevel(v[1])),
-                                           _mm512_packs_epi32(vlevel(v[2]), vlevel(v[3])));
+            __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(vround(v[0]), vround(v[1])),
+                                           _mm512_packs_epi32(vround(v[2]), vround(v[3])));
             b = _mm512_xor_si512(_mm512_permutexvar_epi32(pd, b), _mm512_set1_epi8((char)0x80));
             if (P4 - k0 >= 64) _mm512_storeu_si512(d + k0, b);
             else _mm512_mask_storeu_epi8(d + k0, (__mmask64)((1ull << (P4 - k0)) - 1), b);
@@ -817,7 +825,7 @@ INL uint32_t r_strip(const bwd_ctx *a, int from_x, int64_t b, int64_t s, int pf)
             vmul_n(t, t, iv, 16);
             UNROLL
             for (int k = 0; k < 8; k++)
-                v[i + k] = r + k < R ? _mm512_permutexvar_epi64(unpk, _mm512_packs_epi32(vlevel(t[2 * k]), vlevel(t[2 * k + 1])))
+                v[i + k] = r + k < R ? _mm512_permutexvar_epi64(unpk, _mm512_packs_epi32(vround(t[2 * k]), vround(t[2 * k + 1])))
                                      : _mm512_setzero_si512();
         } else {
             UNROLL
@@ -885,10 +893,10 @@ static TGT void pack_r_panel(const int16_t *R, int64_t P, float inv, int kind,
             x[2 * r + 1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
         }
         vmul_n(x, x, iv, 8);
-        __m512i lo = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(vlevel(x[0]), vlevel(x[2])),
-                                                            _mm512_packs_epi32(vlevel(x[4]), vlevel(x[6]))), sh);
-        __m512i hi = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(vlevel(x[1]), vlevel(x[3])),
-                                                            _mm512_packs_epi32(vlevel(x[5]), vlevel(x[7]))), sh);
+        __m512i lo = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(vround(x[0]), vround(x[2])),
+                                                            _mm512_packs_epi32(vround(x[4]), vround(x[6]))), sh);
+        __m512i hi = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(vround(x[1]), vround(x[3])),
+                                                            _mm512_packs_epi32(vround(x[5]), vround(x[7]))), sh);
         c0 = _mm512_dpbusd_epi32(c0, ones, lo);
         c1 = _mm512_dpbusd_epi32(c1, ones, hi);
         _mm512_storeu_si512(dst + p * 32, lo);
@@ -906,7 +914,7 @@ INL void q_tr16(const __m512 *v, __m512 iv, uint8_t *A, int64_t lda) {
     __m512 t[16];
     vmul_n(t, v, iv, 16);
     UNROLL
-    for (int k = 0; k < 8; k++) w[k] = _mm512_packs_epi32(vlevel_off(t[2 * k], 128), vlevel_off(t[2 * k + 1], 128));
+    for (int k = 0; k < 8; k++) w[k] = _mm512_packs_epi32(vround_off(t[2 * k], 128), vround_off(t[2 * k + 1], 128));
     /* within each 16-byte lane t: (r, i) -> (i, r) */
     const __m512i sh = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);
     UNROLL
@@ -970,8 +978,8 @@ static TGT void dx_fill(bwd_ctx *a, int64_t r0, int64_t r1) {
             vmul_n(x, x, iv, 8);
             UNROLL
             for (int h = 0; h < 2; h++) {    /* packs leave x[4h + a] elements 4l .. 4l+3 in dword 4l + a */
-                __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(vlevel(x[4 * h]), vlevel(x[4 * h + 1])),
-                                               _mm512_packs_epi32(vlevel(x[4 * h + 2]), vlevel(x[4 * h + 3])));
+                __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(vround(x[4 * h]), vround(x[4 * h + 1])),
+                                               _mm512_packs_epi32(vround(x[4 * h + 2]), vround(x[4 * h + 3])));
                 b = _mm512_xor_si512(_mm512_permutexvar_epi32(pd, b), _mm512_set1_epi8((char)0x80));   /* q + 128 */
                 _mm512_storeu_si512(d + c * QB + 64 * h, b);
             }
