@@ -24,8 +24,10 @@ Because chunks are counted from the tensor's start, workers that each hold a CHU
 a tensor can compute `leaf_hashes` of their piece; the concatenated leaf lists, in order, give the
 same root (`combine_chunks`, `tensor_hash_from_leaves`).
 
-Speed: hashlib's SHA-256 runs on memoryviews of the arrays (no copies for C-contiguous
-little-endian arrays) and releases the GIL, so chunks are hashed on a small thread pool.
+Speed: SHA-256 runs on memoryviews of the arrays (no copies for C-contiguous little-endian
+arrays) and releases the GIL, so chunks are hashed on a small thread pool. Where the C reference
+hashes 16 equal-length leaves at a time (AVX-512, cpu_ref/src/sha256_mb.c), groups of 16 leaves
+of one length (a state's whole chunks) go there, the others to hashlib; the digests are the same.
 """
 from __future__ import annotations
 
@@ -158,6 +160,58 @@ def _leaf(chunk) -> bytes:
     return h.digest()
 
 
+_lanes_module = None                 # cpu_ref.sha256 where it hashes 16 leaves at a time, else False
+
+
+def _c_leaves():
+    """The C leaves (cpu_ref/src/sha256_mb.c) where they hash equal-length leaves 16 at a time
+    (AVX-512: several times hashlib's speed per core), else None (hashlib for every leaf)."""
+    global _lanes_module
+    if _lanes_module is None:
+        try:
+            from mlx_open1b.cpu_ref import sha256 as lanes
+            _lanes_module = lanes if lanes.lanes() == 16 else False
+        except (ImportError, OSError):          # the C library is not built here
+            _lanes_module = False
+    return _lanes_module or None
+
+
+def _hash_leaves(chunks: list, parallel: bool = True) -> list[bytes]:
+    """[_leaf(c) for c in chunks] (bytes-like chunks, each at most CHUNK bytes). Lengths with 16
+    or more chunks go to the C leaves in jobs of 16 k chunks (about a CHUNK's bytes or more per
+    job), the rest to hashlib; jobs run on the thread pool when `parallel`. SHA-256 either way."""
+    fast = _c_leaves()
+    jobs: list[list[int]] = []
+    alone: list[int] = []
+    if fast is None or len(chunks) < 16:
+        alone = list(range(len(chunks)))
+    else:
+        by_len: dict[int, list[int]] = {}
+        for k, c in enumerate(chunks):
+            by_len.setdefault(len(c), []).append(k)
+        for n, ks in by_len.items():
+            m = len(ks) // 16 * 16
+            per = 16 * max(1, CHUNK // max(1, 16 * n))
+            jobs += [ks[i:min(i + per, m)] for i in range(0, m, per)]
+            alone += ks[m:]
+
+    def run(job):
+        if isinstance(job, int):
+            return _leaf(chunks[job])
+        return fast.leaves([chunks[k] for k in job])
+
+    work = jobs + alone
+    done = _map(run, work) if parallel else [run(j) for j in work]
+    out: list = [None] * len(chunks)
+    for job, d in zip(work, done):
+        if isinstance(job, int):
+            out[job] = d
+        else:
+            for k, dk in zip(job, d):
+                out[k] = dk
+    return out
+
+
 def leaf_hashes(data, offset: int = 0) -> list[bytes]:
     """Leaf digests of a run of canonical bytes (a bytes-like object or a C-contiguous array).
     `offset` is where these bytes start inside their tensor and must be a multiple of CHUNK, so
@@ -174,7 +228,7 @@ def leaf_hashes(data, offset: int = 0) -> list[bytes]:
     n = len(mv)
     if n == 0:
         return [_leaf(b"")]
-    return _map(lambda i: _leaf(mv[i:i + CHUNK]), list(range(0, n, CHUNK)))
+    return _hash_leaves([mv[i:i + CHUNK] for i in range(0, n, CHUNK)])
 
 
 def merkle_root(digests: Sequence[bytes]) -> bytes:
@@ -269,9 +323,8 @@ def tensor_digests(items: Iterable) -> dict[str, bytes]:
         tasks.extend((t, mv, i) for i in range(0, len(mv), CHUNK))
     # at most a chunk's bytes in all (counters, small tensors): on this thread, not queued behind a
     # background thread's chunks in the pool (mlx_open1b/state_hashes.py)
-    leaf_of = lambda task: _leaf(task[1][task[2]:task[2] + CHUNK])     # noqa: E731
-    leaves = (_map(leaf_of, tasks) if sum(len(mv) for _, _, _, mv in prepared) > CHUNK
-              else [leaf_of(task) for task in tasks])
+    leaves = _hash_leaves([mv[i:i + CHUNK] for _, mv, i in tasks],
+                          parallel=sum(len(mv) for _, _, _, mv in prepared) > CHUNK)
     per: list[list[bytes]] = [[] for _ in prepared]
     for (t, _, _), d in zip(tasks, leaves):
         per[t].append(d)

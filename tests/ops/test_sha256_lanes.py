@@ -4,6 +4,7 @@ one-byte prefix, group sizes around 16, mixed lengths, unaligned buffers, at eve
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -88,3 +89,47 @@ def test_mixed_lengths_unaligned_and_empty(level):
 
 def test_nothing():
     assert sha256.leaves_counted([]) == ([], 0)
+
+
+def collection(seed: int = 5) -> list:
+    """Tensors whose leaves have groups of 16+ equal lengths (whole chunks, equal tails, equal
+    small tensors) and lengths alone, as a training state has."""
+    rng = np.random.default_rng(seed)
+    items = [(f"big{i}", rng.integers(0, 2**16, (5, CHUNK // 4 + 7), dtype=np.uint16)) for i in range(9)]
+    items += [(f"mid{i}", rng.standard_normal(CHUNK // 4 + 333).astype(np.float32)) for i in range(18)]
+    items += [(f"norm{i}", rng.integers(0, 2**16, 384, dtype=np.uint16)) for i in range(17)]
+    items += [("step", np.array([7], np.int64)), ("empty", np.zeros((0, 3), np.float32)),
+              ("odd", rng.integers(0, 2**32, 1001, dtype=np.uint32))]
+    return items
+
+
+def test_hashing_uses_the_lanes_and_gives_hashlibs_digests(monkeypatch):
+    from mlx_open1b import hashing
+    items = collection()
+    monkeypatch.setattr(hashing, "_lanes_module", False)            # hashlib for every leaf
+    want = hashing.tensor_digests(items)
+    want_leaves = hashing.leaf_hashes(items[0][1])
+    if not HAS16:
+        pytest.skip("no 16-lane SHA-256 here (needs AVX-512)")
+    calls = []
+
+    class Counting:
+        @staticmethod
+        def leaves(bufs):
+            calls.append(len(bufs))
+            return sha256.leaves(bufs)
+
+    monkeypatch.setattr(hashing, "_lanes_module", Counting)
+    for threads in (1, 2):
+        monkeypatch.setattr(hashing, "_threads", threads)
+        got = hashing.tensor_digests(items)
+        assert list(got) == list(want)
+        bad = [k for k in want if got[k] != want[k]]
+        assert not bad, f"tensor digests differ with the 16-lane leaves: {bad[:5]}"
+        assert hashing.leaf_hashes(items[0][1]) == want_leaves
+    # every job a multiple of 16 leaves of one length; all the 16s of each length went to C
+    lengths = Counter()
+    for _, a in items:
+        lengths.update([min(CHUNK, a.nbytes - i) for i in range(0, a.nbytes, CHUNK)] or [0])
+    assert calls and all(c % 16 == 0 for c in calls)
+    assert sum(calls) == 2 * sum(c // 16 * 16 for c in lengths.values()) > 0
