@@ -1,5 +1,6 @@
-"""Merkle leaves of mlx_open1b.hashing in C: leaf = SHA-256(0x00 || chunk), equal-length leaves
-16 at a time on AVX-512 (cpu_ref/src/sha256_mb.c). The digests are SHA-256's, whatever the path."""
+"""Merkle leaves of mlx_open1b.hashing in C: leaf = SHA-256(0x00 || chunk), 16 leaves at a time on
+AVX-512, one alone by the SHA extensions or portable C (cpu_ref/src/sha256_mb.c). The digests are
+SHA-256's, whatever the path."""
 from __future__ import annotations
 
 import ctypes
@@ -13,8 +14,8 @@ _lanes = declare("o1b_sha256_lanes", restype=ctypes.c_int)
 
 
 def lanes() -> int:
-    """16 where equal-length leaves are hashed 16 at a time (AVX-512), else 1 (portable C, slower
-    than hashlib's)."""
+    """16 where leaves are hashed 16 at a time (AVX-512), else 1 (one at a time: hashlib is as
+    fast or faster)."""
     return int(_lanes())
 
 
@@ -27,7 +28,7 @@ def _address(buf) -> tuple[int, int, object]:
 
 
 def leaves_counted(bufs) -> tuple[list[bytes], int]:
-    """([SHA-256(0x00 || b) for b in bufs], how many were hashed 16 at a time) for bytes-like
+    """([SHA-256(0x00 || b) for b in bufs], how many ended in the 16 lanes) for bytes-like
     objects (bytes, memoryviews, contiguous arrays); on the calling thread, the GIL released."""
     held = [_address(b) for b in bufs]
     n = len(held)

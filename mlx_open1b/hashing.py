@@ -26,8 +26,8 @@ same root (`combine_chunks`, `tensor_hash_from_leaves`).
 
 Speed: SHA-256 runs on memoryviews of the arrays (no copies for C-contiguous little-endian
 arrays) and releases the GIL, so chunks are hashed on a small thread pool. Where the C reference
-hashes 16 equal-length leaves at a time (AVX-512, cpu_ref/src/sha256_mb.c), groups of 16 leaves
-of one length (a state's whole chunks) go there, the others to hashlib; the digests are the same.
+hashes 16 leaves at a time (AVX-512, cpu_ref/src/sha256_mb.c), the leaves of a call with 16 or
+more go there, one job per thread; else hashlib hashes each. The digests are the same.
 """
 from __future__ import annotations
 
@@ -164,8 +164,8 @@ _lanes_module = None                 # cpu_ref.sha256 where it hashes 16 leaves 
 
 
 def _c_leaves():
-    """The C leaves (cpu_ref/src/sha256_mb.c) where they hash equal-length leaves 16 at a time
-    (AVX-512: several times hashlib's speed per core), else None (hashlib for every leaf)."""
+    """The C leaves (cpu_ref/src/sha256_mb.c) where they hash 16 leaves at a time (AVX-512:
+    about 2-3 times hashlib's bytes per second per core), else None (hashlib for every leaf)."""
     global _lanes_module
     if _lanes_module is None:
         try:
@@ -177,38 +177,27 @@ def _c_leaves():
 
 
 def _hash_leaves(chunks: list, parallel: bool = True) -> list[bytes]:
-    """[_leaf(c) for c in chunks] (bytes-like chunks, each at most CHUNK bytes). Lengths with 16
-    or more chunks go to the C leaves in jobs of 16 k chunks (about a CHUNK's bytes or more per
-    job), the rest to hashlib; jobs run on the thread pool when `parallel`. SHA-256 either way."""
+    """[_leaf(c) for c in chunks] (bytes-like chunks). With the C leaves and 16 chunks or more,
+    the chunks are dealt, longest first, to as many jobs of about equal bytes as the pool has
+    threads (16 chunks at least each), one C call per job; else hashlib per chunk. SHA-256 either
+    way; `parallel`: on the thread pool, else on this thread."""
     fast = _c_leaves()
-    jobs: list[list[int]] = []
-    alone: list[int] = []
-    if fast is None or len(chunks) < 16:
-        alone = list(range(len(chunks)))
-    else:
-        by_len: dict[int, list[int]] = {}
-        for k, c in enumerate(chunks):
-            by_len.setdefault(len(c), []).append(k)
-        for n, ks in by_len.items():
-            m = len(ks) // 16 * 16
-            per = 16 * max(1, CHUNK // max(1, 16 * n))
-            jobs += [ks[i:min(i + per, m)] for i in range(0, m, per)]
-            alone += ks[m:]
-
-    def run(job):
-        if isinstance(job, int):
-            return _leaf(chunks[job])
-        return fast.leaves([chunks[k] for k in job])
-
-    work = jobs + alone
-    done = _map(run, work) if parallel else [run(j) for j in work]
-    out: list = [None] * len(chunks)
-    for job, d in zip(work, done):
-        if isinstance(job, int):
-            out[job] = d
-        else:
-            for k, dk in zip(job, d):
-                out[k] = dk
+    n = len(chunks)
+    if fast is None or n < 16:
+        return _map(_leaf, chunks) if parallel else [_leaf(c) for c in chunks]
+    njobs = max(1, min(_threads if parallel else 1, n // 16))
+    jobs: list[list[int]] = [[] for _ in range(njobs)]
+    load = [0] * njobs
+    for k in sorted(range(n), key=lambda k: -len(chunks[k])):
+        j = load.index(min(load))
+        jobs[j].append(k)
+        load[j] += len(chunks[k]) + 64
+    run = lambda job: fast.leaves([chunks[k] for k in job])     # noqa: E731
+    done = _map(run, jobs) if parallel else [run(j) for j in jobs]
+    out: list = [None] * n
+    for job, d in zip(jobs, done):
+        for k, dk in zip(job, d):
+            out[k] = dk
     return out
 
 
