@@ -201,6 +201,7 @@ static O1B_SHA_TGT void transpose16(const __m512i rows[16], __m512i w[16]) {
 
 static O1B_SHA_TGT void compress16(__m512i h[8], __m512i w[16]) {
     __m512i a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+#pragma GCC unroll 64                                  /* constant indices: w and the state in registers */
     for (int t = 0; t < 64; t++) {
         __m512i wt;
         if (t < 16) {
