@@ -171,8 +171,8 @@ def _c_leaves():
         try:
             from mlx_open1b.cpu_ref import sha256 as lanes
             _lanes_module = lanes if lanes.lanes() == 16 else False
-        except (ImportError, OSError):          # the C library is not built here
-            _lanes_module = False
+        except (ImportError, OSError, AttributeError):  # the C library is not built here, or
+            _lanes_module = False                          # was built before these leaves
     return _lanes_module or None
 
 
@@ -192,7 +192,13 @@ def _hash_leaves(chunks: list, parallel: bool = True) -> list[bytes]:
         j = load.index(min(load))
         jobs[j].append(k)
         load[j] += len(chunks[k]) + 64
-    run = lambda job: fast.leaves([chunks[k] for k in job])     # noqa: E731
+
+    def run(job: list[int]) -> list[bytes]:
+        bufs = [chunks[k] for k in job]
+        try:
+            return fast.leaves(bufs)
+        except MemoryError:                  # C could not allocate its order: the same digests by hashlib
+            return [_leaf(b) for b in bufs]
     done = _map(run, jobs) if parallel else [run(j) for j in jobs]
     out: list = [None] * n
     for job, d in zip(jobs, done):

@@ -146,3 +146,25 @@ def test_hashing_uses_the_lanes_and_gives_hashlibs_digests(monkeypatch):
     # every leaf of the collection (more than 16) went to C; leaf_hashes' 3 to hashlib
     nleaves = sum(max(1, -(-a.nbytes // CHUNK)) for _, a in items)
     assert sum(calls) == 2 * nleaves and min(calls) >= 16
+
+
+def test_hashing_falls_back_to_hashlib(monkeypatch):
+    """hashlib's digests where the C leaves cannot serve: C out of memory (-1), or a C library
+    built before these leaves (a symbol missing when cpu_ref.sha256 is bound)."""
+    import types
+    from mlx_open1b import cpu_ref as package, hashing
+    items = collection()
+    monkeypatch.setattr(hashing, "_lanes_module", False)
+    want = hashing.tensor_digests(items)
+
+    class NoMemory:
+        @staticmethod
+        def leaves(bufs):
+            raise MemoryError("sha256 leaves: out of memory")
+
+    monkeypatch.setattr(hashing, "_lanes_module", NoMemory)
+    assert hashing.tensor_digests(items) == want
+    monkeypatch.setattr(hashing, "_lanes_module", None)
+    monkeypatch.setattr(package, "sha256", types.ModuleType("sha256"), raising=False)   # no lanes()
+    assert hashing.tensor_digests(items) == want
+    assert hashing._lanes_module is False
