@@ -35,6 +35,17 @@ static size_t g_bytes, g_cap = WC_CAP_DEFAULT;
 static int64_t g_entries, g_hits, g_misses;
 static int g_on = 1;
 
+/* A fork while another thread holds the lock would leave it held for good in the child (that
+ * thread does not exist there): the fork waits for the lock, and both sides release it. */
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static void wc_before_fork(void) { pthread_mutex_lock(&g_lock); }
+static void wc_after_fork(void) { pthread_mutex_unlock(&g_lock); }
+static void wc_once(void) { pthread_atfork(wc_before_fork, wc_after_fork, wc_after_fork); }
+static void wc_lock(void) {
+    pthread_once(&g_once, wc_once);
+    pthread_mutex_lock(&g_lock);
+}
+
 static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
 static void entry_free(wc_entry *e) {
     for (int i = 0; i < WC_NPART; i++) free(e->p[i]);
@@ -78,7 +89,7 @@ static wc_entry *lookup(wc_key key, const void *w, size_t wbytes) {
 
 wc_entry *o1b_wc_find(wc_key key, const void *w, size_t wbytes, unsigned need, unsigned *have) {
     *have = 0;
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     wc_entry *e = g_on ? lookup(key, w, wbytes) : NULL;
     if (e) {
         e->refs++;
@@ -100,7 +111,7 @@ static void release_locked(wc_entry *e) {
 }
 void o1b_wc_release(wc_entry *e) {
     if (!e) return;
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     release_locked(e);
     pthread_mutex_unlock(&g_lock);
 }
@@ -109,7 +120,7 @@ int o1b_wc_fill_open(wc_fill *f, unsigned want, const size_t size[WC_NPART], siz
     memset(f, 0, sizeof *f);
     size_t total = wbytes;
     for (int i = 0; i < WC_NPART; i++) total += size[i];
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     int ok = g_on && total <= g_cap;
     pthread_mutex_unlock(&g_lock);
     if (!ok) return 0;
@@ -132,7 +143,7 @@ void o1b_wc_fill_store(wc_fill *f, wc_entry *held, wc_key key, const void *w, si
         wcopy = malloc(wbytes > 0 ? wbytes : 1);
         if (wcopy) memcpy(wcopy, w, wbytes);
     }
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     wc_entry *t = held && held->linked ? held : NULL;
     if (!held && g_on) {
         t = lookup(key, w, wbytes);            /* another call may have stored these bits meanwhile */
@@ -176,20 +187,20 @@ void o1b_wc_fill_store(wc_fill *f, wc_entry *held, wc_key key, const void *w, si
 /* Off: no lookups, nothing stored, not counted (what is held stays, for when it is on again);
  * on: the default. */
 O1B_API void o1b_q_wcache_enable(int on) {
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     g_on = on != 0;
     pthread_mutex_unlock(&g_lock);
 }
 /* Drops every entry and zeroes the counters. */
 O1B_API void o1b_q_wcache_clear(void) {
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     evict_to(0, NULL);
     g_hits = g_misses = 0;
     pthread_mutex_unlock(&g_lock);
 }
 /* Sets the cap in bytes (bytes < 0: the default) and evicts to fit; returns the old cap. */
 O1B_API int64_t o1b_q_wcache_set_cap(int64_t bytes) {
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     int64_t old = (int64_t)g_cap;
     g_cap = bytes < 0 ? WC_CAP_DEFAULT : (size_t)bytes;
     evict_to(g_cap, NULL);
@@ -198,7 +209,7 @@ O1B_API int64_t o1b_q_wcache_set_cap(int64_t bytes) {
 }
 /* out: hits, misses, entries, bytes held, cap, on. */
 O1B_API void o1b_q_wcache_stats(int64_t *out) {
-    pthread_mutex_lock(&g_lock);
+    wc_lock();
     out[0] = g_hits; out[1] = g_misses; out[2] = g_entries; out[3] = (int64_t)g_bytes;
     out[4] = (int64_t)g_cap; out[5] = g_on;
     pthread_mutex_unlock(&g_lock);

@@ -5,7 +5,10 @@ misses), the cap bounds it with least-recently-used eviction, and calls from sev
 with evictions under them keep their bits."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -188,3 +191,46 @@ def test_threads_with_evictions_under_them():
     assert not errors, errors[0]
     st = wcache_stats()
     assert st["hits"] + st["misses"] == 1 + 3 * 40 * 2 and st["bytes"] <= e + e // 2, st
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_another_thread_is_inside_the_cache():
+    """A thread keeps looking the weight up (each hit compares its 2 MB under the cache's lock)
+    while this one forks: the children's int8 calls must not wait forever on a lock that only the
+    parent's thread held, and must give the same bits."""
+    rng = np.random.default_rng(9)
+    x, w, _ = layer(rng, 1, 1024, 1024)
+    want = uncached(cpu_ref.qlinear_forward, x, w)
+    cpu_ref.qlinear_forward(x, w)
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            cpu_ref.qlinear_forward(x, w)
+    t = threading.Thread(target=busy)
+    t.start()
+    hung, failed = 0, 0
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:                              # the child: one stats call, one layer call
+                code = 1
+                try:
+                    wcache_stats()
+                    code = 0 if np.array_equal(cpu_ref.qlinear_forward(x, w).view(np.uint32),
+                                               want.view(np.uint32)) else 2
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + 5
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if done[0] == 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                hung += 1
+            elif done[1] != 0:
+                failed += 1
+    finally:
+        stop.set()
+        t.join()
+    assert (hung, failed) == (0, 0), f"of 20 forked children {hung} hung, {failed} gave other bits"
