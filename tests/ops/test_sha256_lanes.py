@@ -168,3 +168,32 @@ def test_hashing_falls_back_to_hashlib(monkeypatch):
     monkeypatch.setattr(package, "sha256", types.ModuleType("sha256"), raising=False)   # no lanes()
     assert hashing.tensor_digests(items) == want
     assert hashing._lanes_module is False
+
+
+def guarded(data: bytes, at_end: bool, keep: list):
+    """data in a buffer that ends (at_end) or starts right at an inaccessible page, so that a read
+    past either end faults instead of reading a neighbour's bytes."""
+    import ctypes
+    import mmap
+    page, n = mmap.PAGESIZE, len(data)
+    size = -(-n // page) * page + 2 * page
+    m = mmap.mmap(-1, size)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base, page, 0) == 0 and libc.mprotect(base + size - page, page, 0) == 0
+    start = size - page - n if at_end else page
+    m[start:start + n] = data
+    keep.append(m)
+    return np.frombuffer(m, np.uint8, n, start)
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "PROT_READ"), reason="needs mmap page protection")
+@pytest.mark.parametrize("level", LEVELS)
+def test_no_read_past_either_end(level):
+    """Every padding edge, 16 lanes of a length and mixed lengths, each buffer against a guard page."""
+    rng, keep = np.random.default_rng(8), []
+    lens = [n for n in EDGES if n < 1200] + [CHUNK - 1, 70001]
+    for n in lens[::3]:
+        check([guarded(rng.bytes(n), i % 2 == 0, keep) for i in range(16)], level, want16=16)
+    check([guarded(rng.bytes(n), i % 2 == 1, keep) for i, n in enumerate(lens)], level)
