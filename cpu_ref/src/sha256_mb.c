@@ -123,9 +123,16 @@ static O1B_SHANI_TGT void compress_ni(uint32_t h[8], const uint8_t *p, int64_t n
     _mm_storeu_si128((__m128i *)(h + 4), _mm_alignr_epi8(st1, tmp, 8));                  /* HGFE */
 }
 
-static int has_sha_ni(void) {
+static int probe_sha_ni(void) {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1) && __builtin_cpu_supports("sse4.1");
+}
+/* cpuid once per process: it traps to the hypervisor on virtual machines. */
+static int has_sha_ni(void) {
+    static int cached = -1;          /* a race here only repeats the same probe */
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) { v = probe_sha_ni(); __atomic_store_n(&cached, v, __ATOMIC_RELAXED); }
+    return v;
 }
 #endif
 
