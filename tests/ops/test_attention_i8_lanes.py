@@ -9,9 +9,7 @@ a nonzero level q_p: with value rows 2^126 apart most levels are 0, and a key le
 product (say the last group of a block that ends one key past a group) would go unseen."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import pathlib
 
 import numpy as np
 import pytest
@@ -26,15 +24,6 @@ from mlx_open1b.spec.arith import f32_to_bf16
 from helpers import assert_bits_equal
 
 LEVELS = list(range(C.simd_level() + 1))
-
-
-@contextlib.contextmanager
-def vnni(on: bool):
-    lib.o1b_set_attn_vnni(int(on))
-    try:
-        yield
-    finally:
-        lib.o1b_set_attn_vnni(1)
 
 
 def inputs(seed, B, T, H, G, D, flat=False):
@@ -79,7 +68,7 @@ def test_i8_rows_equal_scalar_and_spec(B, T, H, G, D, W, flat):
         assert (nan[-1] == sees).all() and not nan[:-1].any()
     for lv in LEVELS:
         for use in (True, False):
-            with C.settings(simd=lv), vector_math(True), vnni(use):
+            with C.settings(simd=lv, attn_vnni=use), vector_math(True):
                 got = CA.attention_forward_i8(q, k, v, W, scale)
             for a, b, what in zip(got, want, ("o", "lse")):
                 assert_bits_equal(a, b, f"i8 {what}, level {lv}, vnni {use}")
@@ -91,9 +80,8 @@ def test_vnni_switch():
     lib.o1b_attn_vnni_now.restype = ctypes.c_int
     with C.settings(simd=0), vector_math(True):
         assert lib.o1b_attn_vnni_now() == 0
-    with vnni(False):
+    with C.settings(attn_vnni=False):
         assert lib.o1b_attn_vnni_now() == 0
-    info = pathlib.Path("/proc/cpuinfo")
-    if C.simd_level() < 2 or not info.exists() or "avx512_vnni" not in info.read_text():
+    if not C.gemm_i8_has_vnni():
         pytest.skip("no AVX-512 VNNI here")
     assert lib.o1b_attn_vnni_now() == 1
