@@ -2,8 +2,6 @@
 Walsh-Hadamard rotation, and the layer's forward and backward."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from mlx_open1b import opargs
@@ -23,11 +21,6 @@ _bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr
                restype=ctypes.c_int)
 
 from mlx_open1b.contract import Q_MAX_P, QB, QMAX  # noqa: E402,F401  (QB, Q_MAX_P re-exported)
-
-_wc_enable = declare("o1b_q_wcache_enable", ctypes.c_int)
-_wc_clear = declare("o1b_q_wcache_clear")
-_wc_cap = declare("o1b_q_wcache_set_cap", c_i64, restype=c_i64)
-_wc_stats = declare("o1b_q_wcache_stats", ptr)
 
 
 def _ok(rc: int) -> None:
@@ -99,33 +92,3 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
     dw = empty_lines((M, K)) if need_dw else None
     _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax))
     return dx, dw
-
-
-def wcache_stats() -> dict:
-    """The int8 layer's weight-operand cache (cpu_ref/src/quant_wcache.c; the VNNI path at
-    qmax 127 only): lookups that found every part they needed (hits) or not (misses) since the
-    last clear, entries and bytes held, the cap in bytes, and whether it is on."""
-    out = (ctypes.c_int64 * 6)()
-    _wc_stats(ctypes.addressof(out))
-    return dict(zip(("hits", "misses", "entries", "bytes", "cap", "on"), (int(v) for v in out)))
-
-
-def wcache_clear() -> None:
-    """Drops every entry and zeroes the counters."""
-    _wc_clear()
-
-
-@contextlib.contextmanager
-def wcache(on: bool | None = None, cap: int | None = None):
-    """Temporarily switch the weight-operand cache off or on, or change its cap in bytes (tests
-    use this to show that a hit gives the bits of a recomputation)."""
-    old = wcache_stats()
-    try:
-        if on is not None:
-            _wc_enable(int(bool(on)))
-        if cap is not None:
-            _wc_cap(int(cap))
-        yield
-    finally:
-        _wc_cap(old["cap"])
-        _wc_enable(old["on"])

@@ -58,7 +58,6 @@
 
 #include "contract.h"
 #include "quant.h"
-#include "quant_wcache.h"
 #include "runtime.h"
 
 #if defined(O1B_Q_X86)
@@ -535,53 +534,6 @@ INL void wsums32(const bf16 *w, int64_t K, int64_t nr, float *S) {
     _mm512_storeu_ps(S + 16, s1);
 }
 
-/* ------------------------------------------------------------------ the weight cache's parts */
-/* What the layer derives from W alone, kept per distinct W by quant_wcache.c: s_w (Mp floats,
- * both passes' row scales), the forward's B (Jp x P4, panels of 32 rows) with its column sums,
- * the backward's clip marks (M x K), and the dx GEMM's B from R = rot(q_w) (Kp x Mp) with its
- * column sums and (as WP_BW's scalar) its scale srw. Each is a function of (W's bits, M, K)
- * alone, as are the layouts, so a cached part is the bytes a recomputation would write. */
-enum { WP_SW, WP_FB, WP_FCS, WP_CLIP, WP_BW, WP_CSW };
-#define WBIT(i) (1u << (i))
-static wc_key wkey(int64_t M, int64_t K) { wc_key k = {M, K, QMAX}; return k; }
-static size_t wbytes(int64_t M, int64_t K) { return (size_t)(M * K) * sizeof(bf16); }
-static void wsizes(int64_t M, int64_t K, size_t n[WC_NPART]) {
-    int64_t Mp = pad_qb(M), Jp = (M + NR - 1) / NR * NR, P4 = (K + 3) / 4 * 4, Kp = (K + NR - 1) / NR * NR;
-    memset(n, 0, WC_NPART * sizeof *n);
-    n[WP_SW] = (size_t)Mp * sizeof(float);
-    n[WP_FB] = (size_t)(Jp * P4);
-    n[WP_FCS] = (size_t)Jp * sizeof(int32_t);
-    n[WP_CLIP] = (size_t)(M * K);
-    n[WP_BW] = (size_t)(Kp * Mp);
-    n[WP_CSW] = (size_t)Kp * sizeof(int32_t);
-}
-/* A call's view of the cache: the entry found (held) and whether it has every part the call
- * needs (hit); else, where possible, fresh buffers to compute those parts into and store. */
-typedef struct { wc_entry *e; int hit, filling; wc_fill fill; } wuse;
-static void wuse_open(wuse *u, int64_t M, int64_t K, const bf16 *w, unsigned need) {
-    size_t n[WC_NPART];
-    unsigned have;
-    memset(u, 0, sizeof *u);
-    u->e = o1b_wc_find(wkey(M, K), w, wbytes(M, K), need, &have);
-    u->hit = u->e && (have & need) == need;
-    if (u->hit) return;
-    wsizes(M, K, n);
-    u->filling = o1b_wc_fill_open(&u->fill, need, n, wbytes(M, K));
-    if (u->filling) memset(u->fill.p[WP_SW], 0, n[WP_SW]);   /* rows past M: never read, but defined */
-}
-/* part id: the cached one on a hit, the one being filled, or NULL (the call's arena) */
-static void *wpart(const wuse *u, int id) {
-    return u->hit ? o1b_wc_part(u->e, id) : u->filling ? u->fill.p[id] : NULL;
-}
-/* After the call: the filled parts stored (only when computed: ok), the entry released. */
-static void wuse_close(wuse *u, int64_t M, int64_t K, const bf16 *w, int ok) {
-    if (u->filling && ok) o1b_wc_fill_store(&u->fill, u->e, wkey(M, K), w, wbytes(M, K));
-    else {
-        if (u->filling) o1b_wc_fill_drop(&u->fill);
-        o1b_wc_release(u->e);
-    }
-}
-
 /* ------------------------------------------------------------------ forward */
 typedef struct {
     int64_t N, K, M, P4, Ip, npw, nxc, xper, rowchunk;
@@ -718,15 +670,12 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
     a.xper = 1 << 15;
     a.nxc = (N * K + a.xper - 1) / a.xper;
     int64_t Jp = (M + NR - 1) / NR * NR;
-    /* W's part (s_w, B, column sums): from the weight cache, or computed in F1 (into the
-     * cache's fresh buffers when it will keep them, else the arena) */
-    wuse wu;
-    wuse_open(&wu, M, K, w, WBIT(WP_SW) | WBIT(WP_FB) | WBIT(WP_FCS));
-    int wmine = !wu.hit && !wu.filling;
-    a.npw = wu.hit ? 0 : Jp / NR;
+    /* W's part (s_w, B, column sums) is computed in F1 on every call: a cache of it keyed by
+     * W's bits (a full compare per call) made the small preset's int8 step slower, not faster */
+    a.npw = Jp / NR;
     arena ar = {0};
-    size_t sz[5] = {(size_t)(a.Ip * a.P4), wmine ? (size_t)(Jp * a.P4) : 0, wmine ? (size_t)Jp * sizeof(int32_t) : 0,
-                    wmine ? (size_t)Jp * sizeof(float) : 0, (size_t)a.nxc * sizeof(uint32_t)};
+    size_t sz[5] = {(size_t)(a.Ip * a.P4), (size_t)(Jp * a.P4), (size_t)Jp * sizeof(int32_t),
+                    (size_t)Jp * sizeof(float), (size_t)a.nxc * sizeof(uint32_t)};
     for (int i = 0; i < 5; i++) arena_add(&ar, sz[i]);
     int ok = arena_open(&ar);
     if (ok) {
@@ -735,11 +684,6 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         a.cs = (int32_t *)arena_take(&ar, sz[2]);
         a.sw = (float *)arena_take(&ar, sz[3]);
         a.xmax = (uint32_t *)arena_take(&ar, sz[4]);
-        if (!wmine) {
-            a.Bp = (int8_t *)wpart(&wu, WP_FB);
-            a.cs = (int32_t *)wpart(&wu, WP_FCS);
-            a.sw = (float *)wpart(&wu, WP_SW);
-        }
         run_tasks(a.npw + a.nxc, (a.npw ? M * K * 3 : 0) + N * K / 4, fwd_f1, &a);
         uint32_t m = 0;
         for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
@@ -751,7 +695,6 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         run_tasks((a.Ip + a.rowchunk - 1) / a.rowchunk, N * M * K / 64 + N * K, fwd_f2, &a);
         arena_close(&ar);
     }
-    wuse_close(&wu, M, K, w, ok);
     return ok;
 }
 
@@ -1077,18 +1020,14 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     a.N = N; a.K = K; a.M = M; a.dy = dy; a.x = x; a.w = w; a.dx = dx; a.dw = dw;
     a.Mp = pad_qb(M); a.Np = pad_qb(N); a.Kp = (K + NR - 1) / NR * NR;
     int64_t Mp = a.Mp, Np = a.Np, Kp = a.Kp;
-    /* W's part (s_w, clip marks, B_w with its sums and scale): from the weight cache, or
-     * computed in B1-B3 (into the cache's fresh buffers when it will keep them, else the arena) */
-    wuse wu;
-    wuse_open(&wu, M, K, w, WBIT(WP_SW) | (dw ? WBIT(WP_CLIP) : 0) | (dx ? WBIT(WP_BW) | WBIT(WP_CSW) : 0));
-    int wmine = !wu.hit && !wu.filling;
-    a.nwp = wu.hit ? 0 : (M + NR - 1) / NR;
+    /* W's part (s_w, clip marks, B_w with its sums and scale) is computed in B1-B3 */
+    a.nwp = (M + NR - 1) / NR;
     a.xper = 1 << 15;
     a.nxc = dw ? (N * K + a.xper - 1) / a.xper : 0;
     a.ngt = dx || dw ? Np / QB : 0;
     a.nks = (K + 31) / 32;
-    a.nrw = dx && !wu.hit ? Mp / QB : 0;
-    a.nbw = dx && !wu.hit ? Kp / NR : 0;
+    a.nrw = dx ? Mp / QB : 0;
+    a.nbw = dx ? Kp / NR : 0;
     a.nrx = dw ? Np / QB : 0;
     a.dxrows = pick_rowchunk(N);
     a.ndx = dx ? (N + a.dxrows - 1) / a.dxrows : 0;
@@ -1101,10 +1040,10 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     for (int pass = 0; pass < 2 && ok; pass++) {
 #define QALLOC(ptr, type, n) do { size_t b_ = (size_t)((n) > 0 ? (n) : 1) * sizeof(type); \
         if (pass == 0) arena_add(&ar, b_); else ptr = (type *)arena_take(&ar, b_); } while (0)
-        QALLOC(a.sw, float, wmine ? Mp : 0);
-        QALLOC(a.qw, int8_t, wu.hit ? 0 : M * K);
+        QALLOC(a.sw, float, Mp);
+        QALLOC(a.qw, int8_t, M * K);
         if (dw) {
-            QALLOC(a.clip, uint8_t, wmine ? M * K : 0);
+            QALLOC(a.clip, uint8_t, M * K);
             QALLOC(a.xmax, uint32_t, a.nxc);
             QALLOC(a.dmax, uint32_t, a.ngt);
             QALLOC(a.rxmax, uint32_t, a.nrx);
@@ -1116,19 +1055,14 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         if (dx) {
             QALLOC(a.gmax, uint32_t, a.ngt);
             QALLOC(a.rwmax, uint32_t, a.nrw);
-            QALLOC(a.Rw, int16_t, wu.hit ? 0 : Mp * Kp);
-            QALLOC(a.Bw, int8_t, wmine ? Kp * Mp : 0);
-            QALLOC(a.csw, int32_t, wmine ? Kp : 0);
+            QALLOC(a.Rw, int16_t, Mp * Kp);
+            QALLOC(a.Bw, int8_t, Kp * Mp);
+            QALLOC(a.csw, int32_t, Kp);
             QALLOC(a.Adx, uint8_t, Nr * Mp);
         }
         if (pass == 0) ok = arena_open(&ar);
     }
 #undef QALLOC
-    if (ok && !wmine) {
-        a.sw = (float *)wpart(&wu, WP_SW);
-        if (dw) a.clip = (uint8_t *)wpart(&wu, WP_CLIP);
-        if (dx) { a.Bw = (int8_t *)wpart(&wu, WP_BW); a.csw = (int32_t *)wpart(&wu, WP_CSW); }
-    }
     if (ok) {
         /* B1: weights, absmax of x */
         run_tasks(a.nwp + a.nxc, (a.nwp ? M * K * 4 : 0) + (dw ? N * K / 4 : 0), bwd_b1, &a);
@@ -1147,13 +1081,9 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             for (int64_t c = 0; c < a.ngt; c++) m = a.gmax[c] > m ? a.gmax[c] : m;
             sg = scale_from_bits(m);
             a.kind_g = scale_kind(sg); a.inv_g = inv_of(sg);
-            if (wu.hit) srw = o1b_wc_scalar(wu.e, WP_BW);
-            else {
-                m = 0;
-                for (int64_t c = 0; c < a.nrw; c++) m = a.rwmax[c] > m ? a.rwmax[c] : m;
-                srw = tensor_scale(o1b_i2f((int32_t)m));
-                if (wu.filling) wu.fill.f[WP_BW] = srw;
-            }
+            m = 0;
+            for (int64_t c = 0; c < a.nrw; c++) m = a.rwmax[c] > m ? a.rwmax[c] : m;
+            srw = tensor_scale(o1b_i2f((int32_t)m));
             a.kind_rw = scale_kind(srw); a.inv_rw = inv_of(srw);
         }
         if (dw) {
@@ -1175,7 +1105,6 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         run_tasks(a.ndw + a.ndx, (dx ? N * K * Mp / 64 : 0) + (dw ? M * K * Np / 64 : 0), bwd_b4, &a);
         arena_close(&ar);
     }
-    wuse_close(&wu, M, K, w, ok);
     return ok;
 }
 
