@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 
 from ._lib import (contract_version_c, get_num_threads_c, set_gemm_impl_c, set_num_threads_c,
-                   set_attn_vnni_c, set_q_amx_c, set_simd_c, simd_level_c, simd_name_c)
+                   set_attn_vnni_c, set_q_amx_c, set_sha_ni_c, set_simd_c, simd_level_c, simd_name_c)
 
 SIMD_LEVELS = {0: "portable", 1: "avx2", 2: "avx512"}
 
@@ -37,10 +37,11 @@ def available() -> tuple[bool, str]:
 
 @contextlib.contextmanager
 def settings(threads: int | None = None, simd: int | None = None, gemm_fast: bool | None = None,
-             amx: bool | None = None, attn_vnni: bool | None = None):
+             amx: bool | None = None, attn_vnni: bool | None = None, sha_ni: bool | None = None):
     """Temporarily change threads, the SIMD cap, the GEMM implementation, whether the int8 GEMM
-    may use AMX tiles, or whether the int8 attention forward may use VNNI for its P·V product
-    (tests use this to show that none of them changes a bit)."""
+    may use AMX tiles, whether the int8 attention forward may use VNNI for its P·V product, or
+    whether the ledger's SHA-256 leaves may use the SHA extensions (tests use this to show that
+    none of them changes a bit)."""
     old_threads = get_num_threads()
     try:
         if threads is not None:
@@ -53,6 +54,8 @@ def settings(threads: int | None = None, simd: int | None = None, gemm_fast: boo
             set_q_amx_c(int(bool(amx)))
         if attn_vnni is not None:
             set_attn_vnni_c(int(bool(attn_vnni)))
+        if sha_ni is not None:
+            set_sha_ni_c(int(bool(sha_ni)))
         yield
     finally:
         set_num_threads(old_threads)
@@ -60,3 +63,4 @@ def settings(threads: int | None = None, simd: int | None = None, gemm_fast: boo
         set_gemm_impl_c(1)
         set_q_amx_c(1)
         set_attn_vnni_c(1)
+        set_sha_ni_c(1)

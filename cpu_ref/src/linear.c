@@ -42,11 +42,11 @@ void o1b_gemm_simple(int64_t I, int64_t J, int64_t P, const bf16 *A, int64_t sa_
 }
 
 static int g_gemm_impl = 1;   /* 1: fast (packed, SIMD), 0: the straightforward loop */
-O1B_API void o1b_set_gemm_impl(int fast) { g_gemm_impl = fast; }
+O1B_API void o1b_set_gemm_impl(int fast) { __atomic_store_n(&g_gemm_impl, fast, __ATOMIC_RELAXED); }
 
 void o1b_gemm(int64_t I, int64_t J, int64_t P, const bf16 *A, int64_t sa_i, int64_t sa_p,
               const bf16 *B, int64_t sb_p, int64_t sb_j, float *C, int64_t ldc, int accumulate) {
-    if (g_gemm_impl && o1b_gemm_fast(I, J, P, A, sa_i, sa_p, B, sb_p, sb_j, C, ldc, accumulate)) return;
+    if (__atomic_load_n(&g_gemm_impl, __ATOMIC_RELAXED) && o1b_gemm_fast(I, J, P, A, sa_i, sa_p, B, sb_p, sb_j, C, ldc, accumulate)) return;
     o1b_gemm_simple(I, J, P, A, sa_i, sa_p, B, sb_p, sb_j, C, ldc, accumulate);
 }
 

@@ -56,8 +56,8 @@ O1B_API int o1b_q_amx_present(void) {
     pthread_once(&g_amx_once, amx_probe);
     return g_amx_hw;
 }
-O1B_API void o1b_set_q_amx(int on) { g_amx_mode = on ? -1 : 0; }   /* tests: 0 forces VNNI */
-int o1b_q_amx_on(void) { return g_amx_mode != 0 && o1b_q_amx_present(); }
+O1B_API void o1b_set_q_amx(int on) { __atomic_store_n(&g_amx_mode, on ? -1 : 0, __ATOMIC_RELAXED); }   /* tests: 0 forces VNNI */
+int o1b_q_amx_on(void) { return __atomic_load_n(&g_amx_mode, __ATOMIC_RELAXED) != 0 && o1b_q_amx_present(); }
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];

@@ -210,7 +210,7 @@ O1B_API int o1b_has_hw_ftz(void) {
 #endif
 }
 
-O1B_API void o1b_set_simd(int cap) { g_simd_cap = cap < 0 ? 99 : cap; }
+O1B_API void o1b_set_simd(int cap) { __atomic_store_n(&g_simd_cap, cap < 0 ? 99 : cap, __ATOMIC_RELAXED); }
 O1B_API int o1b_simd_level(void) {
     int level = 0;
 #if defined(O1B_X86) && (defined(__GNUC__) || defined(__clang__))
@@ -218,7 +218,8 @@ O1B_API int o1b_simd_level(void) {
     if (__builtin_cpu_supports("avx2")) level = 1;
     if (__builtin_cpu_supports("avx512f")) level = 2;
 #endif
-    return level < g_simd_cap ? level : g_simd_cap;
+    int cap = __atomic_load_n(&g_simd_cap, __ATOMIC_RELAXED);
+    return level < cap ? level : cap;
 }
 /* Names of the features in use, for `open1b info`. */
 O1B_API const char *o1b_simd_name(void) {

@@ -127,14 +127,25 @@ static int probe_sha_ni(void) {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1) && __builtin_cpu_supports("sse4.1");
 }
+static int g_sha_ni_mode = -1;      /* -1: where the CPU has them; 0: off (tests run the other finish) */
 /* cpuid once per process: it traps to the hypervisor on virtual machines. */
 static int has_sha_ni(void) {
     static int cached = -1;          /* a race here only repeats the same probe */
+    if (__atomic_load_n(&g_sha_ni_mode, __ATOMIC_RELAXED) == 0) return 0;
     int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
     if (v < 0) { v = probe_sha_ni(); __atomic_store_n(&cached, v, __ATOMIC_RELAXED); }
     return v;
 }
 #endif
+/* Tests: 0 keeps the SHA extensions unused, so that a CPU that has them also runs what one
+ * without them runs (the 16 lanes' last leaves finished in portable C); 1 restores them. */
+O1B_API void o1b_set_sha_ni(int on) {
+#if defined(O1B_SHA_MB)
+    __atomic_store_n(&g_sha_ni_mode, on ? -1 : 0, __ATOMIC_RELAXED);
+#else
+    (void)on;
+#endif
+}
 
 /* nblocks consecutive blocks at p, by the SHA extensions where `ni`, else portable. */
 static void compress_n(uint32_t h[8], const uint8_t *p, int64_t nblocks, int ni) {

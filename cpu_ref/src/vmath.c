@@ -248,9 +248,9 @@ static void sumsq_blocks_scalar(int64_t lo, int64_t hi, int64_t n, int64_t B, co
 /* ---- §6.10's int8 block product on AVX-512 VNNI (attn_fwd_rows with packed value levels) ---- */
 #if defined(O1B_VM_X86)
 static int g_attn_vnni = -1;        /* -1: as the CPU allows; 0: off (tests run the fp32 lanes) */
-O1B_API void o1b_set_attn_vnni(int on) { g_attn_vnni = on ? -1 : 0; }
+O1B_API void o1b_set_attn_vnni(int on) { __atomic_store_n(&g_attn_vnni, on ? -1 : 0, __ATOMIC_RELAXED); }
 O1B_API int o1b_attn_vnni_now(void) {
-    if (!g_vmath || o1b_simd_level() < 2 || g_attn_vnni == 0) return 0;
+    if (!g_vmath || o1b_simd_level() < 2 || __atomic_load_n(&g_attn_vnni, __ATOMIC_RELAXED) == 0) return 0;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }

@@ -14,7 +14,10 @@ from mlx_open1b import cpu_ref as C
 from mlx_open1b.cpu_ref import sha256
 from mlx_open1b.hashing import CHUNK
 
-LEVELS = list(range(C.simd_level() + 1))     # 0 portable, 1 SHA extensions, 2 + 16 lanes
+# (SIMD cap, SHA extensions allowed): 0 portable, 1 SHA extensions, 2 + 16 lanes; and 2 with the
+# extensions off, what an AVX-512 CPU without them runs (Skylake-SP, Cascade Lake: the 16 lanes'
+# last leaves finished in portable C from their lanes' states)
+LEVELS = [(lv, True) for lv in range(C.simd_level() + 1)] + ([(2, False)] if C.simd_level() >= 2 else [])
 HAS16 = sha256.lanes() == 16
 
 
@@ -30,14 +33,15 @@ def pool(nbytes: int, seed: int) -> memoryview:
 
 def check(bufs, level, want16=None):
     """want16: how many leaves must end in the 16 lanes (at level 2 with AVX-512)."""
-    with C.settings(simd=level):
+    lv, ni = level
+    with C.settings(simd=lv, sha_ni=ni):
         got, k = sha256.leaves_counted(bufs)
     want = [ref(b) for b in bufs]
     bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert not bad, f"leaves {bad[:5]} (lengths {[len(bufs[i]) for i in bad[:5]]}) differ from hashlib"
-    if level >= 2 and HAS16 and want16 is not None:
+    if lv >= 2 and HAS16 and want16 is not None:
         assert k >= want16, f"{k} leaves ended in the 16 lanes, expected {want16} or more"
-    if level < 2:
+    if lv < 2:
         assert k == 0
     return got
 
@@ -48,7 +52,7 @@ EDGES = sorted(set(range(0, 201)) | {64 * k + r - 1 for k in (3, 17, 256) for r 
                                      (54, 55, 56, 57, 62, 63, 64, 65, 118, 119, 120, 121)})
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda m: f"simd{m[0]}" + ("" if m[1] else "-no-sha-ni"))
 def test_every_padding_edge_16_lanes(level):
     mem = pool(max(EDGES) * 16, 1)
     for n in EDGES:
@@ -56,7 +60,7 @@ def test_every_padding_edge_16_lanes(level):
         check(bufs, level, want16=16)
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda m: f"simd{m[0]}" + ("" if m[1] else "-no-sha-ni"))
 @pytest.mark.parametrize("count", [1, 15, 16, 17, 31, 32, 33])
 def test_group_sizes(level, count):
     n = 1000
@@ -66,14 +70,14 @@ def test_group_sizes(level, count):
     assert len(set(got)) == count       # distinct data, distinct leaves: no lane copied to another
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda m: f"simd{m[0]}" + ("" if m[1] else "-no-sha-ni"))
 def test_whole_chunks_and_one_byte_short(level):
     mem = pool(16 * CHUNK, 2)
     for n in (CHUNK, CHUNK - 1):
         check([mem[i * n:(i + 1) * n] for i in range(16)], level, want16=16)
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda m: f"simd{m[0]}" + ("" if m[1] else "-no-sha-ni"))
 def test_mixed_lengths_unaligned_and_empty(level):
     rng = np.random.default_rng(3)
     mem = pool(1 << 20, 4)
@@ -89,7 +93,7 @@ def test_mixed_lengths_unaligned_and_empty(level):
     check(bufs, level, want16=16)
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda m: f"simd{m[0]}" + ("" if m[1] else "-no-sha-ni"))
 def test_lanes_refilled_and_finished_alone(level):
     mem = pool(1 << 20, 6)
     # 15 short messages end after 4 blocks; the long one goes on alone from its lane's state
@@ -189,7 +193,7 @@ def guarded(data: bytes, at_end: bool, keep: list):
 
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "PROT_READ"), reason="needs mmap page protection")
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda m: f"simd{m[0]}" + ("" if m[1] else "-no-sha-ni"))
 def test_no_read_past_either_end(level):
     """Every padding edge, 16 lanes of a length and mixed lengths, each buffer against a guard page."""
     rng, keep = np.random.default_rng(8), []
