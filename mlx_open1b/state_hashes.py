@@ -112,11 +112,12 @@ class HashStage:
             return Captured(buf)
         raise ValueError(f"cannot capture an array of kind {k!r} for hashing")
 
-    def writable(self, role: str, a, hashing: Future | None):
+    def writable(self, role: str, a, hashing: Future | None, take=None):
         """An array with the values of `a` that may be written in place while the hash of its
         capture under `role` may still be reading: `a` itself unless that hash reads `a`'s own
-        memory and has not finished (numpy: then a copy in a reused buffer); on cupy the current
-        stream first waits for the capture's copy."""
+        memory and has not finished (numpy: then a copy, into take() where given, e.g. a free
+        buffer of the trainer's gradient pool, else into this stage's reused buffer); on cupy the
+        current stream first waits for the capture's copy."""
         k = arrays.kind(a)
         if k == arrays.CUPY:
             ev = self._events.get(role)
@@ -126,6 +127,10 @@ class HashStage:
             return a
         if k != arrays.NUMPY or hashing is None or hashing.done():
             return a
+        if take is not None:
+            out = take()
+            np.copyto(out, a)
+            return out
         if self._scratch is None or self._scratch.shape != a.shape or self._scratch.dtype != a.dtype:
             self._scratch = np.empty_like(a)
         np.copyto(self._scratch, a)

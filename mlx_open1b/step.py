@@ -317,14 +317,22 @@ def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
     norm = norm_from_partials(list(partials.values()), ops)      # = ops.global_norm (§7)
     spike = not (norm <= tcfg.spike_threshold)
     skipped = st.skip_left > 0
-    clipped = False
+    clipped, lent = False, None
     lr = f32(tcfg.lr_at(st.consumed + tokens))
     if not skipped and math.isfinite(norm):
         t0 = time.perf_counter()
         coef = _host_ops().clip_coef(norm, tcfg.clip_norm)   # two host scalars: no launch
         if coef < 1.0:
             if grads.size:                  # a worker may own no tensor; the pre-clip bytes are hashed
-                grads = arrays.scale_into(ops, _stage(tr).writable("grads", grads, grads_hashing), coef)
+                # a copy while the hash reads: into a free buffer of the gradient pool where it fits
+                # (memory already touched; a first-touched gradient-sized buffer costs a page fault
+                # per page, about 100 ms for the small preset's 39 MB with transparent huge pages)
+                pool = _grad_pool(tr)
+                fits = pool is not None and grads.shape == (pool.n,) and grads.dtype == pool.dt
+                src = grads
+                grads = arrays.scale_into(ops, _stage(tr).writable("grads", grads, grads_hashing,
+                                                                   pool.take if fits else None), coef)
+                lent = grads if fits and grads is not src else None
             clipped = True
         st.adam_t += 1
         new = adamw_tensors(ops, tcfg, lr, st.adam_t, _adamw_views(reduce, st, grads), reduce.size, st.params)
@@ -343,6 +351,8 @@ def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
     pool = _grad_pool(tr)
     if pool is not None:        # the step is done with its fold's sum; its hash may still read it (the pool waits)
         pool.give(total)
+        if lent is not None:    # and with the clip's copy, taken from the pool
+            pool.give(lent)
     return PendingHashes(record, reduce, grads_hashing, state_hashing, counters)
 
 

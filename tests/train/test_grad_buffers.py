@@ -158,7 +158,9 @@ def test_ledger_is_the_same_with_and_without_recycled_buffers(tmp_path, corpus, 
     extra = {"recompute_blocks": True} if recompute else {}
     new, pool = _train(tmp_path / "new", corpus, cfg, 3, True, **extra)
     old, none = _train(tmp_path / "old", corpus, cfg, 3, False, **extra)
-    assert none is None and pool.made + pool.reused == 3 * M       # every gradient through the pool
+    # every gradient through the pool, and the clip's copies of a gradient still being hashed
+    # (as many as the background hashes were still running at a clip)
+    assert none is None and pool.made + pool.reused >= 3 * M
     assert pool.reused >= (1 if M > 1 else 0)
     assert new == old
 
@@ -168,7 +170,8 @@ def test_a_buffer_whose_hash_is_still_running_is_not_written(tmp_path, corpus, m
     step's gradient hash is held back until the next step's microbatch has written its gradient, so
     handing the buffer out then would change the ledger."""
     steps = 3
-    cfg = micro_cfg(phases=((0, 1),), checkpoint_every=100, eval_every=0)
+    # no clip: a clip's copy of a gradient still being hashed would take a buffer of the pool too
+    cfg = micro_cfg(phases=((0, 1),), checkpoint_every=100, eval_every=0, clip_norm=1e30)
     old, _ = _train(tmp_path / "old", corpus, cfg, steps, False)
     real_digests, real_lg = step_mod.piece_digests, Model.loss_and_grad
     cond, count = threading.Condition(), {"mb": 0, "hash": 0}

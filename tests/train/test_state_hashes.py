@@ -88,7 +88,14 @@ def test_late_and_background_hashes_write_the_inline_ledger(tmp_path, corpus, in
     tr = Trainer(tmp_path / "late", cfg(), corpus)
     tr.train(STEPS)
     assert run_files(tmp_path / "late") == inline
-    # the clip wrote a copy of the gradient while its hash was pending (numpy: in place otherwise)
+    # the clip wrote a copy of the gradient while its hash was pending (numpy: in place otherwise),
+    # into a free buffer of the trainer's gradient pool: the stage kept none of its own
+    assert tr.hash_stage.host_bytes() == 0
+    # without the pool (Trainer.recycle_grads off), the same copies go into the stage's own buffer
+    tr = Trainer(tmp_path / "late-nopool", cfg(), corpus)
+    tr.recycle_grads = False
+    tr.train(STEPS)
+    assert run_files(tmp_path / "late-nopool") == inline
     assert tr.hash_stage.host_bytes() == 4 * tr.model_cfg.n_params()
 
 
