@@ -85,14 +85,15 @@ class Captured:
 class HashStage:
     """One trainer's reused host buffers for the hashes of device arrays (pinned where the kind
     has pinned memory), the copy stream, and the scratch buffer the clip writes on the host while a
-    gradient's hash is running. A buffer of a role is reused by the next capture of that role: the
-    step settles a role's previous hashes before capturing it again."""
+    gradient's hash is running (where the step has no gradient pool to take one from: writable).
+    A buffer of a role is reused by the next capture of that role: the step settles a role's
+    previous hashes before capturing it again."""
 
     def __init__(self):
         self._host: dict = {}            # role -> host buffer (pinned for cupy and shape)
         self._stream = None              # cupy: the copy stream
         self._events: dict = {}          # role -> cupy event of the role's last copy
-        self._scratch = None             # numpy: what the clip writes while the gradient is hashed
+        self._scratch = None             # numpy, no pool: what the clip writes while the gradient is hashed
 
     def capture(self, role: str, a) -> Captured:
         """The bytes of array `a` (C-contiguous) as they are now, for the background thread."""

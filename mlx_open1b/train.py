@@ -267,7 +267,8 @@ class Trainer:
     #: order; for measuring what the overlap saves, and for tests)
     overlap_hashes = True
     #: False: every microbatch's gradient in a new buffer instead of one the step's folds are done
-    #: with (step._grad_pool; the same bits: every element of a gradient buffer is written)
+    #: with, and the clip's copy of a gradient still being hashed in the hash stage's own buffer
+    #: (step._grad_pool; the same bits: every element of a gradient buffer is written)
     recycle_grads = True
 
     def records(self, steps: int):

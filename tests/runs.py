@@ -27,6 +27,21 @@ MICRO = ModelConfig(vocab_size=4000, d_model=32, n_layers=2, n_heads=4, n_kv_hea
 SENSITIVE = GNMRConfig(alpha=1.02, alpha_init=1.02, warm=0.0, beta=1.02, max_o=2, lock=3, window=2)
 
 
+def count_clip_copies(monkeypatch) -> list:
+    """The ids of the clip's copies of a gradient still being hashed (HashStage.writable returning
+    another array than it was given), appended as they are made."""
+    from mlx_open1b.state_hashes import HashStage
+    copies, real = [], HashStage.writable
+
+    def writable(self, role, a, hashing, take=None):
+        out = real(self, role, a, hashing, take)
+        if out is not a:
+            copies.append(id(out))
+        return out
+    monkeypatch.setattr(HashStage, "writable", writable)
+    return copies
+
+
 def gnmr_cfg(gnmr=SENSITIVE, **train):
     t = dict(seed=7, microbatch_seqs=2, phases=((0, 2),), total_tokens=4000, peak_lr=1e-2, warmup_tokens=64,
              checkpoint_every=2, eval_every=0, eval_windows=2)

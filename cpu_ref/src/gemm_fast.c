@@ -88,7 +88,7 @@ typedef struct {
  * many tile steps (tile x depth block) took it, for the tests. */
 static int g_gemm_fma = 1;
 static _Atomic int64_t g_gemm_fma_tiles;
-O1B_API void o1b_set_gemm_fma(int on) { g_gemm_fma = on; }
+O1B_API void o1b_set_gemm_fma(int on) { __atomic_store_n(&g_gemm_fma, on, __ATOMIC_RELAXED); }
 O1B_API int64_t o1b_gemm_fma_tiles(int reset) {
     return reset ? atomic_exchange(&g_gemm_fma_tiles, 0) : atomic_load(&g_gemm_fma_tiles);
 }
@@ -574,9 +574,9 @@ static void FN(block)(const fast_args *g, int64_t i0, int64_t i1, int64_t j0, in
     float tile[O1B_MR * NR] __attribute__((aligned(64))) = {0};
     erange ra[MC / O1B_MR], rb[NC / NR];
 #if defined(O1B_FMA) && defined(O1B_FMA_OK)
-    const int use_fma = g_gemm_fma && O1B_FMA_OK;
+    const int use_fma = __atomic_load_n(&g_gemm_fma, __ATOMIC_RELAXED) && O1B_FMA_OK;
 #elif defined(O1B_FMA)
-    const int use_fma = g_gemm_fma;
+    const int use_fma = __atomic_load_n(&g_gemm_fma, __ATOMIC_RELAXED);
 #else
     const int use_fma = 0;
 #endif

@@ -670,8 +670,8 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
     a.xper = 1 << 15;
     a.nxc = (N * K + a.xper - 1) / a.xper;
     int64_t Jp = (M + NR - 1) / NR * NR;
-    /* W's part (s_w, B, column sums) is computed in F1 on every call: a cache of it keyed by
-     * W's bits (a full compare per call) made the small preset's int8 step slower, not faster */
+    /* W's part (s_w, B, column sums): computed in F1 on every call (two threads' passes over W
+     * cost about what a compare of W's bytes against a kept copy would) */
     a.npw = Jp / NR;
     arena ar = {0};
     size_t sz[5] = {(size_t)(a.Ip * a.P4), (size_t)(Jp * a.P4), (size_t)Jp * sizeof(int32_t),

@@ -16,10 +16,11 @@
 static int g_threads = 0;   /* 0: not set, use the number of online CPUs */
 static int g_simd_cap = 99;
 
-O1B_API void o1b_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
+O1B_API void o1b_set_num_threads(int n) { __atomic_store_n(&g_threads, n > 0 ? n : 0, __ATOMIC_RELAXED); }
 static int g_online = 0;     /* online CPUs, read once (sysconf reads /sys on every call) */
 O1B_API int o1b_get_num_threads(void) {
-    if (g_threads > 0) return g_threads;
+    int set = __atomic_load_n(&g_threads, __ATOMIC_RELAXED);
+    if (set > 0) return set;
     int n = __atomic_load_n(&g_online, __ATOMIC_RELAXED);
     if (n <= 0) {
         long c = sysconf(_SC_NPROCESSORS_ONLN);
@@ -74,7 +75,7 @@ static struct {
 static pthread_once_t g_pool_once = PTHREAD_ONCE_INIT;
 static int g_pool_on = 1;
 /* 0: start threads on every call, as before the pool (for measurements; no result changes). */
-O1B_API void o1b_set_thread_pool(int on) { g_pool_on = on != 0; }
+O1B_API void o1b_set_thread_pool(int on) { __atomic_store_n(&g_pool_on, on != 0, __ATOMIC_RELAXED); }
 
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_SEQ_CST)
 #define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_SEQ_CST)
@@ -112,7 +113,7 @@ static void o1b_pool_init(void) { pthread_atfork(NULL, NULL, o1b_pool_after_fork
 
 /* Runs tasks[0 .. nt) with the pool; returns 0 (nothing run) if it is busy or cannot start. */
 static int o1b_pool_run(o1b_task *tasks, int64_t nt) {
-    if (!g_pool_on) return 0;
+    if (!__atomic_load_n(&g_pool_on, __ATOMIC_RELAXED)) return 0;
     pthread_once(&g_pool_once, o1b_pool_init);
     if (pthread_mutex_trylock(&g_pool.busy) != 0) return 0;
     while (g_pool.nworkers < nt - 1) {

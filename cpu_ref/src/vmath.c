@@ -45,9 +45,10 @@
 #define O1B_VM_HWFTZ 0
 #endif
 
-static int g_vmath = 1;
-O1B_API void o1b_set_vmath(int on) { g_vmath = on; }
-int o1b_vmath_on(void) { return g_vmath; }
+static int g_vmath = 1;           /* a test switch: written by settings(), read by the workers */
+static inline int vmath_enabled(void) { return __atomic_load_n(&g_vmath, __ATOMIC_RELAXED); }
+O1B_API void o1b_set_vmath(int on) { __atomic_store_n(&g_vmath, on, __ATOMIC_RELAXED); }
+int o1b_vmath_on(void) { return vmath_enabled(); }
 
 /* ---- the scalar definitions, for the exact path and the tails ---- */
 static inline float fn_scalar(int fn, float x) {
@@ -250,7 +251,7 @@ static void sumsq_blocks_scalar(int64_t lo, int64_t hi, int64_t n, int64_t B, co
 static int g_attn_vnni = -1;        /* -1: as the CPU allows; 0: off (tests run the fp32 lanes) */
 O1B_API void o1b_set_attn_vnni(int on) { __atomic_store_n(&g_attn_vnni, on ? -1 : 0, __ATOMIC_RELAXED); }
 O1B_API int o1b_attn_vnni_now(void) {
-    if (!g_vmath || o1b_simd_level() < 2 || __atomic_load_n(&g_attn_vnni, __ATOMIC_RELAXED) == 0) return 0;
+    if (!vmath_enabled() || o1b_simd_level() < 2 || __atomic_load_n(&g_attn_vnni, __ATOMIC_RELAXED) == 0) return 0;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
@@ -359,7 +360,7 @@ static inline o1b_fpmode vm_ftz(void) {
 typedef struct { int fn; const float *x; float *y; } vmap_args;
 static void vmap_range(void *ctx, int64_t lo, int64_t hi) {
     const vmap_args *a = (const vmap_args *)ctx;
-    if (!g_vmath) { map_scalar(a->fn, lo, hi, a->x, a->y); return; }
+    if (!vmath_enabled()) { map_scalar(a->fn, lo, hi, a->x, a->y); return; }
 #define CALL(s) map_##s(a->fn, lo, hi, a->x, a->y)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
@@ -370,27 +371,27 @@ void o1b_vmap(int fn, int64_t n, const float *x, float *y) {
 }
 
 void o1b_vexp_sub(int64_t n, const float *z, float m, float *e) {
-    if (!g_vmath) { exp_sub_scalar(0, n, z, m, e); return; }
+    if (!vmath_enabled()) { exp_sub_scalar(0, n, z, m, e); return; }
 #define CALL(s) exp_sub_##s(n, z, m, e)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vexpsum_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *m, float *mn,
                       float *cs) {
-    if (!g_vmath) { expsum_cols_scalar(0, n, L, zt, ldz, m, mn, cs); return; }
+    if (!vmath_enabled()) { expsum_cols_scalar(0, n, L, zt, ldz, m, mn, cs); return; }
 #define CALL(s) expsum_cols_##s(n, L, zt, ldz, m, mn, cs)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vxent_grad_cols(int64_t n, int64_t L, const float *zt, int64_t ldz, const float *lse,
                          const float *coef, const float *dl, bf16 *dzt, int64_t ldd) {
-    if (!g_vmath) { xent_grad_cols_scalar(0, n, 0, L, zt, ldz, lse, coef, dl, dzt, ldd); return; }
+    if (!vmath_enabled()) { xent_grad_cols_scalar(0, n, 0, L, zt, ldz, lse, coef, dl, dzt, ldd); return; }
 #define CALL(s) xent_grad_cols_##s(n, L, zt, ldz, lse, coef, dl, dzt, ldd)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vswiglu_fwd_rows(int64_t lo, int64_t hi, int64_t F, const float *h, float *out) {
-    if (!g_vmath) {
+    if (!vmath_enabled()) {
         for (int64_t r = lo; r < hi; r++) swiglu_fwd_scalar(0, F, h + r * 2 * F, h + r * 2 * F + F, out + r * F);
         return;
     }
@@ -400,7 +401,7 @@ void o1b_vswiglu_fwd_rows(int64_t lo, int64_t hi, int64_t F, const float *h, flo
 }
 void o1b_vswiglu_bwd_rows(int64_t lo, int64_t hi, int64_t F, const float *dout, const float *h,
                           float *dh) {
-    if (!g_vmath) {
+    if (!vmath_enabled()) {
         for (int64_t r = lo; r < hi; r++)
             swiglu_bwd_scalar(0, F, dout + r * F, h + r * 2 * F, h + r * 2 * F + F, dh + r * 2 * F,
                               dh + r * 2 * F + F);
@@ -412,40 +413,40 @@ void o1b_vswiglu_bwd_rows(int64_t lo, int64_t hi, int64_t F, const float *dout, 
 }
 
 void o1b_vaxpy(int64_t n, float a, const float *x, float *y) {
-    if (!g_vmath) { axpy_scalar(0, n, a, x, y); return; }
+    if (!vmath_enabled()) { axpy_scalar(0, n, a, x, y); return; }
 #define CALL(s) axpy_##s(n, a, x, y)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vdots_t(int64_t n, int64_t D, const float *x, const float *rows_t, int64_t ld, float *out) {
-    if (!g_vmath) { dots_t_scalar(0, n, D, x, rows_t, ld, out); return; }
+    if (!vmath_enabled()) { dots_t_scalar(0, n, D, x, rows_t, ld, out); return; }
 #define CALL(s) dots_t_##s(n, D, x, rows_t, ld, out)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vadamw(int64_t n, bf16 *p, const float *g, float *m, float *v, const float *k) {
-    if (!g_vmath) { adamw_scalar(0, n, p, g, m, v, k); return; }
+    if (!vmath_enabled()) { adamw_scalar(0, n, p, g, m, v, k); return; }
 #define CALL(s) adamw_##s(n, p, g, m, v, k)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vrms_forward(int64_t lo, int64_t hi, int64_t C, const float *x, const bf16 *g, float eps,
                       float invC, float *y, float *rstd) {
-    if (!g_vmath) { rms_fwd_rows_scalar(lo, hi, C, x, g, eps, invC, y, rstd); return; }
+    if (!vmath_enabled()) { rms_fwd_rows_scalar(lo, hi, C, x, g, eps, invC, y, rstd); return; }
 #define CALL(s) rms_fwd_rows_##s(lo, hi, C, x, g, eps, invC, y, rstd)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vrms_backward(int64_t lo, int64_t hi, int64_t C, const float *dy, const float *x,
                        const bf16 *g, const float *rstd, float invC, float *dx) {
-    if (!g_vmath) { rms_bwd_rows_scalar(lo, hi, C, dy, x, g, rstd, invC, dx); return; }
+    if (!vmath_enabled()) { rms_bwd_rows_scalar(lo, hi, C, dy, x, g, rstd, invC, dx); return; }
 #define CALL(s) rms_bwd_rows_##s(lo, hi, C, dy, x, g, rstd, invC, dx)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vrms_dg(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy, const float *x,
                  const float *rstd, float *dg) {
-    if (!g_vmath) { rms_dg_scalar(lo, hi, N, C, dy, x, rstd, dg); return; }
+    if (!vmath_enabled()) { rms_dg_scalar(lo, hi, N, C, dy, x, rstd, dg); return; }
 #define CALL(s) rms_dg_##s(lo, hi, N, C, dy, x, rstd, dg)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
@@ -453,43 +454,43 @@ void o1b_vrms_dg(int64_t lo, int64_t hi, int64_t N, int64_t C, const float *dy, 
 
 void o1b_vrope_rows(int64_t lo, int64_t hi, int64_t T, int64_t R, int64_t D, const float *x,
                     const float *cs, const float *sn, float *y, int backward) {
-    if (!g_vmath) { rope_rows_scalar(lo, hi, T, R, D, x, cs, sn, y, backward); return; }
+    if (!vmath_enabled()) { rope_rows_scalar(lo, hi, T, R, D, x, cs, sn, y, backward); return; }
 #define CALL(s) rope_rows_##s(lo, hi, T, R, D, x, cs, sn, y, backward)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vsum_rows(int64_t n, const int64_t *pos, const float *src, int64_t C, float *dst) {
-    if (!g_vmath) { sum_rows_scalar(0, C, n, pos, src, C, dst); return; }
+    if (!vmath_enabled()) { sum_rows_scalar(0, C, n, pos, src, C, dst); return; }
 #define CALL(s) sum_rows_##s(n, pos, src, C, dst)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vsumsq_blocks(int64_t lo, int64_t hi, int64_t n, int64_t B, const float *x, float *out) {
-    if (!g_vmath || hi - lo < 2) { sumsq_blocks_scalar(lo, hi, n, B, x, out); return; }
+    if (!vmath_enabled() || hi - lo < 2) { sumsq_blocks_scalar(lo, hi, n, B, x, out); return; }
 #define CALL(s) sumsq_blocks_##s(lo, hi, n, B, x, out)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y) {
-    if (!g_vmath) { to_bf16_scalar(lo, hi, x, y); return; }
+    if (!vmath_enabled()) { to_bf16_scalar(lo, hi, x, y); return; }
 #define CALL(s) to_bf16_arr_##s(lo, hi, x, y)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y) {
-    if (!g_vmath) { to_f32_scalar(lo, hi, x, y); return; }
+    if (!vmath_enabled()) { to_f32_scalar(lo, hi, x, y); return; }
 #define CALL(s) to_f32_arr_##s(lo, hi, x, y)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
-    if (!g_vmath) { add_scalar(lo, hi, a, b, out); return; }
+    if (!vmath_enabled()) { add_scalar(lo, hi, a, b, out); return; }
 #define CALL(s) add_arr_##s(lo, hi, a, b, out)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s) {
-    if (!g_vmath) { scale_inplace_scalar(lo, hi, a, s); return; }
+    if (!vmath_enabled()) { scale_inplace_scalar(lo, hi, a, s); return; }
 #define CALL(sfx) scale_inplace_arr_##sfx(lo, hi, a, s)
     O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
@@ -519,11 +520,11 @@ const o1b_vkernels *o1b_vkernels_now(void) {
 #if defined(O1B_VM_X86)
     static const o1b_vkernels avx2 = {exp_sub_avx2, axpy_avx2, dots_t_avx2, O1B_ATTN_ROWS(avx2)};
     static const o1b_vkernels avx512 = {exp_sub_avx512, axpy_avx512, dots_t_avx512, O1B_ATTN_ROWS(avx512)};
-    if (!g_vmath) return &scalar;
+    if (!vmath_enabled()) return &scalar;
     int level = o1b_simd_level();
     return level >= 2 ? &avx512 : level >= 1 ? &avx2 : &portable;
 #else
-    return g_vmath ? &portable : &scalar;
+    return vmath_enabled() ? &portable : &scalar;
 #endif
 }
 

@@ -107,6 +107,29 @@ def test_lanes_refilled_and_finished_alone(level):
         check([mem[a:a + n] for a, n in zip(starts, lens)], level, want16=1)
 
 
+def _cpu_has_sha_ni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " sha_ni" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not HAS16, reason="the 16 lanes need AVX-512")
+def test_the_switch_decides_who_finishes_a_few_messages():
+    # Three equal messages: with the SHA extensions, fewer than 6 in flight go on alone (none ends in
+    # the lanes); without them the lanes run down to 2 in flight (all three end there). So the
+    # no-sha-ni tests above do run the other finish, not just the same code under another name.
+    mem = pool(3 * 300, 8)
+    bufs = [mem[i * 300:(i + 1) * 300] for i in range(3)]
+    got = check(bufs, (2, False))
+    with C.settings(simd=2, sha_ni=False):
+        assert sha256.leaves_counted(bufs) == (got, 3)
+    if _cpu_has_sha_ni():
+        with C.settings(simd=2):
+            assert sha256.leaves_counted(bufs) == (got, 0)
+
+
 def test_nothing():
     assert sha256.leaves_counted([]) == ([], 0)
 

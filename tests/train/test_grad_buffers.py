@@ -20,7 +20,7 @@ from mlx_open1b.step import TreeFold
 from mlx_open1b.train import Trainer
 
 from data_helpers import MICRO_MIX, make_corpus
-from runs import MICRO, micro_cfg
+from runs import MICRO, count_clip_copies, micro_cfg
 
 ADD = functools.partial(arrays.add_into, cpu_ref)
 
@@ -151,27 +151,31 @@ def _train(run, corpus, cfg, steps: int, recycle: bool, **attrs):
 
 @pytest.mark.parametrize("M,precision,recompute", [(1, "bf16", False), (2, "bf16", False), (3, "int8", False),
                                                    (4, "bf16", True)])
-def test_ledger_is_the_same_with_and_without_recycled_buffers(tmp_path, corpus, M, precision, recompute):
+def test_ledger_is_the_same_with_and_without_recycled_buffers(tmp_path, corpus, M, precision, recompute,
+                                                            monkeypatch):
     """The run hash covers every step's gradient, parameter and optimizer-state hashes."""
     cfg = micro_cfg(phases=((0, M),), checkpoint_every=100, eval_every=0)
     cfg = dataclasses.replace(cfg, precision=precision)
     extra = {"recompute_blocks": True} if recompute else {}
+    copies = count_clip_copies(monkeypatch)
     new, pool = _train(tmp_path / "new", corpus, cfg, 3, True, **extra)
+    # every gradient through the pool, and each clip's copy of a gradient still being hashed
+    assert pool.made + pool.reused == 3 * M + len(copies)
     old, none = _train(tmp_path / "old", corpus, cfg, 3, False, **extra)
-    # every gradient through the pool, and the clip's copies of a gradient still being hashed
-    # (as many as the background hashes were still running at a clip)
-    assert none is None and pool.made + pool.reused >= 3 * M
+    assert none is None
     assert pool.reused >= (1 if M > 1 else 0)
     assert new == old
 
 
-def test_a_buffer_whose_hash_is_still_running_is_not_written(tmp_path, corpus, monkeypatch):
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_buffer_whose_hash_is_still_running_is_not_written(tmp_path, corpus, monkeypatch, clip):
     """The step gives its gradient back while the background thread may still hash it: here each
     step's gradient hash is held back until the next step's microbatch has written its gradient, so
-    handing the buffer out then would change the ledger."""
+    handing the buffer out then would change the ledger. With every update clipped, each clip also
+    copies the gradient being hashed into a buffer of the pool."""
     steps = 3
-    # no clip: a clip's copy of a gradient still being hashed would take a buffer of the pool too
-    cfg = micro_cfg(phases=((0, 1),), checkpoint_every=100, eval_every=0, clip_norm=1e30)
+    cfg = micro_cfg(phases=((0, 1),), checkpoint_every=100, eval_every=0, clip_norm=1e-6 if clip else 1e30,
+                    spike_threshold=1e30)      # no spike: no skipped update
     old, _ = _train(tmp_path / "old", corpus, cfg, steps, False)
     real_digests, real_lg = step_mod.piece_digests, Model.loss_and_grad
     cond, count = threading.Condition(), {"mb": 0, "hash": 0}
@@ -194,7 +198,11 @@ def test_a_buffer_whose_hash_is_still_running_is_not_written(tmp_path, corpus, m
         return out
     monkeypatch.setattr(step_mod, "piece_digests", slow_digests)
     monkeypatch.setattr(Model, "loss_and_grad", lg)
+    copies = count_clip_copies(monkeypatch)
     new, pool = _train(tmp_path / "new", corpus, cfg, steps, True)
     assert count == {"mb": steps, "hash": steps}
     assert new == old
-    assert pool.made == 2 and pool.reused == steps - 2      # step 1 could not have step 0's buffer
+    if clip:
+        assert len(copies) == steps                 # no gradient hash was done at its clip
+    else:                                           # step 1 could not have step 0's buffer
+        assert pool.made == 2 and pool.reused == steps - 2

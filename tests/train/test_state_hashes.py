@@ -17,7 +17,7 @@ from mlx_open1b.checkpoint import list_checkpoints
 from mlx_open1b.train import Trainer
 
 from fake_cupy import fake_gpu  # noqa: F401 (a fixture)
-from runs import micro_cfg
+from runs import count_clip_copies, micro_cfg
 
 STEPS = 6
 
@@ -85,11 +85,17 @@ def test_late_and_background_hashes_write_the_inline_ledger(tmp_path, corpus, in
     tr.train(STEPS)
     assert run_files(tmp_path / "background") == inline
     monkeypatch.setattr(step_mod, "submit", lambda fn, *a: LateFuture(fn, a))
+    copies, gives = count_clip_copies(monkeypatch), []
+    real_give = arrays.BufferPool.give
+    monkeypatch.setattr(arrays.BufferPool, "give",
+                        lambda pool, a: gives.append((len(copies), id(a))) or real_give(pool, a))
     tr = Trainer(tmp_path / "late", cfg(), corpus)
     tr.train(STEPS)
     assert run_files(tmp_path / "late") == inline
     # the clip wrote a copy of the gradient while its hash was pending (numpy: in place otherwise),
-    # into a free buffer of the trainer's gradient pool: the stage kept none of its own
+    # into a free buffer of the trainer's gradient pool, given back to it at the end of the step:
+    # the stage kept none of its own
+    assert copies and all((k + 1, c) in gives for k, c in enumerate(copies))   # given after copy k
     assert tr.hash_stage.host_bytes() == 0
     # without the pool (Trainer.recycle_grads off), the same copies go into the stage's own buffer
     tr = Trainer(tmp_path / "late-nopool", cfg(), corpus)
