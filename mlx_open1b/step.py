@@ -318,6 +318,7 @@ def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
     spike = not (norm <= tcfg.spike_threshold)
     skipped = st.skip_left > 0
     clipped, lent = False, None
+    pool = _grad_pool(tr)
     lr = f32(tcfg.lr_at(st.consumed + tokens))
     if not skipped and math.isfinite(norm):
         t0 = time.perf_counter()
@@ -327,7 +328,6 @@ def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
                 # a copy while the hash reads: into a free buffer of the gradient pool where it fits
                 # (memory already touched; a first-touched gradient-sized buffer costs a page fault
                 # per page, about 100 ms for the small preset's 39 MB with transparent huge pages)
-                pool = _grad_pool(tr)
                 fits = pool is not None and grads.shape == (pool.n,) and grads.dtype == pool.dt
                 src = grads
                 grads = arrays.scale_into(ops, _stage(tr).writable("grads", grads, grads_hashing,
@@ -348,7 +348,6 @@ def take_step(tr, reduce: Reduce, settle=None) -> "PendingHashes":
               "ce": ce, "zloss": zl, "grad_norm": norm, "clipped": clipped, "skipped": skipped,
               "spike": spike, "microbatches": M, "hashes": {"batch": batch_hash}}
     _gnmr_end(tr, partials, st.consumed, record)        # every process: the same inputs, the same decisions
-    pool = _grad_pool(tr)
     if pool is not None:        # the step is done with its fold's sum; its hash may still read it (the pool waits)
         pool.give(total)
         if lent is not None:    # and with the clip's copy, taken from the pool

@@ -684,7 +684,7 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         a.cs = (int32_t *)arena_take(&ar, sz[2]);
         a.sw = (float *)arena_take(&ar, sz[3]);
         a.xmax = (uint32_t *)arena_take(&ar, sz[4]);
-        run_tasks(a.npw + a.nxc, (a.npw ? M * K * 3 : 0) + N * K / 4, fwd_f1, &a);
+        run_tasks(a.npw + a.nxc, M * K * 3 + N * K / 4, fwd_f1, &a);
         uint32_t m = 0;
         for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
         float sx = scale_from_bf16bits(m);
@@ -1065,7 +1065,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
 #undef QALLOC
     if (ok) {
         /* B1: weights, absmax of x */
-        run_tasks(a.nwp + a.nxc, (a.nwp ? M * K * 4 : 0) + (dw ? N * K / 4 : 0), bwd_b1, &a);
+        run_tasks(a.nwp + a.nxc, M * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a);
         float sx = 0.0f, sd = 0.0f;
         if (dw) {
             uint32_t m = 0;
@@ -1074,7 +1074,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
         }
         /* B2: absmax of G and of D; R = rot(q_w), X = rot(q_x) */
-        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + (a.nrw ? Mp * K : 0) : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
+        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + Mp * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
         float sg = 0.0f, srw = 0.0f, srx = 0.0f;
         if (dx) {
             uint32_t m = 0;
@@ -1097,7 +1097,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             a.kind_rx = scale_kind(srx); a.inv_rx = inv_of(srx);
         }
         /* B3: R and X packed as B */
-        run_tasks(a.ndf + a.nbw + (dw ? Kp / NR : 0), (dx ? (a.nbw ? Mp * K * 2 : 0) + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
+        run_tasks(a.ndf + a.nbw + (dw ? Kp / NR : 0), (dx ? Mp * K * 2 + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
         /* B4: the two GEMMs */
         gemm_job gdx = {N, K, Mp, a.Adx, a.Bw, a.csw, EP_DX, sg, srw, 0.0f, NULL, NULL, dx, NULL};
         gemm_job gdw = {M, K, Np, a.Adw, a.Bx, a.csx, EP_DW, sd, srx, sx, NULL, a.clip, dw, NULL};
