@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     ap.add_argument("--workers", default="1,2")
-    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (open1b data prepare --default)")
+    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (default: the embedded default corpus, prepared on first use)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--report", help=argparse.SUPPRESS)
@@ -85,6 +85,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return _worker(a)
+    from mlx_open1b.data.format import DataError
+    from mlx_open1b.data.prepare import corpus_dir
+    try:       # the default corpus is prepared on first use; another must be prepared already
+        a.data = str(corpus_dir(a.data, log=lambda msg: print(msg, file=sys.stderr)))
+    except (DataError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
 
     from mlx_open1b.distributed.collectives import cpu_count
     cpus = cpu_count()

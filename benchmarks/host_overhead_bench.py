@@ -69,13 +69,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (open1b data prepare --default)")
+    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (default: the embedded default corpus, prepared on first use)")
     ap.add_argument("--variants", default="before,both", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(a)
         return
+    from mlx_open1b.data.format import DataError
+    from mlx_open1b.data.prepare import corpus_dir
+    try:       # the default corpus is prepared on first use; another must be prepared already
+        a.data = str(corpus_dir(a.data, log=lambda msg: print(msg, file=sys.stderr)))
+    except (DataError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     names = [v for v in a.variants.split(",") if v]
     got: dict = {v: [] for v in names}
     for _ in range(a.rounds):

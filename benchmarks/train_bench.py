@@ -17,6 +17,7 @@ ratio line. Measure on an idle machine: both sides share the CPUs with whatever 
 from __future__ import annotations
 
 import argparse
+import sys
 import contextlib
 import dataclasses
 import functools
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (open1b data prepare --default)")
+    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (default: the embedded default corpus, prepared on first use)")
     ap.add_argument("--precision", default="", help="bf16, int8, or both comma-separated (default: the preset's)")
     ap.add_argument("--only-ours", action="store_true", help="skip the PyTorch baselines and the audit replay")
     ap.add_argument("--rounds", type=int, default=1, help="repetitions of each precision's run (alternated)")
@@ -93,6 +94,12 @@ def main() -> None:
                     help="wait for each step's state hashes at its end instead of overlapping them with "
                          "the next step (the same ledger; shows what the overlap saves)")
     a = ap.parse_args()
+    from mlx_open1b.data.format import DataError
+    from mlx_open1b.data.prepare import corpus_dir
+    try:       # the default corpus is prepared on first use; another must be prepared already
+        a.data = str(corpus_dir(a.data, log=lambda msg: print(msg, file=sys.stderr)))
+    except (DataError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
 
     from mlx_open1b import cpu_ref
     from mlx_open1b.audit import audit

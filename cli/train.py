@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import importlib.util
 import os
 import pathlib
@@ -30,18 +29,11 @@ from mlx_open1b.step import TrainError
 
 
 def _default_corpus(path: pathlib.Path) -> pathlib.Path:
-    """Prepare the embedded default corpus once (idempotent: a finished one is reused; a lock
-    file lets the workers of a distributed run on one machine share it)."""
-    from mlx_open1b.data.corpus import default_sources
-    from mlx_open1b.data.prepare import prepare
-    from mlx_open1b.data.tokenizer import Tokenizer
+    """Prepare the embedded default corpus once (data.prepare.prepare_default: idempotent, shared
+    by the workers of a distributed run on one machine)."""
+    from mlx_open1b.data.prepare import prepare_default
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (path / "manifest.json").exists():
-                click.echo(f"preparing the embedded default corpus in {path} (once, ~10 s)", err=True)
-            prepare(default_sources(), path, Tokenizer.load(None))
+        prepare_default(path, lambda msg: click.echo(msg, err=True))
     except OSError as e:                 # WriteError included
         e = e if isinstance(e, WriteError) else WriteError(getattr(e, "filename", None) or path, e)
         fail(e.context(at="while preparing the default corpus",

@@ -352,6 +352,42 @@ def prepare(sources: list["SourceSpec"], out_dir, tokenizer: "Tokenizer", shard_
 
 
 # ------------------------------------------------------------------------------ verify
+#: where the commands keep the embedded default corpus when they are given no corpus
+DEFAULT_CORPUS_DIR = pathlib.Path("runs") / "data-default"
+
+
+def prepare_default(path=DEFAULT_CORPUS_DIR, log: Callable[[str], None] | None = None) -> pathlib.Path:
+    """The embedded default corpus, prepared at `path` on first use: a finished one is reused, an
+    interrupted one continued (prepare skips the sources it finished), and a lock file beside it
+    lets processes on one machine (the workers of a distributed run) share it. log: told once when
+    the corpus is being made. OSError (WriteError) where it cannot be written."""
+    from .corpus import default_sources
+    from .tokenizer import Tokenizer
+    try:
+        import fcntl
+    except ImportError:   # pragma: no cover  (no advisory locks: one process at a time)
+        fcntl = None
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if log is not None and not (path / "manifest.json").exists():
+            log(f"preparing the embedded default corpus in {path} (once, ~10 s)")
+        prepare(default_sources(), path, Tokenizer.load(None))
+    return path
+
+
+def corpus_dir(path, log: Callable[[str], None] | None = None) -> pathlib.Path:
+    """A corpus for a run or a benchmark: DEFAULT_CORPUS_DIR is prepared on first use
+    (prepare_default); any other path must hold a prepared corpus (DataError naming it if not)."""
+    path = pathlib.Path(path)
+    if path == DEFAULT_CORPUS_DIR:
+        return prepare_default(path, log)
+    Manifest.load(path)
+    return path
+
+
 def verify(out_dir, tokenizer: "Tokenizer | None" = None,
            progress: Callable[[str, int], None] | None = None) -> list[str]:
     """Every problem of a prepared corpus, each naming the file: missing or changed shard and

@@ -193,7 +193,7 @@ def test_parity_bundle(tmp_path, monkeypatch):
 _ALLOWED = {
     r"^mlx_open1b/rundir\.py:.*os\.(open|pwrite)": "the writer lock's pid note (best effort, never read as data)",
     r"^mlx_open1b/data/prepare\.py:.*os\.open\(out / LOCK": "the corpus lock file (no data)",
-    r"^cli/train\.py:.*\.lock\", \"w\"\)": "the default corpus's lock file (no data)",
+    r"^mlx_open1b/data/prepare\.py:.*\.lock\", \"w\"\)": "the default corpus's lock file (no data)",
     r"^(metal|cuda)/emu/__init__\.py:.*src\.write_text": "the emulators' build cache (rebuilt when missing)",
     r"^mlx_open1b/checkpoint\.py:.*open\(self\.tmp / STATE_FILE, \"wb\"": "the streamed checkpoint's file in its "
     "temporary directory: written by fsutil.write_all, every OSError a WriteError naming the checkpoint "

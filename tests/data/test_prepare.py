@@ -9,6 +9,9 @@ import hashlib
 import json
 import os
 import pathlib
+import re
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -552,3 +555,36 @@ def test_cli_prepare_default_corpus(tmp_path):
     r = CliRunner().invoke(cli, ["data", "prepare", "--default", "--out", str(out)])
     assert r.exit_code == 0 and r.stderr.count("skipped") == 3, r.output
     print(f"rerun (all skipped): {time.perf_counter() - t0:.1f} s")
+
+
+def test_corpus_dir_prepares_the_default_and_names_a_missing_corpus(tmp_path, default_corpus, monkeypatch):
+    """The commands' and benchmarks' corpus: the default directory is prepared on first use (a
+    finished one reused, silently); any other path must hold a prepared corpus, and the error names
+    its manifest."""
+    import shutil
+    missing = tmp_path / "not-prepared"
+    with pytest.raises(DataError, match=re.escape(str(missing / "manifest.json"))):
+        prep.corpus_dir(missing)
+    default = tmp_path / "runs" / "data-default"
+    shutil.copytree(default_corpus, default)
+    monkeypatch.setattr(prep, "DEFAULT_CORPUS_DIR", default)
+    made = []
+    monkeypatch.setattr(prep, "prepare", lambda *a, **k: made.append(a[1]))   # what prepare_default runs
+    told = []
+    assert prep.corpus_dir(default, log=told.append) == default
+    assert made == [default] and told == []           # finished: prepare runs (and skips), nothing said
+    assert (default.parent / ".data-default.lock").exists()
+    shutil.rmtree(default)
+    assert prep.corpus_dir(default, log=told.append) == default
+    assert made == [default, default] and told == [f"preparing the embedded default corpus in {default} (once, ~10 s)"]
+
+
+def test_benchmark_without_a_corpus_is_a_clear_error(tmp_path):
+    """A benchmark given a corpus that is not prepared stops with one line naming it (no
+    traceback), exit code 1."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "train_bench.py"
+    r = subprocess.run([sys.executable, str(script), "--data", str(tmp_path / "none"), "--steps", "1"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1, r
+    assert "Traceback" not in r.stderr and r.stderr.strip() == (
+        f"error: {tmp_path / 'none' / 'manifest.json'}: no manifest (run `open1b data prepare` first)")
