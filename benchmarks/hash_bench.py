@@ -15,24 +15,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import numpy as np
 
+from alternate import medians
 from mlx_open1b import config, hashing
 from mlx_open1b.cpu_ref import sha256
-
-
-def timed(fn, rounds: int, *others) -> list[float]:
-    """Median seconds of fn and of each of `others`, run alternately within each round."""
-    fns = (fn,) + others
-    ts = [[] for _ in fns]
-    for _ in range(rounds):
-        for k, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
-    return [float(np.median(t)) for t in ts]
 
 
 def state_items(preset: str, seed: int = 0) -> list[list]:
@@ -60,7 +48,7 @@ def main() -> None:
     data = np.random.default_rng(1).bytes(args.chunks * hashing.CHUNK)
     mv = memoryview(data)
     chunks = [mv[i:i + hashing.CHUNK] for i in range(0, len(data), hashing.CHUNK)]
-    th, tc = timed(lambda: [hashing._leaf(c) for c in chunks], args.rounds, lambda: sha256.leaves(chunks))
+    th, tc = medians([lambda: [hashing._leaf(c) for c in chunks], lambda: sha256.leaves(chunks)], args.rounds, warm=False)
     gb = len(data) / 1e9
     print(f"leaves, {args.chunks} x 1 MiB, 1 thread: hashlib {gb / th:.2f} GB/s, "
           f"16 lanes {gb / tc:.2f} GB/s ({th / tc:.2f}x)")
@@ -77,7 +65,7 @@ def main() -> None:
         return run
 
     try:
-        th, tc = timed(step(False), args.rounds, step(True))
+        th, tc = medians([step(False), step(True)], args.rounds, warm=False)
         hashing._lanes_module = False
         want = [hashing.tensor_digests(items) for items in calls]
         hashing._lanes_module = module

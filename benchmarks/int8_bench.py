@@ -9,11 +9,11 @@ and backward are three GEMMs). Times are medians of R calls, int8 and bf16 alter
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
 
+from alternate import medians
 from mlx_open1b import cpu_ref
 from mlx_open1b.spec.arith import f32_to_bf16
 
@@ -26,19 +26,6 @@ def best(fn, reps=5):
         fn()
         t.append(time.perf_counter() - t0)
     return min(t)
-
-
-def medians(fns, reps):
-    """Median time of each function, calls interleaved so that all see the same load."""
-    for f in fns:
-        f()
-    t = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f()
-            t[i].append(time.perf_counter() - t0)
-    return [statistics.median(x) for x in t]
 
 
 # (name, N tokens, K in, M out): the four quantized GEMMs of a block (fused QKV, wo, gate_up, down)
