@@ -1,7 +1,7 @@
 """Distributed data-parallel training: N workers (torchrun, gloo) vs 1 on the same preset and
 machine, per-step time split into compute and communication, and the ledgers compared.
 
-    python benchmarks/dist_bench.py --preset small --steps 3 --workers 1,2 --data runs/data-default
+    python benchmarks/dist_bench.py --preset small --steps 3 --workers 1,2
 
 Per step and per worker: `compute` (microbatch forward/backward and the worker's local folds),
 `reduce` (the owner's fold of the routed partials), `optim` (clip + AdamW on owned tensors),
@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     ap.add_argument("--workers", default="1,2")
-    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (default: the embedded default corpus, prepared on first use)")
+    ap.add_argument("--data", help="a prepared corpus (default: the embedded default corpus, prepared on first use "
+                    "in runs/data-default)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--report", help=argparse.SUPPRESS)

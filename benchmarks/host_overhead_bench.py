@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (default: the embedded default corpus, prepared on first use)")
+    ap.add_argument("--data", help="a prepared corpus (default: the embedded default corpus, prepared on first use "
+                    "in runs/data-default)")
     ap.add_argument("--variants", default="before,both", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     a = ap.parse_args()

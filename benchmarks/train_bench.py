@@ -1,7 +1,7 @@
 """Side by side in one run: the reproducible trainer (C reference) vs the PyTorch baseline on the
 same preset, windows and threads; hashing as a share of step time; audit replay vs training.
 
-    python benchmarks/train_bench.py --preset tiny --steps 20 --threads 2 --data runs/data-default
+    python benchmarks/train_bench.py --preset tiny --steps 20 --threads 2
     python benchmarks/train_bench.py --preset small --precision bf16,int8 --only-ours --rounds 3
 
 --precision bf16,int8 trains the same preset, windows and threads once per precision (in rounds,
@@ -17,11 +17,11 @@ ratio line. Measure on an idle machine: both sides share the CPUs with whatever 
 from __future__ import annotations
 
 import argparse
-import sys
 import contextlib
 import dataclasses
 import functools
 import pathlib
+import sys
 import tempfile
 import time
 
@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--data", default="runs/data-default", help="a prepared corpus (default: the embedded default corpus, prepared on first use)")
+    ap.add_argument("--data", help="a prepared corpus (default: the embedded default corpus, prepared on first use "
+                    "in runs/data-default)")
     ap.add_argument("--precision", default="", help="bf16, int8, or both comma-separated (default: the preset's)")
     ap.add_argument("--only-ours", action="store_true", help="skip the PyTorch baselines and the audit replay")
     ap.add_argument("--rounds", type=int, default=1, help="repetitions of each precision's run (alternated)")

@@ -18,6 +18,7 @@ from mlx_open1b.cli.config_cmd import TOKENIZER_VOCAB_HELP, config_options, voca
 from mlx_open1b.config import PRESETS, ConfigError, steps_for_tokens
 from mlx_open1b.config_file import resolve as resolve_config
 from mlx_open1b.data.format import DataError, Manifest
+from mlx_open1b.data.prepare import DEFAULT_CORPUS_DIR
 from mlx_open1b.fsutil import WriteError
 from mlx_open1b.gnmr import GNMRConfig, GNMRError
 from mlx_open1b.ledger import LedgerError
@@ -159,7 +160,7 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         if resume:
             _check_resume_config(out, cfg)
         if data_dir is None and not resume:
-            data_dir = _default_corpus(pathlib.Path("runs") / "data-default")
+            data_dir = _default_corpus(DEFAULT_CORPUS_DIR)
         elif data_dir is not None and not resume:
             Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
         if tokenizer_path is not None:

@@ -351,7 +351,7 @@ def prepare(sources: list["SourceSpec"], out_dir, tokenizer: "Tokenizer", shard_
         return manifest
 
 
-# ------------------------------------------------------------------------------ verify
+# ------------------------------------------------------------------------------ the default corpus
 #: where the commands keep the embedded default corpus when they are given no corpus
 DEFAULT_CORPUS_DIR = pathlib.Path("runs") / "data-default"
 
@@ -378,16 +378,18 @@ def prepare_default(path=DEFAULT_CORPUS_DIR, log: Callable[[str], None] | None =
     return path
 
 
-def corpus_dir(path, log: Callable[[str], None] | None = None) -> pathlib.Path:
-    """A corpus for a run or a benchmark: DEFAULT_CORPUS_DIR is prepared on first use
-    (prepare_default); any other path must hold a prepared corpus (DataError naming it if not)."""
+def corpus_dir(path=None, log: Callable[[str], None] | None = None) -> pathlib.Path:
+    """The corpus of a run or a benchmark, by the rule of `open1b train`: no path (None) is the
+    embedded default corpus in DEFAULT_CORPUS_DIR, prepared on first use (prepare_default); a
+    path given must hold a prepared corpus (DataError naming its manifest if not)."""
+    if path is None:
+        return prepare_default(DEFAULT_CORPUS_DIR, log)
     path = pathlib.Path(path)
-    if path == DEFAULT_CORPUS_DIR:
-        return prepare_default(path, log)
     Manifest.load(path)
     return path
 
 
+# ------------------------------------------------------------------------------ verify
 def verify(out_dir, tokenizer: "Tokenizer | None" = None,
            progress: Callable[[str, int], None] | None = None) -> list[str]:
     """Every problem of a prepared corpus, each naming the file: missing or changed shard and

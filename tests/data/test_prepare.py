@@ -558,25 +558,28 @@ def test_cli_prepare_default_corpus(tmp_path):
 
 
 def test_corpus_dir_prepares_the_default_and_names_a_missing_corpus(tmp_path, default_corpus, monkeypatch):
-    """The commands' and benchmarks' corpus: the default directory is prepared on first use (a
-    finished one reused, silently); any other path must hold a prepared corpus, and the error names
-    its manifest."""
+    """The commands' and benchmarks' corpus: a path given must hold a prepared corpus (the error
+    names its manifest); none is the embedded default corpus in runs/data-default under the working
+    directory, reused as it is when finished (prepare runs and skips every source: the manifest's
+    bytes unchanged, nothing said) and made, with one line said, when missing."""
     import shutil
     missing = tmp_path / "not-prepared"
     with pytest.raises(DataError, match=re.escape(str(missing / "manifest.json"))):
         prep.corpus_dir(missing)
-    default = tmp_path / "runs" / "data-default"
+    assert prep.corpus_dir(default_corpus) == default_corpus          # a prepared one, given
+    monkeypatch.chdir(tmp_path)
+    default = pathlib.Path("runs") / "data-default"
     shutil.copytree(default_corpus, default)
-    monkeypatch.setattr(prep, "DEFAULT_CORPUS_DIR", default)
-    made = []
-    monkeypatch.setattr(prep, "prepare", lambda *a, **k: made.append(a[1]))   # what prepare_default runs
+    before = (default / MANIFEST).read_bytes()
     told = []
-    assert prep.corpus_dir(default, log=told.append) == default
-    assert made == [default] and told == []           # finished: prepare runs (and skips), nothing said
-    assert (default.parent / ".data-default.lock").exists()
+    assert prep.corpus_dir(None, log=told.append) == default
+    assert told == [] and (default / MANIFEST).read_bytes() == before
+    assert (tmp_path / "runs" / ".data-default.lock").exists()
     shutil.rmtree(default)
-    assert prep.corpus_dir(default, log=told.append) == default
-    assert made == [default, default] and told == [f"preparing the embedded default corpus in {default} (once, ~10 s)"]
+    made = []      # the making itself (about 7 s) is the default_corpus fixture's; here, that it runs
+    monkeypatch.setattr(prep, "prepare", lambda sources, out, tok: made.append(pathlib.Path(out)))
+    assert prep.corpus_dir(None, log=told.append) == default
+    assert made == [default] and told == [f"preparing the embedded default corpus in {default} (once, ~10 s)"]
 
 
 def test_benchmark_without_a_corpus_is_a_clear_error(tmp_path):
@@ -586,5 +589,6 @@ def test_benchmark_without_a_corpus_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, str(script), "--data", str(tmp_path / "none"), "--steps", "1"],
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 1, r
-    assert "Traceback" not in r.stderr and r.stderr.strip() == (
-        f"error: {tmp_path / 'none' / 'manifest.json'}: no manifest (run `open1b data prepare` first)")
+    assert "Traceback" not in r.stderr, r.stderr
+    assert (f"error: {tmp_path / 'none' / 'manifest.json'}: no manifest (run `open1b data prepare` first)"
+            in r.stderr.splitlines()), r.stderr
