@@ -204,7 +204,10 @@ class Scratch:
 
     @property
     def env(self) -> dict:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+        # PYTEST_ADDOPTS too: the caller's pytest options (e.g. -rs) would change the runs and the
+        # summary lines they are read from
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTEST_ADDOPTS")}
         # no bytecode caches: a mutant and its restore can share size and mtime second, and a stale
         # .pyc would then run the wrong source
         env.update(PYTHONDONTWRITEBYTECODE="1", XDG_CACHE_HOME=str(self.xdg))
@@ -293,7 +296,8 @@ class Scratch:
         os.replace(tmp, lib)
 
     def pytest(self, args, timeout) -> tuple[int | None, str]:
-        cmd = [self.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+        # -rfE: the short summary's FAILED / ERROR lines, which failed_nodes reads, whatever the config
+        cmd = [self.python, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", *args]
         return run_cmd(cmd, self.repo, self.env, timeout)
 
 

@@ -126,6 +126,17 @@ def test_a_test_failing_without_the_mutant_is_an_error_not_a_catch(tmp_path):
     assert r.status == "caught", r
 
 
+def test_the_callers_pytest_options_do_not_change_the_runs(tmp_path, monkeypatch):
+    """A PYTEST_ADDOPTS of the caller's (here -rs: the short summary without its FAILED lines) does
+    not reach the mutant's runs, whose failures are read from those lines."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-rs")
+    sc = _tiny(tmp_path)
+    (sc.repo / "test_broken.py").write_text("def test_broken():\n    assert False\n")
+    r = mutation.run_mutant(sc, _mutant("return 1", "return 2", tests=("test_mod.py", "test_broken.py")),
+                            timeout=120)
+    assert r.status == "caught", r
+
+
 def test_failed_nodes_from_the_short_summary():
     out = ("....F\n=== short test summary info ===\n"
            "FAILED tests/test_gemm.py::test_fast_equals_definition[37x53x19] - AssertionError: y - simd=1\n"
