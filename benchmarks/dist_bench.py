@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from common import corpus_arg
+
 
 def _worker(a) -> None:
     import numpy as np
@@ -86,12 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return _worker(a)
-    from mlx_open1b.data.format import DataError
-    from mlx_open1b.data.prepare import corpus_dir
-    try:       # the default corpus is prepared on first use; another must be prepared already
-        a.data = str(corpus_dir(a.data, log=lambda msg: print(msg, file=sys.stderr)))
-    except (DataError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
+    a.data = corpus_arg(a.data)          # the default corpus prepared on first use
 
     from mlx_open1b.distributed.collectives import cpu_count
     cpus = cpu_count()

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from alternate import medians
+from common import medians
 from mlx_open1b import config, hashing
 from mlx_open1b.cpu_ref import sha256
 

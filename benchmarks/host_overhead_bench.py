@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from common import corpus_arg
+
 VARIANTS = {"before": (False, False), "recycle": (True, False), "malloc": (False, True), "both": (True, True)}
 
 
@@ -77,12 +79,7 @@ def main() -> None:
     if a.child:
         child(a)
         return
-    from mlx_open1b.data.format import DataError
-    from mlx_open1b.data.prepare import corpus_dir
-    try:       # the default corpus is prepared on first use; another must be prepared already
-        a.data = str(corpus_dir(a.data, log=lambda msg: print(msg, file=sys.stderr)))
-    except (DataError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
+    a.data = corpus_arg(a.data)          # the default corpus prepared on first use
     names = [v for v in a.variants.split(",") if v]
     got: dict = {v: [] for v in names}
     for _ in range(a.rounds):

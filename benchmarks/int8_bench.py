@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from alternate import medians
+from common import medians
 from mlx_open1b import cpu_ref
 from mlx_open1b.spec.arith import f32_to_bf16
 

@@ -21,9 +21,10 @@ import contextlib
 import dataclasses
 import functools
 import pathlib
-import sys
 import tempfile
 import time
+
+from common import corpus_arg
 
 
 @contextlib.contextmanager
@@ -95,12 +96,7 @@ def main() -> None:
                     help="wait for each step's state hashes at its end instead of overlapping them with "
                          "the next step (the same ledger; shows what the overlap saves)")
     a = ap.parse_args()
-    from mlx_open1b.data.format import DataError
-    from mlx_open1b.data.prepare import corpus_dir
-    try:       # the default corpus is prepared on first use; another must be prepared already
-        a.data = str(corpus_dir(a.data, log=lambda msg: print(msg, file=sys.stderr)))
-    except (DataError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
+    a.data = corpus_arg(a.data)          # the default corpus prepared on first use
 
     from mlx_open1b import cpu_ref
     from mlx_open1b.audit import audit

@@ -10,7 +10,6 @@ import click
 from mlx_open1b.cli import INT64_MAX, THREADS, Path, backend_option, fail
 
 from mlx_open1b.cli.train import _default_corpus
-from mlx_open1b.data.prepare import DEFAULT_CORPUS_DIR
 from mlx_open1b.config import PRESETS, ConfigError, preset
 from mlx_open1b.data.format import DataError, Manifest
 from mlx_open1b.gnmr import GNMRConfig, GNMRError
@@ -64,7 +63,7 @@ def experiment(preset_name, steps, out, data_dir, gnmr_spec, low, arms, eval_eve
             base = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_every=eval_every))
         if spike_skip is not None:
             base = dataclasses.replace(base, train=dataclasses.replace(base.train, spike_skip=spike_skip))
-        data = pathlib.Path(data_dir) if data_dir else _default_corpus(DEFAULT_CORPUS_DIR)
+        data = pathlib.Path(data_dir) if data_dir else _default_corpus()
         Manifest.load(data)                 # a prepared corpus, before any arm starts
         summary = run_experiment(out, base, data, steps, g, arms=chosen, backend=backend,
                                  log=lambda m: click.echo(m, err=True), low=low)

@@ -18,7 +18,7 @@ from mlx_open1b.cli.config_cmd import TOKENIZER_VOCAB_HELP, config_options, voca
 from mlx_open1b.config import PRESETS, ConfigError, steps_for_tokens
 from mlx_open1b.config_file import resolve as resolve_config
 from mlx_open1b.data.format import DataError, Manifest
-from mlx_open1b.data.prepare import DEFAULT_CORPUS_DIR
+from mlx_open1b.data.prepare import DEFAULT_CORPUS_DIR, prepare_default
 from mlx_open1b.fsutil import WriteError
 from mlx_open1b.gnmr import GNMRConfig, GNMRError
 from mlx_open1b.ledger import LedgerError
@@ -29,10 +29,10 @@ from mlx_open1b.step import TrainError
 # torch and the audit; `open1b --help` and the other commands start without loading it.
 
 
-def _default_corpus(path: pathlib.Path) -> pathlib.Path:
-    """Prepare the embedded default corpus once (data.prepare.prepare_default: idempotent, shared
-    by the workers of a distributed run on one machine)."""
-    from mlx_open1b.data.prepare import prepare_default
+def _default_corpus() -> pathlib.Path:
+    """The embedded default corpus, prepared once (data.prepare.prepare_default: idempotent, shared
+    by the workers of a distributed run on one machine); a failed write ends the command."""
+    path = DEFAULT_CORPUS_DIR
     try:
         prepare_default(path, lambda msg: click.echo(msg, err=True))
     except OSError as e:                 # WriteError included
@@ -160,7 +160,7 @@ def train(preset_name, config_file, sets, steps, backend, out, data_dir, tokeniz
         if resume:
             _check_resume_config(out, cfg)
         if data_dir is None and not resume:
-            data_dir = _default_corpus(DEFAULT_CORPUS_DIR)
+            data_dir = _default_corpus()
         elif data_dir is not None and not resume:
             Manifest.load(data_dir)          # a prepared corpus, before a run directory is made
         if tokenizer_path is not None:

@@ -372,7 +372,7 @@ def prepare_default(path=DEFAULT_CORPUS_DIR, log: Callable[[str], None] | None =
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if log is not None and not (path / "manifest.json").exists():
+        if log is not None and not (path / MANIFEST).exists():
             log(f"preparing the embedded default corpus in {path} (once, ~10 s)")
         prepare(default_sources(), path, Tokenizer.load(None))
     return path
