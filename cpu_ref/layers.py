@@ -14,6 +14,8 @@ _rope_tables = declare("o1b_rope_tables", c_i64, c_i64, c_f32, ptr, ptr)
 _rope_c = declare("o1b_rope", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, c_int)
 _swiglu_fwd = declare("o1b_swiglu_forward", c_i64, c_i64, ptr, ptr)
 _swiglu_bwd = declare("o1b_swiglu_backward", c_i64, c_i64, ptr, ptr, ptr)
+_swiglu_fwd16 = declare("o1b_swiglu_forward_bf16", c_i64, c_i64, ptr, ptr, restype=c_int)
+_swiglu_bwd16 = declare("o1b_swiglu_backward_bf16", c_i64, c_i64, ptr, ptr, ptr, restype=c_int)
 
 
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
@@ -70,15 +72,28 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
     return _rope(dy, cos, sin, True, "dy")
 
 
-def swiglu_forward(h: np.ndarray) -> np.ndarray:
+def _scratch(rc: int, name: str) -> None:
+    if rc != 0:
+        raise MemoryError(f"{name}: out of memory for the rows' scratch")
+
+
+def swiglu_forward(h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_forward(h)
+    if bf16_out:
+        out = np.empty((N, F), np.uint16)
+        _scratch(_swiglu_fwd16(N, F, p(h), p(out)), "swiglu_forward")
+        return out
     out = np.empty((N, F), np.float32)
     _swiglu_fwd(N, F, p(h), p(out))
     return out
 
 
-def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
+def swiglu_backward(dout: np.ndarray, h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
+    if bf16_out:
+        dh = np.empty(h.shape, np.uint16)
+        _scratch(_swiglu_bwd16(N, F, p(dout), p(h), p(dh)), "swiglu_backward")
+        return dh
     dh = np.empty_like(h)
     _swiglu_bwd(N, F, p(dout), p(h), p(dh))
     return dh

@@ -18,9 +18,10 @@ def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                    need_dw: bool = True):
+                    need_dw: bool = True, *, dw_out: np.ndarray | None = None):
     N, K, M = opargs.linear_backward(dy, x, w)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx = np.empty((N, K), np.float32) if need_dx else None
-    dw = np.empty((M, K), np.float32) if need_dw else None
+    dw = (np.empty((M, K), np.float32) if dw_out is None else dw_out) if need_dw else None
     _backward(N, K, M, p(dy), p(x), p(w), p(dx), p(dw))
     return dx, dw

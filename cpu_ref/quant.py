@@ -85,10 +85,11 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 
 
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                     need_dw: bool = True, qmax: int = QMAX):
+                     need_dw: bool = True, qmax: int = QMAX, *, dw_out: np.ndarray | None = None):
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx = empty_lines((N, K)) if need_dx else None
-    dw = empty_lines((M, K)) if need_dw else None
+    dw = (empty_lines((M, K)) if dw_out is None else dw_out) if need_dw else None
     _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax))
     return dx, dw

@@ -215,8 +215,9 @@ def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @_given_kind
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                    need_dw: bool = True):
+                    need_dw: bool = True, *, dw_out: np.ndarray | None = None):
     N, K, M = opargs.linear_backward(dy, x, w)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     ddy = _dev(dy)
     dx = dw = None
     if need_dx:        # dx = dy W, sum over m ascending
@@ -225,7 +226,7 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool 
     if need_dw:        # dW = dy^T x, sum over n ascending
         dw = _empty((M, K), np.float32)
         _gemm(M, K, N, ddy, 1, M, _dev(x), K, 1, dw, K, False)
-    return _host(dx), _host(dw)
+    return _host(dx), derived_ops.into(dw_out, _host(dw))
 
 
 # ------------------------------------------------------------------ layers (§6.2–§6.5)
@@ -311,19 +312,19 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
 
 
 @_given_kind
-def swiglu_forward(h: np.ndarray) -> np.ndarray:
+def swiglu_forward(h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_forward(h)
     out = _empty((N, F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_forward", N * F, i64(N), i64(F), _dev(h), out)
-    return _host(out)
+    return f32_to_bf16(_host(out)) if bf16_out else _host(out)
 
 
 @_given_kind
-def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
+def swiglu_backward(dout: np.ndarray, h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
     dh = _empty((N, 2 * F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_backward", N * F, i64(N), i64(F), _dev(dout), _dev(h), dh)
-    return _host(dh)
+    return f32_to_bf16(_host(dh)) if bf16_out else _host(dh)
 
 
 # ------------------------------------------------------------------ optimizer and reductions (§6.7, §7)
@@ -684,9 +685,10 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 
 @_given_kind
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                     need_dw: bool = True, qmax: int = QMAX):
+                     need_dw: bool = True, qmax: int = QMAX, *, dw_out: np.ndarray | None = None):
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     Mp, Np = _pad_qb(M), _pad_qb(N)
     ddy = _dev(dy)
     qw, sw, clip = _q_weight(M, K, _dev(w), True, qmax)
@@ -710,7 +712,7 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         # dW[m, k] = epilogue(sum over n' of q_D[n', m] q_X[n', k])
         dw = _gemm_i8(M, K, Np, qd, Np, 1, qX, Np, 1, "o1b_qgemm_dw", _empty((M, K), np.float32),
                       (scd, scX, scx, clip))
-    return _host(dx), _host(dw)
+    return _host(dx), derived_ops.into(dw_out, _host(dw))
 
 
 # ------------------------------------------------------------------ torch interop

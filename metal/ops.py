@@ -313,11 +313,12 @@ def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @_given_kind
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                    need_dw: bool = True):
+                    need_dw: bool = True, *, dw_out: np.ndarray | None = None):
     N, K, M = opargs.linear_backward(dy, x, w)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx = _gemm(N, K, M, dy, 0, M, 1, w, 0, K, 1) if need_dx else None
     dw = _gemm(M, K, N, dy, 0, 1, M, x, 0, K, 1) if need_dw else None
-    return dx, dw
+    return dx, derived_ops.into(dw_out, dw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,20 +402,20 @@ def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarra
 
 
 @_given_kind
-def swiglu_forward(h: np.ndarray) -> np.ndarray:
+def swiglu_forward(h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_forward(h)
     outs = [_run("swiglu_forward", [h[a:b].reshape(-1), _i64(F)], [((b - a, F), F32)], (F, b - a, 1), (32, 8, 1))[0]
             for a, b in slabs.item_slabs("swiglu_forward", N, F)]
-    return _join(outs)
+    return f32_to_bf16(_join(outs)) if bf16_out else _join(outs)
 
 
 @_given_kind
-def swiglu_backward(dout: np.ndarray, h: np.ndarray) -> np.ndarray:
+def swiglu_backward(dout: np.ndarray, h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_backward(dout, h)
     dhs = [_run("swiglu_backward", [dout[a:b].reshape(-1), h[a:b].reshape(-1), _i64(F)], [((b - a, 2 * F), F32)],
                 (F, b - a, 1), (32, 8, 1))[0]
            for a, b in slabs.item_slabs("swiglu_backward", N, F)]
-    return _join(dhs)
+    return f32_to_bf16(_join(dhs)) if bf16_out else _join(dhs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -753,9 +754,10 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
 
 @_given_kind
 def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True,
-                     need_dw: bool = True, qmax: int = QMAX):
+                     need_dw: bool = True, qmax: int = QMAX, *, dw_out: np.ndarray | None = None):
     N, K, M = opargs.qlinear_backward(dy, x, w)
     qmax = opargs.qmax(qmax)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     qw, sw, clip = _quant_w(w, M, K, qmax)
     dx = dw = None
     if need_dx:
@@ -773,4 +775,4 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
         qX, sX = _quant_f32(_rotate("hadamard_i8", qx, N, K), qmax)               # (Np, K)
         acc = _gemm_i8(M, K, Np, qd, 1, M, qX, 1, K)
         dw = _dequant(2, acc, arrays.concat([sd, sX, sx]), clip=clip)
-    return dx, dw
+    return dx, derived_ops.into(dw_out, dw)

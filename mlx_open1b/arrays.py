@@ -199,6 +199,16 @@ class FlatBuffer:
         if self.buf is not None:
             self.buf[offset:offset + flat.size] = flat
 
+    def slot(self, offset: int, shape: tuple):
+        """A writable view of the elements [offset, offset + prod(shape)) in `shape`, taken as
+        written (the caller writes every element, e.g. a kernel's output argument), where the buffer
+        is a numpy one; else None (write the piece instead)."""
+        if self.buf is None or self.kind != NUMPY:
+            return None
+        size = int(np.prod(shape))
+        self.pieces.append((int(offset), size, None))
+        return self.buf[offset:offset + size].reshape(shape)
+
     def result(self):
         self.pieces.sort(key=lambda p: p[0])
         at = 0

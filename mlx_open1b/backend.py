@@ -139,9 +139,12 @@ class Backend(Protocol):
         GEMM's order (§6.1)."""
 
     def linear_backward(self, dy: Array, x: Array, w: Array, need_dx: bool = True,
-                        need_dw: bool = True) -> tuple[Array, Array]:
+                        need_dw: bool = True, *, dw_out: Array | None = None) -> tuple[Array, Array]:
         """dy (N, M) bf16, x (N, K) bf16, w (M, K) bf16 -> dx = dy W (N, K) fp32 (sum over m),
-        dw = dy^T x (M, K) fp32 (sum over n); None for one that is not needed."""
+        dw = dy^T x (M, K) fp32 (sum over n); None for one that is not needed. dw_out: None, or a
+        writable C-contiguous (M, K) fp32 array of the kind dw would be (a view into the model's
+        gradient buffer): dw is written there and it is returned as dw (the same bits; the C
+        reference writes it in place, the others copy)."""
 
     # ------------------------------------------------------------------ §6.2-§6.5 layers
     def embedding_forward(self, tokens: Array, wte: Array) -> Array:
@@ -170,11 +173,14 @@ class Backend(Protocol):
     def rope_backward(self, dy: Array, cos: Array, sin: Array) -> Array:
         """dy (B, T, R, D) fp32 -> dx (B, T, R, D) fp32: rope_forward's transpose."""
 
-    def swiglu_forward(self, h: Array) -> Array:
-        """h (N, 2F) fp32 = [gate | up] -> out (N, F) fp32 = silu(gate) * up."""
+    def swiglu_forward(self, h: Array, bf16_out: bool = False) -> Array:
+        """h (N, 2F) fp32 = [gate | up] -> out (N, F) fp32 = silu(gate) * up; with bf16_out, out as
+        bf16: the bits of f32_to_bf16 of the fp32 out (the C reference converts rows while they are
+        in cache; the others convert the output)."""
 
-    def swiglu_backward(self, dout: Array, h: Array) -> Array:
-        """dout (N, F) fp32, h (N, 2F) fp32 from the forward -> dh (N, 2F) fp32 = [dgate | dup]."""
+    def swiglu_backward(self, dout: Array, h: Array, bf16_out: bool = False) -> Array:
+        """dout (N, F) fp32, h (N, 2F) fp32 from the forward -> dh (N, 2F) fp32 = [dgate | dup];
+        bf16_out as swiglu_forward's."""
 
     # ------------------------------------------------------------------ §6.6, §6.10 attention
     def attention_forward(self, q: Array, k: Array, v: Array, window: int, scale: float) -> tuple[Array, Array]:
@@ -266,10 +272,11 @@ class Backend(Protocol):
         or 7: the simulated int6 or int4 path (levels -qmax ... qmax)."""
 
     def qlinear_backward(self, dy: Array, x: Array, w: Array, need_dx: bool = True, need_dw: bool = True,
-                         qmax: int = QMAX) -> tuple[Array, Array]:
+                         qmax: int = QMAX, *, dw_out: Array | None = None) -> tuple[Array, Array]:
         """dy (N, M), x (N, K), w (M, K) bf16 -> dx (N, K), dw (M, K) fp32: the straight-through
         backward in int8 with the Hadamard rotation (§6.9); qmax as qlinear_forward, all four
-        operands on levels -qmax ... qmax; None for one that is not needed."""
+        operands on levels -qmax ... qmax; None for one that is not needed; dw_out as
+        linear_backward's."""
 
 
 #: The functions of the interface, in the order above.

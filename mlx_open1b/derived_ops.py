@@ -11,7 +11,8 @@ values, so the bits are those of its own ops:
   adamw with the results written back;
 - global_norm_of: the global norm of §7 from sumsq_blocks, treefold and scalar_sqrt;
 - returns_given_kind: the decorator of a device backend's ops (metal, cuda) that makes each op
-  return the kind of arrays it is given.
+  return the kind of arrays it is given;
+- into: an op's result written into the output array its caller gave (linear_backward's dw_out).
 """
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ def global_norm_of(sumsq_blocks, treefold, scalar_sqrt):
     return global_norm
 
 
+#: The keyword arguments that name where an op writes a result (never moved to the device).
+OUTPUTS = ("dw_out",)
+
+
+def into(out, value):
+    """value itself when out is None; else value's elements written into out (a numpy or cupy array
+    of value's shape and dtype, checked by the op), and out. A device value goes to a numpy out
+    through the host."""
+    if out is None or value is None:
+        return value
+    out[...] = arrays.to_host(value) if arrays.kind(out) == arrays.NUMPY else value
+    return out
+
+
 def returns_given_kind(lift, mode):
     """A decorator for the ops of a device backend: an op is in device mode while it runs iff any of
     its array arguments (or an array in a list or tuple argument) is a device array; then its numpy
@@ -90,7 +105,8 @@ def returns_given_kind(lift, mode):
             device = arrays.any_device(values) is not None
             if device and not in_place:
                 args = arrays.map_numpy(lift, args)
-                kwargs = {k: arrays.map_numpy(lift, v) for k, v in kwargs.items()}
+                # an output array (dw_out) stays as given: the op writes its result there (into)
+                kwargs = {k: v if k in OUTPUTS else arrays.map_numpy(lift, v) for k, v in kwargs.items()}
             with mode(device, values):
                 return op(*args, **kwargs)
         return wrapper

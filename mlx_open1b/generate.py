@@ -268,7 +268,7 @@ class Generator:
             h_mid = ops.add(h, m._linear_forward(l, "wo", o_b, w[p + "wo"]))
             f, _ = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
             gu = m._linear_forward(l, "gate_up", ops.f32_to_bf16(f), w[p + "w_gate_up"])
-            s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))
+            s_b = ops.swiglu_forward(gu, bf16_out=True)
             h = ops.add(h_mid, m._linear_forward(l, "down", s_b, w[p + "w_down"]))
         hn, _ = ops.rmsnorm_forward(h, w["final_norm"], eps)
         z = arrays.to_host(ops.linear_forward(ops.f32_to_bf16(hn), self.lm_head))    # (1, V)

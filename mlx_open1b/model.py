@@ -279,8 +279,13 @@ class Model:
     def _linear_forward(self, l, op, x, w):
         return self._path(l, op)[0](x, w)
 
-    def _linear_backward(self, l, op, dy, x, w):
-        return self._path(l, op)[1](dy, x, w)
+    def _linear_backward(self, l, op, dy, x, w, grads: "_Grads", offset: int):
+        """dx; dw goes into grads at offset (the kernel writes it there where grads is a numpy buffer)."""
+        out = grads.slot(offset, tuple(w.shape))
+        dx, dw = self._path(l, op)[1](dy, x, w, dw_out=out)
+        if out is None:
+            grads.write(offset, dw)
+        return dx
 
     # ---- public API
     def forward(self, params: np.ndarray, windows: np.ndarray):
@@ -433,7 +438,7 @@ class Model:
         f, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
         f_b = ops.f32_to_bf16(f)
         gu = self._linear_forward(l, "gate_up", f_b, w[p + "w_gate_up"])                 # (N, 2F)
-        s_b = ops.f32_to_bf16(ops.swiglu_forward(gu))                    # (N, F)
+        s_b = ops.swiglu_forward(gu, bf16_out=True)                      # (N, F) bf16
         h_out = ops.add(h_mid, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
         if lc is not None:
             recompute = self.recompute_gate_up if recompute_gu is None else recompute_gu
@@ -479,15 +484,15 @@ class Model:
         w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
         cos_t, sin_t = self._rope()
         # SwiGLU branch: h_out = h_mid + w_down(s)
-        ds, dw[p + "w_down"] = self._linear_backward(l, "down", bf16(dh), lc.s_b, w[p + "w_down"])     # (N, F)
+        ds = self._linear_backward(l, "down", bf16(dh), lc.s_b, w[p + "w_down"], dw, dw.at(p + "w_down"))  # (N, F)
         gu = lc.gu if lc.gu is not None else self._linear_forward(l, "gate_up", lc.f_b, w[p + "w_gate_up"])
-        dgu = ops.swiglu_backward(ds, gu)                                                    # (N, 2F)
+        dgu_b = ops.swiglu_backward(ds, gu, bf16_out=True)                                   # (N, 2F) bf16
         del gu
-        df, dw[p + "w_gate_up"] = self._linear_backward(l, "gate_up", bf16(dgu), lc.f_b, w[p + "w_gate_up"])  # (N, d)
+        df = self._linear_backward(l, "gate_up", dgu_b, lc.f_b, w[p + "w_gate_up"], dw, dw.at(p + "w_gate_up"))  # (N, d)
         dh_mid, dw[p + "ffn_norm"] = ops.rmsnorm_backward(df, lc.h_mid, w[p + "ffn_norm"], lc.rstd_ffn)
         dh = arrays.add_into(ops, dh, dh_mid)        # dh = dL/dh_mid: running gradient + branch
         # attention branch: h_mid = h_in + wo(o)
-        do, dw[p + "wo"] = self._linear_backward(l, "wo", bf16(dh), lc.o_b, w[p + "wo"])           # (N, H*D)
+        do = self._linear_backward(l, "wo", bf16(dh), lc.o_b, w[p + "wo"], dw, dw.at(p + "wo"))    # (N, H*D)
         dq_r, dk_r, dv = ops.attention_backward(do.reshape(B, T, H, D), lc.q_b, lc.k_b, lc.v_b, lc.o,
                                                 lc.lse, self.windows[l], self.attn_scale)
         dqn = ops.rope_backward(dq_r, cos_t, sin_t).reshape(N * H, D)
@@ -495,8 +500,7 @@ class Model:
         dq, _ = ops.rmsnorm_backward(dqn, lc.q_pre, None, lc.rstd_q)     # (N*H, D)
         dk, _ = ops.rmsnorm_backward(dkn, lc.k_pre, None, lc.rstd_k)     # (N*G, D)
         dqkv = arrays.concat([dq.reshape(N, H * D), dk.reshape(N, G * D), dv.reshape(N, G * D)], axis=1)
-        da, dw_qkv = self._linear_backward(l, "qkv", bf16(dqkv), lc.a_b, w_qkv)    # (N, d), ((H+2G)D, d)
-        dw.write(lo, dw_qkv)                   # wq, wk, wv: one range of the buffer
+        da = self._linear_backward(l, "qkv", bf16(dqkv), lc.a_b, w_qkv, dw, lo)   # (N, d); wq, wk, wv: one range
         dh_in, dw[p + "attn_norm"] = ops.rmsnorm_backward(da, lc.h_in, w[p + "attn_norm"], lc.rstd_attn)
         return arrays.add_into(ops, dh, dh_in)       # dh = dL/dh_in
 
@@ -510,6 +514,10 @@ class _Grads(arrays.FlatBuffer):
         out = pool.take() if pool is not None and k == arrays.NUMPY else None
         super().__init__(layout.n_params, np.float32, k, out)
         self.layout = layout
+
+    def at(self, name: str) -> int:
+        """Where tensor `name` starts in the buffer."""
+        return self.layout[name].offset
 
     def __setitem__(self, name: str, value) -> None:
         t = self.layout[name]

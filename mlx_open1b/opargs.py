@@ -233,6 +233,17 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[int, 
     return N, K, M
 
 
+def dw_out(out, M: int, K: int, need_dw: bool):
+    """linear_backward's and qlinear_backward's dw_out: None, or a writable C-contiguous (M, K) fp32
+    array (with need_dw) -> out."""
+    if out is None:
+        return None
+    if not need_dw:
+        raise ValueError("dw_out: given with need_dw=False (no dw is computed to write there)")
+    check("dw_out", out, F32, shape=(M, K))
+    return writable("dw_out", out)
+
+
 # ------------------------------------------------------------------ §6.2–§6.5 layers
 def embedding_forward(tokens_: np.ndarray, wte: np.ndarray) -> tuple[int, int, int]:
     """tokens (N,) int32, wte (V, C) bf16 -> (N, V, C)."""

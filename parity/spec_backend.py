@@ -89,10 +89,12 @@ def linear_forward(x, w):
     return _xent.gemm_nt(x, w)
 
 
-def linear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True):
+def linear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, *, dw_out=None):
+    N, K, M = opargs.linear_backward(dy, x, w)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx = _xent.gemm_nt(dy, np.ascontiguousarray(w.T)) if need_dx else None          # sum over m
     dw = _xent.gemm_nt(np.ascontiguousarray(dy.T), np.ascontiguousarray(x.T)) if need_dw else None  # sum over n
-    return dx, dw
+    return dx, derived_ops.into(dw_out, dw)
 
 
 # ---------------------------------------------------------------- §6.2-6.5 layers
@@ -103,8 +105,14 @@ def rmsnorm_backward(dy, x, g, rstd): return _lay.rmsnorm_backward(dy, x, g, rst
 def rope_tables(T, D, theta): return _lay.rope_tables(int(T), int(D), _f32s(theta))
 def rope_forward(x, cos, sin): return _lay.rope(x, cos, sin, backward=False)
 def rope_backward(dy, cos, sin): return _lay.rope(dy, cos, sin, backward=True)
-def swiglu_forward(h): return _lay.swiglu_forward(h)
-def swiglu_backward(dout, h): return _lay.swiglu_backward(dout, h)
+def swiglu_forward(h, bf16_out: bool = False):
+    out = _lay.swiglu_forward(h)
+    return f32_to_bf16(out) if bf16_out else out
+
+
+def swiglu_backward(dout, h, bf16_out: bool = False):
+    dh = _lay.swiglu_backward(dout, h)
+    return f32_to_bf16(dh) if bf16_out else dh
 
 
 # ---------------------------------------------------------------- §6.6 attention, §6.8 xent
@@ -197,10 +205,11 @@ def qlinear_forward(x, w, qmax: int = QMAX):
     return _q.qlinear_forward(x, w, opargs.qmax(qmax))
 
 
-def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax: int = QMAX):
-    opargs.qlinear_backward(dy, x, w)
+def qlinear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, qmax: int = QMAX, *, dw_out=None):
+    N, K, M = opargs.qlinear_backward(dy, x, w)
+    dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx, dw = _q.qlinear_backward(dy, x, w, opargs.qmax(qmax))
-    return (dx if need_dx else None), (dw if need_dw else None)
+    return (dx if need_dx else None), (derived_ops.into(dw_out, dw) if need_dw else None)
 
 
 # the functional forms the model program and trainer use on device arrays (same arithmetic)

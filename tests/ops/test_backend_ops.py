@@ -433,6 +433,9 @@ def test_swiglu(gpu):
     for h, dout in ((h, dout), (hc, dout_c)):
         assert_bits_equal(gpu.swiglu_forward(h), C.swiglu_forward(h), "swiglu_forward")
         assert_bits_equal(gpu.swiglu_backward(dout, h), C.swiglu_backward(dout, h), "swiglu_backward")
+        assert_bits_equal(gpu.swiglu_forward(h, bf16_out=True), C.swiglu_forward(h, bf16_out=True), "forward bf16")
+        assert_bits_equal(gpu.swiglu_backward(dout, h, bf16_out=True), C.swiglu_backward(dout, h, bf16_out=True),
+                          "backward bf16")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -192,6 +192,28 @@ def test_swiglu_bits(N, F):
     assert_bits_equal(C.swiglu_backward(dout, h), S.swiglu_backward(dout, h), "backward")
 
 
+@pytest.mark.parametrize("N,F", [(1, 1), (7, 13), (300, 64), (3, 5000)],
+                         ids=["1x1", "7x13", "chunks-of-rows", "rows-wider-than-the-scratch"])
+def test_swiglu_bf16_out_is_the_conversion_of_the_fp32_output(N, F):
+    """bf16_out: each range's rows computed into a cache-sized scratch and converted there (several
+    chunks a range at 300 x 64; one row a chunk past the scratch's 8192 floats): the bits of
+    f32_to_bf16 of the fp32 output, specials (NaN canonical, subnormals flushed) and bf16 rounding
+    ties included, on one thread and two, and the spec's."""
+    rng = np.random.default_rng(N * F)
+    h = sprinkle(rng, rand_f32(rng, (N, 2 * F), 4.0), SPECIAL_F32, 0.05)
+    h[0, :min(F, 4)] = [0.5, 1.0 + 2.0 ** -8, -(1.0 + 3 * 2.0 ** -8), 3.0][:min(F, 4)]   # near bf16 ties
+    dout = sprinkle(rng, rand_f32(rng, (N, F)), SPECIAL_F32, 0.05)
+    for fwd in (True, False):
+        op = (lambda **k: C.swiglu_forward(h, **k)) if fwd else (lambda **k: C.swiglu_backward(dout, h, **k))
+        want = C.f32_to_bf16(op())
+        got, got2 = both_threads(lambda: op(bf16_out=True))
+        assert got.dtype == np.uint16 and got.shape == want.shape
+        assert_bits_equal(got, want, "fused vs converted")
+        assert_bits_equal(got2, want, "threads")
+        spec = S.swiglu_forward(h) if fwd else S.swiglu_backward(dout, h)
+        assert_bits_equal(got, A.f32_to_bf16(spec), "spec")
+
+
 def test_swiglu_accuracy():
     rng = np.random.default_rng(7)
     N, F = 64, 200

@@ -1,7 +1,7 @@
-"""The int8 layer's large outputs (past 2 MiB, quant_vnni.c STREAM_BYTES) leave the GEMM epilogue as
-streaming stores of whole 64-byte lines (cpu_ref.qlinear_* allocate them line-aligned); the
-values must be the portable code's, bit for bit, including the rows' partial vectors and the
-outputs under the threshold."""
+"""The int8 layer's large outputs y and dx (past 2 MiB, quant_vnni.c STREAM_BYTES; not dW, which the
+model writes into its gradient buffer) leave the GEMM epilogue as streaming stores of whole 64-byte
+lines (cpu_ref.qlinear_* allocate them line-aligned); the values must be the portable code's, bit for
+bit, including the rows' partial vectors and the outputs under the threshold."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,0 +1,125 @@
+"""linear_backward's and qlinear_backward's dw_out (mlx_open1b/backend.py): on every backend the
+weight gradient written into a given array is the one returned without it, bit for bit, and that
+array is what comes back; a bad dw_out is a ValueError naming it, before anything is written. The
+model program hands its gradient buffer's views to the C reference (no copy of dW per microbatch),
+with the gradient's bits unchanged."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_open1b import arrays, backend
+from mlx_open1b.model import Model, init_params
+from mlx_open1b.parity import spec_backend
+
+from helpers import assert_bits_equal, rand_bf16
+from runs import micro_cfg
+
+
+def _loaded():
+    out = []
+    for name in backend.BACKENDS:
+        try:
+            out.append((name, backend.load(name)))
+        except backend.BackendUnavailable:
+            pass
+    return out + [("spec", spec_backend)]
+
+
+LOADED = _loaded()
+IDS = [n for n, _ in LOADED]
+LAYERS = [("linear_backward", {}), ("qlinear_backward", {}), ("qlinear_backward", {"qmax": 7})]
+LAYER_IDS = ["bf16", "int8", "int4"]
+
+
+def _operands(seed=5, N=19, K=40, M=24):
+    rng = np.random.default_rng(seed)
+    return rand_bf16(rng, (N, M), 0.1), rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.05)
+
+
+@pytest.mark.parametrize("name,ops", LOADED, ids=IDS)
+@pytest.mark.parametrize("op,kw", LAYERS, ids=LAYER_IDS)
+def test_dw_written_into_dw_out_is_the_returned_dw(name, ops, op, kw):
+    dy, x, w = _operands()
+    fn = getattr(ops, op)
+    dx0, dw0 = fn(dy, x, w, **kw)
+    buf = np.full(3 + w.size + 5, np.nan, np.float32)       # a view inside a larger buffer, as the model's
+    out = buf[3:3 + w.size].reshape(w.shape)
+    dx1, dw1 = fn(dy, x, w, dw_out=out, **kw)
+    assert dw1 is out
+    assert_bits_equal(arrays.to_host(dx1), arrays.to_host(dx0), f"{name} {op} dx")
+    assert_bits_equal(out, arrays.to_host(dw0), f"{name} {op} dw")
+    assert np.isnan(buf[:3]).all() and np.isnan(buf[-5:]).all()        # nothing written outside it
+    dxn, dwn = fn(dy, x, w, need_dx=False, dw_out=np.empty_like(out), **kw)
+    assert dxn is None
+    assert_bits_equal(dwn, out, f"{name} {op} dw alone")
+
+
+@pytest.mark.parametrize("name,ops", LOADED, ids=IDS)
+@pytest.mark.parametrize("op,kw", LAYERS[:2], ids=LAYER_IDS[:2])
+def test_a_bad_dw_out_is_refused_naming_it_and_nothing_is_written(name, ops, op, kw):
+    dy, x, w = _operands(6)
+    fn = getattr(ops, op)
+    ro = np.zeros(w.shape, np.float32)
+    ro.flags.writeable = False
+    bad = {"shape": (np.zeros((w.shape[0] + 1, w.shape[1]), np.float32), "dimension 0"),
+           "dtype": (np.zeros(w.shape, np.float64), "dtype float32"),
+           "strided": (np.zeros((w.shape[0], 2 * w.shape[1]), np.float32)[:, ::2], "C-contiguous"),
+           "read-only": (ro, "read-only")}
+    for what, (out, msg) in bad.items():
+        keep = out.copy()
+        with pytest.raises(ValueError, match=f"dw_out: .*{msg}"):
+            fn(dy, x, w, dw_out=out, **kw)
+        assert np.array_equal(out, keep, equal_nan=True), what
+    good = np.zeros(w.shape, np.float32)
+    with pytest.raises(ValueError, match="dw_out: given with need_dw=False"):
+        fn(dy, x, w, need_dw=False, dw_out=good, **kw)
+    assert not good.any()
+
+
+def test_flat_buffer_slot_counts_as_written_and_only_numpy_buffers_give_one():
+    fb = arrays.FlatBuffer(10, np.float32, arrays.NUMPY)
+    s = fb.slot(2, (2, 3))
+    assert s.shape == (2, 3) and np.shares_memory(s, fb.buf)
+    s[...] = 1.0
+    fb.write(0, np.zeros(2, np.float32))
+    with pytest.raises(AssertionError, match="never written"):
+        fb.result()
+    fb.write(8, np.zeros(2, np.float32))
+    assert_bits_equal(fb.result(), np.array([0, 0, 1, 1, 1, 1, 1, 1, 0, 0], np.float32))
+    fb2 = arrays.FlatBuffer(4, np.float32, arrays.NUMPY)
+    fb2.slot(0, (3,))
+    fb2.write(2, np.zeros(2, np.float32))
+    with pytest.raises(AssertionError, match="written twice"):
+        fb2.result()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_the_model_writes_dw_in_place_with_the_same_gradient_bits(monkeypatch, precision):
+    """The C reference writes every linear layer's dW into the gradient buffer (a view of it is its
+    dw_out), and the gradient equals the one assembled by copies (slots refused), bit for bit."""
+    from mlx_open1b import cpu_ref
+    cfg = micro_cfg()
+    rng = np.random.default_rng(2)
+    windows = rng.integers(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1), dtype=np.uint32)
+    params = init_params(cfg.model, 1)
+    seen = []
+
+    def spy(fn):
+        def call(*a, dw_out=None, **k):
+            seen.append(dw_out)
+            return fn(*a, dw_out=dw_out, **k)
+        return call
+
+    m = Model(cfg.model, cpu_ref, precision=precision)
+    impl = m._impl[precision]
+    m._impl[precision] = (impl[0], spy(impl[1]), impl[2])
+    *_, cache = m.forward(params, windows)
+    g = m.backward(params, cache)
+    assert len(seen) == 4 * cfg.model.n_layers and all(s is not None and np.shares_memory(s, g) for s in seen)
+    monkeypatch.setattr(arrays.FlatBuffer, "slot", lambda self, offset, shape: None)
+    seen.clear()
+    *_, cache = m.forward(params, windows)
+    g2 = m.backward(params, cache)
+    assert len(seen) == 4 * cfg.model.n_layers and all(s is None for s in seen)
+    assert_bits_equal(g, g2, f"{precision} gradient, in place vs copied")
