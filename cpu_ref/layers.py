@@ -10,12 +10,18 @@ _emb_fwd = declare("o1b_embedding_forward", c_i64, c_i64, ptr, ptr, ptr)
 _emb_bwd = declare("o1b_embedding_backward", c_i64, c_i64, c_i64, ptr, ptr, ptr, restype=c_int)
 _rms_fwd = declare("o1b_rmsnorm_forward", c_i64, c_i64, ptr, ptr, c_f32, ptr, ptr)
 _rms_bwd = declare("o1b_rmsnorm_backward", c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ptr)
+_rms_fwd16 = declare("o1b_rmsnorm_forward_bf16", c_i64, c_i64, ptr, ptr, c_f32, ptr, ptr, restype=c_int)
 _rope_tables = declare("o1b_rope_tables", c_i64, c_i64, c_f32, ptr, ptr)
 _rope_c = declare("o1b_rope", c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, c_int)
 _swiglu_fwd = declare("o1b_swiglu_forward", c_i64, c_i64, ptr, ptr)
 _swiglu_bwd = declare("o1b_swiglu_backward", c_i64, c_i64, ptr, ptr, ptr)
 _swiglu_fwd16 = declare("o1b_swiglu_forward_bf16", c_i64, c_i64, ptr, ptr, restype=c_int)
 _swiglu_bwd16 = declare("o1b_swiglu_backward_bf16", c_i64, c_i64, ptr, ptr, ptr, restype=c_int)
+
+
+def _scratch(rc: int, name: str) -> None:
+    if rc != 0:
+        raise MemoryError(f"{name}: out of memory for the rows' scratch")
 
 
 def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
@@ -25,18 +31,24 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     return out
 
 
-def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
+def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int, *,
+                       dw_out: np.ndarray | None = None) -> np.ndarray:
     N, V, C = opargs.embedding_backward(tokens, dout, V)
-    dwte = np.empty((V, C), np.float32)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
+    dwte = np.empty((V, C), np.float32) if dw_out is None else dw_out
     if _emb_bwd(N, V, C, p(tokens), p(dout), p(dwte)) != 0:
         raise MemoryError("embedding_backward: out of memory for the position buckets")
     return dwte
 
 
-def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
+def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float, bf16_out: bool = False):
     N, C = opargs.rmsnorm_forward(x, g, eps)
-    y = np.empty_like(x)
     rstd = np.empty(N, np.float32)
+    if bf16_out:
+        y = np.empty(x.shape, np.uint16)
+        _scratch(_rms_fwd16(N, C, p(x), p(g), float(np.float32(eps)), p(y), p(rstd)), "rmsnorm_forward")
+        return y, rstd
+    y = np.empty_like(x)
     _rms_fwd(N, C, p(x), p(g), float(np.float32(eps)), p(y), p(rstd))
     return y, rstd
 
@@ -70,11 +82,6 @@ def rope_forward(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def rope_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return _rope(dy, cos, sin, True, "dy")
-
-
-def _scratch(rc: int, name: str) -> None:
-    if rc != 0:
-        raise MemoryError(f"{name}: out of memory for the rows' scratch")
 
 
 def swiglu_forward(h: np.ndarray, bf16_out: bool = False) -> np.ndarray:

@@ -107,15 +107,16 @@ def _forward_chunked(h, w, targets, zcoef, chunk, keep=False):
     return (loss, lse, ce, saved) if keep else (loss, lse, ce)
 
 
-def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, saved=None):
+def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, saved=None, dw_out=None):
     N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
     if saved is not None:
         if not isinstance(saved, XentSaved):
             raise ValueError("saved: expected what xent_forward(keep=True) returned, got "
                              f"{type(saved).__name__}")
         saved.check(h, w, int(chunk))
     dh = np.empty((N, C), np.float32)
-    dw = np.empty((V, C), np.float32)
+    dw = np.empty((V, C), np.float32) if dw_out is None else dw_out
     _call(_backward, N, C, V, int(chunk), p(h), p(w), p(targets), zc, p(lse), p(dloss),
           p(saved.zk) if saved else None, p(dh), p(dw))
     if saved is not None:
@@ -129,5 +130,5 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
 
 
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
-                  lse: np.ndarray, dloss: np.ndarray, saved=None):
-    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK, saved)
+                  lse: np.ndarray, dloss: np.ndarray, saved=None, *, dw_out: np.ndarray | None = None):
+    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK, saved, dw_out)

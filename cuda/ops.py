@@ -239,8 +239,10 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
 
 
 @_given_kind
-def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
+def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int, *,
+                       dw_out: np.ndarray | None = None) -> np.ndarray:
     N, V, C = opargs.embedding_backward(tokens, dout, V)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
     # the stable counting sort of positions by token, on the host (data movement only; the index
     # arrays go to the device with the launch)
     tokens = opargs.host_ids(tokens)
@@ -252,7 +254,7 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
     dwte = _empty((V, C), np.float32)
     _launch1d("embedding.cu", "o1b_embedding_backward", V * C, i64(V), i64(C), _dev(start), _dev(pos),
               _dev(dout), dwte)
-    return _host(dwte)
+    return derived_ops.into(dw_out, _host(dwte))
 
 
 _NO_GAIN = np.zeros(1, np.uint16)       # the 1-element placeholders of unused arguments (_dummy)
@@ -260,13 +262,13 @@ _NO_F32 = np.zeros(1, np.float32)
 
 
 @_given_kind
-def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
+def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float, bf16_out: bool = False):
     N, C = opargs.rmsnorm_forward(x, g, eps)
     y = _empty((N, C), np.float32)
     rstd = _empty((N,), np.float32)
     _launch1d("rmsnorm.cu", "o1b_rmsnorm_forward", N, i64(N), i64(C), _dev(x),
               (_dev(g) if g is not None else _dummy(_NO_GAIN)), i32(g is not None), f32(eps), y, rstd)
-    return _host(y), _host(rstd)
+    return (f32_to_bf16(_host(y)) if bf16_out else _host(y)), _host(rstd)
 
 
 @_given_kind
@@ -507,8 +509,11 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
 
 @_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
-                  lse: np.ndarray, dloss: np.ndarray, saved=None):
-    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+                  lse: np.ndarray, dloss: np.ndarray, saved=None, *, dw_out: np.ndarray | None = None):
+    N, C, V, _ = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
+    dh, dw = _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+    return dh, derived_ops.into(dw_out, dw)
 
 
 # ------------------------------------------------------------------ int8 quantized linear (§6.9)

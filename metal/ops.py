@@ -334,8 +334,10 @@ def embedding_forward(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
 
 
 @_given_kind
-def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarray:
+def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int, *,
+                       dw_out: np.ndarray | None = None) -> np.ndarray:
     N, V, C = opargs.embedding_backward(tokens, dout, V)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
     # the stable counting sort of positions by token (data movement only, on the host; the
     # index arrays go back to the device with the launch)
     tokens = opargs.host_ids(tokens)
@@ -344,18 +346,19 @@ def embedding_backward(tokens: np.ndarray, dout: np.ndarray, V: int) -> np.ndarr
     pos = np.argsort(tokens, kind="stable").astype(I64)
     (dwte,) = _run("embedding_backward", [start, pos, dout.reshape(-1), _i64(C)], [((V, C), F32)],
                    (C, V, 1), (32, 8, 1))
-    return dwte
+    return derived_ops.into(dw_out, dwte)
 
 
 @_given_kind
-def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float):
+def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float, bf16_out: bool = False):
     N, C = opargs.rmsnorm_forward(x, g, eps)
     gg = g if g is not None else np.zeros(1, BF16)
     xf, has_g = x.reshape(-1), int(g is not None)
     parts = [_run("rmsnorm_forward", [_part(xf, a * C, b * C), gg, _f32(eps), _i64(C)],
                   [((b - a, C), F32), ((b - a,), F32)], (b - a, 1, 1), (64, 1, 1), template=[("HAS_G", has_g)])
              for a, b in slabs.item_slabs("rmsnorm", N, C)]
-    return _join([y for y, _ in parts]), _join([r for _, r in parts])
+    y = _join([y for y, _ in parts])
+    return (f32_to_bf16(y) if bf16_out else y), _join([r for _, r in parts])
 
 
 @_given_kind
@@ -558,8 +561,11 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
 
 @_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
-                  lse: np.ndarray, dloss: np.ndarray, saved=None):
-    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+                  lse: np.ndarray, dloss: np.ndarray, saved=None, *, dw_out: np.ndarray | None = None):
+    N, C, V, _ = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
+    dh, dw = _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
+    return dh, derived_ops.into(dw_out, dw)
 
 
 # ---------------------------------------------------------------------------------------------

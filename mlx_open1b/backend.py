@@ -150,13 +150,13 @@ class Backend(Protocol):
     def embedding_forward(self, tokens: Array, wte: Array) -> Array:
         """tokens (N,) int32 in [0, V), wte (V, C) bf16 -> out (N, C) fp32 (rows widened exactly)."""
 
-    def embedding_backward(self, tokens: Array, dout: Array, V: int) -> Array:
+    def embedding_backward(self, tokens: Array, dout: Array, V: int, *, dw_out: Array | None = None) -> Array:
         """tokens (N,) int32, dout (N, C) fp32 -> dwte (V, C) fp32: each row the sum of its
-        positions' dout rows in ascending position."""
+        positions' dout rows in ascending position; dw_out as linear_backward's, (V, C)."""
 
-    def rmsnorm_forward(self, x: Array, g: Array | None, eps: float) -> tuple[Array, Array]:
+    def rmsnorm_forward(self, x: Array, g: Array | None, eps: float, bf16_out: bool = False) -> tuple[Array, Array]:
         """x (N, C) fp32, g (C,) bf16 or None (QK-norm: no gain), eps >= 0 rounded to fp32
-        -> y (N, C) fp32, rstd (N,) fp32 (§6.3)."""
+        -> y (N, C) fp32, rstd (N,) fp32 (§6.3); bf16_out: y as bf16, as swiglu_forward's."""
 
     def rmsnorm_backward(self, dy: Array, x: Array, g: Array | None, rstd: Array) -> tuple[Array, Array | None]:
         """dy, x (N, C) fp32, g as in the forward, rstd (N,) from it -> dx (N, C) fp32, dg (C,) fp32
@@ -211,11 +211,12 @@ class Backend(Protocol):
         the logits, when they fit its budget), or None where it keeps nothing. No bit depends on it."""
 
     def xent_backward(self, h: Array, w: Array, targets: Array, zcoef: float, lse: Array,
-                      dloss: Array, saved: Any = None) -> tuple[Array, Array]:
+                      dloss: Array, saved: Any = None, *, dw_out: Array | None = None) -> tuple[Array, Array]:
         """h, w, targets, zcoef as in the forward, lse (N,) from it, dloss (N,) fp32 (usually 1/N
         each) -> dh (N, C), dw (V, C) fp32; dz[n, v] = (softmax_v (1 + 2 zcoef lse) -
         [v == target]) dloss[n], rounded to bf16 for the two GEMMs. saved: None, or what
-        xent_forward(h, w, ..., keep=True) returned for these h and w."""
+        xent_forward(h, w, ..., keep=True) returned for these h and w; dw_out as linear_backward's,
+        (V, C)."""
 
     # ------------------------------------------------------------------ §6.7 AdamW, §7 reductions
     def adamw_step(self, p_: Array, g: Array, m: Array, v: Array, *, lr: float, beta1: float = 0.9,

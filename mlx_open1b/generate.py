@@ -253,8 +253,8 @@ class Generator:
         for l, (k_c, v_c) in enumerate(self._kv[1]):
             p = f"layers.{l}."
             lo, hi = m.layout.qkv_range(l)
-            a, _ = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)
-            qkv = m._linear_forward(l, "qkv", ops.f32_to_bf16(a), self.params[lo:hi].reshape((H + 2 * G) * D, -1))
+            a_b, _ = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps, bf16_out=True)
+            qkv = m._linear_forward(l, "qkv", a_b, self.params[lo:hi].reshape((H + 2 * G) * D, -1))
             qn, _ = ops.rmsnorm_forward(arrays.contiguous(qkv[:, :H * D]).reshape(H, D), None, eps)
             kn, _ = ops.rmsnorm_forward(arrays.contiguous(qkv[:, H * D:(H + G) * D]).reshape(G, D), None, eps)
             q_b = ops.f32_to_bf16(ops.rope_forward(qn.reshape(1, 1, H, D), cos1, sin1))
@@ -266,12 +266,12 @@ class Generator:
             o, _ = m._path(l, "attn")[2](q, k_b, v_b, m.windows[l], m.attn_scale)     # (1, t+1, H, D)
             o_b = ops.f32_to_bf16(arrays.contiguous(o[:, t:]).reshape(1, H * D))
             h_mid = ops.add(h, m._linear_forward(l, "wo", o_b, w[p + "wo"]))
-            f, _ = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
-            gu = m._linear_forward(l, "gate_up", ops.f32_to_bf16(f), w[p + "w_gate_up"])
+            f_b, _ = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps, bf16_out=True)
+            gu = m._linear_forward(l, "gate_up", f_b, w[p + "w_gate_up"])
             s_b = ops.swiglu_forward(gu, bf16_out=True)
             h = ops.add(h_mid, m._linear_forward(l, "down", s_b, w[p + "w_down"]))
-        hn, _ = ops.rmsnorm_forward(h, w["final_norm"], eps)
-        z = arrays.to_host(ops.linear_forward(ops.f32_to_bf16(hn), self.lm_head))    # (1, V)
+        hn_b, _ = ops.rmsnorm_forward(h, w["final_norm"], eps, bf16_out=True)
+        z = arrays.to_host(ops.linear_forward(hn_b, self.lm_head))                   # (1, V)
         self._kv = (ctx.copy(), new)
         return np.asarray(z, F32)[0]
 

@@ -397,8 +397,7 @@ class Model:
             h = self._block_forward(l, params, w, h, B, lc)
             if keep:
                 cache.layers.append(LayerCache(**lc))
-        hn, rstd_final = ops.rmsnorm_forward(h, w["final_norm"], eps)  # (N, d)
-        hn_b = ops.f32_to_bf16(hn)
+        hn_b, rstd_final = ops.rmsnorm_forward(h, w["final_norm"], eps, bf16_out=True)  # (N, d) bf16
         if cache is None:
             loss_n, lse_n, ce_n = ops.xent_forward(hn_b, w["lm_head"], targets, self.zcoef)  # (N,) each
         else:       # a training forward: the backend may keep the logits for the backward
@@ -420,8 +419,7 @@ class Model:
         w_qkv = params[lo:hi].reshape((H + 2 * G) * D, d)
         cos_t, sin_t = self._rope()
         # attention: h_mid = h + wo(attn(rope(qknorm(q)), rope(qknorm(k)), v))
-        a, rstd_attn = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps)   # (N, d)
-        a_b = ops.f32_to_bf16(a)
+        a_b, rstd_attn = ops.rmsnorm_forward(h, w[p + "attn_norm"], eps, bf16_out=True)   # (N, d) bf16
         qkv = self._linear_forward(l, "qkv", a_b, w_qkv)                             # (N, (H+2G)D)
         q_pre = arrays.contiguous(qkv[:, :H * D]).reshape(N * H, D)
         k_pre = arrays.contiguous(qkv[:, H * D:(H + G) * D]).reshape(N * G, D)
@@ -435,8 +433,7 @@ class Model:
         o_b = ops.f32_to_bf16(o.reshape(N, H * D))
         h_mid = ops.add(h, self._linear_forward(l, "wo", o_b, w[p + "wo"]))        # (N, d)
         # SwiGLU: h_out = h_mid + w_down(silu(gate) * up)
-        f, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps)
-        f_b = ops.f32_to_bf16(f)
+        f_b, rstd_ffn = ops.rmsnorm_forward(h_mid, w[p + "ffn_norm"], eps, bf16_out=True)   # (N, d) bf16
         gu = self._linear_forward(l, "gate_up", f_b, w[p + "w_gate_up"])                 # (N, 2F)
         s_b = ops.swiglu_forward(gu, bf16_out=True)                      # (N, F) bf16
         h_out = ops.add(h_mid, self._linear_forward(l, "down", s_b, w[p + "w_down"]))  # (N, d)
@@ -458,8 +455,10 @@ class Model:
         N = c.B * c.T
         dloss = self._put(np.full(N, reciprocal(N), np.float32))       # d(mean)/d(loss row)
         saved, c.xent_saved = c.xent_saved, None    # used once, and released before the blocks' backward
-        dhn, grads["lm_head"] = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef,
-                                                  c.lse, dloss, saved=saved)   # (N, d), (V, d)
+        out = grads.slot_of("lm_head")              # (V, d): written in place where grads is numpy
+        dhn, dlm = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef, c.lse, dloss, saved=saved,
+                                     dw_out=out)                                       # (N, d), (V, d)
+        grads.settle("lm_head", dlm, out)
         del saved
         dh, grads["final_norm"] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
         for l in reversed(range(cfg.n_layers)):
@@ -471,7 +470,8 @@ class Model:
             dh = self._block_backward(l, params, w, grads, dh, lc, c.B)
             del lc
         dx0, grads["emb_norm"] = ops.rmsnorm_backward(dh, c.x0, w["emb_norm"], c.rstd_emb)  # (N, d)
-        grads["wte"] = ops.embedding_backward(c.inputs, dx0, cfg.vocab_size)               # (V, d)
+        out = grads.slot_of("wte")
+        grads.settle("wte", ops.embedding_backward(c.inputs, dx0, cfg.vocab_size, dw_out=out), out)  # (V, d)
         return grads.result()
 
     def _block_backward(self, l, params, w, dw, dh, lc: LayerCache, B):
@@ -518,6 +518,17 @@ class _Grads(arrays.FlatBuffer):
     def at(self, name: str) -> int:
         """Where tensor `name` starts in the buffer."""
         return self.layout[name].offset
+
+    def slot_of(self, name: str):
+        """A writable view of tensor `name` in the buffer for a kernel to write (FlatBuffer.slot), or
+        None: then settle() writes the op's result."""
+        t = self.layout[name]
+        return self.slot(t.offset, t.shape)
+
+    def settle(self, name: str, value, out) -> None:
+        """Tensor `name` is `value`: written unless the op wrote it into `out` already."""
+        if out is None:
+            self[name] = value
 
     def __setitem__(self, name: str, value) -> None:
         t = self.layout[name]

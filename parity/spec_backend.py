@@ -99,8 +99,17 @@ def linear_backward(dy, x, w, need_dx: bool = True, need_dw: bool = True, *, dw_
 
 # ---------------------------------------------------------------- §6.2-6.5 layers
 def embedding_forward(tokens, wte): return _lay.embedding_forward(tokens, wte)
-def embedding_backward(tokens, dout, V): return _lay.embedding_backward(tokens, dout, int(V))
-def rmsnorm_forward(x, g, eps): return _lay.rmsnorm_forward(x, g, _f32s(eps))
+def embedding_backward(tokens, dout, V, *, dw_out=None):
+    N, V, C = opargs.embedding_backward(tokens, dout, V)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
+    return derived_ops.into(dw_out, _lay.embedding_backward(tokens, dout, int(V)))
+
+
+def rmsnorm_forward(x, g, eps, bf16_out: bool = False):
+    y, rstd = _lay.rmsnorm_forward(x, g, _f32s(eps))
+    return (f32_to_bf16(y) if bf16_out else y), rstd
+
+
 def rmsnorm_backward(dy, x, g, rstd): return _lay.rmsnorm_backward(dy, x, g, rstd)
 def rope_tables(T, D, theta): return _lay.rope_tables(int(T), int(D), _f32s(theta))
 def rope_forward(x, cos, sin): return _lay.rope(x, cos, sin, backward=False)
@@ -133,8 +142,11 @@ def xent_forward(h, w, targets, zcoef, keep=False):
     return (*out, None) if keep else out
 
 
-def xent_backward(h, w, targets, zcoef, lse, dloss, saved=None):
-    return _xent.xent_backward(h, w, targets, F32(zcoef), A.flush(lse), A.flush(dloss))
+def xent_backward(h, w, targets, zcoef, lse, dloss, saved=None, *, dw_out=None):
+    N, C, V, _ = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
+    dh, dw = _xent.xent_backward(h, w, targets, F32(zcoef), A.flush(lse), A.flush(dloss))
+    return dh, derived_ops.into(dw_out, dw)
 
 
 # ---------------------------------------------------------------- §6.7 AdamW, §7 reductions

@@ -4,6 +4,9 @@
  *   ss = sum_c x_c*x_c (c ascending, from +0);  r = rsqrt(add(mul(ss, 1/C), eps))
  *   y_c = mul(mul(x_c, r), g_c)   (without gain: y_c = mul(x_c, r))
  */
+#include <stdatomic.h>
+#include <stdlib.h>
+
 #include "contract.h"
 #include "runtime.h"
 #include "vmath.h"
@@ -11,6 +14,7 @@
 typedef struct {
     int64_t N, C; const float *x; const bf16 *g; float eps; float *y; float *rstd;
     const float *dy; float *dx;
+    bf16 *y16; atomic_int failed;
 } norm_args;
 
 static float inv_count(int64_t C) { return o1b_div(1.0f, o1b_i2f((int32_t)C)); }
@@ -27,8 +31,34 @@ O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
                                  float eps,
                                  float *y,        /* (N, C) */
                                  float *rstd) {   /* (N,)  r, kept for the backward */
-    norm_args a = {N, C, x, g, o1b_load(eps), y, rstd, NULL, NULL};
+    norm_args a = {N, C, x, g, o1b_load(eps), y, rstd, NULL, NULL, NULL, 0};
     o1b_parallel_for(N, 16, fwd_range, &a);
+}
+
+/* y as bf16 (§2's conversion of each stored y): a range's rows a few at a time into a scratch block
+ * of about 32 KiB, which stays in cache, converted from there. */
+#define SCRATCH_FLOATS 8192
+static void fwd_range_bf16(void *ctx, int64_t lo, int64_t hi) {
+    norm_args *a = (norm_args *)ctx;
+    const int64_t C = a->C;
+    if (C <= 0) return;
+    int64_t per = SCRATCH_FLOATS / C > 0 ? SCRATCH_FLOATS / C : 1;
+    float *buf = malloc((size_t)(per * C) * sizeof(float));
+    if (!buf) { atomic_store(&a->failed, 1); return; }
+    float invC = inv_count(C);
+    for (int64_t r0 = lo; r0 < hi; r0 += per) {
+        int64_t r1 = r0 + per < hi ? r0 + per : hi;
+        o1b_vrms_forward(0, r1 - r0, C, a->x + r0 * C, a->g, a->eps, invC, buf, a->rstd + r0);
+        o1b_vto_bf16(0, (r1 - r0) * C, buf, a->y16 + r0 * C);
+    }
+    free(buf);
+}
+/* As o1b_rmsnorm_forward with y (N, C) bf16; 0, or -1 when out of memory. */
+O1B_API int o1b_rmsnorm_forward_bf16(int64_t N, int64_t C, const float *x, const bf16 *g, float eps,
+                                     bf16 *y, float *rstd) {
+    norm_args a = {N, C, x, g, o1b_load(eps), NULL, rstd, NULL, NULL, y, 0};
+    o1b_parallel_for(N, 16, fwd_range_bf16, &a);
+    return atomic_load(&a.failed) ? -1 : 0;
 }
 
 /* dx_j = sub(mul(t_j, r), mul(x_j, b)),  t_j = mul(dy_j, g_j) (or dy_j),
@@ -51,10 +81,10 @@ O1B_API void o1b_rmsnorm_backward(int64_t N, int64_t C,
                                   const float *rstd, /* (N,) */
                                   float *dx,         /* (N, C) */
                                   float *dg) {       /* (C,) or NULL (only with a gain) */
-    norm_args a = {N, C, x, g, 0.0f, NULL, (float *)rstd, dy, dx};
+    norm_args a = {N, C, x, g, 0.0f, NULL, (float *)rstd, dy, dx, NULL, 0};
     o1b_parallel_for(N, 16, bwd_range, &a);
     if (g && dg) {
-        norm_args b = {N, C, x, g, 0.0f, dg, (float *)rstd, dy, NULL};
+        norm_args b = {N, C, x, g, 0.0f, dg, (float *)rstd, dy, NULL, NULL, 0};
         o1b_parallel_for(C, 16, dg_range, &b);
     }
 }

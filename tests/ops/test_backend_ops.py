@@ -395,6 +395,9 @@ def test_rmsnorm(gpu, gain):
             assert_bits_equal(ym, yc, "y")
             assert_bits_equal(rm, rc, "rstd")
             _check_rmsnorm_backward(gpu, dy, x, g, rc)
+            yb, rb = gpu.rmsnorm_forward(x, g, eps, bf16_out=True)
+            assert_bits_equal(yb, C.rmsnorm_forward(x, g, eps, bf16_out=True)[0], "y bf16")
+            assert_bits_equal(rb, rc, "rstd with y bf16")
 
 
 @pytest.mark.parametrize("T,D,theta", [(9, 6, 10000.0), (40, 10, 500000.0), (3, 2, 1.5)])

@@ -1,8 +1,8 @@
-"""linear_backward's and qlinear_backward's dw_out (mlx_open1b/backend.py): on every backend the
-weight gradient written into a given array is the one returned without it, bit for bit, and that
-array is what comes back; a bad dw_out is a ValueError naming it, before anything is written. The
-model program hands its gradient buffer's views to the C reference (no copy of dW per microbatch),
-with the gradient's bits unchanged."""
+"""The weight gradients' dw_out (linear_backward, qlinear_backward, xent_backward, embedding_backward;
+mlx_open1b/backend.py): on every backend the gradient written into a given array is the one returned
+without it, bit for bit, and that array is what comes back; a bad dw_out is a ValueError naming it,
+before anything is written. The model program hands its gradient buffer's views to the C reference
+(no copy of any weight gradient per microbatch), with the gradient's bits unchanged."""
 from __future__ import annotations
 
 import numpy as np
@@ -56,6 +56,31 @@ def test_dw_written_into_dw_out_is_the_returned_dw(name, ops, op, kw):
 
 
 @pytest.mark.parametrize("name,ops", LOADED, ids=IDS)
+def test_lm_head_and_embedding_gradients_into_dw_out(name, ops):
+    rng = np.random.default_rng(9)
+    N, C, V = 13, 16, 40
+    h, w = rand_bf16(rng, (N, C)), rand_bf16(rng, (V, C), 0.1)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    loss, lse, ce = ops.xent_forward(h, w, targets, 1e-4)
+    dloss = np.full(N, np.float32(1.0 / N), np.float32)
+    dh0, dw0 = ops.xent_backward(h, w, targets, 1e-4, lse, dloss)
+    out = np.full((V, C), np.nan, np.float32)
+    dh1, dw1 = ops.xent_backward(h, w, targets, 1e-4, lse, dloss, dw_out=out)
+    assert dw1 is out
+    assert_bits_equal(arrays.to_host(dh1), arrays.to_host(dh0), f"{name} xent dh")
+    assert_bits_equal(out, arrays.to_host(dw0), f"{name} xent dw")
+    dout = rng.standard_normal((N, C)).astype(np.float32)
+    e0 = ops.embedding_backward(targets, dout, V)
+    out = np.full((V, C), np.nan, np.float32)
+    assert ops.embedding_backward(targets, dout, V, dw_out=out) is out
+    assert_bits_equal(out, arrays.to_host(e0), f"{name} embedding dwte")
+    with pytest.raises(ValueError, match="dw_out: dimension 0"):
+        ops.xent_backward(h, w, targets, 1e-4, lse, dloss, dw_out=np.zeros((V + 1, C), np.float32))
+    with pytest.raises(ValueError, match="dw_out: .*dtype float32"):
+        ops.embedding_backward(targets, dout, V, dw_out=np.zeros((V, C), np.float64))
+
+
+@pytest.mark.parametrize("name,ops", LOADED, ids=IDS)
 @pytest.mark.parametrize("op,kw", LAYERS[:2], ids=LAYER_IDS[:2])
 def test_a_bad_dw_out_is_refused_naming_it_and_nothing_is_written(name, ops, op, kw):
     dy, x, w = _operands(6)
@@ -94,32 +119,48 @@ def test_flat_buffer_slot_counts_as_written_and_only_numpy_buffers_give_one():
         fb2.result()
 
 
+class Spy:
+    """A backend whose ops named in `seen` record the dw_out each call is given."""
+
+    def __init__(self, mod, names):
+        self._mod, self.seen = mod, {n: [] for n in names}
+
+    def __getattr__(self, name):
+        fn = getattr(self._mod, name)
+        if name not in self.seen:
+            return fn
+
+        def call(*a, dw_out=None, **k):
+            self.seen[name].append(dw_out)
+            return fn(*a, dw_out=dw_out, **k)
+        return call
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_the_model_writes_dw_in_place_with_the_same_gradient_bits(monkeypatch, precision):
-    """The C reference writes every linear layer's dW into the gradient buffer (a view of it is its
-    dw_out), and the gradient equals the one assembled by copies (slots refused), bit for bit."""
+def test_the_model_writes_weight_gradients_in_place_with_the_same_bits(monkeypatch, precision):
+    """The C reference writes every linear layer's dW, the LM head's and the embedding's into the
+    gradient buffer (a view of it is their dw_out), and the gradient equals the one assembled by
+    copies (slots refused), bit for bit."""
     from mlx_open1b import cpu_ref
     cfg = micro_cfg()
     rng = np.random.default_rng(2)
     windows = rng.integers(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1), dtype=np.uint32)
     params = init_params(cfg.model, 1)
-    seen = []
+    lin = "linear_backward" if precision == "bf16" else "qlinear_backward"
+    spy = Spy(cpu_ref, [lin, "xent_backward", "embedding_backward"])
+    m = Model(cfg.model, spy, precision=precision)
+    want = {lin: 4 * cfg.model.n_layers, "xent_backward": 1, "embedding_backward": 1}
 
-    def spy(fn):
-        def call(*a, dw_out=None, **k):
-            seen.append(dw_out)
-            return fn(*a, dw_out=dw_out, **k)
-        return call
-
-    m = Model(cfg.model, cpu_ref, precision=precision)
-    impl = m._impl[precision]
-    m._impl[precision] = (impl[0], spy(impl[1]), impl[2])
-    *_, cache = m.forward(params, windows)
-    g = m.backward(params, cache)
-    assert len(seen) == 4 * cfg.model.n_layers and all(s is not None and np.shares_memory(s, g) for s in seen)
+    def grad():
+        for v in spy.seen.values():
+            v.clear()
+        *_, cache = m.forward(params, windows)
+        g = m.backward(params, cache)
+        assert {k: len(v) for k, v in spy.seen.items()} == want
+        return g, [o for v in spy.seen.values() for o in v]
+    g, outs = grad()
+    assert all(o is not None and np.shares_memory(o, g) for o in outs)
     monkeypatch.setattr(arrays.FlatBuffer, "slot", lambda self, offset, shape: None)
-    seen.clear()
-    *_, cache = m.forward(params, windows)
-    g2 = m.backward(params, cache)
-    assert len(seen) == 4 * cfg.model.n_layers and all(s is None for s in seen)
+    g2, outs = grad()
+    assert all(o is None for o in outs)
     assert_bits_equal(g, g2, f"{precision} gradient, in place vs copied")
