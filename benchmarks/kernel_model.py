@@ -733,6 +733,10 @@ def record_microbatch(ops, precision: str) -> tuple[list[Call], list[str]]:
             def call(*args, **kwargs):
                 if current:                         # an op called by an op: part of the outer call
                     return fn(*args, **kwargs)
+                if kwargs.get("bf16_out"):          # a fused bf16 output: the op and its conversion, as fitted
+                    out = call(*args, **dict(kwargs, bf16_out=False))
+                    to_bf16 = self.f32_to_bf16
+                    return (to_bf16(out[0]), *out[1:]) if isinstance(out, tuple) else to_bf16(out)
                 c = Call(name, call_dims(name, args, kwargs), [], [], _layer_of_caller())
                 current.append(c)
                 n0 = len(log.launches)

@@ -268,7 +268,7 @@ def rmsnorm_forward(x: np.ndarray, g: np.ndarray | None, eps: float, bf16_out: b
     rstd = _empty((N,), np.float32)
     _launch1d("rmsnorm.cu", "o1b_rmsnorm_forward", N, i64(N), i64(C), _dev(x),
               (_dev(g) if g is not None else _dummy(_NO_GAIN)), i32(g is not None), f32(eps), y, rstd)
-    return (f32_to_bf16(_host(y)) if bf16_out else _host(y)), _host(rstd)
+    return _host(f32_to_bf16(y) if bf16_out else y), _host(rstd)
 
 
 @_given_kind
@@ -318,7 +318,7 @@ def swiglu_forward(h: np.ndarray, bf16_out: bool = False) -> np.ndarray:
     N, F = opargs.swiglu_forward(h)
     out = _empty((N, F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_forward", N * F, i64(N), i64(F), _dev(h), out)
-    return f32_to_bf16(_host(out)) if bf16_out else _host(out)
+    return _host(f32_to_bf16(out) if bf16_out else out)
 
 
 @_given_kind
@@ -326,7 +326,7 @@ def swiglu_backward(dout: np.ndarray, h: np.ndarray, bf16_out: bool = False) -> 
     N, F = opargs.swiglu_backward(dout, h)
     dh = _empty((N, 2 * F), np.float32)
     _launch1d("swiglu.cu", "o1b_swiglu_backward", N * F, i64(N), i64(F), _dev(dout), _dev(h), dh)
-    return f32_to_bf16(_host(dh)) if bf16_out else _host(dh)
+    return _host(f32_to_bf16(dh) if bf16_out else dh)
 
 
 # ------------------------------------------------------------------ optimizer and reductions (§6.7, §7)

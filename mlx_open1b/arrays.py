@@ -202,7 +202,9 @@ class FlatBuffer:
     def slot(self, offset: int, shape: tuple):
         """A writable view of the elements [offset, offset + prod(shape)) in `shape`, taken as
         written (the caller writes every element, e.g. a kernel's output argument), where the buffer
-        is a numpy one; else None (write the piece instead)."""
+        is a numpy one; else None (write the piece instead). The piece counts as written from here
+        on: a kernel that fails after taking it must abandon the whole buffer (the model's backward
+        raises and nothing reads it)."""
         if self.buf is None or self.kind != NUMPY:
             return None
         size = int(np.prod(shape))

@@ -86,7 +86,9 @@ def into(out, value):
     through the host."""
     if out is None or value is None:
         return value
-    out[...] = arrays.to_host(value) if arrays.kind(out) == arrays.NUMPY else value
+    if arrays.kind(out) == arrays.NUMPY and arrays.kind(value) != arrays.NUMPY:
+        value = arrays.to_host(value)
+    out[...] = value
     return out
 
 
@@ -95,13 +97,14 @@ def returns_given_kind(lift, mode):
     its array arguments (or an array in a list or tuple argument) is a device array; then its numpy
     arguments are first moved up with `lift` (the backend's to_device), so that the kernels, nested
     ops and joins see one kind, and the results are device arrays; given numpy only it returns
-    numpy. `mode(device, values)` is a context manager around the op in which the backend keeps
+    numpy. An output argument (OUTPUTS: dw_out) decides nothing and is never moved: the op writes
+    its result there as given (into). `mode(device, values)` is a context manager around the op in which the backend keeps
     what it needs per op (where results go, uploads shared by nested ops). An in-place op
     (decorate(op, in_place=True)) keeps its arguments: it writes numpy or cupy buffers in place."""
     def decorate(op, in_place: bool = False):
         @functools.wraps(op)
         def wrapper(*args, **kwargs):
-            values = args + tuple(kwargs.values())
+            values = args + tuple(v for k, v in kwargs.items() if k not in OUTPUTS)
             device = arrays.any_device(values) is not None
             if device and not in_place:
                 args = arrays.map_numpy(lift, args)

@@ -285,6 +285,8 @@ class Model:
         dx, dw = self._path(l, op)[1](dy, x, w, dw_out=out)
         if out is None:
             grads.write(offset, dw)
+        elif dw is not out:
+            raise AssertionError(f"{op} of layer {l}: the backend returned its dw elsewhere than dw_out")
         return dx
 
     # ---- public API
@@ -459,6 +461,7 @@ class Model:
         dhn, dlm = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef, c.lse, dloss, saved=saved,
                                      dw_out=out)                                       # (N, d), (V, d)
         grads.settle("lm_head", dlm, out)
+        del dlm                                     # a device backend's copy: not held through the blocks
         del saved
         dh, grads["final_norm"] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
         for l in reversed(range(cfg.n_layers)):
@@ -529,6 +532,8 @@ class _Grads(arrays.FlatBuffer):
         """Tensor `name` is `value`: written unless the op wrote it into `out` already."""
         if out is None:
             self[name] = value
+        elif value is not out:
+            raise AssertionError(f"gradient of {name}: the backend returned it elsewhere than dw_out")
 
     def __setitem__(self, name: str, value) -> None:
         t = self.layout[name]

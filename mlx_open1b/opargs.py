@@ -234,12 +234,14 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[int, 
 
 
 def dw_out(out, M: int, K: int, need_dw: bool):
-    """linear_backward's and qlinear_backward's dw_out: None, or a writable C-contiguous (M, K) fp32
-    array (with need_dw) -> out."""
+    """The dw_out of linear_backward and qlinear_backward ((M, K), with need_dw), xent_backward and
+    embedding_backward ((V, C)): None, or a writable C-contiguous fp32 array of that shape -> out."""
     if out is None:
         return None
     if not need_dw:
         raise ValueError("dw_out: given with need_dw=False (no dw is computed to write there)")
+    if arrays.kind(out) == arrays.MLX:
+        raise ValueError("dw_out: an mx.array cannot be written in place; give a numpy (or cupy) array, or none")
     check("dw_out", out, F32, shape=(M, K))
     return writable("dw_out", out)
 

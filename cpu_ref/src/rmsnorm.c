@@ -36,16 +36,21 @@ O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
 }
 
 /* y as bf16 (§2's conversion of each stored y): a range's rows a few at a time into a scratch block
- * of about 32 KiB, which stays in cache, converted from there. */
+ * of about 32 KiB (16 rows at least), which stays in cache, converted from there. */
 #define SCRATCH_FLOATS 8192
 static void fwd_range_bf16(void *ctx, int64_t lo, int64_t hi) {
     norm_args *a = (norm_args *)ctx;
     const int64_t C = a->C;
-    if (C <= 0) return;
-    int64_t per = SCRATCH_FLOATS / C > 0 ? SCRATCH_FLOATS / C : 1;
+    float invC = inv_count(C);
+    if (C <= 0) {                      /* no y to convert; rstd as the fp32 op gives it */
+        float none = 0.0f;
+        o1b_vrms_forward(lo, hi, C, a->x, a->g, a->eps, invC, &none, a->rstd);
+        return;
+    }
+    /* whole vectors of rows (vmath.c takes the rows' sums a vector of rows at a time) */
+    int64_t per = SCRATCH_FLOATS / C >= 16 ? SCRATCH_FLOATS / C / 16 * 16 : 16;
     float *buf = malloc((size_t)(per * C) * sizeof(float));
     if (!buf) { atomic_store(&a->failed, 1); return; }
-    float invC = inv_count(C);
     for (int64_t r0 = lo; r0 < hi; r0 += per) {
         int64_t r1 = r0 + per < hi ? r0 + per : hi;
         o1b_vrms_forward(0, r1 - r0, C, a->x + r0 * C, a->g, a->eps, invC, buf, a->rstd + r0);

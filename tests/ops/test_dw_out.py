@@ -12,6 +12,7 @@ from mlx_open1b import arrays, backend
 from mlx_open1b.model import Model, init_params
 from mlx_open1b.parity import spec_backend
 
+from fake_cupy import fake_gpu  # noqa: F401 (a fixture)
 from helpers import assert_bits_equal, rand_bf16
 from runs import micro_cfg
 
@@ -50,9 +51,14 @@ def test_dw_written_into_dw_out_is_the_returned_dw(name, ops, op, kw):
     assert_bits_equal(arrays.to_host(dx1), arrays.to_host(dx0), f"{name} {op} dx")
     assert_bits_equal(out, arrays.to_host(dw0), f"{name} {op} dw")
     assert np.isnan(buf[:3]).all() and np.isnan(buf[-5:]).all()        # nothing written outside it
-    dxn, dwn = fn(dy, x, w, need_dx=False, dw_out=np.empty_like(out), **kw)
-    assert dxn is None
-    assert_bits_equal(dwn, out, f"{name} {op} dw alone")
+    out2 = np.full(w.shape, np.nan, np.float32)
+    dxn, dwn = fn(dy, x, w, need_dx=False, dw_out=out2, **kw)
+    assert dxn is None and dwn is out2
+    assert_bits_equal(out2, out, f"{name} {op} dw alone")
+    if op == "linear_backward":              # no rows: dW is all zeros, written
+        out3 = np.full(w.shape, np.nan, np.float32)
+        _, dw0 = fn(dy[:0], x[:0], w, dw_out=out3, **kw)
+        assert dw0 is out3 and not out3.view(np.uint32).any()
 
 
 @pytest.mark.parametrize("name,ops", LOADED, ids=IDS)
@@ -117,6 +123,29 @@ def test_flat_buffer_slot_counts_as_written_and_only_numpy_buffers_give_one():
     fb2.write(2, np.zeros(2, np.float32))
     with pytest.raises(AssertionError, match="written twice"):
         fb2.result()
+
+
+@pytest.mark.parametrize("op,kw", LAYERS[:2], ids=LAYER_IDS[:2])
+def test_a_host_dw_out_is_written_by_an_op_on_device_arrays(op, kw, fake_gpu):
+    """Device mode (the CUDA backend on device arrays, metal on mx.arrays): the numpy dw_out is not
+    moved to the device with the inputs (returns_given_kind leaves an output where it is); dW is
+    written into it and it comes back, the other results on the device."""
+    from mlx_open1b import cpu_ref
+    dy, x, w = _operands(8)
+    want = getattr(cpu_ref, op)(dy, x, w, **kw)[1]
+    for name in ("cuda", "metal"):
+        try:
+            ops = backend.load(name)
+        except backend.BackendUnavailable:
+            continue
+        up = fake_gpu.asarray if name == "cuda" else ops.to_device
+        out = np.full(w.shape, np.nan, np.float32)
+        dx, dw = getattr(ops, op)(up(dy), up(x), up(w), dw_out=out, **kw)
+        assert dw is out and arrays.kind(dx) == (arrays.CUPY if name == "cuda" else arrays.MLX), name
+        assert_bits_equal(out, want, f"{name} {op} dw on device arrays")
+        if name == "metal":
+            with pytest.raises(ValueError, match="dw_out: an mx.array cannot be written in place"):
+                getattr(ops, op)(up(dy), up(x), up(w), dw_out=up(out), **kw)
 
 
 class Spy:
