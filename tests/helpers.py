@@ -201,3 +201,17 @@ def assert_attention_is_spec(q, k, v, dout, o, lse, grads, W, scale, prefix: str
     assert_bits_equal(lse, slse, f"{prefix}lse: scalar C vs spec")
     for a, b, what in zip(grads, SA.attention_backward(dout, q, k, v, o, lse, W, scale), "qkv"):
         assert_bits_equal(a, b, f"{prefix}d{what}: scalar C vs spec")
+
+
+def loadable_backends() -> list:
+    """(name, module) of every backend that loads here (cpu_ref always; metal and cuda on a device or
+    their emulators), and the parity harness's spec, which claims the interface too."""
+    from mlx_open1b import backend
+    from mlx_open1b.parity import spec_backend
+    out = []
+    for name in backend.BACKENDS:
+        try:
+            out.append((name, backend.load(name)))
+        except backend.BackendUnavailable:
+            pass
+    return out + [("spec", spec_backend)]

@@ -13,6 +13,8 @@ from mlx_open1b.parity import OPS as PARITY_OPS
 from mlx_open1b.parity import backends as parity_backends
 from mlx_open1b.parity import spec_backend
 
+from helpers import loadable_backends
+
 
 def _params(sig: inspect.Signature) -> list[tuple]:
     return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
@@ -34,19 +36,7 @@ def problems(module) -> list[str]:
     return out
 
 
-def _loadable():
-    """(name, module) of every backend that loads here (cpu_ref always; metal and cuda on a device or
-    their emulators), and the parity harness's spec, which claims the interface too."""
-    out = []
-    for name in backend.BACKENDS:
-        try:
-            out.append((name, backend.load(name)))
-        except backend.BackendUnavailable:
-            pass
-    return out + [("spec", spec_backend)]
-
-
-LOADED = _loadable()
+LOADED = loadable_backends()
 
 
 @pytest.mark.parametrize("name,module", LOADED, ids=[n for n, _ in LOADED])

@@ -10,24 +10,13 @@ import pytest
 
 from mlx_open1b import arrays, backend
 from mlx_open1b.model import Model, init_params
-from mlx_open1b.parity import spec_backend
 
 from fake_cupy import fake_gpu  # noqa: F401 (a fixture)
-from helpers import assert_bits_equal, rand_bf16
+from helpers import assert_bits_equal, loadable_backends, rand_bf16
 from runs import micro_cfg
 
 
-def _loaded():
-    out = []
-    for name in backend.BACKENDS:
-        try:
-            out.append((name, backend.load(name)))
-        except backend.BackendUnavailable:
-            pass
-    return out + [("spec", spec_backend)]
-
-
-LOADED = _loaded()
+LOADED = loadable_backends()
 IDS = [n for n, _ in LOADED]
 LAYERS = [("linear_backward", {}), ("qlinear_backward", {}), ("qlinear_backward", {"qmax": 7})]
 LAYER_IDS = ["bf16", "int8", "int4"]
