@@ -481,8 +481,9 @@ def _forward_chunked(h, w, targets, zcoef, chunk):
     return _host(loss), _host(lse), _host(ce)
 
 
-def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
+def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, dw_out=None):
     N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
     dh_, dw_, dt, dl, dd = _dev(h), _dev(w), _dev(targets), _dev(lse), _dev(dloss)
     dh = _empty((N, C), np.float32)
     dw = _empty((V, C), np.float32)
@@ -498,7 +499,7 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
         _gemm(N, C, L, dz, L, 1, wc, C, 1, dh, C, v0 > 0)
         # dw[v0+j,c] = sum_n dz[n,j] h[n,c]: this chunk's rows of dw
         _gemm(L, C, N, dz, 1, L, dh_, C, 1, dw[v0:v0 + L], C, False)
-    return _host(dh), _host(dw)
+    return _host(dh), derived_ops.into(dw_out, _host(dw))
 
 
 @_given_kind
@@ -510,10 +511,7 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
 @_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
                   lse: np.ndarray, dloss: np.ndarray, saved=None, *, dw_out: np.ndarray | None = None):
-    N, C, V, _ = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
-    dw_out = opargs.dw_out(dw_out, V, C, True)
-    dh, dw = _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
-    return dh, derived_ops.into(dw_out, dw)
+    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK, dw_out)
 
 
 # ------------------------------------------------------------------ int8 quantized linear (§6.9)

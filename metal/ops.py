@@ -537,8 +537,9 @@ def _forward_chunked(h, w, targets, zcoef, chunk):
     return loss, lse, ce
 
 
-def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
+def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk, dw_out=None):
     N, C, V, zc = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
+    dw_out = opargs.dw_out(dw_out, V, C, True)
     dh = None
     dw = arrays.FlatBuffer(V * C, F32, arrays.any_device([h, w, targets, lse, dloss]) or arrays.NUMPY)
     for v0, L in _chunks(V, chunk):
@@ -550,7 +551,7 @@ def _backward_chunked(h, w, targets, zcoef, lse, dloss, chunk):
         dh = _gemm(N, C, L, dz, 0, L, 1, w, v0 * C, C, 1, C0=dh)
         # dw[v0 + j, c] = sum over n ascending of dz[n, j] h[n, c]
         dw.write(v0 * C, _gemm(L, C, N, dz, 0, 1, L, h, 0, C, 1))
-    return dh, dw.result().reshape(V, C)
+    return dh, derived_ops.into(dw_out, dw.result().reshape(V, C))
 
 
 @_given_kind
@@ -562,10 +563,7 @@ def xent_forward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float
 @_given_kind
 def xent_backward(h: np.ndarray, w: np.ndarray, targets: np.ndarray, zcoef: float,
                   lse: np.ndarray, dloss: np.ndarray, saved=None, *, dw_out: np.ndarray | None = None):
-    N, C, V, _ = opargs.xent_backward(h, w, targets, zcoef, lse, dloss)
-    dw_out = opargs.dw_out(dw_out, V, C, True)
-    dh, dw = _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK)
-    return dh, derived_ops.into(dw_out, dw)
+    return _backward_chunked(h, w, targets, zcoef, lse, dloss, XENT_CHUNK, dw_out)
 
 
 # ---------------------------------------------------------------------------------------------

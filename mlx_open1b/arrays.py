@@ -211,6 +211,15 @@ class FlatBuffer:
         self.pieces.append((int(offset), size, None))
         return self.buf[offset:offset + size].reshape(shape)
 
+    def settle(self, offset: int, value, out) -> None:
+        """The piece at offset is `value`, an op's result given `out` (slot's view, or None): written
+        when out is None; else the op must have written it there (an op that returned its result
+        elsewhere would leave the piece stale: AssertionError)."""
+        if out is None:
+            self.write(offset, value)
+        elif value is not out:
+            raise AssertionError(f"FlatBuffer: the piece at {offset} came back elsewhere than the slot it was given")
+
     def result(self):
         self.pieces.sort(key=lambda p: p[0])
         at = 0

@@ -283,10 +283,7 @@ class Model:
         """dx; dw goes into grads at offset (the kernel writes it there where grads is a numpy buffer)."""
         out = grads.slot(offset, tuple(w.shape))
         dx, dw = self._path(l, op)[1](dy, x, w, dw_out=out)
-        if out is None:
-            grads.write(offset, dw)
-        elif dw is not out:
-            raise AssertionError(f"{op} of layer {l}: the backend returned its dw elsewhere than dw_out")
+        grads.settle(offset, dw, out)
         return dx
 
     # ---- public API
@@ -460,7 +457,7 @@ class Model:
         out = grads.slot_of("lm_head")              # (V, d): written in place where grads is numpy
         dhn, dlm = ops.xent_backward(c.hn_b, w["lm_head"], c.targets, self.zcoef, c.lse, dloss, saved=saved,
                                      dw_out=out)                                       # (N, d), (V, d)
-        grads.settle("lm_head", dlm, out)
+        grads.settle(grads.at("lm_head"), dlm, out)
         del dlm                                     # a device backend's copy: not held through the blocks
         del saved
         dh, grads["final_norm"] = ops.rmsnorm_backward(dhn, c.h_last, w["final_norm"], c.rstd_final)
@@ -474,7 +471,7 @@ class Model:
             del lc
         dx0, grads["emb_norm"] = ops.rmsnorm_backward(dh, c.x0, w["emb_norm"], c.rstd_emb)  # (N, d)
         out = grads.slot_of("wte")
-        grads.settle("wte", ops.embedding_backward(c.inputs, dx0, cfg.vocab_size, dw_out=out), out)  # (V, d)
+        grads.settle(grads.at("wte"), ops.embedding_backward(c.inputs, dx0, cfg.vocab_size, dw_out=out), out)  # (V, d)
         return grads.result()
 
     def _block_backward(self, l, params, w, dw, dh, lc: LayerCache, B):
@@ -527,13 +524,6 @@ class _Grads(arrays.FlatBuffer):
         None: then settle() writes the op's result."""
         t = self.layout[name]
         return self.slot(t.offset, t.shape)
-
-    def settle(self, name: str, value, out) -> None:
-        """Tensor `name` is `value`: written unless the op wrote it into `out` already."""
-        if out is None:
-            self[name] = value
-        elif value is not out:
-            raise AssertionError(f"gradient of {name}: the backend returned it elsewhere than dw_out")
 
     def __setitem__(self, name: str, value) -> None:
         t = self.layout[name]

@@ -1,5 +1,7 @@
 /* mathfn.c — the contract's scalar functions and conversions mapped over arrays, and the small
  * elementwise ops of the training step (add, scale by a reciprocal, ...). */
+#include <stdlib.h>
+
 #include "contract.h"
 #include "runtime.h"
 #include "vmath.h"
@@ -69,6 +71,28 @@ static void add_range(void *ctx, int64_t lo, int64_t hi) {
 static void scale_range(void *ctx, int64_t lo, int64_t hi) {
     const ew_args *a = (const ew_args *)ctx;
     o1b_vscale_inplace(lo, hi, (float *)a->y, a->s);
+}
+
+#define ROWS_SCRATCH_FLOATS 8192
+int o1b_rows_to_bf16(int64_t lo, int64_t hi, int64_t width, int64_t group,
+                     void (*rows)(const void *ctx, int64_t r0, int64_t r1, float *buf), const void *ctx,
+                     bf16 *out16) {
+    if (width <= 0) {
+        float none = 0.0f;
+        rows(ctx, lo, hi, &none);
+        return 0;
+    }
+    int64_t per = ROWS_SCRATCH_FLOATS / width;
+    per = per >= group ? per / group * group : group;
+    float *buf = malloc((size_t)(per * width) * sizeof(float));
+    if (!buf) return -1;
+    for (int64_t r0 = lo; r0 < hi; r0 += per) {
+        int64_t r1 = r0 + per < hi ? r0 + per : hi;
+        rows(ctx, r0, r1, buf);
+        o1b_vto_bf16(0, (r1 - r0) * width, buf, out16 + r0 * width);
+    }
+    free(buf);
+    return 0;
 }
 
 O1B_API void o1b_f32_to_bf16_array(int64_t n, const float *x, bf16 *y) {

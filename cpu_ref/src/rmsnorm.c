@@ -5,7 +5,6 @@
  *   y_c = mul(mul(x_c, r), g_c)   (without gain: y_c = mul(x_c, r))
  */
 #include <stdatomic.h>
-#include <stdlib.h>
 
 #include "contract.h"
 #include "runtime.h"
@@ -36,27 +35,15 @@ O1B_API void o1b_rmsnorm_forward(int64_t N, int64_t C,
 }
 
 /* y as bf16 (§2's conversion of each stored y): a range's rows a few at a time into a scratch block
- * of about 32 KiB (16 rows at least), which stays in cache, converted from there. */
-#define SCRATCH_FLOATS 8192
+ * that stays in cache, converted from there (o1b_rows_to_bf16); 16 rows a group, since vmath.c
+ * takes the rows' sums a vector of rows at a time. rstd is written as by the fp32 op. */
+static void fwd_rows(const void *ctx, int64_t r0, int64_t r1, float *buf) {
+    const norm_args *a = (const norm_args *)ctx;
+    o1b_vrms_forward(0, r1 - r0, a->C, a->x + r0 * a->C, a->g, a->eps, inv_count(a->C), buf, a->rstd + r0);
+}
 static void fwd_range_bf16(void *ctx, int64_t lo, int64_t hi) {
     norm_args *a = (norm_args *)ctx;
-    const int64_t C = a->C;
-    float invC = inv_count(C);
-    if (C <= 0) {                      /* no y to convert; rstd as the fp32 op gives it */
-        float none = 0.0f;
-        o1b_vrms_forward(lo, hi, C, a->x, a->g, a->eps, invC, &none, a->rstd);
-        return;
-    }
-    /* whole vectors of rows (vmath.c takes the rows' sums a vector of rows at a time) */
-    int64_t per = SCRATCH_FLOATS / C >= 16 ? SCRATCH_FLOATS / C / 16 * 16 : 16;
-    float *buf = malloc((size_t)(per * C) * sizeof(float));
-    if (!buf) { atomic_store(&a->failed, 1); return; }
-    for (int64_t r0 = lo; r0 < hi; r0 += per) {
-        int64_t r1 = r0 + per < hi ? r0 + per : hi;
-        o1b_vrms_forward(0, r1 - r0, C, a->x + r0 * C, a->g, a->eps, invC, buf, a->rstd + r0);
-        o1b_vto_bf16(0, (r1 - r0) * C, buf, a->y16 + r0 * C);
-    }
-    free(buf);
+    if (o1b_rows_to_bf16(lo, hi, a->C, 16, fwd_rows, a, a->y16) != 0) atomic_store(&a->failed, 1);
 }
 /* As o1b_rmsnorm_forward with y (N, C) bf16; 0, or -1 when out of memory. */
 O1B_API int o1b_rmsnorm_forward_bf16(int64_t N, int64_t C, const float *x, const bf16 *g, float eps,

@@ -7,11 +7,10 @@
  *
  * The _bf16 forms deliver the output as bf16 (§2's conversion of each stored fp32 output, the
  * bits of f32_to_bf16 of the fp32 op's output): each range computes its rows a few at a time into
- * a scratch block of about 32 KiB, which stays in cache, and converts them from there, so the fp32
+ * a scratch block that stays in cache and converts them from there (o1b_rows_to_bf16), so the fp32
  * output never goes to memory and back.
  */
 #include <stdatomic.h>
-#include <stdlib.h>
 
 #include "contract.h"
 #include "runtime.h"
@@ -19,36 +18,22 @@
 
 typedef struct { int64_t F; const float *h, *dout; float *out, *dh; bf16 *out16; atomic_int failed; } swiglu_args;
 
-#define SCRATCH_FLOATS 8192
-
-/* Rows [lo, hi) of an output of `width` floats a row, as bf16 at out16: rows(a, r0, r1, buf) writes
- * rows r0 .. r1-1 at buf (row r0 first), then they are converted. */
-static void rows_to_bf16(swiglu_args *a, int64_t lo, int64_t hi, int64_t width,
-                         void (*rows)(const swiglu_args *, int64_t, int64_t, float *)) {
-    if (width <= 0) return;
-    int64_t per = SCRATCH_FLOATS / width > 0 ? SCRATCH_FLOATS / width : 1;
-    float *buf = malloc((size_t)(per * width) * sizeof(float));
-    if (!buf) { atomic_store(&a->failed, 1); return; }
-    for (int64_t r0 = lo; r0 < hi; r0 += per) {
-        int64_t r1 = r0 + per < hi ? r0 + per : hi;
-        rows(a, r0, r1, buf);
-        o1b_vto_bf16(0, (r1 - r0) * width, buf, a->out16 + r0 * width);
-    }
-    free(buf);
-}
-static void fwd_rows(const swiglu_args *a, int64_t r0, int64_t r1, float *buf) {
+/* rows r0 .. r1-1 of the fp32 output into buf (o1b_rows_to_bf16 converts them) */
+static void fwd_rows(const void *ctx, int64_t r0, int64_t r1, float *buf) {
+    const swiglu_args *a = (const swiglu_args *)ctx;
     o1b_vswiglu_fwd_rows(0, r1 - r0, a->F, a->h + r0 * 2 * a->F, buf);
 }
-static void bwd_rows(const swiglu_args *a, int64_t r0, int64_t r1, float *buf) {
+static void bwd_rows(const void *ctx, int64_t r0, int64_t r1, float *buf) {
+    const swiglu_args *a = (const swiglu_args *)ctx;
     o1b_vswiglu_bwd_rows(0, r1 - r0, a->F, a->dout + r0 * a->F, a->h + r0 * 2 * a->F, buf);
 }
 static void fwd_range_bf16(void *ctx, int64_t lo, int64_t hi) {
     swiglu_args *a = (swiglu_args *)ctx;
-    rows_to_bf16(a, lo, hi, a->F, fwd_rows);
+    if (o1b_rows_to_bf16(lo, hi, a->F, 1, fwd_rows, a, a->out16) != 0) atomic_store(&a->failed, 1);
 }
 static void bwd_range_bf16(void *ctx, int64_t lo, int64_t hi) {
     swiglu_args *a = (swiglu_args *)ctx;
-    rows_to_bf16(a, lo, hi, 2 * a->F, bwd_rows);
+    if (o1b_rows_to_bf16(lo, hi, 2 * a->F, 1, bwd_rows, a, a->out16) != 0) atomic_store(&a->failed, 1);
 }
 
 static void fwd_range(void *ctx, int64_t lo, int64_t hi) {

@@ -78,6 +78,15 @@ void o1b_vsumsq_blocks(int64_t lo, int64_t hi, int64_t n, int64_t B, const float
  *   out[i] = store(add(load(a[i]), load(b[i]))) (out may be a),  a[i] = store(mul(load(a[i]), s))
  *   (s loaded) */
 void o1b_vto_bf16(int64_t lo, int64_t hi, const float *x, bf16 *y);
+/* Rows [lo, hi) of an op's fp32 output of `width` floats a row, delivered as bf16 at out16 (row r at
+ * out16 + r width): rows(ctx, r0, r1, buf) computes rows r0 .. r1-1 into buf (row r0 first), a
+ * multiple of `group` rows at a time (the last chunk may be short) into a scratch block of about
+ * 32 KiB, which stays in cache, and o1b_vto_bf16 converts them from there. width <= 0: rows is
+ * called once for the whole range with a buffer it must not write. 0, or -1 when the scratch
+ * cannot be had. */
+int o1b_rows_to_bf16(int64_t lo, int64_t hi, int64_t width, int64_t group,
+                     void (*rows)(const void *ctx, int64_t r0, int64_t r1, float *buf), const void *ctx,
+                     bf16 *out16);
 void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y);
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out);
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
