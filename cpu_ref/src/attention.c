@@ -75,38 +75,17 @@ static void *alloc_padded(size_t n, size_t size) {
 /* ---- layout: (B, T, N, D) token-major input -> (B, N, T, D) head-major fp32 rows ---- */
 typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; int32_t *elo, *ehi; } widen_args;
 
-/* o1b_bf16_to_f32 and o1b_load on bits, without branches (loops of them vectorize) */
-static inline uint32_t flush_bits(uint32_t u) {
-    uint32_t normal = 0u - (uint32_t)((u & 0x7F800000u) != 0);     /* all ones unless zero/subnormal */
-    return u & (normal | 0x80000000u);
-}
-
+/* rows r in [lo, hi), r = (b*N + n)*T + t, by runs of one head's consecutive positions (their
+ * source rows N D apart) */
 static void widen_range(void *ctx, int64_t lo, int64_t hi) {
     const widen_args *a = (const widen_args *)ctx;
-    const int64_t D = a->D;
-    int64_t t = lo % a->T, n = (lo / a->T) % a->N, b = lo / (a->T * a->N);
-    for (int64_t r = lo; r < hi; r++) {           /* r = (b*N + n)*T + t, the output row */
-        int64_t src = ((b * a->T + t) * a->N + n) * D;
-        uint32_t *restrict dst = (uint32_t *)(void *)(a->out + r * D);
-        if (a->h) {
-            const bf16 *restrict x = a->h + src;
-            for (int64_t d = 0; d < D; d++) dst[d] = flush_bits((uint32_t)x[d] << 16);
-        } else {
-            const float *restrict x = a->f + src;
-            for (int64_t d = 0; d < D; d++) dst[d] = flush_bits(o1b_bits(x[d]));
-        }
-        if (a->elo) {
-            int32_t elo = 255, ehi = 0;           /* the row's exponent range (vmath.h) */
-            for (int64_t d = 0; d < D; d++) {
-                int32_t e = (int32_t)(dst[d] >> 23 & 0xFF);   /* 0: zero (flushed) */
-                int32_t el = e ? e : 255;
-                elo = el < elo ? el : elo;
-                ehi = e > ehi ? e : ehi;
-            }
-            a->elo[r] = elo;
-            a->ehi[r] = ehi;
-        }
-        if (++t == a->T) { t = 0; if (++n == a->N) { n = 0; b++; } }
+    const int64_t T = a->T, N = a->N, D = a->D;
+    for (int64_t r = lo; r < hi;) {
+        int64_t t = r % T, n = (r / T) % N, b = r / (T * N), m = imin(hi - r, T - t);
+        int64_t src = ((b * T + t) * N + n) * D;
+        o1b_vwiden_rows(m, D, a->h ? a->h + src : NULL, a->h ? NULL : a->f + src, N * D, a->out + r * D,
+                        a->elo ? a->elo + r : NULL, a->ehi ? a->ehi + r : NULL);
+        r += m;
     }
 }
 /* elo, ehi: NULL, or (B, N, T) for the rows' exponent ranges */
@@ -288,7 +267,7 @@ static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
         float *restrict q = a->qv + r * D;
         uint32_t amax = 0;                          /* bits of max |x|; from 0x7F800000 on: inf, NaN */
         for (int64_t d = 0; d < D; d++) {
-            uint32_t u = flush_bits((uint32_t)src[d] << 16) & 0x7FFFFFFFu;
+            uint32_t u = o1b_flush_bits((uint32_t)src[d] << 16) & 0x7FFFFFFFu;
             amax = u > amax ? u : amax;
         }
         int finite = amax < 0x7F800000u;
@@ -297,7 +276,7 @@ static void vquant_range(void *ctx, int64_t lo, int64_t hi) {
         if (finite && s != 0.0f) {
             float inv = o1b_div(1.0f, s);
             for (int64_t d = 0; d < D; d++) {
-                uint32_t t = o1b_bits(o1b_from_bits(flush_bits((uint32_t)src[d] << 16)) * inv);
+                uint32_t t = o1b_bits(o1b_from_bits(o1b_flush_bits((uint32_t)src[d] << 16)) * inv);
                 uint32_t big = 0u - (uint32_t)((t & 0x7FFFFFFFu) > 0x42FE0000u);     /* |t| > 127.0f */
                 t = (t & ~big) | (big & ((t & 0x80000000u) | 0x42FE0000u));
                 q[d] = (o1b_from_bits(t) + O1B_ROUND_MAGIC) - O1B_ROUND_MAGIC;  /* level 0: +0, as (float)level */
@@ -371,15 +350,15 @@ typedef struct {
     atomic_int failed;
 } bwd_args;
 
-/* Di = sum_{d ascending} dout_id * o_id; r = (b*H + h)*T + i. */
+/* Di = sum_{d ascending} mul(dout_id, load(o_id)) from +0; r = (b*H + h)*T + i, by runs of one
+ * head's consecutive queries (their o rows H D apart) */
 static void di_range(void *ctx, int64_t lo, int64_t hi) {
     bwd_args *a = (bwd_args *)ctx;
-    for (int64_t r = lo; r < hi; r++) {
-        int64_t i = r % a->T, h = (r / a->T) % a->H, b = r / (a->T * a->H);
-        const float *o = a->o + ((b * a->T + i) * a->H + h) * a->D, *g = a->dout + r * a->D;
-        float acc = 0.0f;
-        for (int64_t d = 0; d < a->D; d++) acc = o1b_add(acc, o1b_mul(g[d], o1b_load(o[d])));
-        a->Di[r] = acc;
+    const int64_t T = a->T, H = a->H, D = a->D;
+    for (int64_t r = lo; r < hi;) {
+        int64_t i = r % T, h = (r / T) % H, b = r / (T * H), m = imin(hi - r, T - i);
+        o1b_vdot_rows(m, D, a->dout + r * D, D, a->o + ((b * T + i) * H + h) * D, H * D, a->Di + r);
+        r += m;
     }
 }
 

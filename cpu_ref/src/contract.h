@@ -35,6 +35,11 @@ static inline float o1b_flush(float x) {
     uint32_t u = o1b_bits(x);
     return (u & 0x7F800000u) == 0 ? o1b_from_bits(u & 0x80000000u) : x;
 }
+/* o1b_flush on the bits, without branches (loops of it vectorize) */
+static inline uint32_t o1b_flush_bits(uint32_t u) {
+    uint32_t normal = 0u - (uint32_t)((u & 0x7F800000u) != 0);     /* all ones unless zero/subnormal */
+    return u & (normal | 0x80000000u);
+}
 /* Any NaN -> the canonical NaN. Applied when a value is stored to an op's output. */
 static inline float o1b_canon(float x) { return x != x ? o1b_from_bits(O1B_NAN_BITS) : x; }
 static inline float o1b_load(float x) { return o1b_flush(x); }

@@ -164,6 +164,32 @@ static void to_bf16_scalar(int64_t lo, int64_t hi, const float *x, bf16 *y) {
 static void to_f32_scalar(int64_t lo, int64_t hi, const bf16 *x, float *y) {
     for (int64_t i = lo; i < hi; i++) y[i] = o1b_store(o1b_bf16_to_f32(x[i]));
 }
+/* The exponent range [*lo, *hi] of the flushed values x[0, n) joined to the one given (vmath.h:
+ * a zero counts as 255 for lo, as 0 for hi). */
+static void exp_range_scalar(int64_t n, const uint32_t *x, int32_t *lo, int32_t *hi) {
+    for (int64_t d = 0; d < n; d++) {
+        int32_t e = (int32_t)(x[d] >> 23 & 0xFF), el = e ? e : 255;
+        *lo = el < *lo ? el : *lo;
+        *hi = e > *hi ? e : *hi;
+    }
+}
+/* widen_rows' elements from column d0 on of row r (o1b_vwiden_rows) */
+static void widen_tail_scalar(int64_t d0, int64_t D, const bf16 *h, const float *f, uint32_t *dst) {
+    for (int64_t d = d0; d < D; d++)
+        dst[d] = o1b_flush_bits(h ? (uint32_t)h[d] << 16 : o1b_bits(f[d]));
+}
+static void widen_rows_scalar(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld,
+                              float *out, int32_t *elo, int32_t *ehi) {
+    for (int64_t r = 0; r < n; r++) {
+        uint32_t *dst = (uint32_t *)(void *)(out + r * D);
+        widen_tail_scalar(0, D, h ? h + r * ld : NULL, h ? NULL : f + r * ld, dst);
+        if (!elo) continue;
+        int32_t lo = 255, hi = 0;
+        exp_range_scalar(D, dst, &lo, &hi);
+        elo[r] = lo;
+        ehi[r] = hi;
+    }
+}
 static void add_scalar(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
     for (int64_t i = lo; i < hi; i++) out[i] = o1b_store(o1b_add(o1b_load(a[i]), o1b_load(b[i])));
 }
@@ -180,6 +206,10 @@ static float row_dot_scalar(int64_t C, const float *a, const float *b, const bf1
         acc = o1b_add(acc, o1b_mul(t, o1b_load(b[c])));
     }
     return acc;
+}
+static void dot_rows_scalar(int64_t n, int64_t D, const float *a, int64_t lda, const float *b,
+                            int64_t ldb, float *out) {
+    for (int64_t r = 0; r < n; r++) out[r] = row_dot_scalar(D, a + r * lda, b + r * ldb, NULL);
 }
 /* RMSNorm's row scalars: r from the sum of squares, b from the backward's dot */
 static float rms_r_scalar(float ss, float invC, float eps) {
@@ -481,6 +511,20 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y) {
     if (!vmath_enabled()) { to_f32_scalar(lo, hi, x, y); return; }
 #define CALL(s) to_f32_arr_##s(lo, hi, x, y)
     O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vwiden_rows(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld, float *out,
+                     int32_t *elo, int32_t *ehi) {
+    if (!vmath_enabled()) { widen_rows_scalar(n, D, h, f, ld, out, elo, ehi); return; }
+#define CALL(s) widen_rows_##s(n, D, h, f, ld, out, elo, ehi)
+    O1B_VM_DISPATCH(CALL);
+#undef CALL
+}
+void o1b_vdot_rows(int64_t n, int64_t D, const float *a, int64_t lda, const float *b, int64_t ldb,
+                   float *out) {
+    if (!vmath_enabled()) { dot_rows_scalar(n, D, a, lda, b, ldb, out); return; }
+#define CALL(s) dot_rows_##s(n, D, a, lda, b, ldb, out)
+    O1B_VM_DISPATCH_FTZ(CALL);
 #undef CALL
 }
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out) {
@@ -1125,19 +1169,19 @@ AI void FN(transpose)(vf *v) {      /* the rounds written out: v stays in regist
     FN(zip_round)(v, 1);
 }
 
-/* Lanes are rows: for the m <= W rows at a and b (C floats each), each lane's
+/* Lanes are rows: for the m <= W rows at a and b (C floats each, rows lda and ldb apart), each lane's
  *   sum_{c ascending} mul(t_c, load(b[c])) from +0 (unstored),  t_c = load(a[c]) or mul(load(a[c]), g_c)
  * (row_dot_scalar's). Lanes from m on repeat row m - 1 (their sums unused). Whole blocks of W
  * columns are loaded as rows (t's products with g on column lanes, the same operations) and
  * transposed on registers; the last C % W columns are gathered lane by lane. `same`: b is a
  * (the sum of squares; a constant at each call). */
-AI vf FN(rows_dot)(int m, int64_t C, const float *a, const float *b, const bf16 *g, const int same,
-                   vi *rare) {
+AI vf FN(rows_dot)(int m, int64_t C, const float *a, int64_t lda, const float *b, int64_t ldb,
+                   const bf16 *g, const int same, vi *rare) {
     const float *pa[O1B_W], *pb[O1B_W];
     for (int l = 0; l < O1B_W; l++) {
         int64_t r = l < m ? l : m - 1;
-        pa[l] = a + r * C;
-        pb[l] = b + r * C;
+        pa[l] = a + r * lda;
+        pb[l] = b + r * ldb;
     }
     vf acc = {0};
     int64_t c = 0;
@@ -1411,7 +1455,7 @@ static O1B_TGT void FN(rms_fwd_rows)(int64_t lo, int64_t hi, int64_t C, const fl
         int m = hi - n < O1B_W ? (int)(hi - n) : O1B_W;
         const float *xb = x + n * C;
         vi rare = {0};
-        vf ss = FN(rows_dot)(m, C, xb, xb, NULL, 1, &rare);
+        vf ss = FN(rows_dot)(m, C, xb, C, xb, C, NULL, 1, &rare);
         float rs[O1B_W];
         FN(put)(rs, FN(rsqrt)(FN(add)(FN(mul)(ss, iv, &rare), ev), &rare));
         if (__builtin_expect(FN(any)(rare), 0))
@@ -1429,7 +1473,7 @@ static O1B_TGT void FN(rms_bwd_rows)(int64_t lo, int64_t hi, int64_t C, const fl
         int m = hi - n < O1B_W ? (int)(hi - n) : O1B_W;
         const float *dyb = dy + n * C, *xb = x + n * C;
         vi rare = {0};
-        vf dot = FN(rows_dot)(m, C, dyb, xb, g, 0, &rare);
+        vf dot = FN(rows_dot)(m, C, dyb, C, xb, C, g, 0, &rare);
         float rs[O1B_W], bs[O1B_W];
         for (int l = 0; l < O1B_W; l++) rs[l] = o1b_load(rstd[n + (l < m ? l : m - 1)]);
         vf r = FN(load)(rs);
@@ -1438,6 +1482,60 @@ static O1B_TGT void FN(rms_bwd_rows)(int64_t lo, int64_t hi, int64_t C, const fl
             for (int l = 0; l < m; l++)
                 bs[l] = rms_b_scalar(row_dot_scalar(C, dyb + l * C, xb + l * C, g), rs[l], invC);
         FN(rms_dx_rows)(m, C, dyb, xb, g, rs, bs, dx + n * C);
+    }
+}
+
+/* o1b_vdot_rows: W rows on lanes (rows_dot); a block with a product at 2^-126 goes the scalar way */
+static O1B_TGT void FN(dot_rows)(int64_t n, int64_t D, const float *a, int64_t lda, const float *b,
+                                 int64_t ldb, float *out) {
+    for (int64_t r = 0; r < n; r += O1B_W) {
+        int m = n - r < O1B_W ? (int)(n - r) : O1B_W;
+        vi rare = {0};
+        float s[O1B_W];
+        FN(put)(s, FN(rows_dot)(m, D, a + r * lda, lda, b + r * ldb, ldb, NULL, 0, &rare));
+        if (__builtin_expect(FN(any)(rare), 0)) dot_rows_scalar(m, D, a + r * lda, lda, b + r * ldb, ldb, s);
+        memcpy(out + r, s, (size_t)m * sizeof(float));
+    }
+}
+
+AI vi FN(imin)(vi a, vi b) { vi m = a < b; return (a & m) | (b & ~m); }
+AI vi FN(imax)(vi a, vi b) { vi m = a > b; return (a & m) | (b & ~m); }
+/* The smallest lane of x: a tree of lane swaps (a min is exact in any order). */
+AI int32_t FN(hmin_i)(vi x) {
+#if O1B_W == 16
+    x = FN(imin)(x, O1B_SWAP(x, O1B_X8));
+#endif
+#if O1B_W >= 8
+    x = FN(imin)(x, O1B_SWAP(x, O1B_X4));
+#endif
+    x = FN(imin)(x, O1B_SWAP(x, O1B_X2));
+    x = FN(imin)(x, O1B_SWAP(x, O1B_X1));
+    return x[0];
+}
+
+/* o1b_vwiden_rows: W values of a row at a time, their exponent fields' min and max on lanes, then
+ * across the lanes (min and max are exact in any order); the last D % W values as widen_rows_scalar. */
+static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld,
+                                   float *out, int32_t *elo, int32_t *ehi) {
+    for (int64_t r = 0; r < n; r++) {
+        const bf16 *hr = h ? h + r * ld : NULL;
+        const float *fr = h ? NULL : f + r * ld;
+        float *dst = out + r * D;
+        vi lo = FN(isplat)(255), hi = {0};
+        int64_t d = 0;
+        for (; d + O1B_W <= D; d += O1B_W) {
+            vf x = hr ? FN(widen)(hr + d) : FN(flush)(FN(load)(fr + d));
+            FN(put)(dst + d, x);
+            vi e = (BITS(x) >> 23) & 0xFF, el = e | ((e == 0) & 255);    /* a zero: 255 for lo */
+            lo = FN(imin)(lo, el);
+            hi = FN(imax)(hi, e);
+        }
+        widen_tail_scalar(d, D, hr, fr, (uint32_t *)(void *)dst);
+        if (!elo) continue;
+        int32_t l = FN(hmin_i)(lo), u = -FN(hmin_i)(-hi);
+        exp_range_scalar(D - d, (const uint32_t *)(const void *)(dst + d), &l, &u);
+        elo[r] = l;
+        ehi[r] = u;
     }
 }
 

@@ -91,6 +91,15 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y);
 void o1b_vadd(int64_t lo, int64_t hi, const float *a, const float *b, float *out);
 void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
 
+/* attention.c's widening: n rows of D values (row r at h + r ld, bf16, or at f + r ld, fp32) to
+ * out (n, D) contiguous, widened (bf16) and flushed, as o1b_bf16_to_f32 / o1b_load do (bits moved);
+ * elo, ehi: NULL, or each row's exponent range (below: lo = 255, hi = 0 for a row of zeros). */
+void o1b_vwiden_rows(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld, float *out,
+                     int32_t *elo, int32_t *ehi);
+/* out[r] = sum_{d ascending} mul(load(a[r lda + d]), load(b[r ldb + d])) from +0, unstored, for
+ * r < n (rows on lanes, as the RMSNorm rows' dots; attention's Di). */
+void o1b_vdot_rows(int64_t n, int64_t D, const float *a, int64_t lda, const float *b, int64_t ldb,
+                   float *out);
 /* out[d T + t] = in[t D + d] for t < T, d < D: a (T, D) block of rows transposed (bits moved). */
 void o1b_vtranspose(int64_t T, int64_t D, const float *in, float *out);
 

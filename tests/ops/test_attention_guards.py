@@ -180,3 +180,39 @@ def test_rows_and_groups(B, T, H, G, D, W):
     v = BF(rng.standard_normal((B, T, G, D)).astype(np.float32))
     dout = (rng.standard_normal((B, T, H, D)) * 1e-2).astype(np.float32)
     check_all(q, k, v, dout, W, float(np.float32(1 / np.sqrt(D))))
+
+
+@pytest.mark.parametrize("d", [1, 17])
+def test_di_products(d):
+    # Di = sum_d dout_d o_d (o as given to the backward, so it can be chosen freely): in rows
+    # (query 0, head 0) and (query 2, head 1), dout[d] o[d] rounds up (the contract flushes it) and
+    # dout[d + 1] o[d + 1] = 2^-110 follows, so a bare product would leave 2^-110 + 2^-126 (ulp
+    # 2^-133). v = 0 makes dp = 0, so ds = -p Di and dq[., 0] = ds k[0] shows Di. D = 20: d = 1 sits
+    # in a whole vector of columns, d = 17 among the last D % W (gathered) at 16 lanes; T = 3 rows
+    # fill part of a vector of rows (attention.c's Di runs, vmath.c's dot_rows).
+    B, T, H, G, D, scale = 1, 3, 2, 1, 20, 1.0
+    q = np.zeros((B, T, H, D), np.float32)
+    k = np.zeros((B, T, G, D), np.float32)
+    k[0, :, 0, 0] = 1.0
+    q, k, v = BF(q), BF(k), BF(np.zeros((B, T, G, D), np.float32))
+    with vector_math(False):
+        _, lse = CA.attention_forward(q, k, v, 0, scale)
+    o = np.full((B, T, H, D), VR, np.float32)
+    dout = np.zeros((B, T, H, D), np.float32)
+    r = partner(VR, bf16=False)
+    assert r is not None
+    for i, h in ((0, 0), (2, 1)):
+        dout[0, i, h, d] = r
+        dout[0, i, h, d + 1] = np.float32(2.0 ** -110) / VR
+        assert A.mul(dout[0, i, h, d + 1], VR) == np.float32(2.0 ** -110)
+    with vector_math(False):
+        want = CA.attention_backward(dout, q, k, v, o, lse, 0, scale)
+    for a, b, what in zip(want, SA.attention_backward(dout, q, k, v, o, lse, 0, scale), "qkv"):
+        assert_bits_equal(a, b, f"d{what}: scalar C vs spec")
+    assert want[0][0, 0, 0, 0] == np.float32(-(2.0 ** -110))        # p = 1: ds = -Di, the product flushed
+    for lv in LEVELS:
+        for threads in (1, 2):
+            with C.settings(simd=lv, threads=threads), vector_math(True):
+                got = CA.attention_backward(dout, q, k, v, o, lse, 0, scale)
+            for a, b, what in zip(got, want, "qkv"):
+                assert_bits_equal(a, b, f"d{what}, level {lv}, {threads} threads")
