@@ -46,14 +46,16 @@ static void *o1b_run_task(void *p) {
  * span the host's work between two calls of a training step (Python, often 50-150 us). A
  * count of pauses is no measure of time (a pause takes 10 ns on one Xeon, 40 on another): 4000
  * of them, 80 us where they were tuned, were 38 us on a later machine, where a (1024, 256)
- * RMSNorm after a 50 us gap then took 76-92 us instead of 38; at the small preset 300 us of
- * spinning gave steps 3% shorter than 38 us, in bf16 and int8 alike. Only
+ * RMSNorm after a 50 us gap then took 76-92 us instead of 38. Steps at the small preset were 3%
+ * shorter with 80, 150 or 300 us than with 38 (in-process A/B, bf16 and int8 alike); at tiny, where
+ * the background hashing thread wants a fifth of a CPU, the longer spins did not clearly win or
+ * lose (+-3% between runs). Only
  * the split of [0, n) into ranges enters the results, and it is the same either way. One call
  * uses the pool at a time: a call made while it is busy (from another thread, or from inside a
  * range) starts its own threads as before, and so does a call whose workers cannot start. */
 #define O1B_POOL_MAX 256
 #ifndef O1B_POOL_SPIN_US
-#define O1B_POOL_SPIN_US 300
+#define O1B_POOL_SPIN_US 150
 #endif
 static int g_pool_spin_us = O1B_POOL_SPIN_US;
 /* How long each side spins before it sleeps, in microseconds (for measurements; no result changes). */
