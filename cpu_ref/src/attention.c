@@ -73,7 +73,7 @@ static void *alloc_padded(size_t n, size_t size) {
 }
 
 /* ---- layout: (B, T, N, D) token-major input -> (B, N, T, D) head-major fp32 rows ---- */
-typedef struct { const bf16 *h; const float *f; float *out; int64_t T, N, D; int32_t *elo, *ehi; } widen_args;
+typedef struct { const bf16 *h; const float *f; float *out, *out_t; int64_t T, N, D; int32_t *elo, *ehi; } widen_args;
 
 /* rows r in [lo, hi), r = (b*N + n)*T + t, by runs of one head's consecutive positions (their
  * source rows N D apart) */
@@ -84,25 +84,17 @@ static void widen_range(void *ctx, int64_t lo, int64_t hi) {
         int64_t t = r % T, n = (r / T) % N, b = r / (T * N), m = imin(hi - r, T - t);
         int64_t src = ((b * T + t) * N + n) * D;
         o1b_vwiden_rows(m, D, a->h ? a->h + src : NULL, a->h ? NULL : a->f + src, N * D, a->out + r * D,
+                        a->out_t ? a->out_t + (r - t) * D + t : NULL, T,
                         a->elo ? a->elo + r : NULL, a->ehi ? a->ehi + r : NULL);
         r += m;
     }
 }
-/* elo, ehi: NULL, or (B, N, T) for the rows' exponent ranges */
+/* (B, T, N, D) -> head-major rows out (B, N, T, D); out_t: NULL, or the same transposed,
+ * (B, N, D, T); elo, ehi: NULL, or (B, N, T) for the rows' exponent ranges */
 static void to_head_major(const bf16 *h, const float *f, int64_t B, int64_t T, int64_t N, int64_t D,
-                          float *out, int32_t *elo, int32_t *ehi) {
-    widen_args a = {h, f, out, T, N, D, elo, ehi};
+                          float *out, float *out_t, int32_t *elo, int32_t *ehi) {
+    widen_args a = {h, f, out, out_t, T, N, D, elo, ehi};
     o1b_parallel_for(B * N * T, 1 + 4096 / (D > 0 ? D : 1), widen_range, &a);
-}
-/* head-major rows (b, n, t, d) -> transposed (b, n, d, t), one (b, n) per item */
-typedef struct { const float *in; float *out; int64_t T, D; } transpose_args;
-static void transpose_range(void *ctx, int64_t lo, int64_t hi) {
-    const transpose_args *a = (const transpose_args *)ctx;
-    for (int64_t r = lo; r < hi; r++) o1b_vtranspose(a->T, a->D, a->in + r * a->T * a->D, a->out + r * a->T * a->D);
-}
-static void to_transposed(const float *hm, int64_t BN, int64_t T, int64_t D, float *out) {
-    transpose_args a = {hm, out, T, D};
-    o1b_parallel_for(BN, 1 + (1 << 14) / (1 + T * D), transpose_range, &a);
 }
 
 /* ---- forward (§6.6; with qv set, the int8 block product of §6.10) ---- */
@@ -237,10 +229,9 @@ O1B_API int o1b_attention_forward(int64_t B, int64_t T, int64_t H, int64_t G, in
     if (!qh || !vlo) { free(qh); free(vlo); return -1; }
     int32_t *vhi = vlo + B * G * T;
     float *kh = qh + nq, *vh = kh + nk, *kt = vh + nk;
-    to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
-    to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
-    to_head_major(v, NULL, B, T, G, D, vh, vlo, vhi);
-    to_transposed(kh, B * G, T, D, kt);
+    to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL, NULL);
+    to_head_major(k, NULL, B, T, G, D, kh, kt, NULL, NULL);
+    to_head_major(v, NULL, B, T, G, D, vh, NULL, vlo, vhi);
     fwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kt, vh, NULL, NULL, NULL, vlo, vhi, o, lse, 0};
     o1b_parallel_for(B * H * T, 1 + (1 << 16) / (1 + T * D), fwd_range, &a);
     free(vlo);
@@ -319,9 +310,8 @@ O1B_API int o1b_attention_forward_i8(int64_t B, int64_t T, int64_t H, int64_t G,
     int8_t *qv8 = n8 ? malloc(n8) : NULL;           /* the packed levels (vpack_range) */
     if (!qh || (n8 && !qv8)) { free(qh); free(qv8); return -1; }
     float *kh = qh + nq, *kt = kh + nk, *qv = kt + nk, *sv = qv + nk;
-    to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL);
-    to_head_major(k, NULL, B, T, G, D, kh, NULL, NULL);
-    to_transposed(kh, B * G, T, D, kt);
+    to_head_major(q, NULL, B, T, H, D, qh, NULL, NULL, NULL);
+    to_head_major(k, NULL, B, T, G, D, kh, kt, NULL, NULL);
     vquant_args va = {v, qv, sv, T, G, D};
     o1b_parallel_for(B * G * T, 1 + 4096 / (D > 0 ? D : 1), vquant_range, &va);
     if (qv8) {
@@ -568,14 +558,10 @@ O1B_API int o1b_attention_backward(int64_t B, int64_t T, int64_t H, int64_t G, i
     int32_t *qhi = qlo + nr, *glo = qhi + nr, *ghi = glo + nr;
     int32_t *klo = ghi + nr, *khi = klo + nkr, *vlo = khi + nkr, *vhi = vlo + nkr;
     for (size_t r = 0; r < nr; r++) lse_p[r] = o1b_load(lse[r]);
-    to_head_major(q, NULL, B, T, H, D, qh, qlo, qhi);
-    to_head_major(NULL, dout, B, T, H, D, gh, glo, ghi);
-    to_head_major(k, NULL, B, T, G, D, kh, klo, khi);
-    to_head_major(v, NULL, B, T, G, D, vh, vlo, vhi);
-    to_transposed(qh, B * H, T, D, qt);
-    to_transposed(gh, B * H, T, D, gt);
-    to_transposed(kh, B * G, T, D, kt);
-    to_transposed(vh, B * G, T, D, vt);
+    to_head_major(q, NULL, B, T, H, D, qh, qt, qlo, qhi);
+    to_head_major(NULL, dout, B, T, H, D, gh, gt, glo, ghi);
+    to_head_major(k, NULL, B, T, G, D, kh, kt, klo, khi);
+    to_head_major(v, NULL, B, T, G, D, vh, vt, vlo, vhi);
     bwd_args a = {T, H, G, D, W, o1b_load(scale), qh, kh, vh, gh, qt, kt, vt, gt, o, lse, lse_p, Di,
                   qlo, qhi, glo, ghi, klo, khi, vlo, vhi, dq, dk, dv, 0};
     o1b_parallel_for(B * H * T, 1 + 4096 / (1 + D), di_range, &a);

@@ -178,11 +178,16 @@ static void widen_tail_scalar(int64_t d0, int64_t D, const bf16 *h, const float 
     for (int64_t d = d0; d < D; d++)
         dst[d] = o1b_flush_bits(h ? (uint32_t)h[d] << 16 : o1b_bits(f[d]));
 }
+/* row r of widen_rows (out) into the transposed copy (bits moved) */
+static void put_column_scalar(int64_t D, const float *row, float *out_t, int64_t ldt) {
+    for (int64_t d = 0; d < D; d++) out_t[d * ldt] = row[d];
+}
 static void widen_rows_scalar(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld,
-                              float *out, int32_t *elo, int32_t *ehi) {
+                              float *out, float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi) {
     for (int64_t r = 0; r < n; r++) {
         uint32_t *dst = (uint32_t *)(void *)(out + r * D);
         widen_tail_scalar(0, D, h ? h + r * ld : NULL, h ? NULL : f + r * ld, dst);
+        if (out_t) put_column_scalar(D, out + r * D, out_t + r, ldt);
         if (!elo) continue;
         int32_t lo = 255, hi = 0;
         exp_range_scalar(D, dst, &lo, &hi);
@@ -514,9 +519,9 @@ void o1b_vto_f32(int64_t lo, int64_t hi, const bf16 *x, float *y) {
 #undef CALL
 }
 void o1b_vwiden_rows(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld, float *out,
-                     int32_t *elo, int32_t *ehi) {
-    if (!vmath_enabled()) { widen_rows_scalar(n, D, h, f, ld, out, elo, ehi); return; }
-#define CALL(s) widen_rows_##s(n, D, h, f, ld, out, elo, ehi)
+                     float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi) {
+    if (!vmath_enabled()) { widen_rows_scalar(n, D, h, f, ld, out, out_t, ldt, elo, ehi); return; }
+#define CALL(s) widen_rows_##s(n, D, h, f, ld, out, out_t, ldt, elo, ehi)
     O1B_VM_DISPATCH(CALL);
 #undef CALL
 }
@@ -540,11 +545,6 @@ void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s) {
 #undef CALL
 }
 
-void o1b_vtranspose(int64_t T, int64_t D, const float *in, float *out) {
-#define CALL(s) transpose_rows_##s(T, D, in, out)
-    O1B_VM_DISPATCH(CALL);
-#undef CALL
-}
 
 static void exp_sub_s(int64_t n, const float *z, float m, float *e) { exp_sub_scalar(0, n, z, m, e); }
 static void axpy_s(int64_t n, float a, const float *x, float *y) { axpy_scalar(0, n, a, x, y); }
@@ -1513,11 +1513,37 @@ AI int32_t FN(hmin_i)(vi x) {
     return x[0];
 }
 
-/* o1b_vwiden_rows: W values of a row at a time, their exponent fields' min and max on lanes, then
- * across the lanes (min and max are exact in any order); the last D % W values as widen_rows_scalar. */
+/* o1b_vwiden_rows. Whole blocks of W rows (D a multiple of W): W x W blocks widened, stored as rows,
+ * transposed on registers (each vector then a column, lanes the rows), stored as columns; the
+ * rows' exponent ranges are the lanes' min and max over the columns (exact in any order). Any other
+ * row alone: its W values at a time, the ranges across the lanes, the last D % W values and the
+ * columns as widen_rows_scalar. */
 static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld,
-                                   float *out, int32_t *elo, int32_t *ehi) {
-    for (int64_t r = 0; r < n; r++) {
+                                   float *out, float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi) {
+    int64_t r = 0;
+    for (; D % O1B_W == 0 && r + O1B_W <= n; r += O1B_W) {
+        vi lo = FN(isplat)(255), hi = {0};
+        for (int64_t d0 = 0; d0 < D; d0 += O1B_W) {
+            vf v[O1B_W];
+            for (int l = 0; l < O1B_W; l++) {
+                v[l] = h ? FN(widen)(h + (r + l) * ld + d0) : FN(flush)(FN(load)(f + (r + l) * ld + d0));
+                FN(put)(out + (r + l) * D + d0, v[l]);
+            }
+            if (!out_t && !elo) continue;
+            FN(transpose)(v);
+            for (int l = 0; l < O1B_W; l++) {
+                if (out_t) FN(put)(out_t + (d0 + l) * ldt + r, v[l]);
+                vi e = (BITS(v[l]) >> 23) & 0xFF;
+                lo = FN(imin)(lo, e | ((e == 0) & 255));          /* a zero: 255 for lo */
+                hi = FN(imax)(hi, e);
+            }
+        }
+        if (elo) {
+            memcpy(elo + r, &lo, sizeof lo);
+            memcpy(ehi + r, &hi, sizeof hi);
+        }
+    }
+    for (; r < n; r++) {
         const bf16 *hr = h ? h + r * ld : NULL;
         const float *fr = h ? NULL : f + r * ld;
         float *dst = out + r * D;
@@ -1531,31 +1557,13 @@ static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const fl
             hi = FN(imax)(hi, e);
         }
         widen_tail_scalar(d, D, hr, fr, (uint32_t *)(void *)dst);
+        if (out_t) put_column_scalar(D, dst, out_t + r, ldt);
         if (!elo) continue;
         int32_t l = FN(hmin_i)(lo), u = -FN(hmin_i)(-hi);
         exp_range_scalar(D - d, (const uint32_t *)(const void *)(dst + d), &l, &u);
         elo[r] = l;
         ehi[r] = u;
     }
-}
-
-/* out (D, T) = in (T, D) transposed (o1b_vtranspose): W x W blocks on registers, the edges element
- * by element. Moves bits only. */
-static O1B_TGT void FN(transpose_rows)(int64_t T, int64_t D, const float *in, float *out) {
-    int64_t t0 = 0;
-    for (; t0 + O1B_W <= T; t0 += O1B_W) {
-        int64_t d0 = 0;
-        for (; d0 + O1B_W <= D; d0 += O1B_W) {
-            vf v[O1B_W];
-            for (int l = 0; l < O1B_W; l++) v[l] = FN(load)(in + (t0 + l) * D + d0);
-            FN(transpose)(v);
-            for (int l = 0; l < O1B_W; l++) FN(put)(out + (d0 + l) * T + t0, v[l]);
-        }
-        for (; d0 < D; d0++)
-            for (int l = 0; l < O1B_W; l++) out[d0 * T + t0 + l] = in[(t0 + l) * D + d0];
-    }
-    for (; t0 < T; t0++)
-        for (int64_t d = 0; d < D; d++) out[d * T + t0] = in[t0 * D + d];
 }
 
 /* ---- attention rows (attention.c) under the hardware flush mode ----

@@ -93,15 +93,14 @@ void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
 
 /* attention.c's widening: n rows of D values (row r at h + r ld, bf16, or at f + r ld, fp32) to
  * out (n, D) contiguous, widened (bf16) and flushed, as o1b_bf16_to_f32 / o1b_load do (bits moved);
- * elo, ehi: NULL, or each row's exponent range (below: lo = 255, hi = 0 for a row of zeros). */
+ * out_t: NULL, or the same transposed, out_t[d ldt + r] = out[r D + d]; elo, ehi: NULL, or each
+ * row's exponent range (below: lo = 255, hi = 0 for a row of zeros). */
 void o1b_vwiden_rows(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld, float *out,
-                     int32_t *elo, int32_t *ehi);
+                     float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi);
 /* out[r] = sum_{d ascending} mul(load(a[r lda + d]), load(b[r ldb + d])) from +0, unstored, for
  * r < n (rows on lanes, as the RMSNorm rows' dots; attention's Di). */
 void o1b_vdot_rows(int64_t n, int64_t D, const float *a, int64_t lda, const float *b, int64_t ldb,
                    float *out);
-/* out[d T + t] = in[t D + d] for t < T, d < D: a (T, D) block of rows transposed (bits moved). */
-void o1b_vtranspose(int64_t T, int64_t D, const float *in, float *out);
 
 /* The arrays of attn_dkv_rows (below) for key rows from j of one kv head: their k and v rows
  * (head-major, + r D) and the exponent ranges of those rows; the query rows of the group's rep

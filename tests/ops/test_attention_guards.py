@@ -45,8 +45,34 @@ def partner(x, bf16: bool):
     return None
 
 
-def check_all(q, k, v, dout, W, scale):
-    """Scalar C equals the spec; every SIMD level and thread count equals scalar C."""
+#: Where a case's columns go in an embedding (None: the case as built): D2 = 48 columns, three
+#: whole vectors at every level, and T + 16 rows, so that the case's rows lie in a whole block of
+#: rows (vmath.c widen_rows transposes W x W blocks and takes the rows' exponent ranges from the
+#: columns there); c -> c + 16 puts every column in the second vector, c -> 2c + 1 spreads them.
+LAYOUTS = {None: None, "shift16": lambda c: c + 16, "spread": lambda c: 2 * c + 1}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def layout(request):
+    return request.param
+
+
+def embed(x, cols, T2, D2):
+    """(B, T, n, D) -> (B, T2, n, D2): column c at cols[c], zeros elsewhere (a zero adds nothing to a
+    sum that starts from +0, and zero rows after the case's see keys its queries never see)."""
+    out = np.zeros(x.shape[:1] + (T2,) + x.shape[2:3] + (D2,), x.dtype)
+    out[:, :x.shape[1], :, cols] = x
+    return out
+
+
+def check_all(q, k, v, dout, W, scale, layout=None):
+    """Scalar C equals the spec; every SIMD level and thread count equals scalar C. With a layout,
+    on the case embedded (LAYOUTS), returning the case's part of the outputs."""
+    if LAYOUTS[layout] is not None:
+        T, D = q.shape[1], q.shape[3]
+        cols = np.array([LAYOUTS[layout](c) for c in range(D)])
+        o, lse, grads = check_all(*(embed(x, cols, T + 16, 48) for x in (q, k, v, dout)), W, scale)
+        return o[:, :T][..., cols], lse[:, :, :T], tuple(g[:, :T][..., cols] for g in grads)
     with vector_math(False):
         o, lse = CA.attention_forward(q, k, v, W, scale)
         grads = CA.attention_backward(dout, q, k, v, o, lse, W, scale)
@@ -61,7 +87,7 @@ def check_all(q, k, v, dout, W, scale):
     return o, lse, grads
 
 
-def test_forward_block_product():
+def test_forward_block_product(layout):
     # Query 1 sees keys 0 and 1 with scores 0 and `scale` (q1 . k0 = 0, q1 . k1 = 1), so
     # p0 = exp(-scale), p1 = 1; scale is chosen so that a bf16 v0[0] makes p0 v0[0] round up.
     # v1[0] = 2^-120 keeps the difference visible in o (2^-126 + 2^-120 vs 2^-120).
@@ -84,7 +110,7 @@ def test_forward_block_product():
     v[0, 0, 0, 0], v[0, 1, 0, 0] = v0, 2.0 ** -120
     v[0, 1, 0, 2:] = 0.5                              # v0's row: v0[0] alone (its exponent range a point)
     dout = np.zeros((B, T, H, D), np.float32)
-    o, _, _ = check_all(BF(q), BF(k), BF(v), dout, 0, float(scale))
+    o, _, _ = check_all(BF(q), BF(k), BF(v), dout, 0, float(scale), layout)
     assert o[0, 1, 0, 0] != 0                        # the flushed product, then 2^-120 on it
 
 
@@ -119,7 +145,7 @@ QV = np.float32(1.0078125 * 2.0 ** -60)     # bf16 values with a partner (rounds
 VR = np.float32(0.50390625)
 
 
-def test_ds_q_and_ds_k_products():
+def test_ds_q_and_ds_k_products(layout):
     # x is chosen so that t QV rounds up (the contract flushes it; bare, it would stay 2^-126).
     q, k, v, _ = two_keys(np.float32(1.0))
     _, lse = SA.attention_forward(q, k, v, 0, 1.0)
@@ -130,21 +156,21 @@ def test_ds_q_and_ds_k_products():
     xs = (x0.view(np.uint32) + np.arange(-16, 17)).astype(np.uint32).view(np.float32)
     x = next((x for x in xs if A.mul(p, A.mul(np.float32(0.5), x)) == t), None)
     assert x is not None
-    _, _, (dq, dk, dv) = check_all(*two_keys(x), 0, 1.0)
+    _, _, (dq, dk, dv) = check_all(*two_keys(x), 0, 1.0, layout)
     assert dk[0, 0, 0, 0] != 0 and dq[0, 1, 0, 3] != 0
 
 
-def test_dout_v_products_of_both_passes():
+def test_dout_v_products_of_both_passes(layout):
     # dp_10 = x + r VR (d ascending), x = 2^-110: the contract flushes r VR, a bare product
     # would add 2^-126 to x (visible: x's ulp is 2^-133), changing ds_10 in dk0[1] (pass 2's dp) and
     # dq1[4] (pass 1's). Di = x/2 either way (o1[5] = VR/2 and r VR/2 flushes).
     r = partner(VR, bf16=False)
     assert r is not None
-    _, _, (dq, dk, dv) = check_all(*two_keys(np.float32(2.0 ** -110), r), 0, 1.0)
+    _, _, (dq, dk, dv) = check_all(*two_keys(np.float32(2.0 ** -110), r), 0, 1.0, layout)
     assert dk[0, 0, 0, 1] != 0 and dq[0, 1, 0, 4] != 0
 
 
-def test_p_dout_products():
+def test_p_dout_products(layout):
     # Query 1 sees keys 0 and 1 with scores 0 and `scale`: pass 2's p_10 = exp(-lse_1); dout_1[0] is
     # its partner, so p_10 dout_1[0] rounds up; query 0 (p = 1) adds dout_0[0] = 2^-120 first, so
     # dv0[0] shows the product (2^-120 + 2^-126 if it stayed). dout_0[0] sits in the row's
@@ -166,7 +192,7 @@ def test_p_dout_products():
     dout = np.zeros((B, T, H, D), np.float32)
     dout[0, 0, 0, 0] = 2.0 ** -120
     dout[0, 1, 0, 0] = d
-    _, _, (dq, dk, dv) = check_all(q, k, v, dout, 0, float(scale))
+    _, _, (dq, dk, dv) = check_all(q, k, v, dout, 0, float(scale), layout)
     assert dv[0, 0, 0, 0] == np.float32(2.0 ** -120)                       # the product flushed
 
 

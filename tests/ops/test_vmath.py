@@ -645,3 +645,69 @@ def test_adamw_equals_scalar(n):
         for lv, got in zip(LEVELS, outs[1:]):
             for a, b, what in zip(got, outs[0], "pmv"):
                 assert_bits_equal(a, b, f"adamw {what}, step {step}, beta1 {b1}, level {lv}")
+
+
+def _widen_rows(x, n, D, ld, want_t, want_ranges):
+    """vmath.c's o1b_vwiden_rows on n rows of D values ld apart in x (bf16 as uint16, or float32):
+    (out (n, D), out_t (D, n) or None, elo, ehi or None)."""
+    import ctypes
+    from mlx_open1b.cpu_ref import _lib
+    f = _lib.lib.o1b_vwiden_rows
+    f.restype = None
+    f.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    out = np.full((n, D), np.nan, np.float32)
+    out_t = np.full((D, n), np.nan, np.float32) if want_t else None
+    lo, hi = (np.full(n, -7, np.int32) for _ in range(2)) if want_ranges else (None, None)
+    ptr = lambda a: None if a is None else a.ctypes.data
+    bf = x.dtype == np.uint16
+    f(n, D, ptr(x) if bf else None, None if bf else ptr(x), ld, ptr(out), ptr(out_t), n, ptr(lo), ptr(hi))
+    return out, out_t, lo, hi
+
+
+@pytest.mark.parametrize("n,D", [(1, 1), (15, 16), (16, 16), (17, 20), (33, 32), (40, 48), (16, 8), (5, 4)])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_widen_rows_moves_bits_and_finds_exponent_ranges(n, D, bf16):
+    # attention.c's widening: rows of D values (ld apart) widened, flushed, copied transposed, and
+    # each row's exponent range (min of the nonzero fields, 255 if none; max). Every row has its one
+    # largest exponent in column r % D and its one smallest in column (7r + 3) % D, so every column
+    # position of a block of rows holds some row's max and some row's min; zeros, subnormals (read as
+    # zeros), infinities and NaN are mixed in, and the last rows are zeros only.
+    rng = np.random.default_rng(1000 * n + D)
+    ld = D + 3
+    e = rng.integers(40, 200, (n, ld)).astype(np.uint32)
+    for r in range(n):
+        e[r, r % D] = 250
+        if (7 * r + 3) % D != r % D:
+            e[r, (7 * r + 3) % D] = 2 + r % 3
+    bits = (e << 23) | rng.integers(0, 1 << 23, (n, ld), dtype=np.uint32) | (rng.integers(0, 2, (n, ld), dtype=np.uint32) << 31)
+    special = rng.random((n, ld))
+    bits[special < 0.05] = 0x80000000                                  # -0
+    bits[(special >= 0.05) & (special < 0.1)] = 0x00000123             # subnormal: a zero
+    if n > 2:
+        bits[n - 2:] = 0
+    bits[0, -1] = 0x7F800000 if D > 1 else bits[0, -1]                 # inf: exponent 255
+    bits[n // 2, 0] = 0x7FC00001 if n > 3 else bits[n // 2, 0]          # a NaN
+    if bf16:
+        x = (bits >> 16).astype(np.uint16)
+        want_bits = x.astype(np.uint32) << 16
+    else:
+        x = bits.view(np.float32)
+        want_bits = bits.copy()
+    want_bits = want_bits[:, :D]
+    want_bits = np.where((want_bits & 0x7F800000) == 0, want_bits & 0x80000000, want_bits).astype(np.uint32)
+    fields = (want_bits >> 23 & 0xFF).astype(np.int32)
+    want_lo = np.where(fields == 0, 255, fields).min(axis=1)
+    want_hi = fields.max(axis=1)
+    runs = [("scalar", lambda: vector_math(False))] + [(f"level {lv}", lambda lv=lv: level(lv)) for lv in LEVELS]
+    for name, ctx in runs:
+        for want_t, want_ranges in ((True, True), (True, False), (False, True), (False, False)):
+            with ctx():
+                out, out_t, lo, hi = _widen_rows(np.ascontiguousarray(x), n, D, ld, want_t, want_ranges)
+            what = f"{name}, transposed {want_t}, ranges {want_ranges}"
+            assert_bits_equal(out.view(np.uint32), want_bits, f"rows, {what}")
+            if want_t:
+                assert_bits_equal(out_t.view(np.uint32), want_bits.T, f"transposed, {what}")
+            if want_ranges:
+                assert_bits_equal(lo, want_lo.astype(np.int32), f"exponent min, {what}")
+                assert_bits_equal(hi, want_hi.astype(np.int32), f"exponent max, {what}")
