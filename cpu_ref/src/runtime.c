@@ -49,15 +49,15 @@ static void *o1b_run_task(void *p) {
  * RMSNorm after a 50 us gap then took 76-92 us instead of 38. Steps at the small preset were 3%
  * shorter with 80, 150 or 300 us than with 38 (in-process A/B, bf16 and int8 alike); at tiny, where
  * the background hashing thread wants a fifth of a CPU, the longer spins did not clearly win or
- * lose (+-3% between runs). Only
- * the split of [0, n) into ranges enters the results, and it is the same either way. One call
- * uses the pool at a time: a call made while it is busy (from another thread, or from inside a
- * range) starts its own threads as before, and so does a call whose workers cannot start. */
+ * lose (+-3% between runs). Only the split of [0, n) into ranges enters the results, and it is the
+ * same either way. One call uses the pool at a time: a call made while it is busy (from another
+ * thread, or from inside a range) starts its own threads as before, and so does a call whose
+ * workers cannot start. */
 #define O1B_POOL_MAX 256
 #ifndef O1B_POOL_SPIN_US
 #define O1B_POOL_SPIN_US 150
 #endif
-static int g_pool_spin_us = O1B_POOL_SPIN_US;
+static int g_pool_spin_us = O1B_POOL_SPIN_US > 0 ? O1B_POOL_SPIN_US : 0;
 /* How long each side spins before it sleeps, in microseconds (for measurements; no result changes). */
 O1B_API void o1b_set_pool_spin_us(int us) { __atomic_store_n(&g_pool_spin_us, us > 0 ? us : 0, __ATOMIC_RELAXED); }
 O1B_API int o1b_pool_spin_us(void) { return __atomic_load_n(&g_pool_spin_us, __ATOMIC_RELAXED); }

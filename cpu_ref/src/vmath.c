@@ -1113,7 +1113,7 @@ static O1B_TGT void FN(dots_t)(int64_t n, int64_t D, const float *x, const float
 AI vf FN(widen)(const bf16 *h) {
     vh x;
     memcpy(&x, h, sizeof x);
-    return FN(flush)(VF(__builtin_convertvector(x, vi) << 16));
+    return FN(flush)(VF(__builtin_convertvector(x, vu) << 16));
 }
 
 /* The W x W block v[0..W) transposed in place (afterwards lane l of v[j] is lane j of the old
@@ -1128,7 +1128,7 @@ AI vf FN(widen)(const bf16 *h) {
 #define O1B_ZLO 0, 4, 1, 5
 #define O1B_ZHI 2, 6, 3, 7
 #endif
-/* the lane swaps of FN(hmax): lane l takes lane l XOR h */
+/* the lane swaps of FN(hmax) and FN(hmin_i): lane l takes lane l XOR h */
 #if O1B_W == 16
 #define O1B_X8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
 #define O1B_X4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
@@ -1513,6 +1513,18 @@ AI int32_t FN(hmin_i)(vi x) {
     return x[0];
 }
 
+/* widen_rows' source values i .. i + W - 1: bf16 widened, or fp32 (f) flushed */
+AI vf FN(widen_at)(const bf16 *h, const float *f, int64_t i) {
+    return h ? FN(widen)(h + i) : FN(flush)(FN(load)(f + i));
+}
+/* the lanes' exponent ranges joined with the exponent fields of x (vmath.h: a zero counts as 255
+ * for lo, as 0 for hi) */
+AI void FN(exp_range)(vf x, vi *lo, vi *hi) {
+    vi e = (BITS(x) >> 23) & 0xFF;
+    *lo = FN(imin)(*lo, e | ((e == 0) & 255));
+    *hi = FN(imax)(*hi, e);
+}
+
 /* o1b_vwiden_rows. Whole blocks of W rows (D a multiple of W): W x W blocks widened, stored as rows,
  * transposed on registers (each vector then a column, lanes the rows), stored as columns; the
  * rows' exponent ranges are the lanes' min and max over the columns (exact in any order). Any other
@@ -1526,16 +1538,14 @@ static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const fl
         for (int64_t d0 = 0; d0 < D; d0 += O1B_W) {
             vf v[O1B_W];
             for (int l = 0; l < O1B_W; l++) {
-                v[l] = h ? FN(widen)(h + (r + l) * ld + d0) : FN(flush)(FN(load)(f + (r + l) * ld + d0));
+                v[l] = FN(widen_at)(h, f, (r + l) * ld + d0);
                 FN(put)(out + (r + l) * D + d0, v[l]);
             }
             if (!out_t && !elo) continue;
             FN(transpose)(v);
             for (int l = 0; l < O1B_W; l++) {
                 if (out_t) FN(put)(out_t + (d0 + l) * ldt + r, v[l]);
-                vi e = (BITS(v[l]) >> 23) & 0xFF;
-                lo = FN(imin)(lo, e | ((e == 0) & 255));          /* a zero: 255 for lo */
-                hi = FN(imax)(hi, e);
+                FN(exp_range)(v[l], &lo, &hi);
             }
         }
         if (elo) {
@@ -1550,11 +1560,9 @@ static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const fl
         vi lo = FN(isplat)(255), hi = {0};
         int64_t d = 0;
         for (; d + O1B_W <= D; d += O1B_W) {
-            vf x = hr ? FN(widen)(hr + d) : FN(flush)(FN(load)(fr + d));
+            vf x = FN(widen_at)(hr, fr, d);
             FN(put)(dst + d, x);
-            vi e = (BITS(x) >> 23) & 0xFF, el = e | ((e == 0) & 255);    /* a zero: 255 for lo */
-            lo = FN(imin)(lo, el);
-            hi = FN(imax)(hi, e);
+            FN(exp_range)(x, &lo, &hi);
         }
         widen_tail_scalar(d, D, hr, fr, (uint32_t *)(void *)dst);
         if (out_t) put_column_scalar(D, dst, out_t + r, ldt);

@@ -93,8 +93,8 @@ void o1b_vscale_inplace(int64_t lo, int64_t hi, float *a, float s);
 
 /* attention.c's widening: n rows of D values (row r at h + r ld, bf16, or at f + r ld, fp32) to
  * out (n, D) contiguous, widened (bf16) and flushed, as o1b_bf16_to_f32 / o1b_load do (bits moved);
- * out_t: NULL, or the same transposed, out_t[d ldt + r] = out[r D + d]; elo, ehi: NULL, or each
- * row's exponent range (below: lo = 255, hi = 0 for a row of zeros). */
+ * out_t: NULL, or the same transposed, out_t[d ldt + r] = out[r D + d]; elo, ehi: both NULL, or
+ * both set for each row's exponent range (below: lo = 255, hi = 0 for a row of zeros). */
 void o1b_vwiden_rows(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld, float *out,
                      float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi);
 /* out[r] = sum_{d ascending} mul(load(a[r lda + d]), load(b[r ldb + d])) from +0, unstored, for

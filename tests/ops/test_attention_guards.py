@@ -45,10 +45,11 @@ def partner(x, bf16: bool):
     return None
 
 
-#: Where a case's columns go in an embedding (None: the case as built): D2 = 48 columns, three
-#: whole vectors at every level, and T + 16 rows, so that the case's rows lie in a whole block of
-#: rows (vmath.c widen_rows transposes W x W blocks and takes the rows' exponent ranges from the
-#: columns there); c -> c + 16 puts every column in the second vector, c -> 2c + 1 spreads them.
+#: Where a case's columns go in an embedding (None: the case as built): D2 = 48 columns, a whole
+#: number of vectors at every level, and T + 16 rows, so that the case's rows lie in a whole block
+#: of rows (vmath.c widen_rows transposes W x W blocks and takes the rows' exponent ranges from the
+#: columns there); c -> c + 16 moves every column past the first AVX-512 vector (two at AVX2),
+#: c -> 2c + 1 spreads them over the vectors.
 LAYOUTS = {None: None, "shift16": lambda c: c + 16, "spread": lambda c: 2 * c + 1}
 
 

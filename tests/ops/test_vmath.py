@@ -649,20 +649,32 @@ def test_adamw_equals_scalar(n):
 
 def _widen_rows(x, n, D, ld, want_t, want_ranges):
     """vmath.c's o1b_vwiden_rows on n rows of D values ld apart in x (bf16 as uint16, or float32):
-    (out (n, D), out_t (D, n) or None, elo, ehi or None)."""
+    (out (n, D), out_t (D, n) or None, elo, ehi or None). The transposed copy goes, as attention.c
+    has it, into a wider array (rows of n + 5, from column 2); every output sits between guard
+    values, which must come back untouched."""
     import ctypes
     from mlx_open1b.cpu_ref import _lib
     f = _lib.lib.o1b_vwiden_rows
     f.restype = None
     f.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    out = np.full((n, D), np.nan, np.float32)
-    out_t = np.full((D, n), np.nan, np.float32) if want_t else None
-    lo, hi = (np.full(n, -7, np.int32) for _ in range(2)) if want_ranges else (None, None)
-    ptr = lambda a: None if a is None else a.ctypes.data
+    G, ldt = 16, n + 5
+    out = np.full(n * D + 2 * G, 0x7FBADBAD, np.uint32)
+    out_t = np.full(D * ldt + 2 * G, 0x7FBADBAD, np.uint32) if want_t else None
+    lo, hi = (np.full(n + 2 * G, -7, np.int32) for _ in range(2)) if want_ranges else (None, None)
+    at = lambda a, k=G: None if a is None else a.ctypes.data + 4 * k
     bf = x.dtype == np.uint16
-    f(n, D, ptr(x) if bf else None, None if bf else ptr(x), ld, ptr(out), ptr(out_t), n, ptr(lo), ptr(hi))
-    return out, out_t, lo, hi
+    f(n, D, at(x, 0) if bf else None, None if bf else at(x, 0), ld, at(out), at(out_t, G + 2), ldt, at(lo), at(hi))
+    for a, what in ((out, "rows"), (out_t, "transposed"), (lo, "exponent min"), (hi, "exponent max")):
+        if a is not None:
+            assert (a[:G] == a[0]).all() and (a[-G:] == a[0]).all(), f"{what}: written outside the output"
+    if out_t is not None:
+        t = out_t[G:-G].reshape(D, ldt)
+        assert (t[:, :2] == 0x7FBADBAD).all() and (t[:, 2 + n:] == 0x7FBADBAD).all(), \
+            "transposed: written outside its columns"
+        out_t = t[:, 2:2 + n]
+    cut = lambda a: None if a is None else a[G:-G]
+    return cut(out).reshape(n, D).view(np.float32), out_t, cut(lo), cut(hi)
 
 
 @pytest.mark.parametrize("n,D", [(1, 1), (15, 16), (16, 16), (17, 20), (33, 32), (40, 48), (16, 8), (5, 4)])
@@ -686,7 +698,7 @@ def test_widen_rows_moves_bits_and_finds_exponent_ranges(n, D, bf16):
     bits[(special >= 0.05) & (special < 0.1)] = 0x00000123             # subnormal: a zero
     if n > 2:
         bits[n - 2:] = 0
-    bits[0, -1] = 0x7F800000 if D > 1 else bits[0, -1]                 # inf: exponent 255
+    bits[0, D - 1] = 0x7F800000 if D > 1 else bits[0, D - 1]           # inf: exponent 255
     bits[n // 2, 0] = 0x7FC00001 if n > 3 else bits[n // 2, 0]          # a NaN
     if bf16:
         x = (bits >> 16).astype(np.uint16)
@@ -707,7 +719,7 @@ def test_widen_rows_moves_bits_and_finds_exponent_ranges(n, D, bf16):
             what = f"{name}, transposed {want_t}, ranges {want_ranges}"
             assert_bits_equal(out.view(np.uint32), want_bits, f"rows, {what}")
             if want_t:
-                assert_bits_equal(out_t.view(np.uint32), want_bits.T, f"transposed, {what}")
+                assert_bits_equal(out_t, want_bits.T, f"transposed, {what}")
             if want_ranges:
                 assert_bits_equal(lo, want_lo.astype(np.int32), f"exponent min, {what}")
                 assert_bits_equal(hi, want_hi.astype(np.int32), f"exponent max, {what}")
