@@ -173,21 +173,14 @@ static void exp_range_scalar(int64_t n, const uint32_t *x, int32_t *lo, int32_t 
         *hi = e > *hi ? e : *hi;
     }
 }
-/* widen_rows' elements from column d0 on of row r (o1b_vwiden_rows) */
-static void widen_tail_scalar(int64_t d0, int64_t D, const bf16 *h, const float *f, uint32_t *dst) {
-    for (int64_t d = d0; d < D; d++)
-        dst[d] = o1b_flush_bits(h ? (uint32_t)h[d] << 16 : o1b_bits(f[d]));
-}
-/* row r of widen_rows (out) into the transposed copy (bits moved) */
-static void put_column_scalar(int64_t D, const float *row, float *out_t, int64_t ldt) {
-    for (int64_t d = 0; d < D; d++) out_t[d * ldt] = row[d];
-}
 static void widen_rows_scalar(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld,
                               float *out, float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi) {
     for (int64_t r = 0; r < n; r++) {
         uint32_t *dst = (uint32_t *)(void *)(out + r * D);
-        widen_tail_scalar(0, D, h ? h + r * ld : NULL, h ? NULL : f + r * ld, dst);
-        if (out_t) put_column_scalar(D, out + r * D, out_t + r, ldt);
+        for (int64_t d = 0; d < D; d++)
+            dst[d] = o1b_flush_bits(h ? (uint32_t)h[r * ld + d] << 16 : o1b_bits(f[r * ld + d]));
+        if (out_t)
+            for (int64_t d = 0; d < D; d++) out_t[d * ldt + r] = out[r * D + d];
         if (!elo) continue;
         int32_t lo = 255, hi = 0;
         exp_range_scalar(D, dst, &lo, &hi);
@@ -1128,7 +1121,7 @@ AI vf FN(widen)(const bf16 *h) {
 #define O1B_ZLO 0, 4, 1, 5
 #define O1B_ZHI 2, 6, 3, 7
 #endif
-/* the lane swaps of FN(hmax) and FN(hmin_i): lane l takes lane l XOR h */
+/* the lane swaps of FN(hmax): lane l takes lane l XOR h */
 #if O1B_W == 16
 #define O1B_X8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
 #define O1B_X4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
@@ -1500,19 +1493,6 @@ static O1B_TGT void FN(dot_rows)(int64_t n, int64_t D, const float *a, int64_t l
 
 AI vi FN(imin)(vi a, vi b) { vi m = a < b; return (a & m) | (b & ~m); }
 AI vi FN(imax)(vi a, vi b) { vi m = a > b; return (a & m) | (b & ~m); }
-/* The smallest lane of x: a tree of lane swaps (a min is exact in any order). */
-AI int32_t FN(hmin_i)(vi x) {
-#if O1B_W == 16
-    x = FN(imin)(x, O1B_SWAP(x, O1B_X8));
-#endif
-#if O1B_W >= 8
-    x = FN(imin)(x, O1B_SWAP(x, O1B_X4));
-#endif
-    x = FN(imin)(x, O1B_SWAP(x, O1B_X2));
-    x = FN(imin)(x, O1B_SWAP(x, O1B_X1));
-    return x[0];
-}
-
 /* widen_rows' source values i .. i + W - 1: bf16 widened, or fp32 (f) flushed */
 AI vf FN(widen_at)(const bf16 *h, const float *f, int64_t i) {
     return h ? FN(widen)(h + i) : FN(flush)(FN(load)(f + i));
@@ -1527,9 +1507,9 @@ AI void FN(exp_range)(vf x, vi *lo, vi *hi) {
 
 /* o1b_vwiden_rows. Whole blocks of W rows (D a multiple of W): W x W blocks widened, stored as rows,
  * transposed on registers (each vector then a column, lanes the rows), stored as columns; the
- * rows' exponent ranges are the lanes' min and max over the columns (exact in any order). Any other
- * row alone: its W values at a time, the ranges across the lanes, the last D % W values and the
- * columns as widen_rows_scalar. */
+ * rows' exponent ranges are the lanes' min and max over the columns (exact in any order). The
+ * other rows (fewer than W left, or D not a multiple of W: not attention's head dims) go the
+ * scalar way, which moves the same bits. */
 static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const float *f, int64_t ld,
                                    float *out, float *out_t, int64_t ldt, int32_t *elo, int32_t *ehi) {
     int64_t r = 0;
@@ -1553,25 +1533,9 @@ static O1B_TGT void FN(widen_rows)(int64_t n, int64_t D, const bf16 *h, const fl
             memcpy(ehi + r, &hi, sizeof hi);
         }
     }
-    for (; r < n; r++) {
-        const bf16 *hr = h ? h + r * ld : NULL;
-        const float *fr = h ? NULL : f + r * ld;
-        float *dst = out + r * D;
-        vi lo = FN(isplat)(255), hi = {0};
-        int64_t d = 0;
-        for (; d + O1B_W <= D; d += O1B_W) {
-            vf x = FN(widen_at)(hr, fr, d);
-            FN(put)(dst + d, x);
-            FN(exp_range)(x, &lo, &hi);
-        }
-        widen_tail_scalar(d, D, hr, fr, (uint32_t *)(void *)dst);
-        if (out_t) put_column_scalar(D, dst, out_t + r, ldt);
-        if (!elo) continue;
-        int32_t l = FN(hmin_i)(lo), u = -FN(hmin_i)(-hi);
-        exp_range_scalar(D - d, (const uint32_t *)(const void *)(dst + d), &l, &u);
-        elo[r] = l;
-        ehi[r] = u;
-    }
+    if (r < n)
+        widen_rows_scalar(n - r, D, h ? h + r * ld : NULL, h ? NULL : f + r * ld, ld, out + r * D,
+                          out_t ? out_t + r : NULL, ldt, elo ? elo + r : NULL, ehi ? ehi + r : NULL);
 }
 
 /* ---- attention rows (attention.c) under the hardware flush mode ----
