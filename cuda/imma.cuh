@@ -21,9 +21,9 @@
  * In the CUDA emulator (g++, no __CUDA_ARCH__): an exact model of the instruction written from the
  * layout above. The 32 lanes meet at a warp-collective step (emu_warp_sync, cuda/emu/prelude.h):
  * each lane places its fragments in its warp's 16x32 A and 32x8 B, all lanes wait, each computes its
- * four outputs, all lanes wait again (so no lane's next call overwrites A or B while another still
- * reads them). A lane that does not arrive is warp divergence, an error, as on the GPU where
- * mma.sync requires every lane.
+ * four outputs; consecutive calls use two buffers in turn, so no lane's next call overwrites A or B
+ * while another still reads them. A lane that does not arrive is warp divergence, an error, as on
+ * the GPU where mma.sync requires every lane.
  */
 #ifndef O1B_IMMA_CUH
 #define O1B_IMMA_CUH
@@ -57,33 +57,36 @@ __device__ __forceinline__ void o1b_mma_s8_16x8x32(int d[4], const u32 a[4], con
     for (int i = 0; i < 4; i++) d[i] = (int)s[i];
 }
 #else   /* the CUDA emulator's model of the instruction */
-static signed char o1b_emu_mma_a[32][16][32];   /* per warp of the block: A[row][k] */
-static signed char o1b_emu_mma_b[32][32][8];    /* per warp: B[k][column] */
+/* Per warp of the block, two buffers used in turn (the parity of the lane's call count, equal in
+ * every lane of a warp since all lanes make every call): A[row][k] and B[column][k]. */
+static signed char o1b_emu_mma_a[2][32][16][32];
+static signed char o1b_emu_mma_b[2][32][8][32];
 
 static void o1b_mma_s8_16x8x32(int d[4], const u32 a[4], const u32 b[2]) {
     int w = emu_warp_index(), lane = emu_warp_lane();
+    int p = (int)(emu_fibers[emu_current].mma_calls++ & 1u);
     int groupID = lane >> 2, threadID_in_group = lane % 4;
     for (int i = 0; i < 16; i++) {
         int row = (i < 4 || (8 <= i && i < 12)) ? groupID : groupID + 8;
         int col = i < 8 ? threadID_in_group * 4 + (i & 0x3) : threadID_in_group * 4 + (i & 0x3) + 16;
-        o1b_emu_mma_a[w][row][col] = (signed char)(a[i >> 2] >> (8 * (i & 3)));
+        o1b_emu_mma_a[p][w][row][col] = (signed char)(a[i >> 2] >> (8 * (i & 3)));
     }
     for (int i = 0; i < 8; i++) {
         int row = i < 4 ? threadID_in_group * 4 + (i & 0x3) : threadID_in_group * 4 + (i & 0x3) + 16;
         int col = groupID;
-        o1b_emu_mma_b[w][row][col] = (signed char)(b[i >> 2] >> (8 * (i & 3)));
+        o1b_emu_mma_b[p][w][col][row] = (signed char)(b[i >> 2] >> (8 * (i & 3)));
     }
     emu_warp_sync();                 /* all 32 lanes have placed their fragments */
-    int out[4];
     for (int i = 0; i < 4; i++) {
         int row = i < 2 ? groupID : groupID + 8;
         int col = threadID_in_group * 2 + (i & 0x1);
         u32 s = (u32)d[i];
-        for (int k = 0; k < 32; k++) s += (u32)((int)o1b_emu_mma_a[w][row][k] * (int)o1b_emu_mma_b[w][k][col]);
-        out[i] = (int)s;
+        for (int k = 0; k < 32; k++) s += (u32)((int)o1b_emu_mma_a[p][w][row][k] * (int)o1b_emu_mma_b[p][w][col][k]);
+        d[i] = (int)s;
     }
-    emu_warp_sync();                 /* all 32 lanes have read A and B */
-    for (int i = 0; i < 4; i++) d[i] = out[i];
+    /* No second wait: a lane that runs on writes its next call's fragments into the other buffer,
+     * and cannot reach the call after that (this buffer again) before every lane has arrived at
+     * the next call's wait, i.e. has finished reading this one. */
 }
 #endif
 

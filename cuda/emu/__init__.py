@@ -43,7 +43,7 @@ import threading
 
 import numpy as np
 
-from mlx_open1b.metal.emu import counters, hwmodel
+from mlx_open1b.metal.emu import counters, fibers, hwmodel
 
 PRELUDE_PATH = pathlib.Path(__file__).resolve().parent / "prelude.h"
 CXX = "g++"
@@ -126,10 +126,11 @@ def _build(source: str, name: str, ftz: int, ucontext: bool,
     kernels = kernel_names(source)
     if not kernels:
         raise EmuCompileError(f"{name}: no `extern \"C\" __global__ void` kernel in the source")
-    text = (f"#define EMU_FTZ {ftz}\n" + ("#define EMU_UCONTEXT 1\n" if ucontext else "")
+    text = (f"#define EMU_FTZ {ftz}\n"
             + "#define O1B_HW_DAZ (EMU_FTZ != 0)\n#define O1B_HW_FTZ EMU_FTZ\n" + hw.defines()
             + (counters.HOOKS if count else "")
-            + hwmodel.hwfloat_text() + "#line 1 \"emu/prelude.h\"\n" + PRELUDE_PATH.read_text()
+            + hwmodel.hwfloat_text() + fibers.switch_text(ucontext)
+            + "#line 1 \"emu/prelude.h\"\n" + PRELUDE_PATH.read_text()
             + (counters.CUDA_OPS if count else "")
             + f"\n#line 1 \"{name}\"\n" + source
             + "\n#line 1 \"<emulator trampolines>\"\n" + "".join(f"EMU_KERNEL({k})\n" for k in kernels))

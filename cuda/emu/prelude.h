@@ -121,25 +121,13 @@ static inline unsigned int atomicAdd(unsigned int *p, unsigned int v) {
 static inline void __threadfence(void) {}
 
 /* ---- the block scheduler ---- */
-/* Fibers switch with a 14-instruction stack switch on x86-64 Linux (glibc's swapcontext makes a
- * sigprocmask system call per switch, which dominates barrier-heavy kernels such as the tiled GEMM);
- * elsewhere, or with EMU_UCONTEXT defined, with ucontext's swapcontext. Both give the same schedule. */
-#if defined(__x86_64__) && defined(__linux__) && !defined(EMU_UCONTEXT)
-#define EMU_FAST_SWITCH 1
-/* Saves the callee-saved registers on the current stack, stores its pointer in *save_sp, and
- * continues on new_sp (a stack that emu_switch saved, or one prepared by emu_prepare). */
-extern "C" void emu_switch(void **save_sp, void *new_sp);
-__asm__(".text\n.p2align 4\n.hidden emu_switch\n.globl emu_switch\n.type emu_switch,@function\n"
-        "emu_switch:\n"
-        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-        "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
-        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
-        ".size emu_switch, .-emu_switch\n");
-#endif
+/* Fibers switch with emu_switch where fiber_switch.h (pasted before this file) defines
+ * EMU_FAST_SWITCH, with ucontext's swapcontext otherwise: the same schedule either way. */
 
 enum { EMU_RUNNABLE = 0, EMU_AT_BARRIER = 1, EMU_DONE = 2, EMU_AT_WARP = 3 };
 struct emu_fiber {
     void *sp; int state; ucontext_t ctx;
+    unsigned mma_calls;           /* this thread's o1b_mma_s8_16x8x32 calls in the block (cuda/imma.cuh) */
 #if O1B_HW_STATEFUL
     o1b_hw_thread hw;             /* the fp32 unit's state of this thread while it waits */
 #endif
@@ -222,15 +210,6 @@ static void emu_fiber_main(int t) {
 
 #ifdef EMU_FAST_SWITCH
 static void emu_fiber_entry(void) { emu_fiber_main(emu_current); }
-/* A fresh stack that emu_switch "returns" into emu_fiber_entry from, aligned as after a call. */
-static void *emu_prepare(char *stack, size_t size) {
-    uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
-    void **sp = (void **)top;
-    *--sp = 0;                                    /* fake return address of emu_fiber_entry */
-    *--sp = (void *)emu_fiber_entry;              /* emu_switch's ret */
-    for (int r = 0; r < 6; r++) *--sp = 0;        /* rbp rbx r12 r13 r14 r15 */
-    return (void *)sp;
-}
 #endif
 
 static int emu_reserve(int n) {
@@ -266,12 +245,13 @@ static int emu_run_block(int nthreads, int reverse) {
     for (int t = 0; t < nthreads; t++) {
         emu_fiber *f = &emu_fibers[t];
         f->state = EMU_RUNNABLE;
+        f->mma_calls = 0;
 #if O1B_HW_STATEFUL
         o1b_hw_start_thread(first + (unsigned)t);
         f->hw = o1b_hw_cur;
 #endif
 #ifdef EMU_FAST_SWITCH
-        f->sp = emu_prepare(emu_stacks + (size_t)t * EMU_STACK, EMU_STACK);
+        f->sp = emu_prepare(emu_stacks + (size_t)t * EMU_STACK, EMU_STACK, emu_fiber_entry);
 #else
         getcontext(&f->ctx);
         f->ctx.uc_stack.ss_sp = emu_stacks + (size_t)t * EMU_STACK;

@@ -50,7 +50,7 @@ import threading
 
 import numpy as np
 
-from . import counters, hwmodel, msl_check
+from . import counters, fibers, hwmodel, msl_check
 
 _HERE = pathlib.Path(__file__).resolve().parent
 PRELUDE_PATH = _HERE / "prelude.h"
@@ -319,6 +319,11 @@ static void fiber_entry() {
     int i = cur;
     run_thread(fibers[i].tpitg, fibers[i].tiitg);
     fibers[i].state = DONE;
+#ifdef EMU_FAST_SWITCH
+    emu_switch(&fibers[i].sp, sched_sp);           // never resumed
+    std::abort();
+#endif
+    // ucontext: returning resumes uc_link = the scheduler
 }
 static const size_t STACK = 256 * 1024;
 static char *stacks = nullptr;
@@ -384,11 +389,15 @@ extern "C" int o1b_launch(void **b, const unsigned *g, const unsigned *t, int mo
             f.tpitg = uint3(i % tptg_.x, (i / tptg_.x) % tptg_.y, i / (tptg_.x * tptg_.y));
             f.tiitg = i;
             f.state = RUNNABLE;
+#ifdef EMU_FAST_SWITCH
+            f.sp = emu_prepare(stacks + (size_t)i * STACK, STACK, fiber_entry);
+#else
             getcontext(&f.ctx);
             f.ctx.uc_stack.ss_sp = stacks + (size_t)i * STACK;
             f.ctx.uc_stack.ss_size = STACK;
             f.ctx.uc_link = &sched;
             makecontext(&f.ctx, (void (*)())fiber_entry, 0);
+#endif
         }
         for (unsigned long phase = 0;; phase++) {
             for (uint k = 0; k < n; k++) {          // round robin: each runs to a barrier or its end
@@ -398,7 +407,11 @@ extern "C" int o1b_launch(void **b, const unsigned *g, const unsigned *t, int mo
 #ifdef O1B_HWFLOAT_H
                 if (phase > 0) o1b_hw_cur = hw_saved[i];
 #endif
+#ifdef EMU_FAST_SWITCH
+                emu_switch(&sched_sp, fibers[i].sp);
+#else
                 swapcontext(&sched, &fibers[i].ctx);
+#endif
 #ifdef O1B_HWFLOAT_H
                 hw_saved[i] = o1b_hw_cur;
 #endif
@@ -465,6 +478,13 @@ def _with_line_markers(name: str, text: str, header: str, source: str) -> str:
     return ("#pragma GCC poison double\n"
             f'#line 1 "{name} (header)"\n{header}\n#line 1 "{name} (signature)"\n{signature}\n'
             f'#line 1 "{name}"\n{source}{tail}#line 1 "<emulator launcher>"\n')
+
+
+def _ucontext() -> bool:
+    """Fibers on ucontext's swapcontext instead of fiber_switch.h's stack switch, where the
+    environment sets O1B_EMU_UCONTEXT=1 (the same schedule and results; for tests and for hosts
+    where the switch is suspect)."""
+    return os.environ.get("O1B_EMU_UCONTEXT") == "1"
 
 
 _lock = threading.Lock()
@@ -586,7 +606,7 @@ class EmuKernel:
             raise EmuError(f"Metal kernel '{self.name}': counting needs the plain hardware (no fault or adversarial flush)")
         if count:
             hw_text = counters.HOOKS + counters.METAL_HW_OPS
-        unit = (hw_text + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n"
+        unit = (hw_text + fibers.switch_text(_ucontext()) + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n"
                 + (counters.metal_fma_macro(text) if count else "") + _with_line_markers(self.name, text, self.header, self.source)
                 + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
                 .replace("@NBUF@", str(max(nbuf, 1))).replace("@CALL@", call))

@@ -8,7 +8,7 @@
 //     shared by the threads of one threadgroup (groups run one after another, so a function-level
 //     static is exactly that storage). Use it only to declare arrays in a kernel body.
 //   - threadgroup_barrier(mem_flags::...): a faithful barrier. When a kernel's text contains it,
-//     the threads of a group run as cooperative fibers (ucontext, one stack each), scheduled
+//     the threads of a group run as cooperative fibers (one stack each; fiber_switch.h), scheduled
 //     round robin; each runs until it reaches the barrier or returns, and no thread passes a
 //     barrier before every thread of its group has reached it. A thread that returns while
 //     others wait at a barrier is reported as "barrier divergence".
@@ -22,6 +22,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <ucontext.h>
@@ -69,12 +70,14 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_te
 namespace o1b_emu {
 enum { RUNNABLE = 0, AT_BARRIER = 1, DONE = 2 };
 struct Fiber {
-    ucontext_t ctx;
+    void *sp;                     // EMU_FAST_SWITCH (fiber_switch.h): the saved stack
+    ucontext_t ctx;               // otherwise
     int state;
     uint3 tpitg;
     uint tiitg;
 };
 static ucontext_t sched;
+static void *sched_sp = nullptr;
 static Fiber *fibers = nullptr;
 static int cur = -1;
 static bool fiber_mode = false;
@@ -91,7 +94,11 @@ inline void threadgroup_barrier(mem_flags) {
     if (!fiber_mode || cur < 0) { fail("threadgroup_barrier outside fiber mode"); return; }
     Fiber &f = fibers[cur];
     f.state = AT_BARRIER;
+#ifdef EMU_FAST_SWITCH
+    emu_switch(&f.sp, sched_sp);
+#else
     swapcontext(&f.ctx, &sched);
+#endif
 }
 
 #endif

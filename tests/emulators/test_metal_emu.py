@@ -116,6 +116,17 @@ if (t == 0) out[g] = buf[0];
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 
 
+@pytest.fixture(params=[False, True], ids=["fast-switch", "ucontext"])
+def fibers(request, monkeypatch):
+    """Both fiber implementations of the emulator (fiber_switch.h's x86-64 stack switch, where
+    available, and ucontext's swapcontext with O1B_EMU_UCONTEXT=1)."""
+    if request.param:
+        monkeypatch.setenv("O1B_EMU_UCONTEXT", "1")
+    else:
+        monkeypatch.delenv("O1B_EMU_UCONTEXT", raising=False)
+    return request.param
+
+
 def _reduce(src, x, race_check, real=False):
     if real:
         k = runtime.MetalKernel("tree_reduce_real", ["x"], ["out"], src)
@@ -126,14 +137,14 @@ def _reduce(src, x, race_check, real=False):
     return out
 
 
-def test_barrier_reduction_gives_the_right_answer():
+def test_barrier_reduction_gives_the_right_answer(fibers):
     x = rng_for(14).integers(0, 2 ** 20, 64 * 5).astype(np.uint32)
     want = x.reshape(5, 64).sum(1).astype(np.uint32)
     np.testing.assert_array_equal(_reduce(REDUCE_SRC.replace("BARRIER", BARRIER), x, True), want)
     np.testing.assert_array_equal(_reduce(REDUCE_SRC.replace("BARRIER", BARRIER), x, False, real=True), want)
 
 
-def test_missing_barrier_is_detected():
+def test_missing_barrier_is_detected(fibers):
     x = rng_for(15).integers(0, 2 ** 20, 64 * 5).astype(np.uint32)
     want = x.reshape(5, 64).sum(1).astype(np.uint32)
     src = REDUCE_SRC.replace("BARRIER", "")
@@ -143,7 +154,7 @@ def test_missing_barrier_is_detected():
     assert not np.array_equal(_reduce(src, x, False), want)
 
 
-def test_barrier_holds_every_thread():
+def test_barrier_holds_every_thread(fibers):
     # each thread reads its neighbour's value after the barrier: right only if no thread passes early
     src = """
     threadgroup float buf[100];
@@ -163,7 +174,7 @@ def test_barrier_holds_every_thread():
     np.testing.assert_array_equal(out, 2 * x)
 
 
-def test_barrier_divergence_is_an_error():
+def test_barrier_divergence_is_an_error(fibers):
     src = """
     threadgroup float buf[8];
     uint t = thread_position_in_threadgroup.x;
