@@ -128,6 +128,7 @@ enum { EMU_RUNNABLE = 0, EMU_AT_BARRIER = 1, EMU_DONE = 2, EMU_AT_WARP = 3 };
 struct emu_fiber {
     void *sp; int state; ucontext_t ctx;
     unsigned mma_calls;           /* this thread's o1b_mma_s8_16x8x32 calls in the block (cuda/imma.cuh) */
+    uint3 idx;                    /* its threadIdx (set when the block starts: no division per switch) */
 #if O1B_HW_STATEFUL
     o1b_hw_thread hw;             /* the fp32 unit's state of this thread while it waits */
 #endif
@@ -246,6 +247,8 @@ static int emu_run_block(int nthreads, int reverse) {
         emu_fiber *f = &emu_fibers[t];
         f->state = EMU_RUNNABLE;
         f->mma_calls = 0;
+        emu_set_thread(t);
+        f->idx = threadIdx;
 #if O1B_HW_STATEFUL
         o1b_hw_start_thread(first + (unsigned)t);
         f->hw = o1b_hw_cur;
@@ -274,7 +277,7 @@ static int emu_run_block(int nthreads, int reverse) {
                     int t = reverse ? lo + hi - 1 - k : k;
                     if (emu_fibers[t].state != EMU_RUNNABLE) continue;
                     emu_current = t;
-                    emu_set_thread(t);
+                    threadIdx = emu_fibers[t].idx;
 #if O1B_HW_STATEFUL
                     o1b_hw_cur = emu_fibers[t].hw;
 #endif
