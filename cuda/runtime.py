@@ -177,7 +177,7 @@ def load(filename: str, directory: pathlib.Path | str | None = None, defines: tu
     `defines`: (name, value) pairs written as #define lines before the source (compile-time
     constants such as attention.cu's head dim)."""
     defines = tuple((str(n), int(v)) for n, v in defines)
-    key = (filename, str(directory), defines, real_cuda(), emu._settings["ftz"], emu._settings["ucontext"])
+    key = (filename, str(directory), defines, real_cuda(), emu._settings["ftz"], emu.use_ucontext())
     mod = _modules.get(key)
     if mod is None:
         text = "".join(f"#define {n} {v}\n" for n, v in defines) + read_source(filename, directory)

@@ -97,6 +97,12 @@ def options(race_check: bool | None = None, ftz: int | None = None, ucontext: bo
         _settings.update(old)
 
 
+def use_ucontext() -> bool:
+    """Whether modules compiled now get ucontext fibers: options(ucontext=True), or
+    O1B_EMU_UCONTEXT=1 in the environment (as for the Metal emulator)."""
+    return _settings["ucontext"] or fibers.ucontext_from_env()
+
+
 def cache_dir() -> pathlib.Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "mlx-open1b" / "emu"
@@ -196,7 +202,7 @@ class EmuModule:
 
     def __init__(self, source: str, name: str = "<source>"):
         self.name, self.source = name, source
-        self.ftz, self.ucontext = _settings["ftz"], _settings["ucontext"]
+        self.ftz, self.ucontext = _settings["ftz"], use_ucontext()
         self._libs: dict[hwmodel.Hardware, ctypes.CDLL] = {}
         # the library of the hardware active now (compile errors show up here, not at a launch);
         # every hardware's library has the same kernels and signatures

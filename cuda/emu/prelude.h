@@ -9,8 +9,8 @@
  *   - __shared__: a function-local static, i.e. one array shared by all threads of the block that is
  *     running (blocks run one after another), poisoned at each block's start. Dynamic (extern)
  *     shared memory is not supported.
- *   - __syncthreads(): a faithful barrier. The threads of a block are cooperative fibers (ucontext,
- *     one stack each). The scheduler runs every runnable fiber, in thread order (or reversed, for
+ *   - __syncthreads(): a faithful barrier. The threads of a block are cooperative fibers (one stack
+ *     each; metal/emu/fiber_switch.h's stack switch, or ucontext's). The scheduler runs every runnable fiber, in thread order (or reversed, for
  *     the race check), until it reaches a barrier or returns; when all have reached the barrier they
  *     all pass it; a thread that returns while others wait at a barrier is "barrier divergence".
  *   - warps: emu_warp_sync() is a warp-collective step (threads 32w ... 32w + 31 of the block, in

@@ -32,6 +32,10 @@ twice, groups and the threads of each group once in forward and once in reverse 
 and the outputs must agree bit for bit; a missing barrier (or two threads writing one element)
 shows up as a difference and raises `EmuRaceError`.
 
+Fibers (kernels with threadgroup_barrier): on x86-64 Linux the threads of a group switch with
+fiber_switch.h's stack switch; `O1B_EMU_UCONTEXT=1` uses ucontext's swapcontext instead (the same
+schedule and results, much slower: a system call per switch).
+
 Work counters (`with counters.counting() as log:`, counters.py): each call inside the block is
 compiled with ThreadSanitizer hooks and counting operators and reports the global bytes it moved and
 the fp32 operations it did (benchmarks/kernel_model.py); outside any block nothing changes.
@@ -480,13 +484,6 @@ def _with_line_markers(name: str, text: str, header: str, source: str) -> str:
             f'#line 1 "{name}"\n{source}{tail}#line 1 "<emulator launcher>"\n')
 
 
-def _ucontext() -> bool:
-    """Fibers on ucontext's swapcontext instead of fiber_switch.h's stack switch, where the
-    environment sets O1B_EMU_UCONTEXT=1 (the same schedule and results; for tests and for hosts
-    where the switch is suspect)."""
-    return os.environ.get("O1B_EMU_UCONTEXT") == "1"
-
-
 _lock = threading.Lock()
 _libs: dict[str, tuple[ctypes.CDLL, object]] = {}
 
@@ -576,6 +573,7 @@ class EmuKernel:
         self.fibers = "threadgroup_barrier" in source or "threadgroup_barrier" in header
         self.race_check = race_check
         self.ftz = ftz
+        self.library = None         # set by each call
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None):
@@ -606,7 +604,7 @@ class EmuKernel:
             raise EmuError(f"Metal kernel '{self.name}': counting needs the plain hardware (no fault or adversarial flush)")
         if count:
             hw_text = counters.HOOKS + counters.METAL_HW_OPS
-        unit = (hw_text + fibers.switch_text(_ucontext()) + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n"
+        unit = (hw_text + fibers.switch_text(fibers.ucontext_from_env()) + '#line 1 "emu/prelude.h"\n' + PRELUDE_PATH.read_text() + "\n"
                 + (counters.metal_fma_macro(text) if count else "") + _with_line_markers(self.name, text, self.header, self.source)
                 + _LAUNCHER.replace("@FIBERS@", "1" if self.fibers else "0")
                 .replace("@NBUF@", str(max(nbuf, 1))).replace("@CALL@", call))
@@ -616,6 +614,7 @@ class EmuKernel:
             raise EmuError(f"Metal kernel '{self.name}': {used} bytes of threadgroup memory, over the "
                            f"{THREADGROUP_LIMIT} a threadgroup may hold")
         self._count_lib = lib if count else None
+        self.library = lib          # the library of the last call (tests read its switch)
         if hw.active:
             lib.o1b_hw_set_seed(ctypes.c_ulonglong(hw.seed))
 

@@ -1,12 +1,14 @@
 /* fiber_switch.h — the stack switch of both emulators' fibers (the Metal emulator's threads of a
  * threadgroup, the CUDA emulator's threads of a block), pasted before each one's prelude.
  *
- * On x86-64 Linux, unless EMU_UCONTEXT is defined, fibers switch with a 14-instruction stack
+ * On x86-64 Linux, unless EMU_UCONTEXT is defined, fibers switch with a 15-instruction stack
  * switch: glibc's swapcontext makes a sigprocmask system call per switch, which dominates
  * barrier-heavy kernels (the tiled GEMMs, the Hadamard rotation). Elsewhere, or with EMU_UCONTEXT,
  * the preludes use ucontext's swapcontext. Both run the same fibers in the same order, so no
- * result depends on which one switches. The floating-point control state (MXCSR) is set once per
- * launch and no fiber changes it, so the switch does not carry it.
+ * result depends on which one switches. The switch carries the callee-saved general registers
+ * only, not the floating-point control state (MXCSR, the x87 control word): no fiber changes it
+ * (the Metal launcher sets MXCSR once per launch, before its fibers start; the CUDA emulator
+ * flushes in software).
  */
 #ifndef O1B_EMU_FIBER_SWITCH_H
 #define O1B_EMU_FIBER_SWITCH_H
@@ -35,4 +37,12 @@ static void *emu_prepare(char *stack, size_t size, void (*entry)(void)) {
     return (void *)sp;
 }
 #endif
+/* Which switch this library's fibers use (1: the stack switch, 0: ucontext), for the tests. */
+extern "C" int o1b_emu_fast_switch(void) {
+#ifdef EMU_FAST_SWITCH
+    return 1;
+#else
+    return 0;
+#endif
+}
 #endif

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -291,6 +293,15 @@ def _pairwise(v: np.ndarray) -> np.float32:
     while len(v) > 1:
         v = [np.float32(v[i] + v[i + 1]) for i in range(0, len(v), 2)]
     return v[0]
+
+
+def test_fibers_use_the_switch_they_are_asked_for(fibers):
+    """The fixture's two modes differ: fiber_switch.h's stack switch on x86-64 Linux, ucontext with
+    options(ucontext=True) or on any other host (the built library reports which)."""
+    mod = _emu_module(BARRIER_SRC.replace("BARRIER", "__syncthreads();"), "barrier_ok.cu")
+    lib = mod.library(emu.hwmodel.Hardware())[0]
+    fast_host = platform.machine() == "x86_64" and sys.platform.startswith("linux")
+    assert lib.o1b_emu_fast_switch() == int(fast_host and not fibers)
 
 
 def test_gemm_under_race_check(fibers):

@@ -127,6 +127,21 @@ def fibers(request, monkeypatch):
     return request.param
 
 
+FAST_SWITCH_HOST = platform.machine() == "x86_64" and sys.platform.startswith("linux")
+
+
+def test_fibers_use_the_switch_they_are_asked_for(fibers):
+    """The fixture's two modes differ: fiber_switch.h's stack switch on x86-64 Linux, ucontext with
+    O1B_EMU_UCONTEXT=1 or on any other host (the built library reports which)."""
+    k = emu.EmuKernel("switch_probe", ["x"], ["out"], "uint t = thread_position_in_threadgroup.x;\n"
+                      "threadgroup_barrier(mem_flags::mem_threadgroup);\nout[t] = x[(t + 1) % 4];")
+    x = np.arange(4, dtype=np.float32)
+    (out,) = k(inputs=[x], output_shapes=[(4,)], output_dtypes=[np.float32], grid=(4, 1, 1),
+               threadgroup=(4, 1, 1))
+    np.testing.assert_array_equal(out, np.roll(x, -1))
+    assert k.library.o1b_emu_fast_switch() == int(FAST_SWITCH_HOST and not fibers)
+
+
 def _reduce(src, x, race_check, real=False):
     if real:
         k = runtime.MetalKernel("tree_reduce_real", ["x"], ["out"], src)

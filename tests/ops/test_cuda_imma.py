@@ -53,14 +53,19 @@ def exact(a, b):
 MMA_TEST_SOURCE = r'''
 #include "contract.cuh"
 #include "imma.cuh"
-/* lane l: a[4l ... 4l + 3], b[2l, 2l + 1], d[4l ... 4l + 3] in place; `rounds` calls in a row;
- * lanes >= `lanes` return before the instruction (a divergent warp) */
-extern "C" __global__ void o1b_test_mma(const u32 *a, const u32 *b, int *d, int rounds, int lanes) {
+/* lane l: a[4l ... 4l + 3], b[2l, 2l + 1] (even rounds) or a2, b2 (odd rounds), d[4l ... 4l + 3]
+ * in place; `rounds` calls in a row; lanes >= `lanes` return before the instruction (a divergent
+ * warp). Different operands in consecutive calls catch a model whose next call overwrites the
+ * operands another lane is still reading. */
+extern "C" __global__ void o1b_test_mma(const u32 *a, const u32 *b, const u32 *a2, const u32 *b2, int *d,
+                                        int rounds, int lanes) {
     int l = (int)threadIdx.x;
     if (l >= lanes) return;
-    u32 ra[4] = {a[4 * l], a[4 * l + 1], a[4 * l + 2], a[4 * l + 3]}, rb[2] = {b[2 * l], b[2 * l + 1]};
+    u32 ra[2][4] = {{a[4 * l], a[4 * l + 1], a[4 * l + 2], a[4 * l + 3]},
+                    {a2[4 * l], a2[4 * l + 1], a2[4 * l + 2], a2[4 * l + 3]}};
+    u32 rb[2][2] = {{b[2 * l], b[2 * l + 1]}, {b2[2 * l], b2[2 * l + 1]}};
     int rd[4] = {d[4 * l], d[4 * l + 1], d[4 * l + 2], d[4 * l + 3]};
-    for (int r = 0; r < rounds; r++) o1b_mma_s8_16x8x32(rd, ra, rb);
+    for (int r = 0; r < rounds; r++) o1b_mma_s8_16x8x32(rd, ra[r & 1], rb[r & 1]);
     for (int i = 0; i < 4; i++) d[4 * l + i] = rd[i];
 }
 '''
@@ -92,11 +97,13 @@ def fragments(A, B, C):
     return a.view(np.uint32).reshape(-1), b.view(np.uint32).reshape(-1), c.reshape(-1)
 
 
-def run_mma(mod, A, B, C, rounds=1, lanes=32):
+def run_mma(mod, A, B, C, rounds=1, lanes=32, A2=None, B2=None):
+    """D after `rounds` calls: A, B in even rounds, A2, B2 (default A, B) in odd ones."""
     a, b, c = fragments(A, B, C)
+    a2, b2, _ = fragments(A if A2 is None else A2, B if B2 is None else B2, C)
     xp = cu._xp()
-    da, db, dd = xp.asarray(a), xp.asarray(b), xp.asarray(c)
-    mod.get_function("o1b_test_mma")((1,), (32,), (da, db, dd, np.int32(rounds), np.int32(lanes)))
+    da, db, da2, db2, dd = (xp.asarray(v) for v in (a, b, a2, b2, c))
+    mod.get_function("o1b_test_mma")((1,), (32,), (da, db, da2, db2, dd, np.int32(rounds), np.int32(lanes)))
     return cu.to_host(dd)
 
 
@@ -116,6 +123,13 @@ def check_mma(mod):
             got = run_mma(mod, A, B, C, rounds)
             _, _, w = fragments(A, B, want.astype(np.uint32).view(np.int32))
             assert np.array_equal(got, w), f"mma, {rounds} round(s): lanes {np.argwhere(got != w)[:4].tolist()}"
+    (A, B, C), (A2, B2, _) = cases          # different operands in consecutive calls
+    want = C.astype(np.int64)
+    for r in range(4):
+        want = want + (A2 if r & 1 else A).astype(np.int64) @ (B2 if r & 1 else B).astype(np.int64)
+    got = run_mma(mod, A, B, C, 4, A2=A2, B2=B2)
+    _, _, w = fragments(A, B, want.astype(np.uint32).view(np.int32))
+    assert np.array_equal(got, w), f"mma, 4 alternating rounds: lanes {np.argwhere(got != w)[:4].tolist()}"
 
 
 def test_mma_matches_the_documented_layout():
@@ -132,8 +146,8 @@ def test_mma_emulated_needs_every_lane():
             run_mma(mod, A, B, C, lanes=31)
         a, b, c = fragments(A, B, C)
         with pytest.raises(emu.EmuLaunchError, match="warp divergence"):    # a partial warp
-            mod.get_function("o1b_test_mma")((1,), (48,), (np.tile(a, 2), np.tile(b, 2), np.tile(c, 2),
-                                                           np.int32(1), np.int32(48)))
+            mod.get_function("o1b_test_mma")((1,), (48,), (np.tile(a, 2), np.tile(b, 2), np.tile(a, 2),
+                                                           np.tile(b, 2), np.tile(c, 2), np.int32(1), np.int32(48)))
 
 
 @pytest.mark.skipif(not HAVE_GXX, reason="g++ not found")
