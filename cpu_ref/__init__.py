@@ -3,7 +3,9 @@
 The readable, portable definition that the Metal and CUDA sources must match bit for bit. Each
 op's arguments, shapes and dtypes: the interface, mlx_open1b/backend.py. Its arrays are numpy
 arrays (to_device and to_host return them as they are); what it adds: the threads and SIMD level
-of the kernels (`settings`, `set_num_threads`, `simd_name`), none of which changes a bit.
+of the kernels (`settings`, `set_num_threads`, `simd_name`), none of which changes a bit, and
+`weights_held` (the int8 layer's weight operands computed once per weight array while held: a
+training step's microbatches), which changes none either.
 """
 from mlx_open1b import derived_ops, opargs
 
@@ -20,7 +22,7 @@ from .random import philox_blocks, trunc_normal
 from .attention import attention_forward, attention_forward_i8, attention_backward
 from .xent import xent_forward, xent_backward, XENT_CHUNK
 from .quant import (gemm_i8, gemm_i8_has_vnni, hadamard_rows, qlinear_backward, qlinear_forward,
-                    quant_tensor, quant_weight_rows)
+                    quant_tensor, quant_weight_rows, weights_held)
 
 NAME = "cpu_ref"
 _SCALAR_C = (_mathfn.scalar_add, _mathfn.scalar_sub, _mathfn.scalar_mul, _mathfn.scalar_div)

@@ -2,6 +2,9 @@
 Walsh-Hadamard rotation, and the layer's forward and backward."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from mlx_open1b import opargs
@@ -16,9 +19,12 @@ _vnni = declare("o1b_gemm_i8_has_vnni", restype=ctypes.c_int)
 _amx = declare("o1b_q_amx_present", restype=ctypes.c_int)
 _amx_runs = declare("o1b_q_amx_runs", restype=ctypes.c_int64)
 _had = declare("o1b_hadamard_rows", c_i64, c_i64, ptr)
-_fwd = declare("o1b_qlinear_forward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ctypes.c_int, restype=ctypes.c_int)
-_bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
+_fwd = declare("o1b_qlinear_forward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ctypes.c_int, ptr, restype=ctypes.c_int)
+_bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
                restype=ctypes.c_int)
+_qw_new = declare("o1b_qweights_new", c_i64, c_i64, ptr, ctypes.c_int, restype=ptr)
+_qw_free = declare("o1b_qweights_free", ptr)
+_qw_bytes = declare("o1b_qweights_bytes", ptr, restype=c_i64)
 
 from mlx_open1b.contract import Q_MAX_P, QB, QMAX  # noqa: E402,F401  (QB, Q_MAX_P re-exported)
 
@@ -26,6 +32,83 @@ from mlx_open1b.contract import Q_MAX_P, QB, QMAX  # noqa: E402,F401  (QB, Q_MAX
 def _ok(rc: int) -> None:
     if rc != 0:
         raise MemoryError("the C reference could not allocate its int8 work buffers")
+
+
+# ---------------------------------------------------------------------------- held weights
+#: The most bytes of weight operands weights_held() keeps by default (beyond it, calls compute
+#: their operands as outside; about 4 bytes per weight).
+HELD_BYTES = 1 << 30
+
+
+class HeldWeights:
+    """What weights_held() holds: each weight array's int8 operands, by (data address, shape,
+    qmax), with the array itself (so that its memory, and with it the address, stays the same
+    array's while held); `made` and `reused` count the operand sets computed and the calls that
+    used one already computed."""
+
+    def __init__(self, cap_bytes: int):
+        self.cap_bytes = int(cap_bytes)
+        self.bytes = 0
+        self.made = 0
+        self.reused = 0
+        self._sets: dict = {}
+        self._lock = threading.Lock()
+
+    def handle(self, w: np.ndarray, qmax: int, M: int, K: int):
+        """The C handle of w's operands (computed on first use), or None: computed in the call."""
+        key = (w.ctypes.data, M, K, qmax)
+        with self._lock:
+            got = self._sets.get(key)
+            if got is not None:
+                self.reused += 1
+                return got[1]
+            if qmax != QMAX or self.bytes >= self.cap_bytes:
+                return None
+            h = _qw_new(M, K, p(w), qmax)
+            if not h:                 # no VNNI path here (the portable code has nothing to hold)
+                return None
+            self._sets[key] = (w, h)
+            self.bytes += int(_qw_bytes(h))
+            self.made += 1
+            return h
+
+    def release(self) -> None:
+        with self._lock:
+            for _, h in self._sets.values():
+                _qw_free(h)
+            self._sets.clear()
+            self.bytes = 0
+
+
+_held: HeldWeights | None = None
+
+
+@contextlib.contextmanager
+def weights_held(cap_bytes: int = HELD_BYTES):
+    """Inside, qlinear_forward and qlinear_backward compute each weight array's int8 operands
+    (CONTRACT.md §6.9: s_w; q_w packed for the forward's GEMM with its column sums; dW's clip
+    marks; R = rot(q_w) quantized and packed for dx's GEMM, with its scale) once, on the first call
+    that uses it, and reuse them in every later call on the same array (the same memory and
+    shape); leaving drops them. The bits are those of computing them in every call (the same
+    functions of the same bf16 values). The caller must not write into a weight array it has
+    passed while inside: a training step holds its parameters over its microbatches, which only
+    read them. Up to cap_bytes are held; beyond, calls compute their operands as outside. Yields
+    the HeldWeights (counts); a nested use shares the outer one."""
+    global _held
+    if _held is not None:
+        yield _held
+        return
+    held = _held = HeldWeights(cap_bytes)
+    try:
+        yield held
+    finally:
+        _held = None
+        held.release()
+
+
+def _handle(w: np.ndarray, qmax: int, M: int, K: int):
+    held = _held
+    return None if held is None else held.handle(w, qmax, M, K)
 
 
 def quant_weight_rows(w: np.ndarray):
@@ -80,7 +163,7 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     y = empty_lines((N, M))
-    _ok(_fwd(N, K, M, p(x), p(w), p(y), qmax))
+    _ok(_fwd(N, K, M, p(x), p(w), p(y), qmax, _handle(w, qmax, M, K)))
     return y
 
 
@@ -91,5 +174,5 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
     dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx = empty_lines((N, K)) if need_dx else None
     dw = (empty_lines((M, K)) if dw_out is None else dw_out) if need_dw else None
-    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax))
+    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax, _handle(w, qmax, M, K)))
     return dx, dw

@@ -20,6 +20,7 @@ decision is made here, in the same order at any worker count, so the bits are th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -365,16 +366,20 @@ def _microbatches(tr, blocks, windows, mb: int) -> tuple[list, dict]:
     # on the host, the gradient buffers the folds consume go back to the model's pool for the next
     # microbatches' gradients
     pool = None if park else _grad_pool(tr)
+    # the microbatches only read the params: a backend that can hold the weights' derived operands
+    # (cpu_ref.weights_held: the int8 layer's) computes them once for all of them (the same bits)
+    held = getattr(ops, "weights_held", None)
     try:
-        for k, (start, n) in enumerate(blocks):
-            fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n,
-                            release=None if pool is None else pool.give)
-            for i in range(start, start + n):
-                loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
-                scalars[i] = (loss, ce, zl)
-                fold.push(g)
-                del g       # held by the fold, or added into it: not alive while the next one is computed
-            parts.append(park.park(fold.result()) if park and k + 1 < len(blocks) else fold.result())
+        with held() if held is not None else contextlib.nullcontext():
+            for k, (start, n) in enumerate(blocks):
+                fold = TreeFold(functools.partial(arrays.add_into, ops), parking=park, pushes=n,
+                                release=None if pool is None else pool.give)
+                for i in range(start, start + n):
+                    loss, ce, zl, g = tr.model.loss_and_grad(params, windows[i * mb:(i + 1) * mb])
+                    scalars[i] = (loss, ce, zl)
+                    fold.push(g)
+                    del g   # held by the fold, or added into it: not alive while the next one is computed
+                parts.append(park.park(fold.result()) if park and k + 1 < len(blocks) else fold.result())
         if park:
             for p in parts[:-1]:
                 park.prefetch(p)

@@ -384,9 +384,21 @@ static void dequant(int64_t I, int64_t J, const int32_t *acc, float *y, int nc, 
 /* ------------------------------------------------------------------ the quantized linear layer */
 /* qmax: 127 (int8), 31 (the simulated int6 path) or 7 (the simulated int4 path); the VNNI fast
  * path is int8 only. */
+/* W's operands held for later calls on the same unchanged W (quant_vnni.c); NULL where the
+ * portable code runs (qmax other than QMAX, no VNNI path) or memory is short: then every call
+ * computes them, with the same bits. The caller must not change W while it holds them. */
+O1B_API void *o1b_qweights_new(int64_t M, int64_t K, const bf16 *w, int qmax) {
+    return qmax == QMAX ? (void *)o1b_qweights_new_vnni(M, K, w) : NULL;
+}
+O1B_API void o1b_qweights_free(void *pw) { o1b_qweights_free_vnni((o1b_qweights *)pw); }
+O1B_API int64_t o1b_qweights_bytes(const void *pw) { return o1b_qweights_bytes_vnni((const o1b_qweights *)pw); }
+
+/* pw: W's held operands (o1b_qweights_new on this W) or NULL; -2 if they are another shape's. */
 O1B_API int o1b_qlinear_forward_q(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
-                                  int qmax) {
-    if (qmax == QMAX && o1b_qlinear_forward_vnni(N, K, M, x, w, y)) return 0;   /* quant_vnni.c: the same bits */
+                                  int qmax, const void *pw) {
+    const o1b_qweights *q = (const o1b_qweights *)pw;
+    if (q && !o1b_qweights_fits_vnni(q, M, K)) return -2;
+    if (qmax == QMAX && o1b_qlinear_forward_vnni(N, K, M, x, w, y, q)) return 0;   /* quant_vnni.c: the same bits */
     int8_t *qx = (int8_t *)malloc((size_t)(N * K > 0 ? N * K : 1));
     int8_t *qw = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
     float *sw = (float *)malloc((size_t)(M > 0 ? M : 1) * sizeof(float));
@@ -435,8 +447,10 @@ static void w32_range(void *ctx, int64_t lo, int64_t hi) {
 
 /* dx (N, K) and dW (M, K); either may be NULL. */
 O1B_API int o1b_qlinear_backward_q(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                                   const bf16 *w, float *dx, float *dw, int qmax) {
-    if (qmax == QMAX && o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw)) return 0;   /* the same bits */
+                                   const bf16 *w, float *dx, float *dw, int qmax, const void *pw) {
+    const o1b_qweights *q = (const o1b_qweights *)pw;
+    if (q && !o1b_qweights_fits_vnni(q, M, K)) return -2;
+    if (qmax == QMAX && o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw, q)) return 0;   /* the same bits */
     int rc = -1;
     int64_t Mp = pad_qb(M), Np = pad_qb(N);
     int8_t *qw = NULL, *qx = NULL, *qa = NULL, *qb = NULL, *ta = NULL, *tb = NULL;
@@ -513,11 +527,11 @@ out:
 }
 
 O1B_API int o1b_qlinear_forward(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y) {
-    return o1b_qlinear_forward_q(N, K, M, x, w, y, QMAX);
+    return o1b_qlinear_forward_q(N, K, M, x, w, y, QMAX, NULL);
 }
 O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
                                  const bf16 *w, float *dx, float *dw) {
-    return o1b_qlinear_backward_q(N, K, M, dy, x, w, dx, dw, QMAX);
+    return o1b_qlinear_backward_q(N, K, M, dy, x, w, dx, dw, QMAX, NULL);
 }
 
 O1B_API int o1b_quant_constants(int32_t *out) {   /* QMAX, QB, Q_MAX_P */

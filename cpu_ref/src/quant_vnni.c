@@ -46,6 +46,10 @@
  *                 dW GEMM's A.
  *             B4: the dx and dW GEMMs (epilogues with the dequantization, dW's with the clip
  *                 marks), side by side.
+ *   held weights (o1b_qweights_new_vnni; cpu_ref.weights_held over a training step's
+ *             microbatches): F1's weight part and B1-B3's (s_w, q_w packed, clip marks, R packed
+ *             with its scale) computed once, by the same functions, and passed to later calls
+ *             (pw), which then skip them.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -536,6 +540,17 @@ INL void wsums32(const bf16 *w, int64_t K, int64_t nr, float *S) {
     _mm512_storeu_ps(S + 16, s1);
 }
 
+/* ------------------------------------------------------------------ held weights */
+struct o1b_qweights {
+    int64_t M, K, bytes;
+    float *sw;                  /* s_w (Mp entries; rows past M: +0) */
+    int8_t *Bf; int32_t *csf;   /* the forward's B: q_w by panels of NR rows, with column sums */
+    uint8_t *clip;              /* (M, K) dW's clip marks: 1 -> +0, 2 -> NaN */
+    int8_t *Bw; int32_t *csw;   /* the dx GEMM's B: R = rot_m(q_w) quantized, packed, with column sums */
+    float srw;                  /* R's scale */
+    char *mem;
+};
+
 /* ------------------------------------------------------------------ forward */
 typedef struct {
     int64_t N, K, M, P4, Ip, npw, nxc, xper, rowchunk;
@@ -661,7 +676,8 @@ static int64_t pick_rowchunk(int64_t rows) {   /* a multiple of 16; >= ~4 tasks 
     return rc;
 }
 
-int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y) {
+int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
+                             const o1b_qweights *pw) {
     if (!o1b_q_vnni_available()) return 0;
     fwd_ctx a;
     memset(&a, 0, sizeof a);
@@ -672,21 +688,20 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
     a.xper = 1 << 15;
     a.nxc = (N * K + a.xper - 1) / a.xper;
     int64_t Jp = (M + NR - 1) / NR * NR;
-    /* W's part (s_w, B, column sums): computed in F1 on every call (two threads' passes over W
-     * cost about what a compare of W's bytes against a kept copy would) */
-    a.npw = Jp / NR;
+    /* W's part (s_w, B, column sums): held (pw), or computed in F1 */
+    a.npw = pw ? 0 : Jp / NR;
     arena ar = {0};
-    size_t sz[5] = {(size_t)(a.Ip * a.P4), (size_t)(Jp * a.P4), (size_t)Jp * sizeof(int32_t),
-                    (size_t)Jp * sizeof(float), (size_t)a.nxc * sizeof(uint32_t)};
+    size_t sz[5] = {(size_t)(a.Ip * a.P4), pw ? 0 : (size_t)(Jp * a.P4), pw ? 0 : (size_t)Jp * sizeof(int32_t),
+                    pw ? 0 : (size_t)Jp * sizeof(float), (size_t)a.nxc * sizeof(uint32_t)};
     for (int i = 0; i < 5; i++) arena_add(&ar, sz[i]);
     int ok = arena_open(&ar);
     if (ok) {
         a.Au = (uint8_t *)arena_take(&ar, sz[0]);
-        a.Bp = (int8_t *)arena_take(&ar, sz[1]);
-        a.cs = (int32_t *)arena_take(&ar, sz[2]);
-        a.sw = (float *)arena_take(&ar, sz[3]);
+        a.Bp = pw ? pw->Bf : (int8_t *)arena_take(&ar, sz[1]);
+        a.cs = pw ? pw->csf : (int32_t *)arena_take(&ar, sz[2]);
+        a.sw = pw ? pw->sw : (float *)arena_take(&ar, sz[3]);
         a.xmax = (uint32_t *)arena_take(&ar, sz[4]);
-        run_tasks(a.npw + a.nxc, M * K * 3 + N * K / 4, fwd_f1, &a);
+        run_tasks(a.npw + a.nxc, a.npw * NR * K * 3 + N * K / 4, fwd_f1, &a);
         uint32_t m = 0;
         for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
         float sx = scale_from_bf16bits(m);
@@ -1015,21 +1030,21 @@ static void bwd_b4(void *ctx, int64_t t) {
 }
 
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                              const bf16 *w, float *dx, float *dw) {
+                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw) {
     if (!o1b_q_vnni_available()) return 0;
     bwd_ctx a;
     memset(&a, 0, sizeof a);
     a.N = N; a.K = K; a.M = M; a.dy = dy; a.x = x; a.w = w; a.dx = dx; a.dw = dw;
     a.Mp = pad_qb(M); a.Np = pad_qb(N); a.Kp = (K + NR - 1) / NR * NR;
     int64_t Mp = a.Mp, Np = a.Np, Kp = a.Kp;
-    /* W's part (s_w, clip marks, B_w with its sums and scale) is computed in B1-B3 */
-    a.nwp = (M + NR - 1) / NR;
+    /* W's part (s_w, clip marks, B_w with its sums and scale): held (pw), or computed in B1-B3 */
+    a.nwp = pw ? 0 : (M + NR - 1) / NR;
     a.xper = 1 << 15;
     a.nxc = dw ? (N * K + a.xper - 1) / a.xper : 0;
     a.ngt = dx || dw ? Np / QB : 0;
     a.nks = (K + 31) / 32;
-    a.nrw = dx ? Mp / QB : 0;
-    a.nbw = dx ? Kp / NR : 0;
+    a.nrw = dx && !pw ? Mp / QB : 0;
+    a.nbw = dx && !pw ? Kp / NR : 0;
     a.nrx = dw ? Np / QB : 0;
     a.dxrows = pick_rowchunk(N);
     a.ndx = dx ? (N + a.dxrows - 1) / a.dxrows : 0;
@@ -1042,10 +1057,12 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     for (int pass = 0; pass < 2 && ok; pass++) {
 #define QALLOC(ptr, type, n) do { size_t b_ = (size_t)((n) > 0 ? (n) : 1) * sizeof(type); \
         if (pass == 0) arena_add(&ar, b_); else ptr = (type *)arena_take(&ar, b_); } while (0)
-        QALLOC(a.sw, float, Mp);
-        QALLOC(a.qw, int8_t, M * K);
+        if (!pw) {
+            QALLOC(a.sw, float, Mp);
+            QALLOC(a.qw, int8_t, M * K);
+        }
         if (dw) {
-            QALLOC(a.clip, uint8_t, M * K);
+            if (!pw) QALLOC(a.clip, uint8_t, M * K);
             QALLOC(a.xmax, uint32_t, a.nxc);
             QALLOC(a.dmax, uint32_t, a.ngt);
             QALLOC(a.rxmax, uint32_t, a.nrx);
@@ -1056,18 +1073,23 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         }
         if (dx) {
             QALLOC(a.gmax, uint32_t, a.ngt);
-            QALLOC(a.rwmax, uint32_t, a.nrw);
-            QALLOC(a.Rw, int16_t, Mp * Kp);
-            QALLOC(a.Bw, int8_t, Kp * Mp);
-            QALLOC(a.csw, int32_t, Kp);
+            if (!pw) {
+                QALLOC(a.rwmax, uint32_t, a.nrw);
+                QALLOC(a.Rw, int16_t, Mp * Kp);
+                QALLOC(a.Bw, int8_t, Kp * Mp);
+                QALLOC(a.csw, int32_t, Kp);
+            }
             QALLOC(a.Adx, uint8_t, Nr * Mp);
         }
         if (pass == 0) ok = arena_open(&ar);
     }
 #undef QALLOC
+    if (ok && pw) {
+        a.sw = pw->sw; a.clip = pw->clip; a.Bw = pw->Bw; a.csw = pw->csw;
+    }
     if (ok) {
         /* B1: weights, absmax of x */
-        run_tasks(a.nwp + a.nxc, M * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a);
+        run_tasks(a.nwp + a.nxc, a.nwp * NR * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a);
         float sx = 0.0f, sd = 0.0f;
         if (dw) {
             uint32_t m = 0;
@@ -1076,17 +1098,21 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
         }
         /* B2: absmax of G and of D; R = rot(q_w), X = rot(q_x) */
-        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + Mp * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
+        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + a.nrw * QB * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
         float sg = 0.0f, srw = 0.0f, srx = 0.0f;
         if (dx) {
             uint32_t m = 0;
             for (int64_t c = 0; c < a.ngt; c++) m = a.gmax[c] > m ? a.gmax[c] : m;
             sg = scale_from_bits(m);
             a.kind_g = scale_kind(sg); a.inv_g = inv_of(sg);
-            m = 0;
-            for (int64_t c = 0; c < a.nrw; c++) m = a.rwmax[c] > m ? a.rwmax[c] : m;
-            srw = tensor_scale(o1b_i2f((int32_t)m));
-            a.kind_rw = scale_kind(srw); a.inv_rw = inv_of(srw);
+            if (pw) {
+                srw = pw->srw;
+            } else {
+                m = 0;
+                for (int64_t c = 0; c < a.nrw; c++) m = a.rwmax[c] > m ? a.rwmax[c] : m;
+                srw = tensor_scale(o1b_i2f((int32_t)m));
+                a.kind_rw = scale_kind(srw); a.inv_rw = inv_of(srw);
+            }
         }
         if (dw) {
             uint32_t m = 0;
@@ -1099,7 +1125,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             a.kind_rx = scale_kind(srx); a.inv_rx = inv_of(srx);
         }
         /* B3: R and X packed as B */
-        run_tasks(a.ndf + a.nbw + (dw ? Kp / NR : 0), (dx ? Mp * K * 2 + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
+        run_tasks(a.ndf + a.nbw + (dw ? Kp / NR : 0), (dx ? a.nbw * NR * Mp * 2 + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
         /* B4: the two GEMMs */
         gemm_job gdx = {N, K, Mp, a.Adx, a.Bw, a.csw, EP_DX, sg, srw, 0.0f, NULL, NULL, dx, NULL};
         gemm_job gdw = {M, K, Np, a.Adw, a.Bx, a.csx, EP_DW, sd, srx, sx, NULL, a.clip, dw, NULL};
@@ -1109,6 +1135,61 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     }
     return ok;
 }
+
+/* ------------------------------------------------------------------ held weights */
+/* W's operands for later calls on the same unchanged W: the forward's F1 part and the backward's
+ * B1-B3 parts, by the same functions (so the same bytes), into one block of memory. */
+o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
+    if (!o1b_q_vnni_available()) return NULL;
+    int64_t P4 = (K + 3) / 4 * 4, Jp = (M + NR - 1) / NR * NR, Mp = pad_qb(M), Kp = (K + NR - 1) / NR * NR;
+    o1b_qweights *q = (o1b_qweights *)calloc(1, sizeof *q);
+    if (!q) return NULL;
+    size_t sz[6] = {(size_t)Mp * sizeof(float), (size_t)(Jp * P4), (size_t)Jp * sizeof(int32_t),
+                    (size_t)(M * K), (size_t)(Kp * Mp), (size_t)Kp * sizeof(int32_t)};
+    size_t total = 0;
+    for (int i = 0; i < 6; i++) total += arena_round(sz[i] > 0 ? sz[i] : 1);
+    q->mem = arena_alloc(total);
+    arena sc = {0};
+    arena_add(&sc, (size_t)(M * K));
+    arena_add(&sc, (size_t)(Mp * Kp) * sizeof(int16_t));
+    arena_add(&sc, (size_t)(Mp / QB) * sizeof(uint32_t));
+    if (!q->mem || !arena_open(&sc)) { free(q->mem); free(q); return NULL; }
+    char *c = q->mem;
+    void *part[6];
+    for (int i = 0; i < 6; i++) { part[i] = c; c += arena_round(sz[i] > 0 ? sz[i] : 1); }
+    q->M = M; q->K = K; q->bytes = (int64_t)total;
+    q->sw = (float *)part[0]; q->Bf = (int8_t *)part[1]; q->csf = (int32_t *)part[2];
+    q->clip = (uint8_t *)part[3]; q->Bw = (int8_t *)part[4]; q->csw = (int32_t *)part[5];
+    memset(q->sw, 0, sz[0]);
+    /* the forward's part (F1 without x) */
+    fwd_ctx f;
+    memset(&f, 0, sizeof f);
+    f.K = K; f.M = M; f.P4 = P4; f.w = w; f.Bp = q->Bf; f.cs = q->csf; f.sw = q->sw; f.npw = Jp / NR;
+    run_tasks(f.npw, M * K * 3, fwd_f1, &f);
+    /* the backward's part: B1 (s_w again, the same values; q_w; clip marks), B2 (R), B3 (R packed) */
+    bwd_ctx b;
+    memset(&b, 0, sizeof b);
+    b.M = M; b.K = K; b.Mp = Mp; b.Kp = Kp; b.w = w; b.sw = q->sw; b.clip = q->clip;
+    b.nwp = (M + NR - 1) / NR; b.nks = (K + 31) / 32; b.nrw = Mp / QB; b.nbw = Kp / NR;
+    b.qw = (int8_t *)arena_take(&sc, (size_t)(M * K));
+    b.Rw = (int16_t *)arena_take(&sc, (size_t)(Mp * Kp) * sizeof(int16_t));
+    b.rwmax = (uint32_t *)arena_take(&sc, (size_t)(Mp / QB) * sizeof(uint32_t));
+    b.Bw = q->Bw; b.csw = q->csw;
+    run_tasks(b.nwp, M * K * 4, bwd_b1, &b);
+    run_tasks(b.nrw, Mp * K, bwd_b2, &b);
+    uint32_t m = 0;
+    for (int64_t t = 0; t < b.nrw; t++) m = b.rwmax[t] > m ? b.rwmax[t] : m;
+    q->srw = tensor_scale(o1b_i2f((int32_t)m));
+    b.kind_rw = scale_kind(q->srw); b.inv_rw = inv_of(q->srw);
+    run_tasks(b.nbw, Mp * K * 2, bwd_b3, &b);
+    arena_close(&sc);
+    return q;
+}
+void o1b_qweights_free_vnni(o1b_qweights *pw) {
+    if (pw) { free(pw->mem); free(pw); }
+}
+int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { return pw ? pw->bytes : 0; }
+int o1b_qweights_fits_vnni(const o1b_qweights *pw, int64_t M, int64_t K) { return pw && pw->M == M && pw->K == K; }
 
 /* ------------------------------------------------------------------ the plain int8 GEMM */
 typedef struct { int64_t I, J, P, P4, Ip, rowchunk, na; const int8_t *A, *B; uint8_t *Au; int8_t *Bp; int32_t *cs; gemm_job gj; } gi8_ctx;
@@ -1229,13 +1310,18 @@ O1B_API int64_t o1b_q_vnni_selftest(uint64_t seed, int64_t n, int64_t *boundary)
 
 #else  /* not x86-64 with GCC/clang: the portable code in quant.c does everything */
 int o1b_q_vnni_available(void) { return 0; }
-int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y) {
-    (void)N; (void)K; (void)M; (void)x; (void)w; (void)y;
+o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) { (void)M; (void)K; (void)w; return NULL; }
+void o1b_qweights_free_vnni(o1b_qweights *pw) { (void)pw; }
+int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { (void)pw; return 0; }
+int o1b_qweights_fits_vnni(const o1b_qweights *pw, int64_t M, int64_t K) { (void)pw; (void)M; (void)K; return 0; }
+int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
+                             const o1b_qweights *pw) {
+    (void)N; (void)K; (void)M; (void)x; (void)w; (void)y; (void)pw;
     return 0;
 }
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                              const bf16 *w, float *dx, float *dw) {
-    (void)N; (void)K; (void)M; (void)dy; (void)x; (void)w; (void)dx; (void)dw;
+                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw) {
+    (void)N; (void)K; (void)M; (void)dy; (void)x; (void)w; (void)dx; (void)dw; (void)pw;
     return 0;
 }
 int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C) {

@@ -1,6 +1,7 @@
 """int8 (W8A8, CONTRACT.md §6.9, §6.10) training end to end: the model program with precision="int8"
 is deterministic, its gradient is close to the bf16 one, a resumed run writes the same ledger, the
-tiny preset's loss falls, and cpu_ref, metal and cuda (emulated) write identical ledgers.
+tiny preset's loss falls, cpu_ref, metal and cuda (emulated) write identical ledgers, and the
+step holds its weights' int8 operands over its microbatches.
 
 Gradient tolerance. The int8 path differs from bf16 by quantization error only. Weights: step
 s_w = 2·mean|w|/√127 ≈ 0.14σ for Gaussian rows, so the rounding error per weight is ≈ s_w/√12 ≈ 4%
@@ -14,11 +15,13 @@ cosine ≥ 0.992 everywhere; wte, emb_norm,
 final_norm, lm_head 0.04-0.19% (they see the int8 layers only through the forward activations);
 loss differs by < 3e-6 relative. The bounds below are 0.2 and 0.01 relative l2, cosine > 0.98.
 """
+import contextlib
 import json
 
 import numpy as np
 import pytest
 
+from mlx_open1b import cpu_ref
 from mlx_open1b.config import ModelConfig, RunConfig, TrainConfig, preset
 from mlx_open1b.cpu_ref import settings
 from mlx_open1b.model import Model, ParamLayout, init_params
@@ -190,3 +193,24 @@ def test_set_paths_rejects_unknown_units_and_paths():
         m.set_paths({(0, "lm_head"): "bf16"})
     with pytest.raises(ValueError, match="unknown path"):
         m.set_paths({(0, "wo"): "fp8"})
+
+
+@pytest.mark.skipif(not cpu_ref.gemm_i8_has_vnni(), reason="the held operands belong to the AVX-512 VNNI path")
+def test_a_training_step_holds_its_weights(tmp_path, corpus, monkeypatch):
+    """The int8 step computes each weight's operands (cpu_ref.weights_held) once for all its
+    microbatches: 4 matrices per layer made, and every other forward and backward call reuses them.
+    (A step that lost the hold would give the same bits, only slower: this is what catches it.)"""
+    seen, real = [], cpu_ref.weights_held
+
+    @contextlib.contextmanager
+    def spy(*a, **k):
+        with real(*a, **k) as held:
+            yield held
+            seen.append((held.made, held.reused))
+    monkeypatch.setattr(cpu_ref, "weights_held", spy)
+    cfg = micro_cfg(eval_every=0)
+    tr = Trainer(tmp_path / "run", cfg, corpus)
+    tr.train(1)
+    M = json.loads((tmp_path / "run" / "ledger.jsonl").read_text().splitlines()[-1])["microbatches"]
+    L = cfg.model.n_layers
+    assert seen == [(4 * L, 4 * L * (2 * M - 1))]

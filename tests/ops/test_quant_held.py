@@ -1,0 +1,89 @@
+"""cpu_ref.weights_held: the int8 layer's weight operands (s_w, the forward's packed q_w and column
+sums, dW's clip marks, dx's packed R = rot(q_w) and its scale) computed once per weight array and
+reused by later calls. Held or not, every output has the same bits (they are the same functions of
+the same bf16 weights); these tests hold that on the shapes that cross the packing's edges and on
+the special rows, and check that the hold is really used (counts), keyed by the array (address and
+shape); tests/train/test_int8_training.py checks that the training step holds its weights."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import assert_bits_equal, rand_bf16
+from mlx_open1b import cpu_ref
+from mlx_open1b.cpu_ref import settings
+from mlx_open1b.spec.arith import f32_to_bf16
+
+VNNI = cpu_ref.simd_level() >= 2 and cpu_ref.gemm_i8_has_vnni()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the held operands belong to the AVX-512 VNNI path")
+
+# N, K, M: tails of the 16-row chunks, of K's groups of 4 and 32-column strips, of M's 32-row
+# panels and 128-row rotation blocks; one QB block, several, and less than one
+SHAPES = [(1, 1, 1), (3, 5, 7), (100, 70, 45), (257, 129, 300), (130, 256, 384), (64, 704, 33)]
+
+
+def _layer(rng, N, K, M, nonfinite=False):
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.05), rand_bf16(rng, (N, M), 1e-3)
+    if M >= 4 and K >= 2:
+        w[0] = 0                                             # a zero row
+        w[1] = f32_to_bf16(np.full(K, 2e-38, np.float32))   # a row whose step size flushes: zeros
+        w[2, 0] = f32_to_bf16(np.float32(4.0))               # a clipped weight
+        if nonfinite:
+            w[3, K // 2] = 0x7FC1                            # a non-finite row (NaN through all of dx)
+    return x, w, dy
+
+
+def _calls(x, w, dy):
+    """Every output of the layer for these operands: y; dx, dw; dw alone; dx alone."""
+    return (cpu_ref.qlinear_forward(x, w), *cpu_ref.qlinear_backward(dy, x, w),
+            cpu_ref.qlinear_backward(dy, x, w, need_dx=False)[1],
+            cpu_ref.qlinear_backward(dy, x, w, need_dw=False)[0])
+
+
+def _same(got, want, what):
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert_bits_equal(g, e, f"{what} output {i}")
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("N,K,M", SHAPES)
+def test_held_operands_give_the_same_bits(N, K, M, nonfinite):
+    rng = np.random.default_rng(N * 31 + K * 7 + M)
+    x, w, dy = _layer(rng, N, K, M, nonfinite)
+    assert nonfinite or M < 4 or not np.isnan(cpu_ref.qlinear_backward(dy, x, w)[0]).any()
+    for threads in (1, 2, 3):
+        with settings(threads=threads):
+            want = _calls(x, w, dy)
+            with cpu_ref.weights_held() as held:
+                first = _calls(x, w, dy)       # the first call computes the operands, the rest reuse them
+                again = _calls(x, w, dy)
+            _same(first, want, f"{(N, K, M)} threads {threads} first use")
+            _same(again, want, f"{(N, K, M)} threads {threads} reused")
+            if VNNI:
+                assert (held.made, held.reused) == (1, 7), "the hold was not used"
+
+
+@needs_vnni
+def test_held_operands_are_keyed_by_the_array():
+    """Two weights of one shape each get their own operands; a new view of the same memory
+    reuses them; another qmax (the simulated int6 / int4 paths: portable code) holds nothing;
+    no room (cap 0) holds nothing; leaving drops them all. Every output equals its unheld value."""
+    rng = np.random.default_rng(5)
+    x, w1, dy = _layer(rng, 96, 130, 70)
+    w2 = rand_bf16(rng, w1.shape, 0.05)
+    want1, want2 = _calls(x, w1, dy), _calls(x, w2, dy)
+    with cpu_ref.weights_held() as held:
+        _same(_calls(x, w1, dy), want1, "w1")
+        _same(_calls(x, w2, dy), want2, "w2 (same shape, other memory)")
+        _same(_calls(x, w1[:], dy), want1, "a view of w1")
+        assert held.made == 2 and held.reused == 10 and held.bytes > w1.nbytes
+        for qmax in (31, 7):
+            want = cpu_ref.qlinear_forward(x, w1, qmax=qmax)
+            assert_bits_equal(cpu_ref.qlinear_forward(x, w1, qmax=qmax), want, f"qmax {qmax}")
+        assert held.made == 2
+        with cpu_ref.weights_held() as inner:      # nested: the outer hold
+            assert inner is held
+    assert held.bytes == 0 and cpu_ref.quant._held is None
+    with cpu_ref.weights_held(cap_bytes=0) as none:
+        _same(_calls(x, w1, dy), want1, "cap 0")
+        assert none.made == 0
