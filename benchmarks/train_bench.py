@@ -6,6 +6,11 @@ same preset, windows and threads; hashing as a share of step time; audit replay 
 
 --precision bf16,int8 trains the same preset, windows and threads once per precision (in rounds,
 alternated, so that both see the same machine load) and prints their step times side by side.
+With --paired the two precisions' trainers live in one process and take single steps in turn
+(bf16, int8, bf16, ...): both see the same load at the grain of a step, which on a shared machine
+(load moving by 10-20% within a minute) gives a steadier ratio than whole rounds.
+
+    python benchmarks/train_bench.py --preset small --precision bf16,int8 --paired --steps 16
 
 --profile: where one step's time goes, ours per C reference op (each call of the backend module
 timed at the outermost level; the rest is Python, hashing and the optimizer's host work) next to
@@ -91,6 +96,9 @@ def main() -> None:
     ap.add_argument("--precision", default="", help="bf16, int8, or both comma-separated (default: the preset's)")
     ap.add_argument("--only-ours", action="store_true", help="skip the PyTorch baselines and the audit replay")
     ap.add_argument("--rounds", type=int, default=1, help="repetitions of each precision's run (alternated)")
+    ap.add_argument("--paired", action="store_true",
+                    help="with two precisions: one trainer each in this process, single steps alternated "
+                         "(--steps pairs); the ratio of the median steps and the median of the pairs' ratios")
     ap.add_argument("--profile", action="store_true", help="per-op time table of a step, ours and torch's")
     ap.add_argument("--hashes-inline", action="store_true",
                     help="wait for each step's state hashes at its end instead of overlapping them with "
@@ -149,6 +157,10 @@ def main() -> None:
         profile(a, base, precisions[0], tokens, M)
         return
 
+    if a.paired:
+        paired(a, base, precisions, tokens, M)
+        return
+
     if len(precisions) > 1 or a.only_ours:
         steps = {p: [] for p in precisions}
         for _ in range(a.rounds):
@@ -185,6 +197,53 @@ def main() -> None:
     for name, v in results.items():
         print(f"  {name:24s} {v:10,.0f} tok/s   ratio torch/ours {v / ours:5.2f}")
     print(f"  audit replay             {replay:10,.0f} tok/s   replay/train {replay / ours:5.2f}")
+
+
+def paired(a, base, precisions, tokens, M) -> None:
+    """Single steps of one trainer per precision, alternated; per precision the median step (and its
+    spread), then the speed ratios of the first precision's step to each other's."""
+    import statistics
+    from mlx_open1b.train import Trainer
+    if len(precisions) < 2:
+        raise SystemExit("--paired: give two or more precisions (--precision bf16,int8)")
+    times = {p: [] for p in precisions}
+    with tempfile.TemporaryDirectory() as d:
+        trainers, records = {}, {}
+
+        def one_step(p) -> float:
+            """The time to compute one more step (a record may come out of the generator without one)."""
+            tr, t0 = trainers[p], time.perf_counter()
+            s0 = tr.state.step
+            while tr.state.step == s0:
+                next(records[p])
+            return time.perf_counter() - t0
+
+        for p in precisions:
+            tr = trainers[p] = Trainer(pathlib.Path(d) / p, dataclasses.replace(base, precision=p), a.data)
+            tr.overlap_hashes = not a.hashes_inline
+            tr.step()                                   # warm-up step (allocations, thread start)
+            # records() yields a step's record when the next one is computed: the first next()
+            # computes two steps (warm buffers), each later one a step
+            records[p] = iter(tr.records(3 + a.steps))
+            one_step(p)
+        for _ in range(a.steps):
+            for p in precisions:
+                times[p].append(one_step(p))
+        for it in records.values():                     # the last records (not timed)
+            for _ in it:
+                pass
+    m = base.model
+    print(f"preset {a.preset}, {m.n_params():,} params, {tokens} tokens/step ({M} microbatches), "
+          f"{a.threads} threads, {a.steps} steps each, alternated step by step")
+    med = {p: statistics.median(times[p]) for p in precisions}
+    for p in precisions:
+        print(f"  {p:5s} step {1e3 * med[p]:8.1f} ms (median; min {1e3 * min(times[p]):.1f}, "
+              f"max {1e3 * max(times[p]):.1f})")
+    first = precisions[0]
+    for p in precisions[1:]:
+        pairs = sorted(f / o for f, o in zip(times[first], times[p]))
+        print(f"  speed {p}/{first}: {med[first] / med[p]:.3f} (ratio of the medians); pairs' ratios: median "
+              f"{statistics.median(pairs):.3f}, quartiles {pairs[len(pairs) // 4]:.3f} .. {pairs[(3 * len(pairs)) // 4]:.3f}")
 
 
 def profile(a, base, precision, tokens, M) -> None:
