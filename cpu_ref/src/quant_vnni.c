@@ -468,17 +468,16 @@ INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
     int amx = P64 > 0 && i0 % 16 == 0 && i1 % 16 == 0 && o1b_q_amx_on();
     int stream = (ep == EP_FWD || ep == EP_DX) && g->I * g->J * (int64_t)sizeof(float) > STREAM_BYTES;
     if (amx) o1b_q_amx_begin();
-    for (int64_t jp = 0; jp < np; jp++) {
-        const int8_t *bp = g->Bp + jp * NR * P4;
-        int64_t j0 = jp * NR;
-        __m512i cs0 = _mm512_slli_epi32(_mm512_loadu_si512(g->cs + j0), 7);
-        __m512i cs1 = _mm512_slli_epi32(_mm512_loadu_si512(g->cs + j0 + 16), 7);
-        __mmask16 k0 = lanes16(g->J - j0), k1 = g->J - j0 > 16 ? lanes16(g->J - j0 - 16) : 0;
-        for (int64_t i = i0; i < i1;) {
+    for (int64_t i = i0; i < i1;) {
+        int rows = amx ? (i1 - i >= 32 ? 32 : 16) : MR;
+        for (int64_t jp = 0; jp < np; jp++) {
+            const int8_t *bp = g->Bp + jp * NR * P4;
+            int64_t j0 = jp * NR;
+            __m512i cs0 = _mm512_slli_epi32(_mm512_loadu_si512(g->cs + j0), 7);
+            __m512i cs1 = _mm512_slli_epi32(_mm512_loadu_si512(g->cs + j0 + 16), 7);
+            __mmask16 k0 = lanes16(g->J - j0), k1 = g->J - j0 > 16 ? lanes16(g->J - j0 - 16) : 0;
             int32_t c[32 * 32];
-            int rows = MR;
             if (amx) {
-                rows = i1 - i >= 32 ? 32 : 16;
                 o1b_q_amx_block(g->Au + i * P4, P4, P64, bp, rows, c);
                 for (int r8 = 0; r8 < rows && P64 < P4; r8 += MR) {
                     int32_t t[MR * 32];
@@ -494,8 +493,8 @@ INL void gemm_rows_ep(const gemm_job *g, int64_t i0, int64_t i1, const int ep) {
                 epilogue16(g, ep, i + r, j0, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32), cs0), k0, stream);
                 if (k1) epilogue16(g, ep, i + r, j0 + 16, _mm512_sub_epi32(_mm512_loadu_si512(c + r * 32 + 16), cs1), k1, stream);
             }
-            i += rows;
         }
+        i += rows;
     }
     if (amx) o1b_q_amx_end();
     if (stream) _mm_sfence();       /* the streamed rows are visible before the task is done */
