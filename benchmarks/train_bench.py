@@ -10,7 +10,7 @@ With --paired the two precisions' trainers live in one process and take single s
 (bf16, int8, bf16, ...): both see the same load at the grain of a step, which on a shared machine
 (load moving by 10-20% within a minute) gives a steadier ratio than whole rounds.
 
-    python benchmarks/train_bench.py --preset small --precision bf16,int8 --paired --steps 16
+    python benchmarks/train_bench.py --preset small --precision bf16,int8 --paired --steps 20
 
 --profile: where one step's time goes, ours per C reference op (each call of the backend module
 timed at the outermost level; the rest is Python, hashing and the optimizer's host work) next to
@@ -206,6 +206,8 @@ def paired(a, base, precisions, tokens, M) -> None:
     from mlx_open1b.train import Trainer
     if len(precisions) < 2:
         raise SystemExit("--paired: give two or more precisions (--precision bf16,int8)")
+    if a.rounds != 1:
+        raise SystemExit("--paired: --rounds does not apply (the steps alternate one by one; give more --steps)")
     times = {p: [] for p in precisions}
     with tempfile.TemporaryDirectory() as d:
         trainers, records = {}, {}
@@ -223,8 +225,9 @@ def paired(a, base, precisions, tokens, M) -> None:
             tr.overlap_hashes = not a.hashes_inline
             tr.step()                                   # warm-up step (allocations, thread start)
             # records() yields a step's record when the next one is computed: the first next()
-            # computes two steps (warm buffers), each later one a step
-            records[p] = iter(tr.records(3 + a.steps))
+            # computes two steps (warm buffers), each later one a step; one step more than timed,
+            # since the run's last step waits for its own hashes (the drain below takes it)
+            records[p] = iter(tr.records(4 + a.steps))
             one_step(p)
         for _ in range(a.steps):
             for p in precisions:

@@ -30,14 +30,23 @@ from mlx_open1b.contract import Q_MAX_P, QB, QMAX  # noqa: E402,F401  (QB, Q_MAX
 
 
 def _ok(rc: int) -> None:
+    if rc == -2:    # a handle of other weights: weights_held keys them by address and shape, so a bug
+        raise ValueError("qlinear: the held weight operands belong to another weight array")
     if rc != 0:
         raise MemoryError("the C reference could not allocate its int8 work buffers")
 
 
 # ---------------------------------------------------------------------------- held weights
 #: The most bytes of weight operands weights_held() keeps by default (beyond it, calls compute
-#: their operands as outside; about 4 bytes per weight).
+#: their operands as outside; about 3 bytes per weight).
 HELD_BYTES = 1 << 30
+
+_held_runs = declare("o1b_q_held_runs", restype=c_i64)
+
+
+def held_runs() -> int:
+    """How many layer calls in this process ran on held operands (a test's proof that they did)."""
+    return int(_held_runs())
 
 
 class HeldWeights:
@@ -52,62 +61,61 @@ class HeldWeights:
         self.made = 0
         self.reused = 0
         self._sets: dict = {}
-        self._lock = threading.Lock()
 
     def handle(self, w: np.ndarray, qmax: int, M: int, K: int):
         """The C handle of w's operands (computed on first use), or None: computed in the call."""
         key = (w.ctypes.data, M, K, qmax)
-        with self._lock:
-            got = self._sets.get(key)
-            if got is not None:
+        got = self._sets.get(key)
+        if got is not None:
+            if got[1] is not None:
                 self.reused += 1
-                return got[1]
-            if qmax != QMAX or self.bytes >= self.cap_bytes:
-                return None
-            h = _qw_new(M, K, p(w), qmax)
-            if not h:                 # no VNNI path here (the portable code has nothing to hold)
-                return None
-            self._sets[key] = (w, h)
+            return got[1]
+        if qmax != QMAX or self.bytes >= self.cap_bytes:
+            return None
+        h = _qw_new(M, K, p(w), qmax) or None      # None: no VNNI path here, or no memory (not retried)
+        self._sets[key] = (w, h)
+        if h is not None:
             self.bytes += int(_qw_bytes(h))
             self.made += 1
-            return h
+        return h
 
     def release(self) -> None:
-        with self._lock:
-            for _, h in self._sets.values():
+        for _, h in self._sets.values():
+            if h is not None:
                 _qw_free(h)
-            self._sets.clear()
-            self.bytes = 0
+        self._sets.clear()
+        self.bytes = 0
 
 
-_held: HeldWeights | None = None
+_local = threading.local()      # .held: this thread's HeldWeights, while inside weights_held()
 
 
 @contextlib.contextmanager
 def weights_held(cap_bytes: int = HELD_BYTES):
-    """Inside, qlinear_forward and qlinear_backward compute each weight array's int8 operands
-    (CONTRACT.md §6.9: s_w; q_w packed for the forward's GEMM with its column sums; dW's clip
-    marks; R = rot(q_w) quantized and packed for dx's GEMM, with its scale) once, on the first call
-    that uses it, and reuse them in every later call on the same array (the same memory and
-    shape); leaving drops them. The bits are those of computing them in every call (the same
-    functions of the same bf16 values). The caller must not write into a weight array it has
+    """Inside, this thread's qlinear_forward and qlinear_backward calls compute each weight
+    array's int8 operands (CONTRACT.md §6.9: s_w; q_w packed for the forward's GEMM with its column
+    sums; dW's clip marks; R = rot(q_w) quantized and packed for dx's GEMM, with its scale) once, on
+    the first call that uses it, and reuse them in every later call on the same array (the same
+    memory and shape); leaving drops them. The bits are those of computing them in every call (the
+    same functions of the same bf16 values). The caller must not write into a weight array it has
     passed while inside: a training step holds its parameters over its microbatches, which only
-    read them. Up to cap_bytes are held; beyond, calls compute their operands as outside. Yields
-    the HeldWeights (counts); a nested use shares the outer one."""
-    global _held
-    if _held is not None:
-        yield _held
-        return
-    held = _held = HeldWeights(cap_bytes)
+    read them, and lets go before the optimizer writes them. Holds do not nest (a hold around
+    several steps would outlive their parameters): entering one inside another is a RuntimeError.
+    Other threads' calls do not see it. Up to cap_bytes are held; beyond, calls compute their
+    operands as outside. Yields the HeldWeights (counts)."""
+    if getattr(_local, "held", None) is not None:
+        raise RuntimeError("weights_held: this thread already holds weights (a hold spans one unchanged "
+                           "set of weights, e.g. one training step's microbatches; holds do not nest)")
+    held = _local.held = HeldWeights(cap_bytes)
     try:
         yield held
     finally:
-        _held = None
+        _local.held = None
         held.release()
 
 
 def _handle(w: np.ndarray, qmax: int, M: int, K: int):
-    held = _held
+    held = getattr(_local, "held", None)
     return None if held is None else held.handle(w, qmax, M, K)
 
 

@@ -5,7 +5,9 @@ there: `mlx_open1b.cpu_ref` (the C reference), `mlx_open1b.metal.ops` and `mlx_o
 (their kernel sources on the device, or on the CPU emulators), and the parity harness's `spec`
 (mlx_open1b/spec behind these names). tests/ops/test_backend_interface.py holds each to it, so the
 core calls every op on every backend without probing. What a backend adds beyond the interface
-(cpu_ref's thread and SIMD settings, cuda's torch interop) is its own and documented there.
+(cpu_ref's thread and SIMD settings, cuda's torch interop) is its own and documented there; the
+one such name the core looks for (getattr, optional) is `weights_held`, a context in which the
+training step's microbatches run (cpu_ref: the int8 layer's weight operands computed once per step).
 
 Every op:
 - takes bf16 as uint16 and fp32 as float32 ("bf16", "fp32", "int8", "int32" below name the dtype),

@@ -393,11 +393,11 @@ O1B_API void *o1b_qweights_new(int64_t M, int64_t K, const bf16 *w, int qmax) {
 O1B_API void o1b_qweights_free(void *pw) { o1b_qweights_free_vnni((o1b_qweights *)pw); }
 O1B_API int64_t o1b_qweights_bytes(const void *pw) { return o1b_qweights_bytes_vnni((const o1b_qweights *)pw); }
 
-/* pw: W's held operands (o1b_qweights_new on this W) or NULL; -2 if they are another shape's. */
+/* pw: W's held operands (o1b_qweights_new on this W) or NULL; -2 if they are another W's. */
 O1B_API int o1b_qlinear_forward_q(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
                                   int qmax, const void *pw) {
     const o1b_qweights *q = (const o1b_qweights *)pw;
-    if (q && !o1b_qweights_fits_vnni(q, M, K)) return -2;
+    if (q && !o1b_qweights_fits_vnni(q, w, M, K)) return -2;
     if (qmax == QMAX && o1b_qlinear_forward_vnni(N, K, M, x, w, y, q)) return 0;   /* quant_vnni.c: the same bits */
     int8_t *qx = (int8_t *)malloc((size_t)(N * K > 0 ? N * K : 1));
     int8_t *qw = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
@@ -449,7 +449,7 @@ static void w32_range(void *ctx, int64_t lo, int64_t hi) {
 O1B_API int o1b_qlinear_backward_q(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
                                    const bf16 *w, float *dx, float *dw, int qmax, const void *pw) {
     const o1b_qweights *q = (const o1b_qweights *)pw;
-    if (q && !o1b_qweights_fits_vnni(q, M, K)) return -2;
+    if (q && !o1b_qweights_fits_vnni(q, w, M, K)) return -2;
     if (qmax == QMAX && o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw, q)) return 0;   /* the same bits */
     int rc = -1;
     int64_t Mp = pad_qb(M), Np = pad_qb(N);

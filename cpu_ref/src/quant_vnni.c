@@ -542,6 +542,7 @@ INL void wsums32(const bf16 *w, int64_t K, int64_t nr, float *S) {
 /* ------------------------------------------------------------------ held weights */
 struct o1b_qweights {
     int64_t M, K, bytes;
+    const bf16 *w;              /* the weights they were computed from (a call on other weights is refused) */
     float *sw;                  /* s_w (Mp entries; rows past M: +0) */
     int8_t *Bf; int32_t *csf;   /* the forward's B: q_w by panels of NR rows, with column sums */
     uint8_t *clip;              /* (M, K) dW's clip marks: 1 -> +0, 2 -> NaN */
@@ -549,6 +550,9 @@ struct o1b_qweights {
     float srw;                  /* R's scale */
     char *mem;
 };
+
+static atomic_llong g_held_runs;      /* layer calls that ran on held operands (for the tests) */
+O1B_API int64_t o1b_q_held_runs(void) { return (int64_t)atomic_load(&g_held_runs); }
 
 /* ------------------------------------------------------------------ forward */
 typedef struct {
@@ -700,6 +704,7 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         a.cs = pw ? pw->csf : (int32_t *)arena_take(&ar, sz[2]);
         a.sw = pw ? pw->sw : (float *)arena_take(&ar, sz[3]);
         a.xmax = (uint32_t *)arena_take(&ar, sz[4]);
+        if (pw) atomic_fetch_add_explicit(&g_held_runs, 1, memory_order_relaxed);
         run_tasks(a.npw + a.nxc, a.npw * NR * K * 3 + N * K / 4, fwd_f1, &a);
         uint32_t m = 0;
         for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
@@ -1085,6 +1090,7 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
 #undef QALLOC
     if (ok && pw) {
         a.sw = pw->sw; a.clip = pw->clip; a.Bw = pw->Bw; a.csw = pw->csw;
+        atomic_fetch_add_explicit(&g_held_runs, 1, memory_order_relaxed);
     }
     if (ok) {
         /* B1: weights, absmax of x */
@@ -1156,7 +1162,7 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
     char *c = q->mem;
     void *part[6];
     for (int i = 0; i < 6; i++) { part[i] = c; c += arena_round(sz[i] > 0 ? sz[i] : 1); }
-    q->M = M; q->K = K; q->bytes = (int64_t)total;
+    q->M = M; q->K = K; q->w = w; q->bytes = (int64_t)total;
     q->sw = (float *)part[0]; q->Bf = (int8_t *)part[1]; q->csf = (int32_t *)part[2];
     q->clip = (uint8_t *)part[3]; q->Bw = (int8_t *)part[4]; q->csw = (int32_t *)part[5];
     memset(q->sw, 0, sz[0]);
@@ -1188,7 +1194,9 @@ void o1b_qweights_free_vnni(o1b_qweights *pw) {
     if (pw) { free(pw->mem); free(pw); }
 }
 int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { return pw ? pw->bytes : 0; }
-int o1b_qweights_fits_vnni(const o1b_qweights *pw, int64_t M, int64_t K) { return pw && pw->M == M && pw->K == K; }
+int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K) {
+    return pw && pw->w == w && pw->M == M && pw->K == K;
+}
 
 /* ------------------------------------------------------------------ the plain int8 GEMM */
 typedef struct { int64_t I, J, P, P4, Ip, rowchunk, na; const int8_t *A, *B; uint8_t *Au; int8_t *Bp; int32_t *cs; gemm_job gj; } gi8_ctx;
@@ -1312,7 +1320,8 @@ int o1b_q_vnni_available(void) { return 0; }
 o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) { (void)M; (void)K; (void)w; return NULL; }
 void o1b_qweights_free_vnni(o1b_qweights *pw) { (void)pw; }
 int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { (void)pw; return 0; }
-int o1b_qweights_fits_vnni(const o1b_qweights *pw, int64_t M, int64_t K) { (void)pw; (void)M; (void)K; return 0; }
+int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K) { (void)pw; (void)w; (void)M; (void)K; return 0; }
+O1B_API int64_t o1b_q_held_runs(void) { return 0; }
 int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
                              const o1b_qweights *pw) {
     (void)N; (void)K; (void)M; (void)x; (void)w; (void)y; (void)pw;

@@ -6,6 +6,8 @@ the special rows, and check that the hold is really used (counts), keyed by the 
 shape); tests/train/test_int8_training.py checks that the training step holds its weights."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -54,20 +56,23 @@ def test_held_operands_give_the_same_bits(N, K, M, nonfinite):
     for threads in (1, 2, 3):
         with settings(threads=threads):
             want = _calls(x, w, dy)
+            runs = cpu_ref.quant.held_runs()
             with cpu_ref.weights_held() as held:
                 first = _calls(x, w, dy)       # the first call computes the operands, the rest reuse them
                 again = _calls(x, w, dy)
             _same(first, want, f"{(N, K, M)} threads {threads} first use")
             _same(again, want, f"{(N, K, M)} threads {threads} reused")
-            if VNNI:
+            if VNNI:    # every call ran on the held operands (counted by the C code)
                 assert (held.made, held.reused) == (1, 7), "the hold was not used"
+                assert cpu_ref.quant.held_runs() - runs == 8, "the C code did not run on the held operands"
 
 
 @needs_vnni
 def test_held_operands_are_keyed_by_the_array():
     """Two weights of one shape each get their own operands; a new view of the same memory
     reuses them; another qmax (the simulated int6 / int4 paths: portable code) holds nothing;
-    no room (cap 0) holds nothing; leaving drops them all. Every output equals its unheld value."""
+    holds do not nest; another thread's calls do not use this thread's hold; no room (cap 0) holds
+    nothing; leaving drops them all. Every output equals its unheld value."""
     rng = np.random.default_rng(5)
     x, w1, dy = _layer(rng, 96, 130, 70)
     w2 = rand_bf16(rng, w1.shape, 0.05)
@@ -81,9 +86,20 @@ def test_held_operands_are_keyed_by_the_array():
             want = cpu_ref.qlinear_forward(x, w1, qmax=qmax)
             assert_bits_equal(cpu_ref.qlinear_forward(x, w1, qmax=qmax), want, f"qmax {qmax}")
         assert held.made == 2
-        with cpu_ref.weights_held() as inner:      # nested: the outer hold
-            assert inner is held
-    assert held.bytes == 0 and cpu_ref.quant._held is None
+        with pytest.raises(RuntimeError, match="holds do not nest"):
+            with cpu_ref.weights_held():
+                pass
+        seen = []                                  # another thread's calls do not see this hold
+        t = threading.Thread(target=lambda: seen.append((cpu_ref.quant.held_runs(), _calls(x, w2, dy),
+                                                         cpu_ref.quant.held_runs())))
+        t.start()
+        t.join()
+        before, got, after = seen[0]
+        _same(got, want2, "w2 from another thread")
+        assert after == before and held.made == 2 and held.reused == 10
+    assert held.bytes == 0 and held._sets == {}
+    with cpu_ref.weights_held() as again:          # released: a new hold can start
+        assert again is not held
     with cpu_ref.weights_held(cap_bytes=0) as none:
         _same(_calls(x, w1, dy), want1, "cap 0")
         assert none.made == 0

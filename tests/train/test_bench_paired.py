@@ -34,8 +34,11 @@ def test_paired_steps_and_their_ratio(tmp_path, default_corpus):
     assert "3 steps each, alternated step by step" in out
 
 
-def test_paired_needs_two_precisions(tmp_path, default_corpus):
+def test_paired_needs_two_precisions_and_no_rounds(tmp_path, default_corpus):
     r = _run("--data", str(default_corpus), "--preset", "tiny", "--precision", "int8", "--paired",
              "--steps", "1", cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--paired: give two or more precisions" in r.stderr
+    r = _run("--data", str(default_corpus), "--preset", "tiny", "--precision", "bf16,int8", "--paired",
+             "--rounds", "3", cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--rounds does not apply" in r.stderr

@@ -196,10 +196,12 @@ def test_set_paths_rejects_unknown_units_and_paths():
 
 
 @pytest.mark.skipif(not cpu_ref.gemm_i8_has_vnni(), reason="the held operands belong to the AVX-512 VNNI path")
-def test_a_training_step_holds_its_weights(tmp_path, corpus, monkeypatch):
-    """The int8 step computes each weight's operands (cpu_ref.weights_held) once for all its
-    microbatches: 4 matrices per layer made, and every other forward and backward call reuses them.
-    (A step that lost the hold would give the same bits, only slower: this is what catches it.)"""
+def test_each_training_step_holds_its_weights(tmp_path, corpus, monkeypatch):
+    """Each int8 step computes each weight's operands (cpu_ref.weights_held) once for all its
+    microbatches (4 matrices per layer made; every other forward and backward call reuses them)
+    and lets them go before the optimizer changes the weights: three steps write the ledger of
+    three steps without any hold, byte for byte (operands kept from one step into the next would
+    change it: the weights move every step)."""
     seen, real = [], cpu_ref.weights_held
 
     @contextlib.contextmanager
@@ -207,10 +209,12 @@ def test_a_training_step_holds_its_weights(tmp_path, corpus, monkeypatch):
         with real(*a, **k) as held:
             yield held
             seen.append((held.made, held.reused))
-    monkeypatch.setattr(cpu_ref, "weights_held", spy)
     cfg = micro_cfg(eval_every=0)
-    tr = Trainer(tmp_path / "run", cfg, corpus)
-    tr.train(1)
-    M = json.loads((tmp_path / "run" / "ledger.jsonl").read_text().splitlines()[-1])["microbatches"]
+    monkeypatch.setattr(cpu_ref, "weights_held", spy)
+    Trainer(tmp_path / "held", cfg, corpus).train(3)
+    monkeypatch.delattr(cpu_ref, "weights_held")      # the step then holds nothing
+    Trainer(tmp_path / "plain", cfg, corpus).train(3)
+    recs = [json.loads(r) for r in (tmp_path / "held" / "ledger.jsonl").read_text().splitlines()]
     L = cfg.model.n_layers
-    assert seen == [(4 * L, 4 * L * (2 * M - 1))]
+    assert seen == [(4 * L, 4 * L * (2 * r["microbatches"] - 1)) for r in recs]
+    assert (tmp_path / "held" / "ledger.jsonl").read_bytes() == (tmp_path / "plain" / "ledger.jsonl").read_bytes()
