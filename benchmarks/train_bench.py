@@ -112,7 +112,6 @@ def main() -> None:
     from mlx_open1b.data.stream import Stream
     from mlx_open1b.model import init_params
     from mlx_open1b.torch_model import TorchTrainer
-    from mlx_open1b.train import Trainer
 
     cpu_ref.set_num_threads(a.threads)
     base = preset(a.preset)
@@ -122,12 +121,9 @@ def main() -> None:
     M, tokens = t.tokens_per_step(m, 0)
 
     def train_once(precision, with_audit):
-        cfg = dataclasses.replace(base, precision=precision)
         with tempfile.TemporaryDirectory() as d:
             run = pathlib.Path(d) / "run"
-            tr = Trainer(run, cfg, a.data)
-            tr.overlap_hashes = not a.hashes_inline
-            tr.step()                                   # warm-up step (allocations, thread start)
+            tr = warm_trainer(a, base, precision, run)
             tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
             t0 = time.perf_counter()
             for _ in tr.records(1 + a.steps):      # the steps alone, not train()'s final checkpoint
@@ -199,11 +195,20 @@ def main() -> None:
     print(f"  audit replay             {replay:10,.0f} tok/s   replay/train {replay / ours:5.2f}")
 
 
+def warm_trainer(a, base, precision, run: pathlib.Path):
+    """A trainer of the preset at `precision` writing to `run`, after one warm-up step (allocations,
+    thread start)."""
+    from mlx_open1b.train import Trainer
+    tr = Trainer(run, dataclasses.replace(base, precision=precision), a.data)
+    tr.overlap_hashes = not a.hashes_inline
+    tr.step()
+    return tr
+
+
 def paired(a, base, precisions, tokens, M) -> None:
     """Single steps of one trainer per precision, alternated; per precision the median step (and its
     spread), then the speed ratios of the first precision's step to each other's."""
     import statistics
-    from mlx_open1b.train import Trainer
     if len(precisions) < 2:
         raise SystemExit("--paired: give two or more precisions (--precision bf16,int8)")
     if a.rounds != 1:
@@ -221,9 +226,7 @@ def paired(a, base, precisions, tokens, M) -> None:
             return time.perf_counter() - t0
 
         for p in precisions:
-            tr = trainers[p] = Trainer(pathlib.Path(d) / p, dataclasses.replace(base, precision=p), a.data)
-            tr.overlap_hashes = not a.hashes_inline
-            tr.step()                                   # warm-up step (allocations, thread start)
+            tr = trainers[p] = warm_trainer(a, base, p, pathlib.Path(d) / p)
             # records() yields a step's record when the next one is computed: the first next()
             # computes two steps (warm buffers), each later one a step; one step more than timed,
             # since the run's last step waits for its own hashes (the drain below takes it)
@@ -257,16 +260,13 @@ def profile(a, base, precision, tokens, M) -> None:
     from mlx_open1b.data.stream import Stream
     from mlx_open1b.model import init_params
     from mlx_open1b.torch_model import TorchTrainer
-    from mlx_open1b.train import Trainer
 
     cfg = dataclasses.replace(base, precision=precision)
     t, m = cfg.train, cfg.model
     totals: dict = {}
     # wrapped before the model is built: it keeps references to some ops (the linear layers)
     with tempfile.TemporaryDirectory() as d, timed_ops(cpu_ref, totals):
-        tr = Trainer(pathlib.Path(d) / "run", cfg, a.data)
-        tr.overlap_hashes = not a.hashes_inline
-        tr.step()                                       # warm-up step (allocations, thread start)
+        tr = warm_trainer(a, base, precision, pathlib.Path(d) / "run")
         tr.timing = {"hash": 0.0, "steps": 0.0, "n": 0}
         totals.clear()
         t0 = time.perf_counter()

@@ -64,15 +64,16 @@ class HeldWeights:
 
     def handle(self, w: np.ndarray, qmax: int, M: int, K: int):
         """The C handle of w's operands (computed on first use), or None: computed in the call."""
-        key = (w.ctypes.data, M, K, qmax)
+        key = (p(w), M, K, qmax)
         got = self._sets.get(key)
         if got is not None:
             if got[1] is not None:
                 self.reused += 1
             return got[1]
-        if qmax != QMAX or self.bytes >= self.cap_bytes:
+        if self.bytes >= self.cap_bytes:
             return None
-        h = _qw_new(M, K, p(w), qmax) or None      # None: no VNNI path here, or no memory (not retried)
+        # None: the portable code runs (another qmax, no VNNI path) or no memory; not retried
+        h = _qw_new(M, K, key[0], qmax) or None
         self._sets[key] = (w, h)
         if h is not None:
             self.bytes += int(_qw_bytes(h))

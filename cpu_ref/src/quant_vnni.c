@@ -230,6 +230,14 @@ INL __m512i vround(__m512 t) { return vround_off(t, 0); }
 /* the per-tensor scale from the max of |v| bits (fp32 tensors: >= inf means not finite) */
 static float scale_from_bits(uint32_t m) { return m >= 0x7F800000u ? o1b_nan() : tensor_scale(qfrom(m)); }
 static float inv_of(float s) { return scale_kind(s) == 1 ? o1b_div(1.0f, s) : 0.0f; }
+/* the per-tensor scale of an integer tensor (R, X) from its max |value| */
+static float scale_from_intmax(uint32_t m) { return tensor_scale(o1b_i2f((int32_t)m)); }
+/* the largest of the tasks' partial maxima */
+static uint32_t max_of(const uint32_t *v, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t c = 0; c < n; c++) m = v[c] > m ? v[c] : m;
+    return m;
+}
 
 /* 16 x 16 dword transpose: out[j] lane i = in[i] lane j. */
 INL void tr16(const __m512i in[16], __m512i out[16]) {
@@ -706,9 +714,7 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         a.xmax = (uint32_t *)arena_take(&ar, sz[4]);
         if (pw) atomic_fetch_add_explicit(&g_held_runs, 1, memory_order_relaxed);
         run_tasks(a.npw + a.nxc, a.npw * NR * K * 3 + N * K / 4, fwd_f1, &a);
-        uint32_t m = 0;
-        for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
-        float sx = scale_from_bf16bits(m);
+        float sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
         a.kind_x = scale_kind(sx);
         a.inv_x = inv_of(sx);
         gemm_job g = {N, M, a.P4, a.Au, a.Bp, a.cs, EP_FWD, sx, 0.0f, 0.0f, a.sw, NULL, y, NULL};
@@ -1097,36 +1103,22 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         run_tasks(a.nwp + a.nxc, a.nwp * NR * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a);
         float sx = 0.0f, sd = 0.0f;
         if (dw) {
-            uint32_t m = 0;
-            for (int64_t c = 0; c < a.nxc; c++) m = a.xmax[c] > m ? a.xmax[c] : m;
-            sx = scale_from_bf16bits(m);
+            sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
         }
         /* B2: absmax of G and of D; R = rot(q_w), X = rot(q_x) */
         run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + a.nrw * QB * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
         float sg = 0.0f, srw = 0.0f, srx = 0.0f;
         if (dx) {
-            uint32_t m = 0;
-            for (int64_t c = 0; c < a.ngt; c++) m = a.gmax[c] > m ? a.gmax[c] : m;
-            sg = scale_from_bits(m);
+            sg = scale_from_bits(max_of(a.gmax, a.ngt));
             a.kind_g = scale_kind(sg); a.inv_g = inv_of(sg);
-            if (pw) {
-                srw = pw->srw;
-            } else {
-                m = 0;
-                for (int64_t c = 0; c < a.nrw; c++) m = a.rwmax[c] > m ? a.rwmax[c] : m;
-                srw = tensor_scale(o1b_i2f((int32_t)m));
-                a.kind_rw = scale_kind(srw); a.inv_rw = inv_of(srw);
-            }
+            srw = pw ? pw->srw : scale_from_intmax(max_of(a.rwmax, a.nrw));
+            a.kind_rw = scale_kind(srw); a.inv_rw = inv_of(srw);
         }
         if (dw) {
-            uint32_t m = 0;
-            for (int64_t c = 0; c < a.ngt; c++) m = a.dmax[c] > m ? a.dmax[c] : m;
-            sd = scale_from_bits(m);
+            sd = scale_from_bits(max_of(a.dmax, a.ngt));
             a.kind_d = scale_kind(sd); a.inv_d = inv_of(sd);
-            m = 0;
-            for (int64_t c = 0; c < a.nrx; c++) m = a.rxmax[c] > m ? a.rxmax[c] : m;
-            srx = tensor_scale(o1b_i2f((int32_t)m));
+            srx = scale_from_intmax(max_of(a.rxmax, a.nrx));
             a.kind_rx = scale_kind(srx); a.inv_rx = inv_of(srx);
         }
         /* B3: R and X packed as B */
@@ -1182,9 +1174,7 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
     b.Bw = q->Bw; b.csw = q->csw;
     run_tasks(b.nwp, M * K * 4, bwd_b1, &b);
     run_tasks(b.nrw, Mp * K, bwd_b2, &b);
-    uint32_t m = 0;
-    for (int64_t t = 0; t < b.nrw; t++) m = b.rwmax[t] > m ? b.rwmax[t] : m;
-    q->srw = tensor_scale(o1b_i2f((int32_t)m));
+    q->srw = scale_from_intmax(max_of(b.rwmax, b.nrw));
     b.kind_rw = scale_kind(q->srw); b.inv_rw = inv_of(q->srw);
     run_tasks(b.nbw, Mp * K * 2, bwd_b3, &b);
     arena_close(&sc);
