@@ -4,6 +4,14 @@ layer (forward + backward: quantization, Hadamard rotations, both gradient GEMMs
 against bf16 (§6.1) at the tiny and small presets' shapes and a larger one.
 
     python benchmarks/int8_bench.py [--threads N] [--reps R]
+    python benchmarks/int8_bench.py --phases [--preset small] [--threads N] [--reps R]
+
+--phases: where the int8 layer's time goes instead, for the four layers of a block of the preset
+(weights held and process memory set up as in a training step): each phase's wall time per
+block, its tasks' time summed over the threads (and their ratio to wall x threads: how busy the
+threads kept), and the pieces inside each phase (cpu_ref.quant.layer_profile; AVX-512 VNNI path).
+The ideal line is the block's three GEMMs at the int8 kernel's measured peak (a 12-accumulator
+vpdpbusd loop on this core, times the threads): a prediction of the bound, not a measurement.
 GOPS = 2·N·K·M / time per GEMM (multiply and add counted as two operations; a layer's forward
 and backward are three GEMMs). Times are medians of R calls, int8 and bf16 alternated."""
 from __future__ import annotations
@@ -34,13 +42,71 @@ LAYERS = [("tiny qkv", 512, 128, 256), ("tiny wo", 512, 128, 128), ("tiny gate_u
           ("small gate_up", 1024, 256, 1408), ("small down", 1024, 704, 256), ("big", 4096, 512, 1408)]
 
 
+def phases(preset: str, reps: int) -> None:
+    """The int8 layer's phase table for the four layers of a block of `preset` (see the docstring)."""
+    from mlx_open1b import host_malloc
+    from mlx_open1b.config import preset as get_preset
+    from mlx_open1b.cpu_ref import quant
+    host_malloc.tune()         # as in training: outputs and scratch from the heap, not fresh mappings
+    if not cpu_ref.gemm_i8_has_vnni():
+        raise SystemExit("int8_bench --phases: this CPU (or the SIMD cap) has no AVX-512 VNNI path to profile")
+    m = get_preset(preset).model
+    N = get_preset(preset).train.microbatch_seqs * m.seq_len
+    d, F = m.d_model, m.ffn_hidden
+    shapes = [("qkv", d, (m.n_heads + 2 * m.n_kv_heads) * m.head_dim), ("wo", m.n_heads * m.head_dim, d),
+              ("gate_up", d, 2 * F), ("down", F, d)]
+    rng = np.random.default_rng(0)
+    data = []
+    for _, K, M in shapes:
+        x = f32_to_bf16(rng.standard_normal((N, K)).astype(np.float32))
+        w = f32_to_bf16((rng.standard_normal((M, K)) * 0.02).astype(np.float32))
+        dy = f32_to_bf16((rng.standard_normal((N, M)) * 1e-3).astype(np.float32))
+        data.append((x, w, dy))
+
+    def block():
+        for x, w, dy in data:
+            cpu_ref.qlinear_forward(x, w)
+            cpu_ref.qlinear_backward(dy, x, w)
+
+    th = cpu_ref.get_num_threads()
+    with cpu_ref.weights_held():
+        block()
+        block()                                       # warm: the held operands, the scratch block
+        t0 = time.perf_counter()
+        with quant.layer_profile() as prof:
+            for _ in range(reps):
+                block()
+        per = (time.perf_counter() - t0) / reps
+    macs = 3 * sum(N * K * M for _, K, M in shapes)
+    peak = quant.kernel_peak_macs() * th
+    print(f"int8 layer phases, preset {preset} (N = {N}; {', '.join(f'{n} {K}x{M}' for n, K, M in shapes)}), "
+          f"{th} threads, weights held, {reps} blocks: {1e3 * per:.3f} ms per block (forward + backward of the four)")
+    print(f"  ideal (a prediction): the three GEMMs' {macs / 1e9:.3f} G multiply-adds at the kernel's peak "
+          f"{peak / 1e9:.0f} GMAC/s ({th} x {peak / th / 1e9:.0f}) = {1e3 * macs / peak:.3f} ms")
+    print(f"    {'phase / piece':34s} {'wall ms':>8s} {'tasks ms':>9s} {'busy':>6s}")
+    for ph in quant.PROFILE_PHASES:
+        w, t = prof.wall[ph] / reps, prof.tasks[ph] / reps
+        print(f"    {ph:34s} {1e3 * w:8.3f} {1e3 * t:9.3f} {t / (w * th) if w else 0.0:6.2f}")
+        for (pp, piece), v in prof.passes.items():
+            if pp == ph and v:
+                print(f"      {piece:32s} {'':8s} {1e3 * v / reps:9.3f}")
+    in_c = sum(prof.call_wall) / reps
+    print(f"    {'in the C calls, between phases':34s} {1e3 * (in_c - sum(prof.wall.values()) / reps):8.3f}")
+    print(f"    {'outside the C calls (Python, outputs)':34s} {1e3 * (per - in_c):8.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--phases", action="store_true", help="where the int8 layer's time goes, phase by phase")
+    ap.add_argument("--preset", default="small", help="with --phases: the preset whose block is profiled")
     args = ap.parse_args()
     if args.threads:
         cpu_ref.set_num_threads(args.threads)
+    if args.phases:
+        phases(args.preset, max(1, args.reps))
+        return
     th = cpu_ref.get_num_threads()
     rng = np.random.default_rng(0)
     print(f"threads {th}, simd {cpu_ref.simd_name()}, int8 VNNI kernel: {cpu_ref.gemm_i8_has_vnni()}")

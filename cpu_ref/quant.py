@@ -120,6 +120,97 @@ def _handle(w: np.ndarray, qmax: int, M: int, K: int):
     return None if held is None else held.handle(w, qmax, M, K)
 
 
+# ---------------------------------------------------------------------------- phase profile
+_prof_on = declare("o1b_q_profile", ctypes.c_int)
+_prof_reset = declare("o1b_q_profile_reset")
+_prof_read = declare("o1b_q_profile_read", ptr, ctypes.c_int, restype=ctypes.c_int)
+
+#: The int8 layer's phases (quant_vnni.c): the forward's F1 (weights, absmax of x) and F2 (x
+#: quantized into the GEMM's A, the GEMM and its dequantizing epilogue, by chunks of rows); the
+#: backward's B1 (weights, absmax of x), B2 (absmax of G and D; R = rot(q_w), X = rot(q_x)), B3
+#: (dx's and dW's A filled; R and X packed as B) and B4 (the dx and dW GEMMs with their epilogues).
+PROFILE_PHASES = ("F1", "F2", "B1", "B2", "B3", "B4")
+#: The pieces of work timed inside them, in the order of o1b_q_profile_read, each with its phase.
+PROFILE_PASSES = (("F1", "weights"), ("F1", "absmax of x"), ("F2", "x quantized into A"),
+                  ("F2", "GEMM + epilogue"),
+                  ("B1", "weights"), ("B1", "absmax of x"), ("B2", "absmax of G"), ("B2", "absmax of D"),
+                  ("B2", "R = rot(q_w)"), ("B2", "X = rot(q_x)"), ("B3", "dx's A (G quantized)"),
+                  ("B3", "dW's A (D quantized)"), ("B3", "R packed"), ("B3", "X packed"),
+                  ("B4", "dx GEMM + epilogue"), ("B4", "dW GEMM + epilogue"))
+
+
+_peak_loop = declare("o1b_q_vnni_peak_loop", c_i64, restype=c_i64)
+
+
+def kernel_peak_macs(rounds: int = 1 << 20, reps: int = 5) -> float:
+    """Multiply-adds per second of a 12-accumulator vpdpbusd loop on the calling thread (the best
+    of reps runs): the issue rate that bounds the int8 GEMM kernel on one core; 0.0 without the
+    AVX-512 VNNI path."""
+    if not gemm_i8_has_vnni():
+        return 0.0
+    import time
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _peak_loop(rounds)
+        best = min(best, time.perf_counter() - t0)
+    return rounds * 12 * 64 / best
+
+
+class LayerProfile:
+    """What layer_profile() measured: `calls` (forward, backward), and in seconds `call_wall`
+    (forward, backward: the C calls end to end), `wall[phase]`
+    (the phase's parallel runs, end to end), `tasks[phase]` (its tasks' run time, summed over the
+    threads) and `passes[(phase, piece)]` (a piece's run time, summed over the threads; part of
+    its phase's task time). Only calls that took the AVX-512 VNNI path are counted."""
+
+    def __init__(self):
+        self.calls = (0, 0)
+        self.call_wall = (0.0, 0.0)
+        self.wall = dict.fromkeys(PROFILE_PHASES, 0.0)
+        self.tasks = dict.fromkeys(PROFILE_PHASES, 0.0)
+        self.passes = dict.fromkeys(PROFILE_PASSES, 0.0)
+
+    def _read(self) -> None:
+        n = 4 + 2 * len(PROFILE_PHASES) + len(PROFILE_PASSES)
+        v = np.zeros(n, np.uint64)
+        got = _prof_read(p(v), n)
+        if got not in (0, n):
+            raise RuntimeError(f"layer_profile: the C library reports {got} counters, this module knows {n}")
+        ns = v.astype(np.float64) * 1e-9
+        k = len(PROFILE_PHASES)
+        self.calls = (int(v[0]), int(v[1]))
+        self.call_wall = (float(ns[2]), float(ns[3]))
+        self.wall = dict(zip(PROFILE_PHASES, ns[4:4 + k].tolist()))
+        self.tasks = dict(zip(PROFILE_PHASES, ns[4 + k:4 + 2 * k].tolist()))
+        self.passes = dict(zip(PROFILE_PASSES, ns[4 + 2 * k:].tolist()))
+
+
+_prof_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def layer_profile():
+    """Inside, the int8 layer's calls (every thread's: the counters are the process's) time their
+    phases and pieces (PROFILE_PHASES, PROFILE_PASSES); the LayerProfile yielded is filled on
+    leaving. For measurements (benchmarks/int8_bench.py --phases): no value computed depends on
+    it. One profile at a time: entering a second is a RuntimeError."""
+    if not _prof_lock.acquire(blocking=False):
+        raise RuntimeError("layer_profile: a profile is already running (the counters are the process's)")
+    out = LayerProfile()
+    try:
+        _prof_reset()
+        _prof_on(1)
+        try:
+            yield out
+        finally:
+            _prof_on(0)
+            out._read()
+            _prof_reset()
+    finally:
+        _prof_lock.release()
+
+
 def quant_weight_rows(w: np.ndarray):
     M, K = opargs.quant_weight_rows(w)
     q = np.empty((M, K), np.int8)

@@ -52,6 +52,7 @@
  *             (pw), which then skip them.
  */
 #include <pthread.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,9 +83,52 @@ int o1b_q_vnni_available(void) {
            __builtin_cpu_supports("avx512dq");
 }
 
+/* ------------------------------------------------------------------ profile (measurement only) */
+/* With o1b_q_profile(1), the layer's calls (not the held weights' set-up) add up, per phase, the
+ * wall time of its parallel run and the time its tasks ran (summed over the threads), and per pass
+ * the time its pieces ran: where a call's time goes on this machine (benchmarks/int8_bench.py
+ * --phases). A pass's pieces run inside its phase's tasks, so their times are part of that
+ * phase's task time. Off by default; no value computed depends on it. */
+enum { QP_F1, QP_F2, QP_B1, QP_B2, QP_B3, QP_B4, QP_N };
+enum { QT_F_WEIGHTS, QT_F_XMAX, QT_F_QUANT, QT_F_GEMM,
+       QT_B_WEIGHTS, QT_B_XMAX, QT_B_GMAX, QT_B_DMAX, QT_B_ROT_W, QT_B_ROT_X,
+       QT_B_DX_FILL, QT_B_DW_FILL, QT_B_PACK_W, QT_B_PACK_X, QT_B_DX_GEMM, QT_B_DW_GEMM, QT_N };
+static atomic_int g_qprof;
+static atomic_ullong g_qp_calls[2], g_qp_call_wall[2], g_qp_wall[QP_N], g_qp_busy[QP_N], g_qt_busy[QT_N];
+O1B_API void o1b_q_profile(int on) { atomic_store(&g_qprof, on != 0); }
+O1B_API void o1b_q_profile_reset(void) {
+    for (int i = 0; i < 2; i++) { atomic_store(&g_qp_calls[i], 0); atomic_store(&g_qp_call_wall[i], 0); }
+    for (int i = 0; i < QP_N; i++) { atomic_store(&g_qp_wall[i], 0); atomic_store(&g_qp_busy[i], 0); }
+    for (int i = 0; i < QT_N; i++) atomic_store(&g_qt_busy[i], 0);
+}
+/* out: forward calls, backward calls, the forward's and the backward's wall time, QP_N phase walls, QP_N phase task times, QT_N pass times
+ * (nanoseconds), as far as n allows; returns how many values there are. */
+O1B_API int o1b_q_profile_read(uint64_t *out, int n) {
+    uint64_t v[4 + 2 * QP_N + QT_N];
+    int k = 0;
+    for (int i = 0; i < 2; i++) v[k++] = atomic_load(&g_qp_calls[i]);
+    for (int i = 0; i < 2; i++) v[k++] = atomic_load(&g_qp_call_wall[i]);
+    for (int i = 0; i < QP_N; i++) v[k++] = atomic_load(&g_qp_wall[i]);
+    for (int i = 0; i < QP_N; i++) v[k++] = atomic_load(&g_qp_busy[i]);
+    for (int i = 0; i < QT_N; i++) v[k++] = atomic_load(&g_qt_busy[i]);
+    for (int i = 0; i < k && i < n; i++) out[i] = v[i];
+    return k;
+}
+static int qp_on(void) { return atomic_load_explicit(&g_qprof, memory_order_relaxed); }
+static uint64_t qp_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+/* a piece's start (0: not timed) and its end, added to counter c */
+static uint64_t qp_start(int timed) { return timed ? qp_now() : 0; }
+static void qp_add(atomic_ullong *c, uint64_t t0) {
+    if (t0) atomic_fetch_add_explicit(c, qp_now() - t0, memory_order_relaxed);
+}
+
 /* ------------------------------------------------------------------ tasks */
 typedef void (*task_fn)(void *ctx, int64_t t);
-typedef struct { atomic_llong next; int64_t n; task_fn fn; void *ctx; } runner;
+typedef struct { atomic_llong next; int64_t n; task_fn fn; void *ctx; int phase; } runner;
 static void run_worker(void *p, int64_t lo, int64_t hi) {
     runner *r = (runner *)p;
     (void)lo; (void)hi;
@@ -92,22 +136,26 @@ static void run_worker(void *p, int64_t lo, int64_t hi) {
     for (;;) {
         long long t = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed);
         if (t >= r->n) break;
+        uint64_t t0 = qp_start(r->phase >= 0);
         r->fn(r->ctx, (int64_t)t);
+        qp_add(&g_qp_busy[r->phase >= 0 ? r->phase : 0], t0);
     }
     o1b_fpmode_restore(m);
 }
 /* Tasks 0 .. n-1, each run once by some thread; `work` (element operations, roughly) decides
- * how many threads are worth it. */
-static void run_tasks(int64_t n, int64_t work, task_fn fn, void *ctx) {
+ * how many threads are worth it. phase: the profile's phase timed (-1: none). */
+static void run_tasks(int64_t n, int64_t work, task_fn fn, void *ctx, int phase) {
     if (n <= 0) return;
     runner r;
     atomic_init(&r.next, 0);
-    r.n = n; r.fn = fn; r.ctx = ctx;
+    r.n = n; r.fn = fn; r.ctx = ctx; r.phase = phase;
     int64_t nt = o1b_get_num_threads(), byw = work / RUN_GRAIN;
     if (nt > n) nt = n;
     if (nt > byw) nt = byw;
     if (nt < 1) nt = 1;
+    uint64_t t0 = qp_start(phase >= 0);
     o1b_parallel_for(nt, 1, run_worker, &r);
+    qp_add(&g_qp_wall[phase >= 0 ? phase : 0], t0);
 }
 
 /* ------------------------------------------------------------------ scratch memory */
@@ -559,6 +607,22 @@ struct o1b_qweights {
     char *mem;
 };
 
+/* A loop of n rounds of 12 independent vpdpbusd (zmm: 64 multiply-adds each): the issue rate
+ * that bounds the GEMM kernel on this core, for benchmarks (int8_bench.py --phases). The result
+ * depends on every accumulator, so that none is left out. */
+O1B_API TGT int64_t o1b_q_vnni_peak_loop(int64_t n) {
+    __m512i c[12], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-5);
+    for (int i = 0; i < 12; i++) c[i] = _mm512_set1_epi32(i);
+    for (int64_t r = 0; r < n; r++) {
+        UNROLL
+        for (int i = 0; i < 12; i++) c[i] = _mm512_dpbusd_epi32(c[i], a, b);
+        __asm__ volatile("" : "+v"(a));
+    }
+    __m512i s = c[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_epi32(s, c[i]);
+    return _mm512_reduce_add_epi32(s);
+}
+
 static atomic_llong g_held_runs;      /* layer calls that ran on held operands (for the tests) */
 O1B_API int64_t o1b_q_held_runs(void) { return (int64_t)atomic_load(&g_held_runs); }
 
@@ -569,6 +633,7 @@ typedef struct {
     uint8_t *Au; int8_t *Bp; int32_t *cs; float *sw; uint32_t *xmax;
     float inv_x; int kind_x;
     gemm_job gj;
+    int prof;                  /* the call is profiled: its pieces are timed */
 } fwd_ctx;
 
 /* bf16 absmax bits of x[i0, i1) (u16 of |x|; >= 0x7F80 means not finite). */
@@ -670,16 +735,22 @@ static TGT void quant_rows_bf16(const bf16 *x, int64_t N, int64_t K, int64_t P4,
 }
 static void fwd_f1(void *ctx, int64_t t) {
     fwd_ctx *a = (fwd_ctx *)ctx;
-    if (t < a->npw) { fwd_wpanel(a, t); return; }
+    uint64_t t0 = qp_start(a->prof);
+    if (t < a->npw) { fwd_wpanel(a, t); qp_add(&g_qt_busy[QT_F_WEIGHTS], t0); return; }
     t -= a->npw;
     int64_t i0 = t * a->xper, i1 = i0 + a->xper < a->N * a->K ? i0 + a->xper : a->N * a->K;
     a->xmax[t] = absmax_bf16(a->x, i0, i1);
+    qp_add(&g_qt_busy[QT_F_XMAX], t0);
 }
 static void fwd_f2(void *ctx, int64_t t) {
     fwd_ctx *a = (fwd_ctx *)ctx;
     int64_t r0 = t * a->rowchunk, r1 = r0 + a->rowchunk < a->Ip ? r0 + a->rowchunk : a->Ip;
+    uint64_t t0 = qp_start(a->prof);
     quant_rows_bf16(a->x, a->N, a->K, a->P4, a->inv_x, a->kind_x, a->Au, r0, r1);
+    qp_add(&g_qt_busy[QT_F_QUANT], t0);
+    t0 = qp_start(a->prof);
     gemm_rows(&a->gj, r0, r1);
+    qp_add(&g_qt_busy[QT_F_GEMM], t0);
 }
 static int64_t pick_rowchunk(int64_t rows) {   /* a multiple of 16; >= ~4 tasks per thread */
     int64_t per = rows / (4 * (int64_t)o1b_get_num_threads());
@@ -692,6 +763,9 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
     if (!o1b_q_vnni_available()) return 0;
     fwd_ctx a;
     memset(&a, 0, sizeof a);
+    a.prof = qp_on();
+    if (a.prof) atomic_fetch_add_explicit(&g_qp_calls[0], 1, memory_order_relaxed);
+    uint64_t tcall = qp_start(a.prof);
     a.N = N; a.K = K; a.M = M; a.x = x; a.w = w;
     a.P4 = (K + 3) / 4 * 4;
     a.rowchunk = pick_rowchunk(N);
@@ -713,15 +787,16 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         a.sw = pw ? pw->sw : (float *)arena_take(&ar, sz[3]);
         a.xmax = (uint32_t *)arena_take(&ar, sz[4]);
         if (pw) atomic_fetch_add_explicit(&g_held_runs, 1, memory_order_relaxed);
-        run_tasks(a.npw + a.nxc, a.npw * NR * K * 3 + N * K / 4, fwd_f1, &a);
+        run_tasks(a.npw + a.nxc, a.npw * NR * K * 3 + N * K / 4, fwd_f1, &a, a.prof ? QP_F1 : -1);
         float sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
         a.kind_x = scale_kind(sx);
         a.inv_x = inv_of(sx);
         gemm_job g = {N, M, a.P4, a.Au, a.Bp, a.cs, EP_FWD, sx, 0.0f, 0.0f, a.sw, NULL, y, NULL};
         a.gj = g;
-        run_tasks((a.Ip + a.rowchunk - 1) / a.rowchunk, N * M * K / 64 + N * K, fwd_f2, &a);
+        run_tasks((a.Ip + a.rowchunk - 1) / a.rowchunk, N * M * K / 64 + N * K, fwd_f2, &a, a.prof ? QP_F2 : -1);
         arena_close(&ar);
     }
+    qp_add(&g_qp_call_wall[0], tcall);
     return ok;
 }
 
@@ -746,6 +821,7 @@ typedef struct {
     uint8_t *Adx, *Adw;
     float inv_g, inv_d; int kind_g, kind_d;
     gemm_job gdx, gdw;
+    int prof;                  /* the call is profiled: its pieces are timed */
 } bwd_ctx;
 
 /* Weight panel: s_w, q_w (row-major) and the clip marks. */
@@ -802,11 +878,13 @@ static TGT uint32_t d_absmax(const bwd_ctx *a, int64_t b) {
 }
 static void bwd_b1(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
-    if (t < a->nwp) { bwd_wpanel(a, t); return; }
+    uint64_t t0 = qp_start(a->prof);
+    if (t < a->nwp) { bwd_wpanel(a, t); qp_add(&g_qt_busy[QT_B_WEIGHTS], t0); return; }
     t -= a->nwp;
     if (t < a->nxc) {
         int64_t i0 = t * a->xper, i1 = i0 + a->xper < a->N * a->K ? i0 + a->xper : a->N * a->K;
         a->xmax[t] = absmax_bf16(a->x, i0, i1);
+        qp_add(&g_qt_busy[QT_B_XMAX], t0);
     }
 }
 
@@ -887,15 +965,20 @@ static TGT uint32_t r_block(const bwd_ctx *a, int from_x, int64_t b) {
 }
 static void bwd_b2(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
+    uint64_t t0 = qp_start(a->prof);
     if (t < a->ngt) {              /* one block of 128 rows: G's rows, then D's columns from cache */
         if (a->dx) a->gmax[t] = g_absmax(a, t * QB, t * QB + QB);
+        qp_add(&g_qt_busy[QT_B_GMAX], t0);
+        t0 = qp_start(a->prof);
         if (a->dw) a->dmax[t] = d_absmax(a, t);
+        qp_add(&g_qt_busy[QT_B_DMAX], t0);
         return;
     }
     t -= a->ngt;
-    if (t < a->nrw) { a->rwmax[t] = r_block(a, 0, t); return; }
+    if (t < a->nrw) { a->rwmax[t] = r_block(a, 0, t); qp_add(&g_qt_busy[QT_B_ROT_W], t0); return; }
     t -= a->nrw;
     a->rxmax[t] = r_block(a, 1, t);
+    qp_add(&g_qt_busy[QT_B_ROT_X], t0);
 }
 
 /* Panel jp of the B operand from R (P rows; strip jp at R + jp * P * 32, see r_strip):
@@ -1020,14 +1103,24 @@ static void bwd_b3(void *ctx, int64_t t) {
     if (t < a->ndf) {     /* the larger tasks first: a block of 128 rows of dy, read in order for
                              dx's A rows, then from cache by columns for dW's A */
         int64_t r0 = t * QB, r1 = r0 + QB < a->ndx * a->dxrows ? r0 + QB : a->ndx * a->dxrows;
+        uint64_t t0 = qp_start(a->prof);
         if (a->dx && r0 < r1) dx_fill(a, r0, r1);
+        qp_add(&g_qt_busy[QT_B_DX_FILL], t0);
+        t0 = qp_start(a->prof);
         if (a->dw) dw_fill(a, t);
+        qp_add(&g_qt_busy[QT_B_DW_FILL], t0);
         return;
     }
     t -= a->ndf;
-    if (t < a->nbw) { pack_r_panel(a->Rw, a->Mp, a->inv_rw, a->kind_rw, a->Bw, a->csw, t); return; }
+    uint64_t t0 = qp_start(a->prof);
+    if (t < a->nbw) {
+        pack_r_panel(a->Rw, a->Mp, a->inv_rw, a->kind_rw, a->Bw, a->csw, t);
+        qp_add(&g_qt_busy[QT_B_PACK_W], t0);
+        return;
+    }
     t -= a->nbw;
     pack_r_panel(a->Rx, a->Np, a->inv_rx, a->kind_rx, a->Bx, a->csx, t);
+    qp_add(&g_qt_busy[QT_B_PACK_X], t0);
 }
 
 /* dx and dW tasks: rows of the GEMMs (A filled in B3). */
@@ -1035,8 +1128,10 @@ static void dx_task(bwd_ctx *a, int64_t t) { gemm_rows(&a->gdx, t * a->dxrows, t
 static void dw_task(bwd_ctx *a, int64_t t) { gemm_rows(&a->gdw, t * DW_ROWS, t * DW_ROWS + DW_ROWS); }
 static void bwd_b4(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
-    if (t < a->ndw) { dw_task(a, t); return; }   /* the dW tasks first: fewer, larger */
+    uint64_t t0 = qp_start(a->prof);
+    if (t < a->ndw) { dw_task(a, t); qp_add(&g_qt_busy[QT_B_DW_GEMM], t0); return; }   /* the dW tasks first: fewer, larger */
     dx_task(a, t - a->ndw);
+    qp_add(&g_qt_busy[QT_B_DX_GEMM], t0);
 }
 
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
@@ -1044,6 +1139,9 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     if (!o1b_q_vnni_available()) return 0;
     bwd_ctx a;
     memset(&a, 0, sizeof a);
+    a.prof = qp_on();
+    if (a.prof) atomic_fetch_add_explicit(&g_qp_calls[1], 1, memory_order_relaxed);
+    uint64_t tcall = qp_start(a.prof);
     a.N = N; a.K = K; a.M = M; a.dy = dy; a.x = x; a.w = w; a.dx = dx; a.dw = dw;
     a.Mp = pad_qb(M); a.Np = pad_qb(N); a.Kp = (K + NR - 1) / NR * NR;
     int64_t Mp = a.Mp, Np = a.Np, Kp = a.Kp;
@@ -1100,14 +1198,14 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     }
     if (ok) {
         /* B1: weights, absmax of x */
-        run_tasks(a.nwp + a.nxc, a.nwp * NR * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a);
+        run_tasks(a.nwp + a.nxc, a.nwp * NR * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a, a.prof ? QP_B1 : -1);
         float sx = 0.0f, sd = 0.0f;
         if (dw) {
             sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
         }
         /* B2: absmax of G and of D; R = rot(q_w), X = rot(q_x) */
-        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + a.nrw * QB * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a);
+        run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + a.nrw * QB * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a, a.prof ? QP_B2 : -1);
         float sg = 0.0f, srw = 0.0f, srx = 0.0f;
         if (dx) {
             sg = scale_from_bits(max_of(a.gmax, a.ngt));
@@ -1122,14 +1220,15 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
             a.kind_rx = scale_kind(srx); a.inv_rx = inv_of(srx);
         }
         /* B3: R and X packed as B */
-        run_tasks(a.ndf + a.nbw + (dw ? Kp / NR : 0), (dx ? a.nbw * NR * Mp * 2 + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a);
+        run_tasks(a.ndf + a.nbw + (dw ? Kp / NR : 0), (dx ? a.nbw * NR * Mp * 2 + N * Mp * 3 : 0) + (dw ? Np * K * 2 + Np * M * 3 : 0), bwd_b3, &a, a.prof ? QP_B3 : -1);
         /* B4: the two GEMMs */
         gemm_job gdx = {N, K, Mp, a.Adx, a.Bw, a.csw, EP_DX, sg, srw, 0.0f, NULL, NULL, dx, NULL};
         gemm_job gdw = {M, K, Np, a.Adw, a.Bx, a.csx, EP_DW, sd, srx, sx, NULL, a.clip, dw, NULL};
         a.gdx = gdx; a.gdw = gdw;
-        run_tasks(a.ndw + a.ndx, (dx ? N * K * Mp / 64 : 0) + (dw ? M * K * Np / 64 : 0), bwd_b4, &a);
+        run_tasks(a.ndw + a.ndx, (dx ? N * K * Mp / 64 : 0) + (dw ? M * K * Np / 64 : 0), bwd_b4, &a, a.prof ? QP_B4 : -1);
         arena_close(&ar);
     }
+    qp_add(&g_qp_call_wall[1], tcall);
     return ok;
 }
 
@@ -1162,7 +1261,7 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
     fwd_ctx f;
     memset(&f, 0, sizeof f);
     f.K = K; f.M = M; f.P4 = P4; f.w = w; f.Bp = q->Bf; f.cs = q->csf; f.sw = q->sw; f.npw = Jp / NR;
-    run_tasks(f.npw, M * K * 3, fwd_f1, &f);
+    run_tasks(f.npw, M * K * 3, fwd_f1, &f, -1);
     /* the backward's part: B1 (s_w again, the same values; q_w; clip marks), B2 (R), B3 (R packed) */
     bwd_ctx b;
     memset(&b, 0, sizeof b);
@@ -1172,11 +1271,11 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
     b.Rw = (int16_t *)arena_take(&sc, (size_t)(Mp * Kp) * sizeof(int16_t));
     b.rwmax = (uint32_t *)arena_take(&sc, (size_t)(Mp / QB) * sizeof(uint32_t));
     b.Bw = q->Bw; b.csw = q->csw;
-    run_tasks(b.nwp, M * K * 4, bwd_b1, &b);
-    run_tasks(b.nrw, Mp * K, bwd_b2, &b);
+    run_tasks(b.nwp, M * K * 4, bwd_b1, &b, -1);
+    run_tasks(b.nrw, Mp * K, bwd_b2, &b, -1);
     q->srw = scale_from_intmax(max_of(b.rwmax, b.nrw));
     b.kind_rw = scale_kind(q->srw); b.inv_rw = inv_of(q->srw);
-    run_tasks(b.nbw, Mp * K * 2, bwd_b3, &b);
+    run_tasks(b.nbw, Mp * K * 2, bwd_b3, &b, -1);
     arena_close(&sc);
     return q;
 }
@@ -1239,10 +1338,10 @@ int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int
         g.Au = (uint8_t *)arena_take(&ar, sz[0]);
         g.Bp = (int8_t *)arena_take(&ar, sz[1]);
         g.cs = (int32_t *)arena_take(&ar, sz[2]);
-        run_tasks(g.na + np, (I + J) * P, gi8_pack, &g);
+        run_tasks(g.na + np, (I + J) * P, gi8_pack, &g, -1);
         gemm_job j = {I, J, g.P4, g.Au, g.Bp, g.cs, EP_RAW, 0.0f, 0.0f, 0.0f, NULL, NULL, NULL, C};
         g.gj = j;
-        run_tasks(g.Ip / g.rowchunk, I * J * P / 64, gi8_run, &g);
+        run_tasks(g.Ip / g.rowchunk, I * J * P / 64, gi8_run, &g, -1);
         arena_close(&ar);
     }
     return ok;
@@ -1300,7 +1399,7 @@ static TGT void selftest_task(void *ctx, int64_t t) {
 O1B_API int64_t o1b_q_vnni_selftest(uint64_t seed, int64_t n, int64_t *boundary) {
     if (!o1b_q_vnni_available()) { *boundary = 0; return 0; }
     st_ctx c = {seed, n, 0, 0};
-    run_tasks(1, 0, (task_fn)selftest_task, &c);
+    run_tasks(1, 0, (task_fn)selftest_task, &c, -1);
     *boundary = c.boundary;
     return c.bad;
 }
@@ -1312,6 +1411,10 @@ void o1b_qweights_free_vnni(o1b_qweights *pw) { (void)pw; }
 int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { (void)pw; return 0; }
 int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K) { (void)pw; (void)w; (void)M; (void)K; return 0; }
 O1B_API int64_t o1b_q_held_runs(void) { return 0; }
+O1B_API void o1b_q_profile(int on) { (void)on; }
+O1B_API void o1b_q_profile_reset(void) {}
+O1B_API int64_t o1b_q_vnni_peak_loop(int64_t n) { (void)n; return 0; }
+O1B_API int o1b_q_profile_read(uint64_t *out, int n) { (void)out; (void)n; return 0; }
 int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
                              const o1b_qweights *pw) {
     (void)N; (void)K; (void)M; (void)x; (void)w; (void)y; (void)pw;
