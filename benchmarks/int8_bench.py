@@ -8,10 +8,11 @@ against bf16 (§6.1) at the tiny and small presets' shapes and a larger one.
 
 --phases: where the int8 layer's time goes instead, for the four layers of a block of the preset
 (weights held and process memory set up as in a training step): each phase's wall time per
-block, its tasks' time summed over the threads (and their ratio to wall x threads: how busy the
-threads kept), and the pieces inside each phase (cpu_ref.quant.layer_profile; AVX-512 VNNI path).
+block, its tasks' time summed over the threads (and their ratio to wall x the threads its runs used:
+how busy those threads kept; a run with few tasks uses fewer threads), and the pieces inside each phase (cpu_ref.quant.layer_profile; AVX-512 VNNI path).
 The ideal line is the block's three GEMMs at the int8 kernel's measured peak (a 12-accumulator
-vpdpbusd loop on this core, times the threads): a prediction of the bound, not a measurement.
+vpdpbusd loop on this core, times the threads): a prediction of the bound, not a measurement, and no
+bound where the GEMM blocks run on AMX tiles (then said instead).
 GOPS = 2·N·K·M / time per GEMM (multiply and add counted as two operations; a layer's forward
 and backward are three GEMMs). Times are medians of R calls, int8 and bf16 alternated."""
 from __future__ import annotations
@@ -81,18 +82,23 @@ def phases(preset: str, reps: int) -> None:
     peak = quant.kernel_peak_macs() * th
     print(f"int8 layer phases, preset {preset} (N = {N}; {', '.join(f'{n} {K}x{M}' for n, K, M in shapes)}), "
           f"{th} threads, weights held, {reps} blocks: {1e3 * per:.3f} ms per block (forward + backward of the four)")
-    print(f"  ideal (a prediction): the three GEMMs' {macs / 1e9:.3f} G multiply-adds at the kernel's peak "
-          f"{peak / 1e9:.0f} GMAC/s ({th} x {peak / th / 1e9:.0f}) = {1e3 * macs / peak:.3f} ms")
-    print(f"    {'phase / piece':34s} {'wall ms':>8s} {'tasks ms':>9s} {'busy':>6s}")
+    if quant.gemm_i8_has_amx():
+        print("  ideal: none printed (the GEMM blocks run on AMX tiles here, beyond the VNNI loop's rate)")
+    else:
+        print(f"  ideal (a prediction): the three GEMMs' {macs / 1e9:.3f} G multiply-adds at the kernel's peak "
+              f"{peak / 1e9:.0f} GMAC/s ({th} x {peak / th / 1e9:.0f}) = {1e3 * macs / peak:.3f} ms")
+    W = 38
+    print(f"    {'phase / piece':{W}s} {'wall ms':>8s} {'tasks ms':>9s} {'busy':>6s}")
     for ph in quant.PROFILE_PHASES:
-        w, t = prof.wall[ph] / reps, prof.tasks[ph] / reps
-        print(f"    {ph:34s} {1e3 * w:8.3f} {1e3 * t:9.3f} {t / (w * th) if w else 0.0:6.2f}")
+        w, t, tw = prof.wall[ph] / reps, prof.tasks[ph] / reps, prof.thread_wall[ph] / reps
+        print(f"    {ph:{W}s} {1e3 * w:8.3f} {1e3 * t:9.3f} {t / tw if tw else 0.0:6.2f}")
         for (pp, piece), v in prof.passes.items():
             if pp == ph and v:
-                print(f"      {piece:32s} {'':8s} {1e3 * v / reps:9.3f}")
+                print(f"      {piece:{W - 2}s} {'':8s} {1e3 * v / reps:9.3f}")
     in_c = sum(prof.call_wall) / reps
-    print(f"    {'in the C calls, between phases':34s} {1e3 * (in_c - sum(prof.wall.values()) / reps):8.3f}")
-    print(f"    {'outside the C calls (Python, outputs)':34s} {1e3 * (per - in_c):8.3f}")
+    print(f"    {'in the C calls, between phases':{W}s} {1e3 * (in_c - sum(prof.wall.values()) / reps):8.3f}")
+    print(f"    {'outside the C calls (Python, outputs)':{W}s} {1e3 * (per - in_c):8.3f}")
+    print("  (timed with the profile on: its clock reads are in these figures)")
 
 
 def main():

@@ -160,19 +160,21 @@ def kernel_peak_macs(rounds: int = 1 << 20, reps: int = 5) -> float:
 class LayerProfile:
     """What layer_profile() measured: `calls` (forward, backward), and in seconds `call_wall`
     (forward, backward: the C calls end to end), `wall[phase]`
-    (the phase's parallel runs, end to end), `tasks[phase]` (its tasks' run time, summed over the
-    threads) and `passes[(phase, piece)]` (a piece's run time, summed over the threads; part of
+    (the phase's parallel runs, end to end), `thread_wall[phase]` (each run's wall times the threads
+    it used: a run with few tasks or little work uses fewer than the thread count), `tasks[phase]`
+    (its tasks' run time, summed over the threads) and `passes[(phase, piece)]` (a piece's run time, summed over the threads; part of
     its phase's task time). Only calls that took the AVX-512 VNNI path are counted."""
 
     def __init__(self):
         self.calls = (0, 0)
         self.call_wall = (0.0, 0.0)
         self.wall = dict.fromkeys(PROFILE_PHASES, 0.0)
+        self.thread_wall = dict.fromkeys(PROFILE_PHASES, 0.0)
         self.tasks = dict.fromkeys(PROFILE_PHASES, 0.0)
         self.passes = dict.fromkeys(PROFILE_PASSES, 0.0)
 
     def _read(self) -> None:
-        n = 4 + 2 * len(PROFILE_PHASES) + len(PROFILE_PASSES)
+        n = 4 + 3 * len(PROFILE_PHASES) + len(PROFILE_PASSES)
         v = np.zeros(n, np.uint64)
         got = _prof_read(p(v), n)
         if got not in (0, n):
@@ -182,8 +184,9 @@ class LayerProfile:
         self.calls = (int(v[0]), int(v[1]))
         self.call_wall = (float(ns[2]), float(ns[3]))
         self.wall = dict(zip(PROFILE_PHASES, ns[4:4 + k].tolist()))
-        self.tasks = dict(zip(PROFILE_PHASES, ns[4 + k:4 + 2 * k].tolist()))
-        self.passes = dict(zip(PROFILE_PASSES, ns[4 + 2 * k:].tolist()))
+        self.thread_wall = dict(zip(PROFILE_PHASES, ns[4 + k:4 + 2 * k].tolist()))
+        self.tasks = dict(zip(PROFILE_PHASES, ns[4 + 2 * k:4 + 3 * k].tolist()))
+        self.passes = dict(zip(PROFILE_PASSES, ns[4 + 3 * k:].tolist()))
 
 
 _prof_lock = threading.Lock()

@@ -51,6 +51,7 @@
  *             with its scale) computed once, by the same functions, and passed to later calls
  *             (pw), which then skip them.
  */
+#define _GNU_SOURCE   /* clock_gettime and CLOCK_MONOTONIC (the profile's clock) and MADV_HUGEPAGE under -std=c11 */
 #include <pthread.h>
 #include <time.h>
 #include <stdatomic.h>
@@ -94,21 +95,26 @@ enum { QT_F_WEIGHTS, QT_F_XMAX, QT_F_QUANT, QT_F_GEMM,
        QT_B_WEIGHTS, QT_B_XMAX, QT_B_GMAX, QT_B_DMAX, QT_B_ROT_W, QT_B_ROT_X,
        QT_B_DX_FILL, QT_B_DW_FILL, QT_B_PACK_W, QT_B_PACK_X, QT_B_DX_GEMM, QT_B_DW_GEMM, QT_N };
 static atomic_int g_qprof;
-static atomic_ullong g_qp_calls[2], g_qp_call_wall[2], g_qp_wall[QP_N], g_qp_busy[QP_N], g_qt_busy[QT_N];
+static atomic_ullong g_qp_calls[2], g_qp_call_wall[2], g_qp_wall[QP_N], g_qp_twall[QP_N], g_qp_busy[QP_N],
+                     g_qt_busy[QT_N];
 O1B_API void o1b_q_profile(int on) { atomic_store(&g_qprof, on != 0); }
 O1B_API void o1b_q_profile_reset(void) {
     for (int i = 0; i < 2; i++) { atomic_store(&g_qp_calls[i], 0); atomic_store(&g_qp_call_wall[i], 0); }
-    for (int i = 0; i < QP_N; i++) { atomic_store(&g_qp_wall[i], 0); atomic_store(&g_qp_busy[i], 0); }
+    for (int i = 0; i < QP_N; i++) {
+        atomic_store(&g_qp_wall[i], 0); atomic_store(&g_qp_twall[i], 0); atomic_store(&g_qp_busy[i], 0);
+    }
     for (int i = 0; i < QT_N; i++) atomic_store(&g_qt_busy[i], 0);
 }
-/* out: forward calls, backward calls, the forward's and the backward's wall time, QP_N phase walls, QP_N phase task times, QT_N pass times
+/* out: forward calls, backward calls, the forward's and the backward's wall time, QP_N phase walls,
+ * QP_N phase walls times the threads each run used, QP_N phase task times, QT_N pass times
  * (nanoseconds), as far as n allows; returns how many values there are. */
 O1B_API int o1b_q_profile_read(uint64_t *out, int n) {
-    uint64_t v[4 + 2 * QP_N + QT_N];
+    uint64_t v[4 + 3 * QP_N + QT_N];
     int k = 0;
     for (int i = 0; i < 2; i++) v[k++] = atomic_load(&g_qp_calls[i]);
     for (int i = 0; i < 2; i++) v[k++] = atomic_load(&g_qp_call_wall[i]);
     for (int i = 0; i < QP_N; i++) v[k++] = atomic_load(&g_qp_wall[i]);
+    for (int i = 0; i < QP_N; i++) v[k++] = atomic_load(&g_qp_twall[i]);
     for (int i = 0; i < QP_N; i++) v[k++] = atomic_load(&g_qp_busy[i]);
     for (int i = 0; i < QT_N; i++) v[k++] = atomic_load(&g_qt_busy[i]);
     for (int i = 0; i < k && i < n; i++) out[i] = v[i];
@@ -155,7 +161,11 @@ static void run_tasks(int64_t n, int64_t work, task_fn fn, void *ctx, int phase)
     if (nt < 1) nt = 1;
     uint64_t t0 = qp_start(phase >= 0);
     o1b_parallel_for(nt, 1, run_worker, &r);
-    qp_add(&g_qp_wall[phase >= 0 ? phase : 0], t0);
+    if (t0) {
+        uint64_t w = qp_now() - t0;
+        atomic_fetch_add_explicit(&g_qp_wall[phase], w, memory_order_relaxed);
+        atomic_fetch_add_explicit(&g_qp_twall[phase], w * (uint64_t)nt, memory_order_relaxed);
+    }
 }
 
 /* ------------------------------------------------------------------ scratch memory */
@@ -611,6 +621,7 @@ struct o1b_qweights {
  * that bounds the GEMM kernel on this core, for benchmarks (int8_bench.py --phases). The result
  * depends on every accumulator, so that none is left out. */
 O1B_API TGT int64_t o1b_q_vnni_peak_loop(int64_t n) {
+    if (!o1b_q_vnni_available()) return 0;
     __m512i c[12], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-5);
     for (int i = 0; i < 12; i++) c[i] = _mm512_set1_epi32(i);
     for (int64_t r = 0; r < n; r++) {
@@ -764,7 +775,6 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
     fwd_ctx a;
     memset(&a, 0, sizeof a);
     a.prof = qp_on();
-    if (a.prof) atomic_fetch_add_explicit(&g_qp_calls[0], 1, memory_order_relaxed);
     uint64_t tcall = qp_start(a.prof);
     a.N = N; a.K = K; a.M = M; a.x = x; a.w = w;
     a.P4 = (K + 3) / 4 * 4;
@@ -796,7 +806,10 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         run_tasks((a.Ip + a.rowchunk - 1) / a.rowchunk, N * M * K / 64 + N * K, fwd_f2, &a, a.prof ? QP_F2 : -1);
         arena_close(&ar);
     }
-    qp_add(&g_qp_call_wall[0], tcall);
+    if (ok && tcall) {            /* counted where the call ran here (else the portable code runs) */
+        atomic_fetch_add_explicit(&g_qp_calls[0], 1, memory_order_relaxed);
+        qp_add(&g_qp_call_wall[0], tcall);
+    }
     return ok;
 }
 
@@ -965,16 +978,21 @@ static TGT uint32_t r_block(const bwd_ctx *a, int from_x, int64_t b) {
 }
 static void bwd_b2(void *ctx, int64_t t) {
     bwd_ctx *a = (bwd_ctx *)ctx;
-    uint64_t t0 = qp_start(a->prof);
     if (t < a->ngt) {              /* one block of 128 rows: G's rows, then D's columns from cache */
-        if (a->dx) a->gmax[t] = g_absmax(a, t * QB, t * QB + QB);
-        qp_add(&g_qt_busy[QT_B_GMAX], t0);
-        t0 = qp_start(a->prof);
-        if (a->dw) a->dmax[t] = d_absmax(a, t);
-        qp_add(&g_qt_busy[QT_B_DMAX], t0);
+        if (a->dx) {
+            uint64_t t0 = qp_start(a->prof);
+            a->gmax[t] = g_absmax(a, t * QB, t * QB + QB);
+            qp_add(&g_qt_busy[QT_B_GMAX], t0);
+        }
+        if (a->dw) {
+            uint64_t t0 = qp_start(a->prof);
+            a->dmax[t] = d_absmax(a, t);
+            qp_add(&g_qt_busy[QT_B_DMAX], t0);
+        }
         return;
     }
     t -= a->ngt;
+    uint64_t t0 = qp_start(a->prof);
     if (t < a->nrw) { a->rwmax[t] = r_block(a, 0, t); qp_add(&g_qt_busy[QT_B_ROT_W], t0); return; }
     t -= a->nrw;
     a->rxmax[t] = r_block(a, 1, t);
@@ -1103,12 +1121,16 @@ static void bwd_b3(void *ctx, int64_t t) {
     if (t < a->ndf) {     /* the larger tasks first: a block of 128 rows of dy, read in order for
                              dx's A rows, then from cache by columns for dW's A */
         int64_t r0 = t * QB, r1 = r0 + QB < a->ndx * a->dxrows ? r0 + QB : a->ndx * a->dxrows;
-        uint64_t t0 = qp_start(a->prof);
-        if (a->dx && r0 < r1) dx_fill(a, r0, r1);
-        qp_add(&g_qt_busy[QT_B_DX_FILL], t0);
-        t0 = qp_start(a->prof);
-        if (a->dw) dw_fill(a, t);
-        qp_add(&g_qt_busy[QT_B_DW_FILL], t0);
+        if (a->dx && r0 < r1) {
+            uint64_t t0 = qp_start(a->prof);
+            dx_fill(a, r0, r1);
+            qp_add(&g_qt_busy[QT_B_DX_FILL], t0);
+        }
+        if (a->dw) {
+            uint64_t t0 = qp_start(a->prof);
+            dw_fill(a, t);
+            qp_add(&g_qt_busy[QT_B_DW_FILL], t0);
+        }
         return;
     }
     t -= a->ndf;
@@ -1140,7 +1162,6 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     bwd_ctx a;
     memset(&a, 0, sizeof a);
     a.prof = qp_on();
-    if (a.prof) atomic_fetch_add_explicit(&g_qp_calls[1], 1, memory_order_relaxed);
     uint64_t tcall = qp_start(a.prof);
     a.N = N; a.K = K; a.M = M; a.dy = dy; a.x = x; a.w = w; a.dx = dx; a.dw = dw;
     a.Mp = pad_qb(M); a.Np = pad_qb(N); a.Kp = (K + NR - 1) / NR * NR;
@@ -1228,7 +1249,10 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         run_tasks(a.ndw + a.ndx, (dx ? N * K * Mp / 64 : 0) + (dw ? M * K * Np / 64 : 0), bwd_b4, &a, a.prof ? QP_B4 : -1);
         arena_close(&ar);
     }
-    qp_add(&g_qp_call_wall[1], tcall);
+    if (ok && tcall) {
+        atomic_fetch_add_explicit(&g_qp_calls[1], 1, memory_order_relaxed);
+        qp_add(&g_qp_call_wall[1], tcall);
+    }
     return ok;
 }
 

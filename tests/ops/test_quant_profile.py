@@ -70,7 +70,8 @@ def test_every_phase_counted_and_each_piece_inside_its_phase(held, threads):
     assert prof.calls == (2, 2)
     for ph in quant.PROFILE_PHASES:
         assert prof.wall[ph] > 0 and prof.tasks[ph] > 0, ph
-        assert prof.tasks[ph] <= prof.wall[ph] * threads, (ph, prof.tasks[ph], prof.wall[ph])
+        assert prof.wall[ph] <= prof.thread_wall[ph] <= prof.wall[ph] * threads, ph
+        assert prof.tasks[ph] <= prof.thread_wall[ph], (ph, prof.tasks[ph], prof.thread_wall[ph])
         pieces = sum(v for (pp, _), v in prof.passes.items() if pp == ph)
         assert pieces <= prof.tasks[ph], (ph, pieces, prof.tasks[ph])
     fwd = prof.wall["F1"] + prof.wall["F2"]
@@ -81,6 +82,25 @@ def test_every_phase_counted_and_each_piece_inside_its_phase(held, threads):
             assert v == 0, piece
         else:
             assert v > 0, piece
+
+
+@needs_vnni
+@pytest.mark.parametrize("need", ["dx", "dw"])
+def test_each_gradient_books_its_own_pieces(need):
+    """With one gradient asked for, the other's pieces stay 0 and its own run: a piece booked under
+    the other gradient's name (within the same phase) shows here."""
+    x, w, dy = _operands()
+    dx_pieces = {("B2", "absmax of G"), ("B3", "dx's A (G quantized)"), ("B4", "dx GEMM + epilogue"),
+                 ("B2", "R = rot(q_w)"), ("B3", "R packed")}
+    dw_pieces = {("B1", "absmax of x"), ("B2", "absmax of D"), ("B2", "X = rot(q_x)"),
+                 ("B3", "dW's A (D quantized)"), ("B3", "X packed"), ("B4", "dW GEMM + epilogue")}
+    with quant.layer_profile() as prof:
+        cpu_ref.qlinear_backward(dy, x, w, need_dx=need == "dx", need_dw=need == "dw")
+    own, other = (dx_pieces, dw_pieces) if need == "dx" else (dw_pieces, dx_pieces)
+    for piece in own:
+        assert prof.passes[piece] > 0, piece
+    for piece in other:
+        assert prof.passes[piece] == 0, piece
 
 
 @needs_vnni
