@@ -26,3 +26,17 @@ def test_streamed_outputs_are_the_portable_bits(shape):
         want = [C.qlinear_forward(x, w), *C.qlinear_backward(dy, x, w)]
     for g, wnt, name in zip(got, want, ("y", "dx", "dw")):
         assert np.array_equal(g.view(np.uint32), wnt.view(np.uint32)), name
+
+
+@pytest.mark.parametrize("shape,dtype", [((1100, 520), np.float32), ((3, 5), np.float32), ((0, 7), np.float32),
+                                         ((7,), np.int32), ((), np.float32)])
+def test_empty_lines_is_line_aligned(shape, dtype):
+    """The allocator behind those outputs: the shape and dtype asked for, its data on a 64-byte line,
+    and its own memory (writing one array leaves the next untouched)."""
+    from mlx_open1b.cpu_ref._lib import empty_lines
+    a, b = empty_lines(shape, dtype), empty_lines(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+    assert a.size == 0 or (a.ctypes.data % 64 == 0 and b.ctypes.data % 64 == 0)
+    a.fill(1)
+    b.fill(2)
+    assert (a == 1).all() and (b == 2).all()
