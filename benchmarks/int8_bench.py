@@ -46,16 +46,20 @@ LAYERS = [("tiny qkv", 512, 128, 256), ("tiny wo", 512, 128, 128), ("tiny gate_u
 def phases(preset: str, reps: int) -> None:
     """The int8 layer's phase table for the four layers of a block of `preset` (see the docstring)."""
     from mlx_open1b import host_malloc
-    from mlx_open1b.config import preset as get_preset
+    from mlx_open1b.config import ConfigError, preset as get_preset
     from mlx_open1b.cpu_ref import quant
     host_malloc.tune()         # as in training: outputs and scratch from the heap, not fresh mappings
     if not cpu_ref.gemm_i8_has_vnni():
         raise SystemExit("int8_bench --phases: this CPU (or the SIMD cap) has no AVX-512 VNNI path to profile")
-    m = get_preset(preset).model
-    N = get_preset(preset).train.microbatch_seqs * m.seq_len
-    d, F = m.d_model, m.ffn_hidden
-    shapes = [("qkv", d, (m.n_heads + 2 * m.n_kv_heads) * m.head_dim), ("wo", m.n_heads * m.head_dim, d),
-              ("gate_up", d, 2 * F), ("down", F, d)]
+    try:
+        cfg = get_preset(preset)
+    except ConfigError as e:
+        raise SystemExit(f"int8_bench --phases: --preset: {e}") from None
+    N = cfg.train.microbatch_seqs * cfg.model.seq_len
+    w = {n.removeprefix("layers.0."): s for n, s, _ in cfg.model.param_shapes() if n.startswith("layers.0.")}
+    shapes = [("qkv", w["wq"][1], w["wq"][0] + w["wk"][0] + w["wv"][0]),   # (name, K in, M out)
+              ("wo", w["wo"][1], w["wo"][0]), ("gate_up", w["w_gate_up"][1], w["w_gate_up"][0]),
+              ("down", w["w_down"][1], w["w_down"][0])]
     rng = np.random.default_rng(0)
     data = []
     for _, K, M in shapes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 
@@ -137,6 +138,9 @@ PROFILE_PASSES = (("F1", "weights"), ("F1", "absmax of x"), ("F2", "x quantized 
                   ("B2", "R = rot(q_w)"), ("B2", "X = rot(q_x)"), ("B3", "dx's A (G quantized)"),
                   ("B3", "dW's A (D quantized)"), ("B3", "R packed"), ("B3", "X packed"),
                   ("B4", "dx GEMM + epilogue"), ("B4", "dW GEMM + epilogue"))
+#: How many values o1b_q_profile_read gives: calls and call walls (2 each), per phase its wall, its
+#: thread-wall and its tasks' time, per piece its time.
+PROFILE_VALUES = 4 + 3 * len(PROFILE_PHASES) + len(PROFILE_PASSES)
 
 
 _peak_loop = declare("o1b_q_vnni_peak_loop", c_i64, restype=c_i64)
@@ -148,7 +152,6 @@ def kernel_peak_macs(rounds: int = 1 << 20, reps: int = 5) -> float:
     AVX-512 VNNI path."""
     if not gemm_i8_has_vnni():
         return 0.0
-    import time
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -174,7 +177,7 @@ class LayerProfile:
         self.passes = dict.fromkeys(PROFILE_PASSES, 0.0)
 
     def _read(self) -> None:
-        n = 4 + 3 * len(PROFILE_PHASES) + len(PROFILE_PASSES)
+        n = PROFILE_VALUES
         v = np.zeros(n, np.uint64)
         got = _prof_read(p(v), n)
         if got not in (0, n):

@@ -51,9 +51,8 @@
  *             with its scale) computed once, by the same functions, and passed to later calls
  *             (pw), which then skip them.
  */
-#define _GNU_SOURCE   /* clock_gettime and CLOCK_MONOTONIC (the profile's clock) and MADV_HUGEPAGE under -std=c11 */
+#define _GNU_SOURCE   /* MADV_HUGEPAGE (the scratch arena's hint), which -std=c11 hides otherwise */
 #include <pthread.h>
-#include <time.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -121,15 +120,10 @@ O1B_API int o1b_q_profile_read(uint64_t *out, int n) {
     return k;
 }
 static int qp_on(void) { return atomic_load_explicit(&g_qprof, memory_order_relaxed); }
-static uint64_t qp_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
 /* a piece's start (0: not timed) and its end, added to counter c */
-static uint64_t qp_start(int timed) { return timed ? qp_now() : 0; }
+static uint64_t qp_start(int timed) { return timed ? o1b_now_ns() : 0; }
 static void qp_add(atomic_ullong *c, uint64_t t0) {
-    if (t0) atomic_fetch_add_explicit(c, qp_now() - t0, memory_order_relaxed);
+    if (t0) atomic_fetch_add_explicit(c, o1b_now_ns() - t0, memory_order_relaxed);
 }
 
 /* ------------------------------------------------------------------ tasks */
@@ -144,7 +138,7 @@ static void run_worker(void *p, int64_t lo, int64_t hi) {
         if (t >= r->n) break;
         uint64_t t0 = qp_start(r->phase >= 0);
         r->fn(r->ctx, (int64_t)t);
-        qp_add(&g_qp_busy[r->phase >= 0 ? r->phase : 0], t0);
+        if (t0) qp_add(&g_qp_busy[r->phase], t0);
     }
     o1b_fpmode_restore(m);
 }
@@ -162,7 +156,7 @@ static void run_tasks(int64_t n, int64_t work, task_fn fn, void *ctx, int phase)
     uint64_t t0 = qp_start(phase >= 0);
     o1b_parallel_for(nt, 1, run_worker, &r);
     if (t0) {
-        uint64_t w = qp_now() - t0;
+        uint64_t w = o1b_now_ns() - t0;
         atomic_fetch_add_explicit(&g_qp_wall[phase], w, memory_order_relaxed);
         atomic_fetch_add_explicit(&g_qp_twall[phase], w * (uint64_t)nt, memory_order_relaxed);
     }

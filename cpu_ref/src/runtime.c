@@ -61,7 +61,7 @@ static int g_pool_spin_us = O1B_POOL_SPIN_US > 0 ? O1B_POOL_SPIN_US : 0;
 /* How long each side spins before it sleeps, in microseconds (for measurements; no result changes). */
 O1B_API void o1b_set_pool_spin_us(int us) { __atomic_store_n(&g_pool_spin_us, us > 0 ? us : 0, __ATOMIC_RELAXED); }
 O1B_API int o1b_pool_spin_us(void) { return __atomic_load_n(&g_pool_spin_us, __ATOMIC_RELAXED); }
-static uint64_t o1b_now_ns(void) {
+uint64_t o1b_now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;

@@ -29,4 +29,7 @@ int o1b_has_hw_ftz(void);
 /* SIMD level chosen at run time: 0 portable, 1 AVX2, 2 AVX-512 (x86-64); NEON is the
  * portable path on arm64. o1b_set_simd caps it (tests compare every level bit for bit). */
 int o1b_simd_level(void);
+
+/* The monotonic clock in nanoseconds (the pool's spin deadlines, quant_vnni.c's phase profile). */
+uint64_t o1b_now_ns(void);
 #endif

@@ -31,7 +31,7 @@ def _operands(N=300, K=200, M=260, seed=0):
 
 
 def _raw():
-    n = 4 + 2 * len(quant.PROFILE_PHASES) + len(quant.PROFILE_PASSES)
+    n = quant.PROFILE_VALUES
     v = np.zeros(n, np.uint64)
     quant._prof_read(quant.p(v), n)
     return v
