@@ -1591,38 +1591,78 @@ AI vi FN(iload)(const int32_t *p) { vi x; memcpy(&x, p, sizeof x); return x; }
 /* lanes where x (exponent ex, 0 for zero) times some element of a row in [lo, hi] may hit 127 */
 AI vi FN(may_tiny)(vi ex, vi lo, vi hi) { return (ex != 0) & (ex + lo <= 127) & (ex + hi >= 127); }
 
-/* The forward's block product and rescale, for d < D two vectors at a time: each row r's
- * t = sum_{j in [lo[r], hi[r]) ascending} pb[r][j] v_j (v at key j = 0 of the block, D floats a row),
- * times spr[r] with i8, then acc = add(mul(acc, corr[r]), t); `checked`: t's products marked. */
+/* fwd_pv's sums over the block's keys j in [j0, j1), ascending, into the registers a (nd vectors a
+ * row; pr[r]: row r's p, by key): with `pred`, row r takes key j only inside its lanes [lo[r], hi[r]);
+ * without, every row takes every key, which the caller allows only where every row with keys has
+ * them all. There the other rows (no keys in the block, or past nr) read a row that has (pr) and sum
+ * what is never stored; with `checked`, act (all ones for a row with keys) drops their marks. */
+AI void FN(pv_keys)(int64_t j0, int64_t j1, const int pred, const int checked, const int nd, int nr,
+                    const int64_t *lo, const int64_t *hi, const float *v, int64_t D,
+                    const float *const *pr, vf (*a)[2], vi *rare, const vi *act) {
+    enum { R = O1B_VATTN_ROWS };
+    for (int64_t j = j0; j < j1; j++) {
+        const float *vr = v + j * D;
+        vf v0 = FN(load)(vr), v1 = nd > 1 ? FN(load)(vr + O1B_W) : (vf){0};
+        for (int r = 0; r < R; r++) {
+            if (pred && !(r < nr && j >= lo[r] && j < hi[r])) continue;
+            vf cj = FN(splat)(pr[r][j]);
+            vi m = {0};
+            a[r][0] = a[r][0] + (checked ? FN(mulz)(cj, v0, &m) : cj * v0);
+            if (nd > 1) a[r][1] = a[r][1] + (checked ? FN(mulz)(cj, v1, &m) : cj * v1);
+            if (checked) rare[r] |= pred ? m : m & act[r];
+        }
+    }
+}
+
+/* The forward's block product and rescale for the columns [d0, d0 + nd W): each row r's
+ *   t = sum_{j in [lo[r], hi[r]) ascending} pb[r][j] v_j  (v at key j = 0 of the block, D floats a row),
+ * times spr[r] with i8, then acc = add(mul(acc, corr[r]), t); `checked`: t's products marked. The
+ * keys that every row with keys has (the middle of the union, most of it) run without a test per
+ * row and key, the few before and after with it; each row's terms keep their order either way. */
+AI void FN(fwd_pv_d)(const int nd, const int checked, int nr, int64_t nu, const int64_t *lo,
+                     const int64_t *hi, int64_t D, int64_t d0, const float *v, float (*pb)[O1B_VATTN_BK],
+                     const float *corr, const float *spr, int i8, float *acc, vi *rare) {
+    enum { R = O1B_VATTN_ROWS };
+    const int64_t ld = D + O1B_VATTN_PAD;
+    vf a[R][2];
+    vi act[R];
+    const float *pr[R];
+    int64_t mlo = 0, mhi = nu;                          /* the keys of every row with keys */
+    int any = -1;
+    for (int r = 0; r < R; r++) {
+        a[r][0] = a[r][1] = (vf){0};
+        int has = r < nr && hi[r] > lo[r];
+        act[r] = FN(isplat)(has ? -1 : 0);
+        if (has) {
+            mlo = lo[r] > mlo ? lo[r] : mlo;
+            mhi = hi[r] < mhi ? hi[r] : mhi;
+            any = r;
+        }
+    }
+    if (any < 0) return;                                /* no row has keys here: nothing to add */
+    for (int r = 0; r < R; r++) pr[r] = pb[act[r][0] ? r : any];
+    if (mhi < mlo) mhi = mlo;
+    FN(pv_keys)(0, mlo, 1, checked, nd, nr, lo, hi, v + d0, D, pr, a, rare, act);
+    FN(pv_keys)(mlo, mhi, 0, checked, nd, nr, lo, hi, v + d0, D, pr, a, rare, act);
+    FN(pv_keys)(mhi, nu, 1, checked, nd, nr, lo, hi, v + d0, D, pr, a, rare, act);
+    for (int r = 0; r < R; r++) {
+        if (r >= nr || hi[r] == lo[r]) continue;
+        vf cv = FN(splat)(corr[r]);
+        for (int t = 0; t < nd; t++) {
+            float *ap = acc + r * ld + d0 + t * O1B_W;
+            vf pvv = i8 ? FN(mulz)(a[r][t], FN(splat)(spr[r]), &rare[r]) : a[r][t];
+            FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + pvv);
+        }
+    }
+}
+
+/* fwd_pv_d over d < D, two vectors at a time (one for a last odd vector). */
 AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D, const float *v,
                    float (*pb)[O1B_VATTN_BK], const float *corr, const float *spr, int i8, float *acc,
                    vi *rare, const int checked) {
-    enum { R = O1B_VATTN_ROWS };
-    const int64_t ld = D + O1B_VATTN_PAD;
     for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {
-        vf a[R][2];
-        int nd = D - d0 > O1B_W ? 2 : 1;
-        for (int r = 0; r < R; r++) for (int t = 0; t < 2; t++) a[r][t] = (vf){0};
-        for (int64_t j = 0; j < nu; j++) {
-            const float *vr = v + j * D + d0;
-            vf v0 = FN(load)(vr), v1 = nd > 1 ? FN(load)(vr + O1B_W) : (vf){0};
-            for (int r = 0; r < R; r++) {
-                if (r < nr && j >= lo[r] && j < hi[r]) {
-                    vf cj = FN(splat)(pb[r][j]);
-                    a[r][0] = a[r][0] + (checked ? FN(mulz)(cj, v0, &rare[r]) : cj * v0);
-                    if (nd > 1) a[r][1] = a[r][1] + (checked ? FN(mulz)(cj, v1, &rare[r]) : cj * v1);
-                }
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            if (r >= nr || hi[r] == lo[r]) continue;
-            vf cv = FN(splat)(corr[r]);
-            for (int t = 0; t < nd; t++) {
-                float *ap = acc + r * ld + d0 + t * O1B_W;
-                vf pvv = i8 ? FN(mulz)(a[r][t], FN(splat)(spr[r]), &rare[r]) : a[r][t];
-                FN(put)(ap, FN(mulz)(FN(load)(ap), cv, &rare[r]) + pvv);
-            }
-        }
+        if (D - d0 > O1B_W) FN(fwd_pv_d)(2, checked, nr, nu, lo, hi, D, d0, v, pb, corr, spr, i8, acc, rare);
+        else FN(fwd_pv_d)(1, checked, nr, nu, lo, hi, D, d0, v, pb, corr, spr, i8, acc, rare);
     }
 }
 
@@ -1852,9 +1892,22 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
             for (int r = 0; r < R; r++)
                 corr[r] = r >= nr || hi[r] == lo[r] ? 1.0f : cr[r] ? o1b_exp(cx[r]) : y[r];
         }
-        float ps[R];
-        for (int r = 0; r < R; r++) ps[r] = 0.0f;
-        for (int64_t j = 0; j < nu; j++)
+        float ps[R];                                    /* each row's sum of p, keys ascending */
+        int64_t mlo = 0, mhi = nu;                      /* the keys of every row with keys */
+        for (int r = 0; r < R; r++) {
+            ps[r] = 0.0f;
+            if (r < nr && hi[r] > lo[r]) {
+                mlo = lo[r] > mlo ? lo[r] : mlo;
+                mhi = hi[r] < mhi ? hi[r] : mhi;
+            }
+        }
+        if (mhi < mlo) mhi = mlo;
+        for (int64_t j = 0; j < mlo; j++)
+            for (int r = 0; r < R; r++)
+                if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
+        for (int64_t j = mlo; j < mhi; j++)             /* the other rows' sums are not used */
+            for (int r = 0; r < R; r++) ps[r] = ps[r] + pb[r][j];
+        for (int64_t j = mhi; j < nu; j++)
             for (int r = 0; r < R; r++)
                 if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
         for (int r = 0; r < R; r++)
@@ -2044,11 +2097,10 @@ static O1B_TGT int FN(attn_dq_rows)(int nr, int64_t i, const int64_t *jlo, const
 /* dq's sums of a chunk of attn_dkv_rows, for each query lane c < nu: qacc_c += ds[r][c] k_r over the
  * key rows r (ascending) whose lanes [lo[r], hi[r]) hold c; qacc row c at qacc + c qld (qld a
  * multiple of 2W); `checked`: every product marked, a marked query's qrare[c] set. */
-AI void FN(q_sums)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D,
-                   const float *const *kr, float (*dsb)[O1B_VATTN_BK], float *qacc, int64_t qld,
-                   int32_t *qrare, const int checked) {
-    enum { R = O1B_VATTN_ROWS };
-    for (int64_t c = 0; c < nu; c++) {
+AI void FN(q_sums_lanes)(int64_t c0, int64_t c1, int nr, const int64_t *lo, const int64_t *hi, int64_t D,
+                         const float *const *kr, float (*dsb)[O1B_VATTN_BK], float *qacc, int64_t qld,
+                         int32_t *qrare, const int checked) {
+    for (int64_t c = c0; c < c1; c++) {
         int r0 = 0, r1 = 0;                             /* the rows holding c: [r0, r1) */
         while (r0 < nr && c >= hi[r0]) r0++;
         r1 = r0;
@@ -2073,6 +2125,49 @@ AI void FN(q_sums)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int
         }
         if (checked && FN(any)(m)) qrare[c] = 1;
     }
+}
+/* The same for the lanes [c0, c1) that all O1B_VATTN_ROWS rows hold: the rows' k vectors loaded
+ * once (in registers; the stores into qacc could alias them for the compiler) and no search. */
+AI void FN(q_sums_all)(int64_t c0, int64_t c1, int64_t D, const float *const *kr,
+                       float (*dsb)[O1B_VATTN_BK], float *qacc, int64_t qld, int32_t *qrare,
+                       const int checked) {
+    enum { R = O1B_VATTN_ROWS };
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {
+        vf k0[R], k1[R];
+        for (int r = 0; r < R; r++) { k0[r] = FN(load)(kr[r] + d0); k1[r] = FN(load)(kr[r] + d0 + O1B_W); }
+        for (int64_t c = c0; c < c1; c++) {
+            float *ac = qacc + c * qld + d0;
+            vf a0 = FN(load)(ac), a1 = FN(load)(ac + O1B_W);
+            vi m = {0};
+            for (int r = 0; r < R; r++) {
+                vf sr = FN(splat)(dsb[r][c]);
+                if (checked) {
+                    a0 = a0 + FN(mulz)(sr, k0[r], &m);
+                    a1 = a1 + FN(mulz)(sr, k1[r], &m);
+                } else {
+                    a0 = a0 + sr * k0[r];
+                    a1 = a1 + sr * k1[r];
+                }
+            }
+            FN(put)(ac, a0);
+            FN(put)(ac + O1B_W, a1);
+            if (checked && FN(any)(m)) qrare[c] = 1;
+        }
+    }
+}
+AI void FN(q_sums)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D,
+                   const float *const *kr, float (*dsb)[O1B_VATTN_BK], float *qacc, int64_t qld,
+                   int32_t *qrare, const int checked) {
+    enum { R = O1B_VATTN_ROWS };
+    int64_t mlo = 0, mhi = nu;                          /* the lanes every row holds, when all R have some */
+    for (int r = 0; r < nr; r++) {
+        mlo = lo[r] > mlo ? lo[r] : mlo;
+        mhi = hi[r] < mhi ? hi[r] : mhi;
+    }
+    if (nr < R || mhi <= mlo) mlo = mhi = nu;
+    FN(q_sums_lanes)(0, mlo, nr, lo, hi, D, kr, dsb, qacc, qld, qrare, checked);
+    FN(q_sums_all)(mlo, mhi, D, kr, dsb, qacc, qld, qrare, checked);
+    FN(q_sums_lanes)(mhi, nu, nr, lo, hi, D, kr, dsb, qacc, qld, qrare, checked);
 }
 
 /* attention.c's pass 2 for the nr <= O1B_VATTN_ROWS consecutive key rows j .. j + nr - 1 of one kv

@@ -243,3 +243,43 @@ def test_di_products(d):
                 got = CA.attention_backward(dout, q, k, v, o, lse, 0, scale)
             for a, b, what in zip(got, want, "qkv"):
                 assert_bits_equal(a, b, f"d{what}, level {lv}, {threads} threads")
+
+
+def test_ds_k_products_of_a_whole_group():
+    # dq's ds k where a whole group of four key rows (keys 0-3) holds the query: vmath.c's q_sums
+    # runs such lanes without a search per lane (q_sums_all), and must mark them as the others.
+    # q = k = 0 but k1[3] = kv: every score 0, so query 4's p = exp(-lse_4) for keys 0-4. v = 0
+    # makes dp = 0, so ds_4j = mul(p, -Di_4), and o (free for the backward) = 1 at d = 0 makes
+    # Di_4 = y = dout_4[0]. kv (a bf16 near 2^-60) and y are searched so that ds_4j is kv's partner.
+    # Then dq_4[3] = ds_41 kv alone, which the contract flushes to 0 (a bare product would leave
+    # 2^-126). Query 4 is a lane that every row of the group holds; T = 5 leaves the last group one row.
+    B, T, H, G, D, scale = 1, 5, 1, 1, 20, 1.0
+    q, v = (BF(np.zeros((B, T, n, D), np.float32)) for n in (H, G))
+    _, lse = SA.attention_forward(q, BF(np.zeros((B, T, G, D), np.float32)), v, 0, scale)
+    p = S.exp(A.sub(np.float32(0.0), lse[0, 0, 4]))
+    for mant in range(128):                         # bf16 values 2^-60 (1 + mant/128)
+        kv = np.uint32((127 - 60) << 23 | mant << 16).view(np.float32)
+        t = partner(kv, bf16=False)
+        if t is None:
+            continue
+        y0 = np.float32(-float(t) / float(p))
+        ys = (y0.view(np.uint32) + np.arange(-16, 17)).astype(np.uint32).view(np.float32)
+        y = next((y for y in ys if A.mul(p, A.sub(np.float32(0.0), y)) == t), None)
+        if y is not None:
+            break
+    assert y is not None
+    k = np.zeros((B, T, G, D), np.float32)
+    k[0, 1, 0, 3] = kv
+    k = BF(k)
+    o = np.zeros((B, T, H, D), np.float32)
+    o[0, 4, 0, 0] = 1.0
+    dout = np.zeros((B, T, H, D), np.float32)
+    dout[0, 4, 0, 0] = y
+    want = SA.attention_backward(dout, q, k, v, o, lse, 0, scale)
+    assert want[0][0, 4, 0, 3] == 0                                 # the product flushed
+    for lv in LEVELS:
+        for threads in (1, 2):                  # one thread: the fused pass (q_sums)
+            with C.settings(simd=lv, threads=threads), vector_math(True):
+                got = CA.attention_backward(dout, q, k, v, o, lse, 0, scale)
+            for a, b, what in zip(got, want, "qkv"):
+                assert_bits_equal(a, b, f"d{what}, level {lv}, {threads} threads")
