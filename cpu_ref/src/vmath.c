@@ -1893,20 +1893,24 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
                 corr[r] = r >= nr || hi[r] == lo[r] ? 1.0f : cr[r] ? o1b_exp(cx[r]) : y[r];
         }
         float ps[R];                                    /* each row's sum of p, keys ascending */
+        const float *pr[R];                             /* in the middle, a row without keys reads one with */
         int64_t mlo = 0, mhi = nu;                      /* the keys of every row with keys */
+        int with = 0;
         for (int r = 0; r < R; r++) {
             ps[r] = 0.0f;
             if (r < nr && hi[r] > lo[r]) {
                 mlo = lo[r] > mlo ? lo[r] : mlo;
                 mhi = hi[r] < mhi ? hi[r] : mhi;
+                with = r;
             }
         }
+        for (int r = 0; r < R; r++) pr[r] = pb[r < nr && hi[r] > lo[r] ? r : with];
         if (mhi < mlo) mhi = mlo;
         for (int64_t j = 0; j < mlo; j++)
             for (int r = 0; r < R; r++)
                 if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
         for (int64_t j = mlo; j < mhi; j++)             /* the other rows' sums are not used */
-            for (int r = 0; r < R; r++) ps[r] = ps[r] + pb[r][j];
+            for (int r = 0; r < R; r++) ps[r] = ps[r] + pr[r][j];
         for (int64_t j = mhi; j < nu; j++)
             for (int r = 0; r < R; r++)
                 if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];

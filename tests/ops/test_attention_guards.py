@@ -197,10 +197,12 @@ def test_p_dout_products(layout):
     assert dv[0, 0, 0, 0] == np.float32(2.0 ** -120)                       # the product flushed
 
 
-@pytest.mark.parametrize("B,T,H,G,D,W", [(1, 67, 8, 2, 32, 5), (2, 130, 4, 1, 17, 64), (1, 61, 6, 3, 8, 0)])
+@pytest.mark.parametrize("B,T,H,G,D,W", [(1, 67, 8, 2, 32, 5), (2, 130, 4, 1, 17, 64), (1, 61, 6, 3, 8, 0),
+                                           (1, 130, 4, 2, 32, 63), (1, 134, 2, 1, 40, 66)])
 def test_rows_and_groups(B, T, H, G, D, W):
     # Query and key rows in groups of four (T not a multiple of 4), windows shorter and longer than
-    # a block, GQA ratios 4 and 2; ordinary values: every block on the guards' bare path.
+    # a block and around it (63-66: a group's keys or queries cross a block edge in their middle),
+    # GQA ratios 4 and 2; ordinary values: every block on the guards' bare path.
     rng = np.random.default_rng(T)
     q = BF((rng.standard_normal((B, T, H, D)) * 2).astype(np.float32))
     k = BF((rng.standard_normal((B, T, G, D)) * 2).astype(np.float32))
