@@ -1591,6 +1591,32 @@ AI vi FN(iload)(const int32_t *p) { vi x; memcpy(&x, p, sizeof x); return x; }
 /* lanes where x (exponent ex, 0 for zero) times some element of a row in [lo, hi] may hit 127 */
 AI vi FN(may_tiny)(vi ex, vi lo, vi hi) { return (ex != 0) & (ex + lo <= 127) & (ex + hi >= 127); }
 
+/* The lanes [*mlo, *mhi) of [0, nu) that every row with lanes (r < nr, lo[r] < hi[r]) holds: the
+ * middle of a group's union, where the rows' loops need no test per row and lane (empty when no
+ * row has lanes). With pr (rows of pb) and act: per row, the row to read there (itself when it has
+ * lanes, else one that has) and all ones for a row with lanes. Returns how many rows have lanes. */
+AI int FN(rows_middle)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, float (*pb)[O1B_VATTN_BK],
+                       const float **pr, vi *act, int64_t *mlo, int64_t *mhi) {
+    enum { R = O1B_VATTN_ROWS };
+    int n = 0, with = 0;
+    *mlo = 0;
+    *mhi = nu;
+    for (int r = 0; r < nr; r++) {
+        if (hi[r] == lo[r]) continue;
+        *mlo = lo[r] > *mlo ? lo[r] : *mlo;
+        *mhi = hi[r] < *mhi ? hi[r] : *mhi;
+        with = r;
+        n++;
+    }
+    if (n == 0 || *mhi < *mlo) *mhi = *mlo = n == 0 ? nu : *mlo;
+    for (int r = 0; pr && r < R; r++) {
+        int has = r < nr && hi[r] > lo[r];
+        pr[r] = pb[has ? r : with];
+        act[r] = FN(isplat)(has ? -1 : 0);
+    }
+    return n;
+}
+
 /* fwd_pv's sums over the block's keys j in [j0, j1), ascending, into the registers a (nd vectors a
  * row; pr[r]: row r's p, by key): with `pred`, row r takes key j only inside its lanes [lo[r], hi[r]);
  * without, every row takes every key, which the caller allows only where every row with keys has
@@ -1620,28 +1646,13 @@ AI void FN(pv_keys)(int64_t j0, int64_t j1, const int pred, const int checked, c
  * keys that every row with keys has (the middle of the union, most of it) run without a test per
  * row and key, the few before and after with it; each row's terms keep their order either way. */
 AI void FN(fwd_pv_d)(const int nd, const int checked, int nr, int64_t nu, const int64_t *lo,
-                     const int64_t *hi, int64_t D, int64_t d0, const float *v, float (*pb)[O1B_VATTN_BK],
-                     const float *corr, const float *spr, int i8, float *acc, vi *rare) {
+                     const int64_t *hi, int64_t mlo, int64_t mhi, const float *const *pr, const vi *act,
+                     int64_t D, int64_t d0, const float *v, const float *corr, const float *spr, int i8,
+                     float *acc, vi *rare) {
     enum { R = O1B_VATTN_ROWS };
     const int64_t ld = D + O1B_VATTN_PAD;
     vf a[R][2];
-    vi act[R];
-    const float *pr[R];
-    int64_t mlo = 0, mhi = nu;                          /* the keys of every row with keys */
-    int any = -1;
-    for (int r = 0; r < R; r++) {
-        a[r][0] = a[r][1] = (vf){0};
-        int has = r < nr && hi[r] > lo[r];
-        act[r] = FN(isplat)(has ? -1 : 0);
-        if (has) {
-            mlo = lo[r] > mlo ? lo[r] : mlo;
-            mhi = hi[r] < mhi ? hi[r] : mhi;
-            any = r;
-        }
-    }
-    if (any < 0) return;                                /* no row has keys here: nothing to add */
-    for (int r = 0; r < R; r++) pr[r] = pb[act[r][0] ? r : any];
-    if (mhi < mlo) mhi = mlo;
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = (vf){0};
     FN(pv_keys)(0, mlo, 1, checked, nd, nr, lo, hi, v + d0, D, pr, a, rare, act);
     FN(pv_keys)(mlo, mhi, 0, checked, nd, nr, lo, hi, v + d0, D, pr, a, rare, act);
     FN(pv_keys)(mhi, nu, 1, checked, nd, nr, lo, hi, v + d0, D, pr, a, rare, act);
@@ -1656,13 +1667,16 @@ AI void FN(fwd_pv_d)(const int nd, const int checked, int nr, int64_t nu, const 
     }
 }
 
-/* fwd_pv_d over d < D, two vectors at a time (one for a last odd vector). */
-AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t D, const float *v,
-                   float (*pb)[O1B_VATTN_BK], const float *corr, const float *spr, int i8, float *acc,
-                   vi *rare, const int checked) {
+/* fwd_pv_d over d < D, two vectors at a time (one for a last odd vector); the middle [mlo, mhi), pr
+ * and act from rows_middle. */
+AI void FN(fwd_pv)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int64_t mlo, int64_t mhi,
+                   const float *const *pr, const vi *act, int64_t D, const float *v, const float *corr,
+                   const float *spr, int i8, float *acc, vi *rare, const int checked) {
     for (int64_t d0 = 0; d0 < D; d0 += 2 * O1B_W) {
-        if (D - d0 > O1B_W) FN(fwd_pv_d)(2, checked, nr, nu, lo, hi, D, d0, v, pb, corr, spr, i8, acc, rare);
-        else FN(fwd_pv_d)(1, checked, nr, nu, lo, hi, D, d0, v, pb, corr, spr, i8, acc, rare);
+        if (D - d0 > O1B_W)                             /* nd a constant in each inlined copy */
+            FN(fwd_pv_d)(2, checked, nr, nu, lo, hi, mlo, mhi, pr, act, D, d0, v, corr, spr, i8, acc, rare);
+        else
+            FN(fwd_pv_d)(1, checked, nr, nu, lo, hi, mlo, mhi, pr, act, D, d0, v, corr, spr, i8, acc, rare);
     }
 }
 
@@ -1892,20 +1906,11 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
             for (int r = 0; r < R; r++)
                 corr[r] = r >= nr || hi[r] == lo[r] ? 1.0f : cr[r] ? o1b_exp(cx[r]) : y[r];
         }
-        float ps[R];                                    /* each row's sum of p, keys ascending */
+        float ps[R] = {0};                              /* each row's sum of p, keys ascending */
         const float *pr[R];                             /* in the middle, a row without keys reads one with */
-        int64_t mlo = 0, mhi = nu;                      /* the keys of every row with keys */
-        int with = 0;
-        for (int r = 0; r < R; r++) {
-            ps[r] = 0.0f;
-            if (r < nr && hi[r] > lo[r]) {
-                mlo = lo[r] > mlo ? lo[r] : mlo;
-                mhi = hi[r] < mhi ? hi[r] : mhi;
-                with = r;
-            }
-        }
-        for (int r = 0; r < R; r++) pr[r] = pb[r < nr && hi[r] > lo[r] ? r : with];
-        if (mhi < mlo) mhi = mlo;
+        vi act[R];
+        int64_t mlo, mhi;                               /* the keys of every row with keys */
+        FN(rows_middle)(nr, nu, lo, hi, pb, pr, act, &mlo, &mhi);
         for (int64_t j = 0; j < mlo; j++)
             for (int r = 0; r < R; r++)
                 if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
@@ -1930,8 +1935,9 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
         if (qv8) FN(fwd_pv_vnni)(nr, nu, nv, lo, hi, j0, D, qv8, pb, corr, spr, acc, rare);
         else
 #endif
-        if (FN(any)(chk)) FN(fwd_pv)(nr, nu, lo, hi, D, v + j0 * D, pb, corr, spr, 0, acc, rare, 1);
-        else FN(fwd_pv)(nr, nu, lo, hi, D, (qv ? qv : v) + j0 * D, pb, corr, spr, qv != NULL, acc, rare, 0);
+        if (FN(any)(chk)) FN(fwd_pv)(nr, nu, lo, hi, mlo, mhi, pr, act, D, v + j0 * D, corr, spr, 0, acc, rare, 1);
+        else FN(fwd_pv)(nr, nu, lo, hi, mlo, mhi, pr, act, D, (qv ? qv : v) + j0 * D, corr, spr, qv != NULL,
+                        acc, rare, 0);
     }
     vf lv = FN(splat)(1.0f), lg;                       /* log(l) of the rows on lanes */
     vi lr = {0};
@@ -2163,12 +2169,8 @@ AI void FN(q_sums)(int nr, int64_t nu, const int64_t *lo, const int64_t *hi, int
                    const float *const *kr, float (*dsb)[O1B_VATTN_BK], float *qacc, int64_t qld,
                    int32_t *qrare, const int checked) {
     enum { R = O1B_VATTN_ROWS };
-    int64_t mlo = 0, mhi = nu;                          /* the lanes every row holds, when all R have some */
-    for (int r = 0; r < nr; r++) {
-        mlo = lo[r] > mlo ? lo[r] : mlo;
-        mhi = hi[r] < mhi ? hi[r] : mhi;
-    }
-    if (nr < R || mhi <= mlo) mlo = mhi = nu;
+    int64_t mlo, mhi;                                   /* the lanes every row holds, when all R have some */
+    if (FN(rows_middle)(nr, nu, lo, hi, dsb, NULL, NULL, &mlo, &mhi) < R) mlo = mhi = nu;
     FN(q_sums_lanes)(0, mlo, nr, lo, hi, D, kr, dsb, qacc, qld, qrare, checked);
     FN(q_sums_all)(mlo, mhi, D, kr, dsb, qacc, qld, qrare, checked);
     FN(q_sums_lanes)(mhi, nu, nr, lo, hi, D, kr, dsb, qacc, qld, qrare, checked);
