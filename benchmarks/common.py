@@ -8,12 +8,20 @@ import sys
 import time
 
 
-def medians(fns, rounds: int, warm: bool = True) -> list[float]:
+def medians(fns, rounds: int, warm: bool = True, warm_s: float = 0.2) -> list[float]:
     """Median seconds of each of `fns` (no-argument callables) over `rounds` rounds, the calls
-    alternated within each round; warm: one untimed call of each first."""
+    alternated within each round; warm: untimed calls of each first, in turn, for at least warm_s
+    seconds (one each at least). Not one call only: a BLAS call just before (numpy's OpenBLAS, whose
+    worker threads keep spinning for tens of milliseconds after it returns) or a core that has idled
+    slows the first calls, by up to 8x for a sub-millisecond layer on 2 cores (int8_bench's first
+    row, right after its numpy figures, measured so before this warm-up)."""
     if warm:
-        for f in fns:
-            f()
+        t_end = time.perf_counter() + warm_s
+        while True:
+            for f in fns:
+                f()
+            if time.perf_counter() >= t_end:
+                break
     ts: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for k, f in enumerate(fns):
