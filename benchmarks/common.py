@@ -3,6 +3,7 @@ taken in turn within a round, so that all of them see the same machine load; the
 function), and the corpus a benchmark reads (by open1b train's rule)."""
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -29,6 +30,28 @@ def medians(fns, rounds: int, warm: bool = True, warm_s: float = 0.2) -> list[fl
             f()
             ts[k].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in ts]
+
+
+def median_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+    """(lower, upper, coverage): the distribution-free interval for the median of the population the
+    values are independent draws of, between two order statistics: [x_(k), x_(n+1-k)] (1-based,
+    sorted) with the largest k for which P(Binomial(n, 1/2) < k) <= (1 - level) / 2, so that it holds
+    the median with probability `coverage` >= level whatever the distribution. With too few values
+    for the level (n < 6 at 95%) the interval is the whole range and its coverage 1 - 2^(1-n)."""
+    x = sorted(values)
+    n = len(x)
+    if n == 0:
+        raise ValueError("median_interval: no values")
+    tail = (1.0 - level) / 2.0
+    k, below = 0, 0.0                      # below = P(B < k + 1) as k grows
+    while k < n // 2:
+        p_next = below + math.comb(n, k) / 2.0 ** n
+        if p_next > tail:
+            break
+        below, k = p_next, k + 1
+    if k == 0:                             # too few values: the whole range
+        return x[0], x[-1], 1.0 - 2.0 ** (1 - n)
+    return x[k - 1], x[n - k], 1.0 - 2.0 * below
 
 
 def corpus_arg(data: str | None) -> str:

@@ -29,7 +29,7 @@ import pathlib
 import tempfile
 import time
 
-from common import corpus_arg
+from common import corpus_arg, median_interval
 
 
 @contextlib.contextmanager
@@ -170,7 +170,9 @@ def main() -> None:
                   + ", ".join(f"{1e3 * s:.1f}" for s in steps[p]) + ")")
         if "bf16" in steps and "int8" in steps:
             r = sorted(b / i for b, i in zip(steps["bf16"], steps["int8"]))
-            print(f"  speed int8/bf16: {r[len(r) // 2]:.3f} (per round: " + ", ".join(f"{x:.3f}" for x in r) + ")")
+            lo, hi, cov = median_interval(r)
+            print(f"  speed int8/bf16: {r[len(r) // 2]:.3f} (per round: " + ", ".join(f"{x:.3f}" for x in r)
+                  + f"); {interval_words(lo, hi, cov, len(r), 'rounds')}")
         return
 
     import torch
@@ -193,6 +195,12 @@ def main() -> None:
     for name, v in results.items():
         print(f"  {name:24s} {v:10,.0f} tok/s   ratio torch/ours {v / ours:5.2f}")
     print(f"  audit replay             {replay:10,.0f} tok/s   replay/train {replay / ours:5.2f}")
+
+
+def interval_words(lo: float, hi: float, coverage: float, n: int, what: str) -> str:
+    """The median's interval as printed: its bounds, coverage and what it assumes (common.median_interval)."""
+    return (f"the median's interval {lo:.3f} .. {hi:.3f} ({100 * coverage:.1f}% coverage, distribution-free, "
+            f"taking the {n} {what} as independent)")
 
 
 def warm_trainer(a, base, precision, run: pathlib.Path):
@@ -248,8 +256,10 @@ def paired(a, base, precisions, tokens, M) -> None:
     first = precisions[0]
     for p in precisions[1:]:
         pairs = sorted(f / o for f, o in zip(times[first], times[p]))
+        lo, hi, cov = median_interval(pairs)
         print(f"  speed {p}/{first}: {med[first] / med[p]:.3f} (ratio of the medians); pairs' ratios: median "
-              f"{statistics.median(pairs):.3f}, quartiles {pairs[len(pairs) // 4]:.3f} .. {pairs[(3 * len(pairs)) // 4]:.3f}")
+              f"{statistics.median(pairs):.3f}, quartiles {pairs[len(pairs) // 4]:.3f} .. {pairs[(3 * len(pairs)) // 4]:.3f}; "
+              f"{interval_words(lo, hi, cov, len(pairs), 'pairs')}")
 
 
 def profile(a, base, precision, tokens, M) -> None:

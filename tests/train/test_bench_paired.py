@@ -1,15 +1,22 @@
 """benchmarks/train_bench.py --paired: one trainer per precision in one process, single steps taken in
 turn. Timings are not asserted (they belong to benchmarks); this holds the mode's output to its own
 numbers: every timed call computed one step (no record handed out without a step: a min of a
-fraction of the others would show one), and the ratio printed is the one of the medians printed."""
+fraction of the others would show one), the ratio printed is the one of the medians printed, and the
+median's interval (benchmarks/common.py median_interval) is the order-statistic one it claims."""
 from __future__ import annotations
 
+import math
 import pathlib
+import random
 import re
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "train_bench.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from common import median_interval  # noqa: E402
 
 
 def _run(*args, cwd):
@@ -32,6 +39,11 @@ def test_paired_steps_and_their_ratio(tmp_path, default_corpus):
     m = re.search(r"speed int8/bf16: ([\d.]+) \(ratio of the medians\)", out)
     assert m and abs(float(m.group(1)) - step["bf16"] / step["int8"]) < 2e-3 * float(m.group(1)) + 1e-3, out
     assert "3 steps each, alternated step by step" in out
+    m = re.search(r"pairs' ratios: median ([\d.]+), quartiles [\d.]+ \.\. [\d.]+; the median's interval ([\d.]+) \.\. "
+                  r"([\d.]+) \(75\.0% coverage, distribution-free, taking the 3 pairs as independent\)", out)
+    assert m, out                                 # 3 pairs: too few for 95%, the whole range
+    med, lo, hi = map(float, m.groups())
+    assert lo <= med <= hi, out
 
 
 def test_paired_needs_two_precisions_and_no_rounds(tmp_path, default_corpus):
@@ -42,3 +54,51 @@ def test_paired_needs_two_precisions_and_no_rounds(tmp_path, default_corpus):
     r = _run("--data", str(default_corpus), "--preset", "tiny", "--precision", "bf16,int8", "--paired",
              "--rounds", "3", cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "--rounds does not apply" in r.stderr
+
+
+def _coverage(n: int, k: int) -> float:
+    """P(x_(k) <= median <= x_(n+1-k)) for n independent draws of a continuous distribution."""
+    return 1.0 - 2.0 * sum(math.comb(n, j) for j in range(k)) / 2.0 ** n
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6, 7, 9, 20, 21, 50])
+def test_median_interval_order_statistics(n):
+    """The bounds are the k-th smallest and largest value for the largest k whose coverage is still
+    >= 95% (k = 0: too few values, the whole range), computed here from the binomial sums directly."""
+    vals = [random.Random(n).gauss(0.0, 1.0) for _ in range(n)]
+    x = sorted(vals)
+    lo, hi, cov = median_interval(vals)
+    k = max([j for j in range(1, n // 2 + 1) if _coverage(n, j) >= 0.95], default=0)
+    if k == 0:
+        assert (lo, hi) == (x[0], x[-1]) and abs(cov - (1.0 - 2.0 ** (1 - n))) < 1e-12
+    else:
+        assert (lo, hi) == (x[k - 1], x[n - k]) and abs(cov - _coverage(n, k)) < 1e-12 and cov >= 0.95
+    assert lo <= sorted(vals)[(n - 1) // 2] <= hi
+
+
+def test_median_interval_holds_the_median_as_often_as_it_claims():
+    """Simulated: 20 draws from a skewed distribution whose median is known (exponential: ln 2); the
+    interval holds it in about the claimed share of 4000 trials (the binomial sd is 0.3%)."""
+    rng = random.Random(7)
+    hits = 0
+    for _ in range(4000):
+        lo, hi, cov = median_interval([rng.expovariate(1.0) for _ in range(20)])
+        hits += lo <= math.log(2.0) <= hi
+    assert abs(hits / 4000 - cov) < 0.015, (hits / 4000, cov)
+    with pytest.raises(ValueError):
+        median_interval([])
+
+
+def test_rounds_ratio_and_its_interval(tmp_path, default_corpus):
+    """--rounds: the speed line's ratio is one of the per-round ratios it lists (the upper median) and
+    the median's interval printed after them is the order-statistic one of those ratios."""
+    r = _run("--data", str(default_corpus), "--preset", "tiny", "--precision", "bf16,int8", "--only-ours",
+             "--rounds", "2", "--steps", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"speed int8/bf16: ([\d.]+) \(per round: ([\d., ]+)\); the median's interval ([\d.]+) \.\. ([\d.]+) "
+                  r"\(([\d.]+)% coverage, distribution-free, taking the 2 rounds as independent\)", r.stdout)
+    assert m, r.stdout
+    ratio, rounds = float(m.group(1)), [float(x) for x in m.group(2).split(", ")]
+    lo, hi, cov = median_interval(rounds)
+    assert ratio == sorted(rounds)[1] and (float(m.group(3)), float(m.group(4))) == (round(lo, 3), round(hi, 3))
+    assert float(m.group(5)) == round(100 * cov, 1) == 50.0
