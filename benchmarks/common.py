@@ -14,8 +14,7 @@ def medians(fns, rounds: int, warm: bool = True, warm_s: float = 0.2) -> list[fl
     alternated within each round; warm: untimed calls of each first, in turn, for at least warm_s
     seconds (one each at least). Not one call only: a BLAS call just before (numpy's OpenBLAS, whose
     worker threads keep spinning for tens of milliseconds after it returns) or a core that has idled
-    slows the first calls, by up to 8x for a sub-millisecond layer on 2 cores (int8_bench's first
-    row, right after its numpy figures, measured so before this warm-up)."""
+    slows the first calls, by up to 8x for a sub-millisecond layer on 2 cores."""
     if warm:
         t_end = time.perf_counter() + warm_s
         while True:
@@ -43,9 +42,9 @@ def median_interval(values, level: float = 0.95) -> tuple[float, float, float]:
     if n == 0:
         raise ValueError("median_interval: no values")
     tail = (1.0 - level) / 2.0
-    k, below = 0, 0.0                      # below = P(B < k + 1) as k grows
+    k, below = 0, 0.0                      # below = P(B < k) for the current k
     while k < n // 2:
-        p_next = below + math.comb(n, k) / 2.0 ** n
+        p_next = below + math.comb(n, k) / 2 ** n     # exact integer power: no overflow for large n
         if p_next > tail:
             break
         below, k = p_next, k + 1

@@ -172,7 +172,7 @@ def main() -> None:
             r = sorted(b / i for b, i in zip(steps["bf16"], steps["int8"]))
             lo, hi, cov = median_interval(r)
             print(f"  speed int8/bf16: {r[len(r) // 2]:.3f} (per round: " + ", ".join(f"{x:.3f}" for x in r)
-                  + f"); {interval_words(lo, hi, cov, len(r), 'rounds')}")
+                  + ")" + interval_words(lo, hi, cov, len(r), "rounds"))
         return
 
     import torch
@@ -198,9 +198,13 @@ def main() -> None:
 
 
 def interval_words(lo: float, hi: float, coverage: float, n: int, what: str) -> str:
-    """The median's interval as printed: its bounds, coverage and what it assumes (common.median_interval)."""
-    return (f"the median's interval {lo:.3f} .. {hi:.3f} ({100 * coverage:.1f}% coverage, distribution-free, "
-            f"taking the {n} {what} as independent)")
+    """The interval of the median of the n ratios (of the pairs or rounds: not of the ratio of the
+    medians) as printed after them, with its coverage and what it assumes (common.median_interval);
+    nothing for a single ratio."""
+    if n < 2:
+        return ""
+    return (f"; the {what}' median's interval {lo:.3f} .. {hi:.3f} ({100 * coverage:.1f}% coverage, "
+            f"distribution-free, taking the {n} {what} as independent)")
 
 
 def warm_trainer(a, base, precision, run: pathlib.Path):
@@ -258,8 +262,8 @@ def paired(a, base, precisions, tokens, M) -> None:
         pairs = sorted(f / o for f, o in zip(times[first], times[p]))
         lo, hi, cov = median_interval(pairs)
         print(f"  speed {p}/{first}: {med[first] / med[p]:.3f} (ratio of the medians); pairs' ratios: median "
-              f"{statistics.median(pairs):.3f}, quartiles {pairs[len(pairs) // 4]:.3f} .. {pairs[(3 * len(pairs)) // 4]:.3f}; "
-              f"{interval_words(lo, hi, cov, len(pairs), 'pairs')}")
+              f"{statistics.median(pairs):.3f}, quartiles {pairs[len(pairs) // 4]:.3f} .. {pairs[(3 * len(pairs)) // 4]:.3f}"
+              + interval_words(lo, hi, cov, len(pairs), "pairs"))
 
 
 def profile(a, base, precision, tokens, M) -> None:
