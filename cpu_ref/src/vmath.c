@@ -1640,6 +1640,16 @@ AI void FN(pv_keys)(int64_t j0, int64_t j1, const int pred, const int checked, c
     }
 }
 
+/* The forward's sums of p over the block's keys j in [j0, j1), ascending, into ps (pr, pred as in
+ * pv_keys: a row with keys reads itself, so pred's rows read pb). */
+AI void FN(ps_keys)(int64_t j0, int64_t j1, const int pred, int nr, const int64_t *lo, const int64_t *hi,
+                    const float *const *pr, float *ps) {
+    enum { R = O1B_VATTN_ROWS };
+    for (int64_t j = j0; j < j1; j++)
+        for (int r = 0; r < R; r++)
+            if (!pred || (r < nr && j >= lo[r] && j < hi[r])) ps[r] = ps[r] + pr[r][j];
+}
+
 /* The forward's block product and rescale for the columns [d0, d0 + nd W): each row r's
  *   t = sum_{j in [lo[r], hi[r]) ascending} pb[r][j] v_j  (v at key j = 0 of the block, D floats a row),
  * times spr[r] with i8, then acc = add(mul(acc, corr[r]), t); `checked`: t's products marked. The
@@ -1911,14 +1921,9 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
         vi act[R];
         int64_t mlo, mhi;                               /* the keys of every row with keys */
         FN(rows_middle)(nr, nu, lo, hi, pb, pr, act, &mlo, &mhi);
-        for (int64_t j = 0; j < mlo; j++)
-            for (int r = 0; r < R; r++)
-                if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
-        for (int64_t j = mlo; j < mhi; j++)             /* the other rows' sums are not used */
-            for (int r = 0; r < R; r++) ps[r] = ps[r] + pr[r][j];
-        for (int64_t j = mhi; j < nu; j++)
-            for (int r = 0; r < R; r++)
-                if (r < nr && j >= lo[r] && j < hi[r]) ps[r] = ps[r] + pb[r][j];
+        FN(ps_keys)(0, mlo, 1, nr, lo, hi, pr, ps);
+        FN(ps_keys)(mlo, mhi, 0, nr, lo, hi, pr, ps);   /* the other rows' sums are not used */
+        FN(ps_keys)(mhi, nu, 1, nr, lo, hi, pr, ps);
         for (int r = 0; r < R; r++)
             if (r < nr && hi[r] > lo[r]) l[r] = o1b_add(o1b_mul(l[r], corr[r]), ps[r]);
         if (qv) FN(fwd_qp)(nr, nv, lo, hi, svr + j0, pb, spr, rare);   /* §6.10: pb becomes q_p */
