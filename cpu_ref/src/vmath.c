@@ -1968,7 +1968,26 @@ AI void FN(kv_dots)(int nv, int64_t D, int64_t T, const float *const *kr, const 
                     const float *qt, const float *gt, vf (*sv)[NBV], vf (*dp)[NBV], vi (*rr)[NBV],
                     const int checked) {
     enum { R = O1B_VATTN_ROWS };
-    for (int u = 0; u < nv; u++) {
+    int u = 0;
+    for (; !checked && u + 2 <= nv; u += 2) {       /* two vectors of lanes: one splat serves both */
+        vf s[R][2], p[R][2];
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = p[r][0] = p[r][1] = (vf){0};
+        const float *qc = qt + u * O1B_W, *gc = gt + u * O1B_W;
+        for (int64_t d = 0; d < D; d++) {
+            vf x0 = FN(load)(qc + d * T), x1 = FN(load)(qc + d * T + O1B_W);
+            vf y0 = FN(load)(gc + d * T), y1 = FN(load)(gc + d * T + O1B_W);
+            for (int r = 0; r < R; r++) {
+                vf kd = FN(splat)(kr[r][d]), vd = FN(splat)(vr[r][d]);
+                s[r][0] = s[r][0] + kd * x0;
+                s[r][1] = s[r][1] + kd * x1;
+                p[r][0] = p[r][0] + vd * y0;
+                p[r][1] = p[r][1] + vd * y1;
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < 2; t++) { sv[r][u + t] = s[r][t]; dp[r][u + t] = p[r][t]; rr[r][u + t] = (vi){0}; }
+    }
+    for (; u < nv; u++) {
         vf s[R], p[R];
         vi m[R];
         for (int r = 0; r < R; r++) { s[r] = (vf){0}; p[r] = (vf){0}; m[r] = (vi){0}; }
