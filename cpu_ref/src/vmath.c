@@ -1963,13 +1963,16 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
 /* The dots of a chunk of attn_dkv_rows (attn_dq_rows): for the R key (query) rows kr, vr (their k and v
  * rows; q and dout) and the query (key) lanes u < nv of the transposed qt, gt (kt, vt), from d
  * ascending and +0:  sv = sum_d kr_d qt[d],  dp = sum_d vr_d gt[d];  `checked`: dp's products
- * marked into rr. A vector of lanes at a time, its 2R sums interleaved. */
+ * marked into rr. A vector of lanes at a time, its 2R sums interleaved; unchecked on AVX-512, two
+ * vectors at a time, each splat serving both (the loop then bound by its arithmetic, not its loads;
+ * 4R accumulators, so only where there are 32 vector registers), each lane's sum unchanged. */
 AI void FN(kv_dots)(int nv, int64_t D, int64_t T, const float *const *kr, const float *const *vr,
                     const float *qt, const float *gt, vf (*sv)[NBV], vf (*dp)[NBV], vi (*rr)[NBV],
                     const int checked) {
     enum { R = O1B_VATTN_ROWS };
+    const int pairs = O1B_W == 16;
     int u = 0;
-    for (; !checked && u + 2 <= nv; u += 2) {       /* two vectors of lanes: one splat serves both */
+    for (; pairs && !checked && u + 2 <= nv; u += 2) {   /* two vectors of lanes: one splat serves both */
         vf s[R][2], p[R][2];
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = p[r][0] = p[r][1] = (vf){0};
         const float *qc = qt + u * O1B_W, *gc = gt + u * O1B_W;
