@@ -1960,6 +1960,31 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
     return done;
 }
 
+/* kv_dots for the nw (1 or 2, a constant) vectors of lanes from u: each splat of a row's element
+ * serves all nw; each lane's sums are the same either way. */
+AI void FN(kv_dots_at)(const int nw, const int checked, int u, int64_t D, int64_t T, const float *const *kr,
+                       const float *const *vr, const float *qt, const float *gt, vf (*sv)[NBV], vf (*dp)[NBV],
+                       vi (*rr)[NBV]) {
+    enum { R = O1B_VATTN_ROWS };
+    vf s[R][2], p[R][2];
+    vi m[R][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < nw; t++) { s[r][t] = p[r][t] = (vf){0}; m[r][t] = (vi){0}; }
+    const float *qc = qt + u * O1B_W, *gc = gt + u * O1B_W;
+    for (int64_t d = 0; d < D; d++) {
+        vf x[2], y[2];
+        for (int t = 0; t < nw; t++) { x[t] = FN(load)(qc + d * T + t * O1B_W); y[t] = FN(load)(gc + d * T + t * O1B_W); }
+        for (int r = 0; r < R; r++) {
+            vf kd = FN(splat)(kr[r][d]), vd = FN(splat)(vr[r][d]);
+            for (int t = 0; t < nw; t++) {
+                s[r][t] = s[r][t] + kd * x[t];
+                p[r][t] = p[r][t] + (checked ? FN(mulz)(vd, y[t], &m[r][t]) : vd * y[t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < nw; t++) { sv[r][u + t] = s[r][t]; dp[r][u + t] = p[r][t]; rr[r][u + t] = m[r][t]; }
+}
 /* The dots of a chunk of attn_dkv_rows (attn_dq_rows): for the R key (query) rows kr, vr (their k and v
  * rows; q and dout) and the query (key) lanes u < nv of the transposed qt, gt (kt, vt), from d
  * ascending and +0:  sv = sum_d kr_d qt[d],  dp = sum_d vr_d gt[d];  `checked`: dp's products
@@ -1969,41 +1994,10 @@ static O1B_TGT int FN(attn_fwd_rows)(int nr, int64_t i, const int64_t *jlo, int6
 AI void FN(kv_dots)(int nv, int64_t D, int64_t T, const float *const *kr, const float *const *vr,
                     const float *qt, const float *gt, vf (*sv)[NBV], vf (*dp)[NBV], vi (*rr)[NBV],
                     const int checked) {
-    enum { R = O1B_VATTN_ROWS };
-    const int pairs = O1B_W == 16;
     int u = 0;
-    for (; pairs && !checked && u + 2 <= nv; u += 2) {   /* two vectors of lanes: one splat serves both */
-        vf s[R][2], p[R][2];
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = p[r][0] = p[r][1] = (vf){0};
-        const float *qc = qt + u * O1B_W, *gc = gt + u * O1B_W;
-        for (int64_t d = 0; d < D; d++) {
-            vf x0 = FN(load)(qc + d * T), x1 = FN(load)(qc + d * T + O1B_W);
-            vf y0 = FN(load)(gc + d * T), y1 = FN(load)(gc + d * T + O1B_W);
-            for (int r = 0; r < R; r++) {
-                vf kd = FN(splat)(kr[r][d]), vd = FN(splat)(vr[r][d]);
-                s[r][0] = s[r][0] + kd * x0;
-                s[r][1] = s[r][1] + kd * x1;
-                p[r][0] = p[r][0] + vd * y0;
-                p[r][1] = p[r][1] + vd * y1;
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int t = 0; t < 2; t++) { sv[r][u + t] = s[r][t]; dp[r][u + t] = p[r][t]; rr[r][u + t] = (vi){0}; }
-    }
-    for (; u < nv; u++) {
-        vf s[R], p[R];
-        vi m[R];
-        for (int r = 0; r < R; r++) { s[r] = (vf){0}; p[r] = (vf){0}; m[r] = (vi){0}; }
-        const float *qc = qt + u * O1B_W, *gc = gt + u * O1B_W;
-        for (int64_t d = 0; d < D; d++) {
-            vf x = FN(load)(qc + d * T), y = FN(load)(gc + d * T);
-            for (int r = 0; r < R; r++) {
-                s[r] = s[r] + FN(splat)(kr[r][d]) * x;
-                p[r] = p[r] + (checked ? FN(mulz)(FN(splat)(vr[r][d]), y, &m[r]) : FN(splat)(vr[r][d]) * y);
-            }
-        }
-        for (int r = 0; r < R; r++) { sv[r][u] = s[r]; dp[r][u] = p[r]; rr[r][u] = m[r]; }
-    }
+    if (O1B_W == 16 && !checked)
+        for (; u + 2 <= nv; u += 2) FN(kv_dots_at)(2, 0, u, D, T, kr, vr, qt, gt, sv, dp, rr);
+    for (; u < nv; u++) FN(kv_dots_at)(1, checked, u, D, T, kr, vr, qt, gt, sv, dp, rr);
 }
 /* The sums of a chunk, for d < D two vectors at a time: each row r's
  *   acc_a += ca[r][c] x_c  (and with `two`, acc_b += cb[r][c] y_c)
