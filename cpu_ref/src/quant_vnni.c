@@ -861,6 +861,42 @@ static TGT void bwd_wpanel(bwd_ctx *a, int64_t jp) {
         }
     }
 }
+/* The forward's B panel jp (Bp, with column sums cs; P4 = K rounded up to 4) packed from the
+ * panel's q_w rows (row-major, as bwd_wpanel leaves them; rows past M zero): the same bytes as
+ * fwd_wpanel's, whose levels are the same function of the same weights, so held operands need W
+ * quantized once. Sixteen rows x 64 bytes at a time, transposed by dwords into the groups of 4 k. */
+static TGT void pack_qw_panel(const int8_t *qw, int64_t M, int64_t K, int64_t P4, int8_t *Bp, int32_t *cs,
+                              int64_t jp) {
+    int64_t j0 = jp * NR, ng = P4 / 4;
+    int8_t *dst = Bp + jp * NR * P4;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int h = 0; h < NR; h += 16) {
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+            int64_t k0 = 4 * g0;
+            __mmask64 km = K - k0 >= 64 ? ~0ull : (1ull << (K - k0)) - 1;
+            __m512i v[16], t[16];
+            UNROLL
+            for (int r = 0; r < 16; r++)
+                v[r] = j0 + h + r < M ? _mm512_maskz_loadu_epi8(km, qw + (j0 + h + r) * K + k0) : _mm512_setzero_si512();
+            tr16(v, t);
+            int64_t ngl = ng - g0 < 16 ? ng - g0 : 16;
+            for (int64_t g = 0; g < ngl; g++) {
+                acc = _mm512_dpbusd_epi32(acc, ones, t[g]);
+                _mm512_storeu_si512(dst + (g0 + g) * 128 + h * 4, t[g]);
+            }
+        }
+        _mm512_storeu_si512(cs + j0 + h, acc);
+    }
+}
+/* The held operands' weight panel jp: bwd_wpanel's s_w, q_w and clip marks, then the forward's
+ * packed panel from that q_w. */
+typedef struct { bwd_ctx *b; int64_t P4; int8_t *Bf; int32_t *csf; } held_ctx;
+static void held_panel(void *ctx, int64_t jp) {
+    held_ctx *h = (held_ctx *)ctx;
+    bwd_wpanel(h->b, jp);
+    pack_qw_panel(h->b->qw, h->b->M, h->b->K, h->P4, h->Bf, h->csf, jp);
+}
 /* absmax bits of D's block b (rows 128b ..), all columns: 64 columns at a time (a whole number of
  * cache lines per row), the next 64 columns' lines fetched meanwhile (a strided walk of 128
  * rows is latency-bound otherwise). */
@@ -1275,12 +1311,8 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
     q->sw = (float *)part[0]; q->Bf = (int8_t *)part[1]; q->csf = (int32_t *)part[2];
     q->clip = (uint8_t *)part[3]; q->Bw = (int8_t *)part[4]; q->csw = (int32_t *)part[5];
     memset(q->sw, 0, sz[0]);
-    /* the forward's part (F1 without x) */
-    fwd_ctx f;
-    memset(&f, 0, sizeof f);
-    f.K = K; f.M = M; f.P4 = P4; f.w = w; f.Bp = q->Bf; f.cs = q->csf; f.sw = q->sw; f.npw = Jp / NR;
-    run_tasks(f.npw, M * K * 3, fwd_f1, &f, -1);
-    /* the backward's part: B1 (s_w again, the same values; q_w; clip marks), B2 (R), B3 (R packed) */
+    /* per weight panel, B1's part (s_w, q_w, clip marks) and the forward's packed q_w from it;
+       then B2 (R) and B3 (R packed) */
     bwd_ctx b;
     memset(&b, 0, sizeof b);
     b.M = M; b.K = K; b.Mp = Mp; b.Kp = Kp; b.w = w; b.sw = q->sw; b.clip = q->clip;
@@ -1289,7 +1321,8 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) {
     b.Rw = (int16_t *)arena_take(&sc, (size_t)(Mp * Kp) * sizeof(int16_t));
     b.rwmax = (uint32_t *)arena_take(&sc, (size_t)(Mp / QB) * sizeof(uint32_t));
     b.Bw = q->Bw; b.csw = q->csw;
-    run_tasks(b.nwp, M * K * 4, bwd_b1, &b, -1);
+    held_ctx hc = {&b, P4, q->Bf, q->csf};
+    run_tasks(b.nwp, M * K * 5, held_panel, &hc, -1);       /* nwp = Jp / NR panels */
     run_tasks(b.nrw, Mp * K, bwd_b2, &b, -1);
     q->srw = scale_from_intmax(max_of(b.rwmax, b.nrw));
     b.kind_rw = scale_kind(q->srw); b.inv_rw = inv_of(q->srw);
