@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -22,7 +23,7 @@ _amx_runs = declare("o1b_q_amx_runs", restype=ctypes.c_int64)
 _had = declare("o1b_hadamard_rows", c_i64, c_i64, ptr)
 _fwd = declare("o1b_qlinear_forward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ctypes.c_int, ptr, restype=ctypes.c_int)
 _bwd = declare("o1b_qlinear_backward_q", c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
-               restype=ctypes.c_int)
+               ctypes.c_int, restype=ctypes.c_int)
 _qw_new = declare("o1b_qweights_new", c_i64, c_i64, ptr, ctypes.c_int, restype=ptr)
 _qw_free = declare("o1b_qweights_free", ptr)
 _qw_bytes = declare("o1b_qweights_bytes", ptr, restype=c_i64)
@@ -50,11 +51,20 @@ def held_runs() -> int:
     return int(_held_runs())
 
 
+_sx_reused = declare("o1b_q_sx_reused", restype=c_i64)
+
+
+def sx_reused() -> int:
+    """How many backward calls in this process took their forward's s_x (a test's proof)."""
+    return int(_sx_reused())
+
+
 class HeldWeights:
     """What weights_held() holds: each weight array's int8 operands, by (data address, shape,
     qmax), with the array itself (so that its memory, and with it the address, stays the same
     array's while held); `made` and `reused` count the operand sets computed and the calls that
-    used one already computed."""
+    used one already computed. Per handle it also remembers (weakly) the x of the last forward on
+    those weights: a backward given that same array, still alive, takes the forward's s_x."""
 
     def __init__(self, cap_bytes: int):
         self.cap_bytes = int(cap_bytes)
@@ -62,6 +72,20 @@ class HeldWeights:
         self.made = 0
         self.reused = 0
         self._sets: dict = {}
+        self._fwd_x: dict = {}        # handle -> weakref of the last forward's x (None: not weakly referable)
+
+    def forward_x(self, h, x) -> None:
+        """The forward on handle h was given x (its s_x is noted on the C side)."""
+        try:
+            self._fwd_x[h] = weakref.ref(x)
+        except TypeError:
+            self._fwd_x[h] = None
+
+    def same_x(self, h, x) -> bool:
+        """Whether x is the very array of the last forward on h, alive since (so no other array can
+        have taken its memory; its values are the caller's to leave unchanged, as the weights')."""
+        ref = self._fwd_x.get(h)
+        return ref is not None and ref() is x
 
     def handle(self, w: np.ndarray, qmax: int, M: int, K: int):
         """The C handle of w's operands (computed on first use), or None: computed in the call."""
@@ -98,10 +122,13 @@ def weights_held(cap_bytes: int = HELD_BYTES):
     array's int8 operands (CONTRACT.md §6.9: s_w; q_w packed for the forward's GEMM with its column
     sums; dW's clip marks; R = rot(q_w) quantized and packed for dx's GEMM, with its scale) once, on
     the first call that uses it, and reuse them in every later call on the same array (the same
-    memory and shape); leaving drops them. The bits are those of computing them in every call (the
-    same functions of the same bf16 values). The caller must not write into a weight array it has
-    passed while inside: a training step holds its parameters over its microbatches, which only
-    read them, and lets go before the optimizer writes them. Holds do not nest (a hold around
+    memory and shape); leaving drops them. A backward whose x is the very array (the same object,
+    alive since) of the last forward on the same weights takes that forward's s_x instead of x's
+    absmax again. The bits are those of computing them in every call (the same functions of the
+    same bf16 values). The caller must not write into a weight array it has passed while inside,
+    nor into an x between its forward and the backward that follows: a training step holds its
+    parameters over its microbatches, which only read them and their saved activations, and lets
+    go before the optimizer writes them. Holds do not nest (a hold around
     several steps would outlive their parameters): entering one inside another is a RuntimeError.
     Other threads' calls do not see it. Up to cap_bytes are held; beyond, calls compute their
     operands as outside. Yields the HeldWeights (counts)."""
@@ -121,6 +148,12 @@ def _handle(w: np.ndarray, qmax: int, M: int, K: int):
     return None if held is None else held.handle(w, qmax, M, K)
 
 
+def _same_x(h, x) -> int:
+    """1 where the backward's x is the last forward's on held handle h (HeldWeights.same_x)."""
+    held = getattr(_local, "held", None)
+    return int(h is not None and held is not None and held.same_x(h, x))
+
+
 # ---------------------------------------------------------------------------- phase profile
 _prof_on = declare("o1b_q_profile", ctypes.c_int)
 _prof_reset = declare("o1b_q_profile_reset")
@@ -128,8 +161,9 @@ _prof_read = declare("o1b_q_profile_read", ptr, ctypes.c_int, restype=ctypes.c_i
 
 #: The int8 layer's phases (quant_vnni.c): the forward's F1 (weights, absmax of x) and F2 (x
 #: quantized into the GEMM's A, the GEMM and its dequantizing epilogue, by chunks of rows); the
-#: backward's B1 (weights, absmax of x), B2 (absmax of G and D; R = rot(q_w), X = rot(q_x)), B3
-#: (dx's and dW's A filled; R and X packed as B) and B4 (the dx and dW GEMMs with their epilogues).
+#: backward's B1 (weights, absmax of x; empty with held weights and the forward's x, whose s_x is
+#: taken), B2 (absmax of G and D; R = rot(q_w), X = rot(q_x)), B3 (dx's and dW's A filled; R and X
+#: packed as B) and B4 (the dx and dW GEMMs with their epilogues).
 PROFILE_PHASES = ("F1", "F2", "B1", "B2", "B3", "B4")
 #: The pieces of work timed inside them, in the order of o1b_q_profile_read, each with its phase.
 PROFILE_PASSES = (("F1", "weights"), ("F1", "absmax of x"), ("F2", "x quantized into A"),
@@ -269,7 +303,10 @@ def qlinear_forward(x: np.ndarray, w: np.ndarray, qmax: int = QMAX) -> np.ndarra
     N, K, M = opargs.qlinear_forward(x, w)
     qmax = opargs.qmax(qmax)
     y = empty_lines((N, M))
-    _ok(_fwd(N, K, M, p(x), p(w), p(y), qmax, _handle(w, qmax, M, K)))
+    h = _handle(w, qmax, M, K)
+    _ok(_fwd(N, K, M, p(x), p(w), p(y), qmax, h))
+    if h is not None:
+        _local.held.forward_x(h, x)
     return y
 
 
@@ -280,5 +317,6 @@ def qlinear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool
     dw_out = opargs.dw_out(dw_out, M, K, need_dw)
     dx = empty_lines((N, K)) if need_dx else None
     dw = (empty_lines((M, K)) if dw_out is None else dw_out) if need_dw else None
-    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax, _handle(w, qmax, M, K)))
+    h = _handle(w, qmax, M, K)
+    _ok(_bwd(N, K, M, p(dy), p(x), p(w), p(dx), p(dw), qmax, h, _same_x(h, x)))
     return dx, dw

@@ -445,12 +445,14 @@ static void w32_range(void *ctx, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) a->r[i] = a->q[i];
 }
 
-/* dx (N, K) and dW (M, K); either may be NULL. */
+/* dx (N, K) and dW (M, K); either may be NULL. same_x (with held weights pw): the caller's word
+ * that x is the array the last forward on pw was given, unchanged since; then that forward's s_x
+ * (the same function of the same x) is taken instead of x's absmax again. */
 O1B_API int o1b_qlinear_backward_q(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                                   const bf16 *w, float *dx, float *dw, int qmax, const void *pw) {
+                                   const bf16 *w, float *dx, float *dw, int qmax, const void *pw, int same_x) {
     const o1b_qweights *q = (const o1b_qweights *)pw;
     if (q && !o1b_qweights_fits_vnni(q, w, M, K)) return -2;
-    if (qmax == QMAX && o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw, q)) return 0;   /* the same bits */
+    if (qmax == QMAX && o1b_qlinear_backward_vnni(N, K, M, dy, x, w, dx, dw, q, same_x)) return 0;   /* the same bits */
     int rc = -1;
     int64_t Mp = pad_qb(M), Np = pad_qb(N);
     int8_t *qw = NULL, *qx = NULL, *qa = NULL, *qb = NULL, *ta = NULL, *tb = NULL;
@@ -531,7 +533,7 @@ O1B_API int o1b_qlinear_forward(int64_t N, int64_t K, int64_t M, const bf16 *x, 
 }
 O1B_API int o1b_qlinear_backward(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
                                  const bf16 *w, float *dx, float *dw) {
-    return o1b_qlinear_backward_q(N, K, M, dy, x, w, dx, dw, QMAX, NULL);
+    return o1b_qlinear_backward_q(N, K, M, dy, x, w, dx, dw, QMAX, NULL, 0);
 }
 
 O1B_API int o1b_quant_constants(int32_t *out) {   /* QMAX, QB, Q_MAX_P */

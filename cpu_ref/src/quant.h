@@ -57,7 +57,8 @@ static inline int64_t pad_qb(int64_t n) { return (n + QB - 1) / QB * QB; }
 int o1b_q_vnni_available(void);
 /* A weight's operands, computed once by o1b_qweights_new_vnni and reused by later calls on the same
  * unchanged W (pw; NULL: computed in the call): s_w, the forward's packed q_w with its column sums,
- * dW's clip marks, and the dx GEMM's packed R = rot(q_w) with its sums and scale. */
+ * dW's clip marks, and the dx GEMM's packed R = rot(q_w) with its sums and scale. A forward on
+ * them also notes its x and s_x there, which a backward on the same x may take (same_x). */
 typedef struct o1b_qweights o1b_qweights;
 o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w);   /* NULL: no VNNI path, or no memory */
 void o1b_qweights_free_vnni(o1b_qweights *pw);
@@ -66,7 +67,7 @@ int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int
 int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
                              const o1b_qweights *pw);
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw);
+                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw, int same_x);
 int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C);
 
 /* The VNNI path's GEMM block on AMX tiles (quant_amx.c): the same integer sums. on() says

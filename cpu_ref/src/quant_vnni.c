@@ -609,6 +609,9 @@ struct o1b_qweights {
     int8_t *Bw; int32_t *csw;   /* the dx GEMM's B: R = rot_m(q_w) quantized, packed, with column sums */
     float srw;                  /* R's scale */
     char *mem;
+    /* the last forward's x on these weights, its rows and its s_x: a backward on the same x (the
+       caller says it is the same unchanged array, see o1b_qlinear_backward_q) takes this s_x */
+    const bf16 *fx; int64_t fN; float fsx;
 };
 
 /* A loop of n rounds of 12 independent vpdpbusd (zmm: 64 multiply-adds each): the issue rate
@@ -630,6 +633,8 @@ O1B_API TGT int64_t o1b_q_vnni_peak_loop(int64_t n) {
 
 static atomic_llong g_held_runs;      /* layer calls that ran on held operands (for the tests) */
 O1B_API int64_t o1b_q_held_runs(void) { return (int64_t)atomic_load(&g_held_runs); }
+static atomic_llong g_sx_reused;      /* backward calls that took the forward's s_x (for the tests) */
+O1B_API int64_t o1b_q_sx_reused(void) { return (int64_t)atomic_load(&g_sx_reused); }
 
 /* ------------------------------------------------------------------ forward */
 typedef struct {
@@ -795,6 +800,10 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
         float sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
         a.kind_x = scale_kind(sx);
         a.inv_x = inv_of(sx);
+        if (pw) {                 /* the handle is the calling thread's (weights_held is per thread) */
+            o1b_qweights *hw = (o1b_qweights *)pw;
+            hw->fx = x; hw->fN = N; hw->fsx = sx;
+        }
         gemm_job g = {N, M, a.P4, a.Au, a.Bp, a.cs, EP_FWD, sx, 0.0f, 0.0f, a.sw, NULL, y, NULL};
         a.gj = g;
         run_tasks((a.Ip + a.rowchunk - 1) / a.rowchunk, N * M * K / 64 + N * K, fwd_f2, &a, a.prof ? QP_F2 : -1);
@@ -1187,7 +1196,7 @@ static void bwd_b4(void *ctx, int64_t t) {
 }
 
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw) {
+                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw, int same_x) {
     if (!o1b_q_vnni_available()) return 0;
     bwd_ctx a;
     memset(&a, 0, sizeof a);
@@ -1199,7 +1208,10 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
     /* W's part (s_w, clip marks, B_w with its sums and scale): held (pw), or computed in B1-B3 */
     a.nwp = pw ? 0 : (M + NR - 1) / NR;
     a.xper = 1 << 15;
-    a.nxc = dw ? (N * K + a.xper - 1) / a.xper : 0;
+    /* s_x: the forward's on these held weights where x is that forward's (same_x: the same array,
+       unchanged, by the caller; the same pointer and rows here), else B1's absmax of x */
+    int fwd_sx = dw && pw && same_x && pw->fx == x && pw->fN == N;
+    a.nxc = dw && !fwd_sx ? (N * K + a.xper - 1) / a.xper : 0;
     a.ngt = dx || dw ? Np / QB : 0;
     a.nks = (K + 31) / 32;
     a.nrw = dx && !pw ? Mp / QB : 0;
@@ -1251,7 +1263,11 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         /* B1: weights, absmax of x */
         run_tasks(a.nwp + a.nxc, a.nwp * NR * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a, a.prof ? QP_B1 : -1);
         float sx = 0.0f, sd = 0.0f;
-        if (dw) {
+        if (fwd_sx) {
+            sx = pw->fsx;
+            a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
+            atomic_fetch_add_explicit(&g_sx_reused, 1, memory_order_relaxed);
+        } else if (dw) {
             sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
         }
@@ -1462,6 +1478,7 @@ void o1b_qweights_free_vnni(o1b_qweights *pw) { (void)pw; }
 int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { (void)pw; return 0; }
 int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K) { (void)pw; (void)w; (void)M; (void)K; return 0; }
 O1B_API int64_t o1b_q_held_runs(void) { return 0; }
+O1B_API int64_t o1b_q_sx_reused(void) { return 0; }
 O1B_API void o1b_q_profile(int on) { (void)on; }
 O1B_API void o1b_q_profile_reset(void) {}
 O1B_API int64_t o1b_q_vnni_peak_loop(int64_t n) { (void)n; return 0; }
@@ -1472,8 +1489,8 @@ int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, con
     return 0;
 }
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,
-                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw) {
-    (void)N; (void)K; (void)M; (void)dy; (void)x; (void)w; (void)dx; (void)dw; (void)pw;
+                              const bf16 *w, float *dx, float *dw, const o1b_qweights *pw, int same_x) {
+    (void)N; (void)K; (void)M; (void)dy; (void)x; (void)w; (void)dx; (void)dw; (void)pw; (void)same_x;
     return 0;
 }
 int o1b_gemm_i8_vnni(int64_t I, int64_t J, int64_t P, const int8_t *A, const int8_t *B, int32_t *C) {

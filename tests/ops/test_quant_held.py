@@ -56,7 +56,7 @@ def test_held_operands_give_the_same_bits(N, K, M, nonfinite):
     for threads in (1, 2, 3):
         with settings(threads=threads):
             want = _calls(x, w, dy)
-            runs = cpu_ref.quant.held_runs()
+            runs, reused = cpu_ref.quant.held_runs(), cpu_ref.quant.sx_reused()
             with cpu_ref.weights_held() as held:
                 first = _calls(x, w, dy)       # the first call computes the operands, the rest reuse them
                 again = _calls(x, w, dy)
@@ -65,6 +65,42 @@ def test_held_operands_give_the_same_bits(N, K, M, nonfinite):
             if VNNI:    # every call ran on the held operands (counted by the C code)
                 assert (held.made, held.reused) == (1, 7), "the hold was not used"
                 assert cpu_ref.quant.held_runs() - runs == 8, "the C code did not run on the held operands"
+                # the backwards with dW (two per _calls) took the forward's s_x
+                assert cpu_ref.quant.sx_reused() - reused == 4, "the forward's s_x was not taken"
+
+
+@needs_vnni
+@pytest.mark.parametrize("N,K,M", [(257, 129, 300), (64, 704, 33)])
+def test_backward_takes_the_forward_s_x_only_for_that_very_x(N, K, M):
+    """Inside a hold, a backward takes s_x from the last forward on the same weights only when
+    its x is that forward's array, still alive: not for another array (other values, or a copy), not
+    after a later forward on another x, not once the forward's x is gone (another array may have
+    its memory). Every dx and dW equals its unheld value either way."""
+    rng = np.random.default_rng(N + K + M)
+    x1, w, dy = _layer(rng, N, K, M)
+    x2 = rand_bf16(rng, x1.shape, 4.0)                      # another absmax, so another s_x
+    want1, want2 = cpu_ref.qlinear_backward(dy, x1, w), cpu_ref.qlinear_backward(dy, x2, w)
+    count = cpu_ref.quant.sx_reused
+
+    def check(x, want, what, taken):
+        before = count()
+        _same(cpu_ref.qlinear_backward(dy, x, w), want, what)
+        assert count() - before == taken, f"{what}: the forward's s_x {'not ' if taken else ''}taken"
+
+    with cpu_ref.weights_held():
+        cpu_ref.qlinear_forward(x1, w)
+        check(x1, want1, "the forward's x", 1)
+        check(x2, want2, "another x", 0)
+        check(x1.copy(), want1, "a copy of the forward's x", 0)
+        cpu_ref.qlinear_forward(x1, w)
+        cpu_ref.qlinear_forward(x2, w)
+        check(x1, want1, "an earlier forward's x", 0)
+        check(x2, want2, "the last forward's x", 1)
+        xa = x2.copy()
+        cpu_ref.qlinear_forward(xa, w)
+        del xa                                               # gone: its memory may be another array's
+        xb = x1.copy()
+        check(xb, want1, "an array made after the forward's x was freed", 0)
 
 
 @needs_vnni
