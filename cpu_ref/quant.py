@@ -110,6 +110,7 @@ class HeldWeights:
             if h is not None:
                 _qw_free(h)
         self._sets.clear()
+        self._fwd_x.clear()
         self.bytes = 0
 
 

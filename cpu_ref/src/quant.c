@@ -398,6 +398,7 @@ O1B_API int o1b_qlinear_forward_q(int64_t N, int64_t K, int64_t M, const bf16 *x
                                   int qmax, const void *pw) {
     const o1b_qweights *q = (const o1b_qweights *)pw;
     if (q && !o1b_qweights_fits_vnni(q, w, M, K)) return -2;
+    o1b_qweights_forget_x(q);           /* the VNNI path notes this x's s_x; the portable one none */
     if (qmax == QMAX && o1b_qlinear_forward_vnni(N, K, M, x, w, y, q)) return 0;   /* quant_vnni.c: the same bits */
     int8_t *qx = (int8_t *)malloc((size_t)(N * K > 0 ? N * K : 1));
     int8_t *qw = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));

@@ -64,6 +64,9 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w);   /* N
 void o1b_qweights_free_vnni(o1b_qweights *pw);
 int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw);
 int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K);
+/* Drops the x and s_x a forward noted on pw: every forward on pw starts with it, so that a forward
+ * that does not note its own (the portable path) leaves no earlier forward's behind. */
+void o1b_qweights_forget_x(const o1b_qweights *pw);
 int o1b_qlinear_forward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *x, const bf16 *w, float *y,
                              const o1b_qweights *pw);
 int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, const bf16 *x,

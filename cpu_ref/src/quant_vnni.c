@@ -1353,6 +1353,9 @@ int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { return pw ? pw->bytes 
 int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K) {
     return pw && pw->w == w && pw->M == M && pw->K == K;
 }
+void o1b_qweights_forget_x(const o1b_qweights *pw) {
+    if (pw) ((o1b_qweights *)pw)->fx = NULL;     /* the calling thread's handle (weights_held) */
+}
 
 /* ------------------------------------------------------------------ the plain int8 GEMM */
 typedef struct { int64_t I, J, P, P4, Ip, rowchunk, na; const int8_t *A, *B; uint8_t *Au; int8_t *Bp; int32_t *cs; gemm_job gj; } gi8_ctx;
@@ -1477,6 +1480,7 @@ o1b_qweights *o1b_qweights_new_vnni(int64_t M, int64_t K, const bf16 *w) { (void
 void o1b_qweights_free_vnni(o1b_qweights *pw) { (void)pw; }
 int64_t o1b_qweights_bytes_vnni(const o1b_qweights *pw) { (void)pw; return 0; }
 int o1b_qweights_fits_vnni(const o1b_qweights *pw, const bf16 *w, int64_t M, int64_t K) { (void)pw; (void)w; (void)M; (void)K; return 0; }
+void o1b_qweights_forget_x(const o1b_qweights *pw) { (void)pw; }
 O1B_API int64_t o1b_q_held_runs(void) { return 0; }
 O1B_API int64_t o1b_q_sx_reused(void) { return 0; }
 O1B_API void o1b_q_profile(int on) { (void)on; }

@@ -7,6 +7,7 @@ shape); tests/train/test_int8_training.py checks that the training step holds it
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -98,9 +99,43 @@ def test_backward_takes_the_forward_s_x_only_for_that_very_x(N, K, M):
         check(x2, want2, "the last forward's x", 1)
         xa = x2.copy()
         cpu_ref.qlinear_forward(xa, w)
+        gone = weakref.ref(xa)
         del xa                                               # gone: its memory may be another array's
+        assert gone() is None, "the hold keeps the forward's x alive"
         xb = x1.copy()
         check(xb, want1, "an array made after the forward's x was freed", 0)
+
+
+@needs_vnni
+def test_a_forward_on_the_portable_path_leaves_no_earlier_s_x():
+    """A held forward that runs the portable code (the SIMD cap below AVX-512) notes no s_x, and
+    drops what an earlier forward on the same weights noted: here that earlier x is freed and the
+    next one takes its memory, so a record left behind would match the pointer and rows (and Python
+    sees the very array the last forward was given), and dW would be scaled by the freed x's s_x."""
+    rng = np.random.default_rng(3)
+    N, K, M = 257, 129, 300
+    _, w, dy = _layer(rng, N, K, M)
+    s1, s2 = rand_bf16(rng, (N, K)), rand_bf16(rng, (N, K), 4.0)
+    want = cpu_ref.qlinear_backward(dy, s2, w)
+    with cpu_ref.weights_held():
+        kept = []                                            # tries whose next array got other memory
+        for _ in range(50):
+            xa = s1.copy()
+            cpu_ref.qlinear_forward(xa, w)                   # VNNI: notes xa's s_x
+            address = xa.ctypes.data
+            del xa
+            xb = s2.copy()
+            if xb.ctypes.data == address:
+                break
+            kept.append(xb)
+        else:
+            pytest.skip("the allocator never gave the next array the freed one's memory")
+        with settings(simd=1):
+            cpu_ref.qlinear_forward(xb, w)                   # the portable path
+        before = cpu_ref.quant.sx_reused()
+        got = cpu_ref.qlinear_backward(dy, xb, w)
+        assert cpu_ref.quant.sx_reused() == before, "an earlier forward's s_x was taken"
+    _same(got, want, "after a portable forward")
 
 
 @needs_vnni
