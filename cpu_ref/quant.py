@@ -72,14 +72,11 @@ class HeldWeights:
         self.made = 0
         self.reused = 0
         self._sets: dict = {}
-        self._fwd_x: dict = {}        # handle -> weakref of the last forward's x (None: not weakly referable)
+        self._fwd_x: dict = {}        # handle -> weakref of the last forward's x
 
-    def forward_x(self, h, x) -> None:
+    def forward_x(self, h, x: np.ndarray) -> None:
         """The forward on handle h was given x (its s_x is noted on the C side)."""
-        try:
-            self._fwd_x[h] = weakref.ref(x)
-        except TypeError:
-            self._fwd_x[h] = None
+        self._fwd_x[h] = weakref.ref(x)
 
     def same_x(self, h, x) -> bool:
         """Whether x is the very array of the last forward on h, alive since (so no other array can
@@ -150,9 +147,9 @@ def _handle(w: np.ndarray, qmax: int, M: int, K: int):
 
 
 def _same_x(h, x) -> int:
-    """1 where the backward's x is the last forward's on held handle h (HeldWeights.same_x)."""
-    held = getattr(_local, "held", None)
-    return int(h is not None and held is not None and held.same_x(h, x))
+    """1 where the backward's x is the last forward's on held handle h (HeldWeights.same_x; a
+    handle comes only from this thread's hold)."""
+    return int(h is not None and _local.held.same_x(h, x))
 
 
 # ---------------------------------------------------------------------------- phase profile

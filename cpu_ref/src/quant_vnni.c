@@ -1263,13 +1263,10 @@ int o1b_qlinear_backward_vnni(int64_t N, int64_t K, int64_t M, const bf16 *dy, c
         /* B1: weights, absmax of x */
         run_tasks(a.nwp + a.nxc, a.nwp * NR * K * 4 + (dw ? N * K / 4 : 0), bwd_b1, &a, a.prof ? QP_B1 : -1);
         float sx = 0.0f, sd = 0.0f;
-        if (fwd_sx) {
-            sx = pw->fsx;
+        if (dw) {
+            sx = fwd_sx ? pw->fsx : scale_from_bf16bits(max_of(a.xmax, a.nxc));
             a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
-            atomic_fetch_add_explicit(&g_sx_reused, 1, memory_order_relaxed);
-        } else if (dw) {
-            sx = scale_from_bf16bits(max_of(a.xmax, a.nxc));
-            a.kind_x = scale_kind(sx); a.inv_x = inv_of(sx);
+            if (fwd_sx) atomic_fetch_add_explicit(&g_sx_reused, 1, memory_order_relaxed);
         }
         /* B2: absmax of G and of D; R = rot(q_w), X = rot(q_x) */
         run_tasks(a.ngt + a.nrw + a.nrx, (dx ? N * Mp * 3 + a.nrw * QB * K : 0) + (dw ? Np * M * 2 + Np * K * 2 : 0), bwd_b2, &a, a.prof ? QP_B2 : -1);
