@@ -69,3 +69,28 @@ def test_gemm_i8_tiles_exact(shape):
             got = C.gemm_i8(A, B)
         assert C.quant.gemm_i8_amx_runs() > runs
         assert np.array_equal(got, A.astype(np.int64) @ B.astype(np.int64).T)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+def test_held_layer_tiles_equal_vnni(shape, threads):
+    """Held weights (one q_w per weight, its forward pack built from it, a backward taking its
+    forward's s_x) on AMX tiles give the bits of the unheld layer on the VNNI kernel alone: two
+    forwards and backwards per hold, the second reusing the held operands."""
+    N, K, M = shape
+    rng = np.random.default_rng(N * 104729 + K * 17 + M)
+    x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
+    x2 = rand_bf16(rng, (N, K))
+    want = [_layer(x, w, dy, False, threads), _layer(x2, w, dy, False, threads)]
+    runs = C.quant.gemm_i8_amx_runs()
+    got = []
+    with C.runtime.settings(amx=True, threads=threads), C.quant.weights_held() as held:
+        for xi in (x, x2):
+            y = C.qlinear_forward(xi, w)
+            dx, dw = C.qlinear_backward(dy, xi, w)
+            got.append([_bits(v).copy() for v in (y, dx, dw)])
+    assert C.quant.gemm_i8_amx_runs() > runs
+    assert held.reused > 0
+    for g, wnt in zip(got, want):
+        for a, b, name in zip(g, wnt, ("y", "dx", "dw")):
+            assert np.array_equal(a, b), f"held {name} differs with AMX at {shape}"
