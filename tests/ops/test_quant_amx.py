@@ -72,25 +72,32 @@ def test_gemm_i8_tiles_exact(shape):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_held_layer_tiles_equal_vnni(shape, threads):
     """Held weights (one q_w per weight, its forward pack built from it, a backward taking its
     forward's s_x) on AMX tiles give the bits of the unheld layer on the VNNI kernel alone: two
-    forwards and backwards per hold, the second reusing the held operands."""
+    forwards and backwards in one hold, the second reusing the held operands; each forward's
+    GEMM on tiles where its contraction reaches one (K >= 64), dx's and dW's always (padded to 128).
+    x2's scale differs from x's, so a backward taking a stale s_x changes dW."""
     N, K, M = shape
     rng = np.random.default_rng(N * 104729 + K * 17 + M)
     x, w, dy = rand_bf16(rng, (N, K)), rand_bf16(rng, (M, K), 0.02), rand_bf16(rng, (N, M), 1e-3)
-    x2 = rand_bf16(rng, (N, K))
+    x2 = rand_bf16(rng, (N, K), 4.0)
     want = [_layer(x, w, dy, False, threads), _layer(x2, w, dy, False, threads)]
-    runs = C.quant.gemm_i8_amx_runs()
+    h0, s0 = C.quant.held_runs(), C.quant.sx_reused()
     got = []
     with C.runtime.settings(amx=True, threads=threads), C.quant.weights_held() as held:
         for xi in (x, x2):
+            runs = C.quant.gemm_i8_amx_runs()
             y = C.qlinear_forward(xi, w)
+            assert (C.quant.gemm_i8_amx_runs() > runs) == (K >= 64), "the held forward's tiles"
+            runs = C.quant.gemm_i8_amx_runs()
             dx, dw = C.qlinear_backward(dy, xi, w)
+            assert C.quant.gemm_i8_amx_runs() > runs, "the held backward's tiles"
             got.append([_bits(v).copy() for v in (y, dx, dw)])
-    assert C.quant.gemm_i8_amx_runs() > runs
-    assert held.reused > 0
+    assert (held.made, held.reused) == (1, 3), "the hold was not used"
+    assert C.quant.held_runs() - h0 == 4, "the C code did not run on the held operands"
+    assert C.quant.sx_reused() - s0 == 2, "the backwards did not take their forward's s_x"
     for g, wnt in zip(got, want):
         for a, b, name in zip(g, wnt, ("y", "dx", "dw")):
             assert np.array_equal(a, b), f"held {name} differs with AMX at {shape}"
